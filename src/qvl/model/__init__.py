@@ -1,0 +1,1 @@
+"""Pure-torch Qwen3-VL model: no I/O, no tokenizers, no argument parsing."""

@@ -1,0 +1,1 @@
+"""Image and prompt processing: pixels -> patches, conversations -> token ids."""
