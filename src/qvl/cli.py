@@ -1,0 +1,189 @@
+"""`qvl` command line: a table of subcommands, each a small function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable
+
+FRONT_DOORS: tuple[str, ...] = ()
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, RuntimeError, OSError)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "-m", help="model folder or Hugging Face id (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute dtype; auto = bf16 where the CPU has AVX512-BF16/AMX, else fp32")
+    g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
+    g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--max-image-tokens", type=int, help="image budget per image, in LLM tokens")
+    budget.add_argument("--max-pixels", type=int, help="image budget per image, in pixels (32x32 pixels per token)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    g.add_argument("--max-new-tokens", type=int)
+    g.add_argument("--temperature", type=float, help="0 = greedy")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--task", choices=["describe", "ocr"], help="a preset prompt (OCR is greedy)")
+
+
+def engine_options(args: argparse.Namespace):
+    from qvl.engine import DEFAULT_MAX_IMAGE_TOKENS, EngineOptions
+    from qvl.runtime import parse_cpu_list
+
+    tokens = args.max_image_tokens or (max(1, args.max_pixels // 1024) if args.max_pixels else None)
+    return EngineOptions(
+        model=args.model, dtype=args.dtype, threads=args.threads,
+        cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
+        max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS,
+    )
+
+
+def sampling_params(engine, args: argparse.Namespace):
+    from qvl.tasks import get_task
+
+    greedy = args.task is not None and get_task(args.task).greedy
+    temperature = args.temperature if args.temperature is not None else (0.0 if greedy else None)
+    return engine.sampling_defaults(
+        max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
+        stop=tuple(args.stop) if args.stop else None,
+    )
+
+
+def user_message(text: str, images: list) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]}
+
+
+def prompt_text(args: argparse.Namespace) -> str:
+    from qvl.tasks import get_task
+
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        if not args.task:
+            raise ValueError("give a PROMPT (or - to read it from stdin), or a --task")
+        prompt = get_task(args.task).prompt
+    return prompt
+
+
+def check_images(paths: list[str]) -> None:
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"image file not found: {path}")
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from qvl.engine import Engine, Request
+    from qvl.stream import Delta, Done
+
+    check_images(args.image)
+    text = prompt_text(args)
+    engine = Engine.load(engine_options(args))
+    request = Request([user_message(text, args.image)], sampling_params(engine, args))
+    for event in engine.stream(request):
+        if isinstance(event, Delta) and not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, Done):
+            if args.json:
+                print(json.dumps(event.to_dict(), ensure_ascii=False))
+            else:
+                sys.stdout.write("\n")
+                if event.finish_reason == "length":
+                    print(f"[answer cut at {event.usage.completion_tokens} tokens: raise --max-new-tokens]",
+                          file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from qvl.synth import write_checkpoint
+
+    out = write_checkpoint(args.out, args.preset, args.seed)
+    print(f"wrote a random-weight '{args.preset}' checkpoint to {out}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from qvl import __version__
+    from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
+
+    flags = cpu_flags()
+    wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
+    info = {
+        "qvl": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},
+        "dtype_auto": str(choose_dtype("auto")).replace("torch.", ""), "threads_default": physical_cores(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            if isinstance(value, dict):
+                value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items())
+            print(f"{key:22} {value}")
+    return 0
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
+    parser = argparse.ArgumentParser(prog="qvl", description="Qwen3-VL on the CPU: ask, chat, serve, batch, bench.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    p = sub.add_parser("ask", help="ask one question, optionally about images; streams the answer")
+    p.add_argument("prompt", nargs="?", help="the question; - reads it from stdin")
+    p.add_argument("-i", "--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, ids, usage, timings")
+    add_engine_args(p)
+    add_sampling_args(p)
+    commands["ask"] = cmd_ask
+
+    p = sub.add_parser("synth", help="write a random-weight checkpoint in the official layout (offline demo)")
+    p.add_argument("out")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "2b"])
+    p.add_argument("--seed", type=int, default=0)
+    commands["synth"] = cmd_synth
+
+    p = sub.add_parser("info", help="CPU features, chosen dtype and threads, versions")
+    p.add_argument("--json", action="store_true")
+    commands["info"] = cmd_info
+
+    for module in FRONT_DOORS:  # each registers its own subcommands
+        importlib.import_module(module).register(sub, commands)
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("QVL_CUDA") != "1":
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # a CPU engine: keep CUDA builds of torch quiet
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return commands[args.command](args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except EXPECTED_ERRORS as exc:
+        print(f"qvl {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Frozen configuration dataclasses read from a checkpoint's `config.json` and
+`generation_config.json` (Hugging Face layout).
+
+Fields that define the architecture are required: a missing one is an error naming
+it, never a silent default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+DEFAULT_MAX_NEW_TOKENS = 1024  # a full page of OCR; used when generation_config sets none
+
+
+class ConfigError(ValueError):
+    """A config file that qvl cannot run: unsupported model or a missing field."""
+
+
+def _require(d: dict, key: str, where: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{where} is missing the required field '{key}'")
+    return d[key]
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    mrope_interleaved: bool
+    max_position_embeddings: int
+    attention_bias: bool
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TextConfig:
+        where = "config.json text_config"
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act '{act}' is not supported (expected 'silu')")
+        # transformers 5 writes `rope_parameters`; the published checkpoints carry the
+        # older `rope_scaling` + `rope_theta`. Both describe the same thing.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta"))
+        if theta is None:
+            raise ConfigError(f"{where} is missing the required field 'rope_theta'")
+        section = rope.get("mrope_section")
+        if section is None:
+            raise ConfigError(f"{where} is missing the required field 'mrope_section'")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported")
+        heads = _require(d, "num_attention_heads", where)
+        hidden = _require(d, "hidden_size", where)
+        return cls(
+            vocab_size=_require(d, "vocab_size", where),
+            hidden_size=hidden,
+            intermediate_size=_require(d, "intermediate_size", where),
+            num_hidden_layers=_require(d, "num_hidden_layers", where),
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            rms_norm_eps=_require(d, "rms_norm_eps", where),
+            rope_theta=float(theta),
+            mrope_section=tuple(section),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+            max_position_embeddings=_require(d, "max_position_embeddings", where),
+            attention_bias=bool(d.get("attention_bias", False)),
+        )
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one flattened patch: C * T * P * P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def resize_factor(self) -> int:
+        """Image sides are multiples of this (32 for Qwen3-VL)."""
+        return self.patch_size * self.spatial_merge_size
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VisionConfig:
+        where = "config.json vision_config"
+        act = d.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ConfigError(f"{where}: hidden_act '{act}' is not supported")
+        rope = d.get("rope_parameters") or {}
+        return cls(
+            depth=_require(d, "depth", where),
+            hidden_size=_require(d, "hidden_size", where),
+            intermediate_size=_require(d, "intermediate_size", where),
+            num_heads=_require(d, "num_heads", where),
+            in_channels=d.get("in_channels", 3),
+            patch_size=_require(d, "patch_size", where),
+            temporal_patch_size=_require(d, "temporal_patch_size", where),
+            spatial_merge_size=_require(d, "spatial_merge_size", where),
+            out_hidden_size=_require(d, "out_hidden_size", where),
+            num_position_embeddings=_require(d, "num_position_embeddings", where),
+            deepstack_visual_indexes=tuple(_require(d, "deepstack_visual_indexes", where)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    text: TextConfig
+    vision: VisionConfig
+    tie_word_embeddings: bool
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type '{model_type}' is not supported: qvl runs the dense Qwen3-VL "
+                f"models ({', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        text = _require(d, "text_config", "config.json")
+        tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        if tie is None:
+            raise ConfigError("config.json is missing the required field 'tie_word_embeddings'")
+        return cls(
+            model_type=model_type,
+            text=TextConfig.from_dict(text),
+            vision=VisionConfig.from_dict(_require(d, "vision_config", "config.json")),
+            tie_word_embeddings=bool(tie),
+            image_token_id=_require(d, "image_token_id", "config.json"),
+            video_token_id=_require(d, "video_token_id", "config.json"),
+            vision_start_token_id=_require(d, "vision_start_token_id", "config.json"),
+            vision_end_token_id=_require(d, "vision_end_token_id", "config.json"),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults published with the checkpoint (`generation_config.json`)."""
+
+    eos_token_ids: tuple[int, ...]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GenerationDefaults:
+        eos = d.get("eos_token_id")
+        if eos is None:
+            raise ConfigError("generation_config.json is missing 'eos_token_id'")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        greedy = d.get("do_sample") is False
+        return cls(
+            eos_token_ids=eos_ids,
+            temperature=0.0 if greedy else float(d.get("temperature", 1.0)),
+            top_k=int(d.get("top_k") or 0),
+            top_p=float(d.get("top_p", 1.0)),
+            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+            max_new_tokens=int(d.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> GenerationDefaults:
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,176 @@
+"""The engine: owns the model, tokenizer, processors and caches; turns a chat request
+into a stream of events. Every front door (CLI, server, batch, bench) calls it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from qvl.config import GenerationDefaults, ModelConfig
+from qvl.generate import PreparedPrompt, generate_step
+from qvl.hub import resolve_model
+from qvl.model.rope import mrope_positions
+from qvl.processing.image import ImageProcessorConfig, ProcessedImage, load_image, preprocess
+from qvl.processing.prompt import load_chat_template, tokenize_chat
+from qvl.processing.tokenizer import Tokenizer
+from qvl.runtime import RuntimeInfo, configure
+from qvl.sampling import SamplingParams
+from qvl.stream import Delta, Done, Timings, Usage, stream_text
+from qvl.weights import load_model
+
+DEFAULT_MAX_IMAGE_TOKENS = 1024  # CPU default budget per image; see docs/benchmarks.md
+DEFAULT_MAX_CONTEXT = 32768
+
+
+class RequestError(ValueError):
+    """A request qvl cannot serve as given; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str | None = None  # folder or hub id; None = $QVL_MODEL or the default
+    dtype: str = "auto"
+    threads: int | None = None
+    cpus: tuple[int, ...] | None = None
+    max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS
+    max_images: int = 8
+    max_context: int = DEFAULT_MAX_CONTEXT
+
+
+@dataclass
+class Request:
+    """messages: [{"role", "content": str | [{"type": "text", "text"} | {"type": "image",
+    "image": path | bytes | PIL.Image}]}]; max_image_tokens overrides the engine budget."""
+
+    messages: list[dict]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_image_tokens: int | None = None
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
+                 defaults: GenerationDefaults, options: EngineOptions, runtime: RuntimeInfo, path: Path,
+                 load_s: float):
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
+        self.path, self.load_s = path, load_s
+
+    @classmethod
+    def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
+        started = time.perf_counter()
+        runtime = configure(options.dtype, options.threads, list(options.cpus) if options.cpus else None)
+        path = resolve_model(options.model)
+        cfg = ModelConfig.from_file(path / "config.json")
+        gen_path = path / "generation_config.json"
+        defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
+        model = load_model(path, cfg, runtime.dtype)
+        tokenizer = Tokenizer.from_dir(path)
+        image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
+        template = load_chat_template(path)
+        return cls(model, tokenizer, template, image_cfg, defaults, options, runtime, path,
+                   time.perf_counter() - started)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def model_name(self) -> str:
+        return self.options.model or self.path.name
+
+    def sampling_defaults(self, **overrides) -> SamplingParams:
+        """The checkpoint's generation_config defaults, with explicit overrides (None = keep)."""
+        d = self.defaults
+        base = SamplingParams(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
+                              repetition_penalty=d.repetition_penalty, max_new_tokens=d.max_new_tokens)
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+    # -- request preparation -------------------------------------------------------------
+
+    def _images(self, request: Request) -> tuple[list[dict], list[ProcessedImage]]:
+        """Decode and preprocess every image part; returns template-ready messages."""
+        tokens = request.max_image_tokens or self.options.max_image_tokens
+        if tokens < 1:
+            raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
+        max_pixels = tokens * self.image_cfg.factor**2
+        messages, images = [], []
+        for message in request.messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") == "image":
+                        if len(images) >= self.options.max_images:
+                            raise RequestError(f"too many images: at most {self.options.max_images} per request",
+                                               "messages")
+                        image = load_image(part["image"])
+                        images.append(preprocess(image, self.image_cfg, max_pixels=max(max_pixels,
+                                                                                       self.image_cfg.factor**2)))
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append(part)
+                content = parts
+            messages.append({**message, "content": content})
+        return messages, images
+
+    def _encode_images(self, images: list[ProcessedImage]) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        if not images:
+            return None, None
+        with torch.inference_mode():
+            outs = [self.model.encode_images(im.pixel_values, [im.grid_thw]) for im in images]
+        embeds = torch.cat([o[0] for o in outs])
+        deepstack = [torch.cat(layer) for layer in zip(*(o[1] for o in outs))]
+        return embeds, deepstack
+
+    def prepare(self, request: Request, timings: Timings) -> tuple[PreparedPrompt, Usage]:
+        messages, images = self._images(request)
+        if not messages:
+            raise RequestError("messages must not be empty", "messages")
+        counts = [im.num_tokens for im in images]
+        tokens = tokenize_chat(self.tokenizer, self.template, messages, counts)
+        ids = torch.tensor(tokens.ids, dtype=torch.long)
+        limit = self.options.max_context
+        if len(ids) + request.sampling.max_new_tokens > limit:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
+                f"but the context holds {limit}; shorten the conversation, lower max_tokens or the image budget",
+                "messages", "context_length_exceeded")
+        started = time.perf_counter()
+        embeds, deepstack = self._encode_images(images)
+        timings.vision_ms = (time.perf_counter() - started) * 1000
+        grids = [im.grid_thw for im in images]
+        positions, next_position = mrope_positions(ids, grids, self.cfg.image_token_id,
+                                                   self.cfg.vision.spatial_merge_size)
+        prompt = PreparedPrompt(ids, positions, next_position, embeds, deepstack)
+        return prompt, Usage(prompt_tokens=len(ids), image_tokens=sum(counts))
+
+    # -- generation ----------------------------------------------------------------------
+
+    def eos_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        return () if params.ignore_eos else self.defaults.eos_token_ids
+
+    def stream(self, request: Request) -> Iterator[Delta | Done]:
+        """Events for one request: Delta pieces of text, then Done. Closing the iterator
+        cancels the generation before the next decode step."""
+        started = time.perf_counter()
+        timings = Timings()
+        prompt, usage = self.prepare(request, timings)
+        params = request.sampling
+        eos = self.eos_ids(params)
+        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos))
+        yield from stream_text(steps, self.tokenizer, params.stop, eos, usage, timings, started)
+
+    def generate(self, request: Request) -> Done:
+        """The final event of `stream`."""
+        for event in self.stream(request):
+            if isinstance(event, Done):
+                return event
+        raise RuntimeError("generation ended without a final event")

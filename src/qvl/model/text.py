@@ -1,0 +1,121 @@
+"""Qwen3-VL text decoder: RMSNorm, per-head q/k norm, grouped-query attention with a
+preallocated KV cache, SwiGLU MLP and DeepStack injection. Pure torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qvl.config import TextConfig
+from qvl.kv_cache import KVCache
+from qvl.model.rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def attention_mask(start: int, length: int, key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean mask [B or 1, 1, T, start+T] (True = attend) for T new queries at
+    positions start..start+T over all keys so far; None when plain causal/full works."""
+    if key_mask is None and (length == 1 or start == 0):
+        return None
+    q = torch.arange(start, start + length)[:, None]
+    k = torch.arange(start + length)[None, :]
+    mask = (k <= q)[None, None]
+    if key_mask is not None:  # key_mask: [B, S] False at padding slots
+        mask = mask & key_mask[:, None, None, : start + length]
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # x: [B, T, D]; cos/sin: [B, 1, T, hd]
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.update(self.layer, start, k, v)
+        causal = mask is None and t > 1
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        key_mask: torch.Tensor | None = None,
+        visual_mask: torch.Tensor | None = None,
+        deepstack: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """h: [B, T, D] embeddings of positions start..start+T; cos/sin: [B, 1, T, hd];
+        visual_mask: [B, T] image positions receiving deepstack[i] ([n_visual, D]) after
+        layer i. Returns final-normed hidden states [B, T, D]."""
+        mask = attention_mask(start, h.shape[1], key_mask)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, start, mask)
+            if deepstack is not None and i < len(deepstack):
+                h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
+        cache.length = start + h.shape[1]
+        return self.norm(h)

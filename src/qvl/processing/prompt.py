@@ -1,0 +1,257 @@
+"""Conversations -> prompt token ids, through the checkpoint's own Jinja chat template.
+
+Rendering follows `transformers.utils.chat_template_utils` (the sandboxed environment,
+its filters and globals, the message normalisation), so the ids are the ones
+`apply_chat_template` + `Qwen3VLProcessor` would produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from qvl.processing.tokenizer import Tokenizer
+
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+
+# Names a message's reasoning may be passed under; templates read "reasoning_content".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------
+
+
+def load_chat_template(model_dir: str | Path) -> str:
+    """The checkpoint's own template: chat_template.jinja, chat_template.json, tokenizer_config.json."""
+    model_dir = Path(model_dir)
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        template = _pick_template(json.loads(path.read_text(encoding="utf-8")).get("chat_template"), path)
+        if template is not None:
+            return template
+    raise ValueError(
+        f"no chat template in {model_dir}: expected chat_template.jinja, chat_template.json "
+        "or a 'chat_template' entry in tokenizer_config.json"
+    )
+
+
+def _pick_template(value: Any, path: Path) -> str | None:
+    # A template is a string, or a list of {"name": ..., "template": ...} of which we take "default".
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(f"{path}: chat_template lists {sorted(map(str, named))} but no 'default' template")
+    raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------
+
+
+class _GenerationExtension(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks it)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    # `dict(...)` in templates, without exposing the dict type itself.
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # A namespace that refuses underscore-prefixed attributes.
+    def __init__(*args, **kwargs):  # same signature trick as jinja's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+            )
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Unlike jinja's own filter: no HTML escaping, and the json.dumps options are exposed.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationExtension, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(template)
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild `value` from JSON types; anything else (images, arrays) becomes "<TypeName>"."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):  # subclasses (enums, ...) back to the base type
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_messages(messages: list[dict]) -> list[dict]:
+    # As apply_chat_template: plain data, None-valued keys dropped, reasoning aliased.
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        message = {k: v for k, v in _plain(message).items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = True, **extra) -> str:
+    """Render `messages` with `template` exactly as transformers' apply_chat_template does.
+
+    `extra` becomes template variables (tools, documents, enable_thinking, eos_token, ...).
+    """
+    variables = {"tools": None, "documents": None, **_plain(extra)}
+    return _compile(template).render(
+        messages=_normalize_messages(messages), add_generation_prompt=add_generation_prompt, **variables
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizing
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTokens:
+    ids: list[int]  # each image's pad token expanded to its token count
+    image_token_counts: tuple[int, ...]
+
+
+def count_image_parts(messages: list[dict]) -> int:
+    """Image parts in the messages, recognised as the Qwen templates recognise them."""
+    n = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            n += sum(1 for part in content if isinstance(part, Mapping) and _is_image_part(part))
+    return n
+
+
+def _is_image_part(part: Mapping) -> bool:
+    return part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part
+
+
+def tokenize_chat(
+    tokenizer: Tokenizer,
+    template: str,
+    messages: list[dict],
+    image_token_counts: list[int],
+    *,
+    image_pad_token: str = IMAGE_PAD_TOKEN,
+    add_generation_prompt: bool = True,
+) -> PromptTokens:
+    """Render, encode, and expand the k-th image pad token to `image_token_counts[k]` copies.
+
+    Same ids as transformers' Qwen3VLProcessor, which expands the pad tokens in the text
+    before encoding: the pad is an added token, so expanding ids after encoding is equal.
+    """
+    counts = tuple(int(c) for c in image_token_counts)
+    n_parts = count_image_parts(messages)
+    if n_parts != len(counts):
+        raise ValueError(f"the messages hold {n_parts} image(s) but {len(counts)} image token count(s) were given")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"image token counts must be non-negative, got {list(counts)}")
+    text = render_chat(
+        template, messages, add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map
+    )
+    pad_id = tokenizer.token_id(image_pad_token)
+    ids = tokenizer.encode(text)
+    n_pads = ids.count(pad_id)
+    if n_pads != len(counts):
+        raise ValueError(
+            f"the rendered prompt holds {n_pads} {image_pad_token} token(s) but {len(counts)} image token "
+            "count(s) were given (does the text itself contain the pad token?)"
+        )
+    expanded: list[int] = []
+    k = 0
+    for token in ids:
+        if token == pad_id:
+            expanded.extend([pad_id] * counts[k])
+            k += 1
+        else:
+            expanded.append(token)
+    return PromptTokens(ids=expanded, image_token_counts=counts)

@@ -1,0 +1,85 @@
+"""Sampling parameters and pure sampler functions over logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 1024
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks force exactly max_new_tokens
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def deterministic(self) -> bool:
+        """Same inputs give the same output (greedy, or sampled with a fixed seed)."""
+        return self.greedy or self.seed is not None
+
+
+def apply_penalties(
+    logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """logits: [B, V] float32; seen: [B, V] bool (prompt + output tokens);
+    counts: [B, V] output-token counts. Repetition penalty as transformers applies it
+    (divide positive logits, multiply negative ones); presence and frequency penalties
+    as OpenAI defines them (over the output)."""
+    if params.repetition_penalty != 1.0:
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * (counts > 0)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts
+    return logits
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top_k and the top_p nucleus. logits: [B, V]."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits: [B, V] float32 (penalties applied) -> token ids [B]."""
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

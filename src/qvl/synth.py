@@ -1,0 +1,134 @@
+"""Random-weight checkpoints in the exact layout of the official Hugging Face
+Qwen3-VL checkpoints, for offline tests, demos and benchmarks (`qvl synth`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qvl.config import ModelConfig
+from qvl.model.qwen3_vl import Qwen3VL
+from qvl.weights import NAME_PREFIXES
+
+# config.json of Qwen/Qwen3-VL-2B-Instruct as published.
+OFFICIAL_2B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "dtype": "bfloat16",
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text", "num_attention_heads": 16, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000, "tie_word_embeddings": True, "use_cache": True, "vocab_size": 151936,
+    },
+    "tie_word_embeddings": True,
+    "transformers_version": "4.57.0.dev0",
+    "video_token_id": 151656,
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4096,
+        "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 2048,
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 151653,
+    "vision_start_token_id": 151652,
+}
+
+# The same layout shrunk for tests: the real vocabulary, tiny layers.
+TINY_CHANGES = {
+    "text_config": {
+        "head_dim": 32, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_hidden_layers": 4, "num_key_value_heads": 2,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [6, 5, 5], "rope_type": "default"},
+    },
+    "vision_config": {
+        "deepstack_visual_indexes": [0, 1, 2], "depth": 4, "hidden_size": 64, "intermediate_size": 128,
+        "num_heads": 4, "out_hidden_size": 128,
+    },
+}
+
+GENERATION_CONFIG = {
+    "bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+    "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.0, "temperature": 0.7, "transformers_version": "4.56.0",
+}
+
+PREPROCESSOR_CONFIG = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def preset_config(preset: str, changes: dict | None = None) -> dict:
+    """config.json contents for a preset ('tiny' | '2b'), with optional nested overrides."""
+    presets = {"2b": OFFICIAL_2B, "tiny": _merge(OFFICIAL_2B, TINY_CHANGES)}
+    if preset not in presets:
+        raise ValueError(f"unknown preset '{preset}' (choose from: {', '.join(presets)})")
+    config = _merge(presets[preset], changes or {})
+    config["text_config"]["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return config
+
+
+EMBED_STD = 0.05  # small next to the layers' outputs, so a tied lm_head does not just echo the input
+
+
+def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random bf16 weights under checkpoint names. Linear weights ~ N(0, 1/fan_in) so
+    activations keep their scale and logits are peaked (greedy decoding has margins)."""
+    with torch.device("meta"):
+        model = Qwen3VL(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    to_checkpoint = {dst: src for src, dst in NAME_PREFIXES}
+    state = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+            t = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif name.endswith("bias"):
+            t = 0.02 * torch.randn(p.shape, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            t = EMBED_STD * torch.randn(p.shape, generator=gen)
+        elif name.endswith("pos_embed.weight"):
+            t = torch.randn(p.shape, generator=gen)
+        else:
+            fan_in = p[0].numel()
+            t = torch.randn(p.shape, generator=gen) / fan_in**0.5
+        prefix = next(dst for dst in to_checkpoint if name.startswith(dst))
+        state[to_checkpoint[prefix] + name[len(prefix) :]] = t.to(torch.bfloat16)
+    return state
+
+
+def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, changes: dict | None = None) -> Path:
+    """Write a complete checkpoint folder (config, weights, tokenizer, template, preprocessor)."""
+    from qvl.processing.tokenizer import write_tokenizer_files
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = preset_config(preset, changes)
+    cfg = ModelConfig.from_dict(config)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
+    template = resources.files("qvl") / "data" / "qwen3_vl_chat_template.jinja"
+    with resources.as_file(template) as path:
+        shutil.copyfile(path, out / "chat_template.jinja")
+    write_tokenizer_files(out)
+    save_file(random_state(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
