@@ -55,6 +55,19 @@ class Request:
     max_image_tokens: int | None = None
 
 
+@dataclass
+class ParsedRequest:
+    """A request checked and tokenized; images decoded and preprocessed, not yet encoded."""
+
+    ids: torch.Tensor  # [T] long, image placeholders expanded
+    images: list[ProcessedImage]
+    sampling: SamplingParams
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images)
+
+
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
                  defaults: GenerationDefaults, options: EngineOptions, runtime: RuntimeInfo, path: Path,
@@ -130,7 +143,10 @@ class Engine:
         deepstack = [torch.cat(layer) for layer in zip(*(o[1] for o in outs))]
         return embeds, deepstack
 
-    def prepare(self, request: Request, timings: Timings) -> tuple[PreparedPrompt, Usage]:
+    def parse(self, request: Request) -> ParsedRequest:
+        """Decode images, render and tokenize the conversation, check the budget. Cheap next
+        to generation, and raises RequestError / ImageError for anything unusable, so a
+        server can answer 400 before it queues the request."""
         messages, images = self._images(request)
         if not messages:
             raise RequestError("messages must not be empty", "messages")
@@ -143,32 +159,37 @@ class Engine:
                 f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
                 f"but the context holds {limit}; shorten the conversation, lower max_tokens or the image budget",
                 "messages", "context_length_exceeded")
+        return ParsedRequest(ids, images, request.sampling)
+
+    def prepare(self, parsed: ParsedRequest, timings: Timings) -> PreparedPrompt:
+        """Encode the images and lay out the M-RoPE positions."""
         started = time.perf_counter()
-        embeds, deepstack = self._encode_images(images)
+        embeds, deepstack = self._encode_images(parsed.images)
         timings.vision_ms = (time.perf_counter() - started) * 1000
-        grids = [im.grid_thw for im in images]
-        positions, next_position = mrope_positions(ids, grids, self.cfg.image_token_id,
+        grids = [im.grid_thw for im in parsed.images]
+        positions, next_position = mrope_positions(parsed.ids, grids, self.cfg.image_token_id,
                                                    self.cfg.vision.spatial_merge_size)
-        prompt = PreparedPrompt(ids, positions, next_position, embeds, deepstack)
-        return prompt, Usage(prompt_tokens=len(ids), image_tokens=sum(counts))
+        return PreparedPrompt(parsed.ids, positions, next_position, embeds, deepstack)
 
     # -- generation ----------------------------------------------------------------------
 
     def eos_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return () if params.ignore_eos else self.defaults.eos_token_ids
 
-    def stream(self, request: Request) -> Iterator[Delta | Done]:
+    def stream(self, request: Request | ParsedRequest) -> Iterator[Delta | Done]:
         """Events for one request: Delta pieces of text, then Done. Closing the iterator
         cancels the generation before the next decode step."""
         started = time.perf_counter()
+        parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
         timings = Timings()
-        prompt, usage = self.prepare(request, timings)
-        params = request.sampling
+        prompt = self.prepare(parsed, timings)
+        usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens)
+        params = parsed.sampling
         eos = self.eos_ids(params)
         steps = (row[0] for row in generate_step(self.model, [prompt], params, eos))
         yield from stream_text(steps, self.tokenizer, params.stop, eos, usage, timings, started)
 
-    def generate(self, request: Request) -> Done:
+    def generate(self, request: Request | ParsedRequest) -> Done:
         """The final event of `stream`."""
         for event in self.stream(request):
             if isinstance(event, Done):

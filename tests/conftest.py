@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random checkpoints written by qvl itself (offline)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# An untied, differently shaped variant for parity tests.
+UNTIED_CHANGES = {
+    "tie_word_embeddings": False,
+    "text_config": {"num_hidden_layers": 3},
+    "vision_config": {"deepstack_visual_indexes": [1, 3], "depth": 5},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Path of a tiny tied-embedding checkpoint in the official layout."""
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_checkpoint(tmp_path_factory):
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_untied"), "tiny", seed=1, changes=UNTIED_CHANGES)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint):
+    """A loaded fp32 engine on the tiny checkpoint (shared: do not mutate)."""
+    from qvl.engine import Engine, EngineOptions
+
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), dtype="fp32", threads=2))
