@@ -39,3 +39,10 @@ def tiny_engine(tiny_checkpoint):
     from qvl.engine import Engine, EngineOptions
 
     return Engine.load(EngineOptions(model=str(tiny_checkpoint), dtype="fp32", threads=2))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_checkpoint):
+    from qvl.processing.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_checkpoint)

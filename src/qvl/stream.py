@@ -60,22 +60,30 @@ class Done:
 
 
 class StopStrings:
-    """Holds back text that could still become a stop string; finds the first match."""
+    """Finds the first stop string; holds back only a tail that could still grow into one."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
+
+    def _partial_tail(self) -> int:
+        """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
         self.pending += text
-        if self.stops:
-            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-            if hits:
-                out, self.pending = self.pending[: min(hits)], ""
-                return out, True
-        cut = max(0, len(self.pending) - self.hold) if self.stops else len(self.pending)
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = len(self.pending) - self._partial_tail()
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 

@@ -1,0 +1,131 @@
+"""Sampling functions, stop handling and the event stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qvl.engine import Request
+from qvl.sampling import SamplingParams, apply_penalties, filter_top_k_top_p, sample
+from qvl.stream import Delta, Done, StopStrings, Timings, Usage, stream_text
+
+
+@given(st.integers(1, 50), st.floats(0.05, 1.0), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_top_k_top_p_keep_the_most_likely(k, p, seed):
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(seed))
+    kept = filter_top_k_top_p(logits, k, p).isfinite()
+    assert (kept.sum(-1) >= 1).all() and (kept.sum(-1) <= k).all()
+    assert kept.gather(-1, logits.argmax(-1, keepdim=True)).all()  # the argmax always survives
+    for row in range(2):  # kept tokens are exactly a top slice of the ranking
+        order = logits[row].argsort(descending=True)
+        n = int(kept[row].sum())
+        assert kept[row, order[:n]].all()
+        probs = logits[row].softmax(-1)[order]
+        assert probs[: n - 1].sum() < p + 1e-6  # nucleus is minimal
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[3, 7, 7, 50, 99]])
+    seen = torch.zeros(1, 100, dtype=torch.bool)
+    seen[0, ids[0]] = True
+    params = SamplingParams(repetition_penalty=1.3)
+    ours = apply_penalties(logits, seen, torch.zeros(1, 100), params)
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = torch.zeros(1, 5)
+    counts = torch.tensor([[0.0, 1, 3, 0, 0]])
+    out = apply_penalties(logits, counts > 0, counts, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    assert out.tolist() == [[0.0, -0.75, -1.25, 0.0, 0.0]]
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=7)
+    a = sample(logits, params, torch.Generator().manual_seed(7))
+    b = sample(logits, params, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert torch.equal(sample(logits, SamplingParams(), None), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_new_tokens", 0),
+                                         ("presence_penalty", 3), ("repetition_penalty", 0)])
+def test_sampling_params_reject_out_of_range(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_strings_hold_back_partial_matches():
+    s = StopStrings(("STOP",))
+    assert s.push("abc S") == ("abc ", False)  # only "S" could still become "STOP"
+    assert s.push("TO") == ("", False)
+    assert s.push("Px") == ("", True)
+    s = StopStrings(("##", "xyz"))
+    assert s.push("a#") == ("a", False)
+    assert s.push("b") == ("#b", False)
+    assert s.push("xy") == ("", False)
+    assert s.flush() == "xy"
+
+
+def run_stream(tokenizer, ids, stops=(), eos=(151645,)):
+    usage, timings = Usage(), Timings()
+    events = list(stream_text(iter(ids), tokenizer, stops, eos, usage, timings, 0.0))
+    return [e for e in events if isinstance(e, Delta)], events[-1]
+
+
+@given(st.text(min_size=1, max_size=40))
+@settings(max_examples=80, deadline=None)
+def test_stream_deltas_concatenate_to_the_text(tiny_tokenizer, text):
+    ids = tiny_tokenizer.encode(text)
+    deltas, done = run_stream(tiny_tokenizer, ids)
+    assert isinstance(done, Done) and done.finish_reason == "length"
+    assert "".join(d.text for d in deltas) == done.text == tiny_tokenizer.decode(ids)
+    full = tiny_tokenizer.decode(ids)
+    if "\ufffd" not in full:
+        assert all("\ufffd" not in d.text for d in deltas)
+
+
+def test_stream_multibyte_characters_split_across_tokens(tiny_tokenizer):
+    text = "OCR: 𝄞 🤖 龘 你好"
+    ids = tiny_tokenizer.encode(text)
+    assert len(ids) > len(text.split()) + 4  # some characters really are split into byte tokens
+    deltas, done = run_stream(tiny_tokenizer, ids + [151645])
+    assert done.text == text and done.finish_reason == "stop"
+    assert all("\ufffd" not in d.text for d in deltas)
+
+
+def test_stream_stop_string_truncates_and_finishes(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("line one\nEND of it\nmore")
+    deltas, done = run_stream(tiny_tokenizer, ids, stops=("END",))
+    assert done.text == "line one\n" and done.finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == done.text
+
+
+def test_engine_stream_reports_usage_and_timings(tiny_engine):
+    from PIL import Image
+
+    image = Image.new("RGB", (100, 70), (200, 10, 10))
+    request = Request([{"role": "user", "content": [{"type": "image", "image": image},
+                                                    {"type": "text", "text": "What colour?"}]}],
+                      SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    events = list(tiny_engine.stream(request))
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "length"
+    assert done.usage.completion_tokens == 6 == len(done.token_ids)
+    # 100x70 is below the 65,536-pixel minimum: upscaled to 320x224, 10x7 tokens
+    assert done.usage.image_tokens == 70
+    assert done.usage.prompt_tokens > done.usage.image_tokens
+    t = done.timings
+    assert t.vision_ms > 0 and t.ttft_ms >= t.vision_ms and t.decode_ms_per_token > 0
+
+
+def test_default_max_new_tokens_is_generous(tiny_engine):
+    assert tiny_engine.sampling_defaults().max_new_tokens >= 1024
