@@ -195,3 +195,36 @@ class Engine:
             if isinstance(event, Done):
                 return event
         raise RuntimeError("generation ended without a final event")
+
+    def generate_batch(self, requests: list[Request | ParsedRequest]) -> list[Done]:
+        """Answer several requests with one batched decode: images encoded and prompts
+        prefilled one by one, then all rows decoded together (a decode step reads the
+        weights once for every row). All requests must share sampling parameters."""
+        parsed = [r if isinstance(r, ParsedRequest) else self.parse(r) for r in requests]
+        params = parsed[0].sampling
+        if any(p.sampling != params for p in parsed):
+            raise ValueError("a batch needs the same sampling parameters for every request")
+        started = time.perf_counter()
+        timings = [Timings() for _ in parsed]
+        prompts = [self.prepare(p, t) for p, t in zip(parsed, timings)]
+        eos = self.eos_ids(params)
+        rows: list[list[int]] = [[] for _ in parsed]
+        step_ms, last = [], None
+        for step in generate_step(self.model, prompts, params, eos):
+            now = time.perf_counter()
+            step_ms.append((now - (last or started)) * 1000)
+            last = now
+            for row, token in zip(rows, step):
+                if token is not None:
+                    row.append(token)
+        results = []
+        for p, t, row in zip(parsed, timings, rows):
+            usage = Usage(prompt_tokens=len(p.ids), image_tokens=p.image_tokens)
+            *_, done = stream_text(iter(row), self.tokenizer, params.stop, eos, usage, t, started)
+            # stream_text timed a replay; the batch's own clock is what happened
+            done.timings.ttft_ms = step_ms[0]
+            done.timings.prefill_ms = max(0.0, step_ms[0] - sum(x.vision_ms for x in timings)) / len(parsed)
+            done.timings.decode_ms = step_ms[1 : len(row)]
+            done.timings.decode_ms_per_token = sum(done.timings.decode_ms) / max(1, len(done.timings.decode_ms))
+            results.append(done)
+        return results
