@@ -38,7 +38,7 @@ def tiny_engine(tiny_checkpoint):
     """A loaded fp32 engine on the tiny checkpoint (shared: do not mutate)."""
     from qvl.engine import Engine, EngineOptions
 
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), dtype="fp32", threads=2))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2))
 
 
 @pytest.fixture(scope="session")

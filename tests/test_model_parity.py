@@ -34,7 +34,7 @@ def two_image_request(max_new_tokens: int = 40) -> Request:
 @pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_untied_checkpoint"])
 def pair(request):
     path = request.getfixturevalue(request.param)
-    engine = Engine.load(EngineOptions(model=str(path), dtype="fp32", threads=2, max_image_tokens=64))
+    engine = Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))
     return engine, load_reference(path)
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
-FRONT_DOORS: tuple[str, ...] = ()
+FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli")
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, RuntimeError, OSError)
 
 
@@ -17,7 +17,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", help="model folder or Hugging Face id (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="compute dtype; auto = bf16 where the CPU has AVX512-BF16/AMX, else fp32")
+                   help="compute dtype of int8/int4 models; auto = bf16 where the CPU has AVX512-BF16/AMX, else fp32")
+    g.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
+                   help="weight format; auto = a pre-quantised checkpoint's own, else int8 (quantised at load)")
+    g.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
+    g.add_argument("--vision-int8", action="store_true", help="also quantise the vision tower to int8")
     g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
     budget = g.add_mutually_exclusive_group()
@@ -44,7 +48,8 @@ def engine_options(args: argparse.Namespace):
 
     tokens = args.max_image_tokens or (max(1, args.max_pixels // 1024) if args.max_pixels else None)
     return EngineOptions(
-        model=args.model, dtype=args.dtype, threads=args.threads,
+        model=args.model, dtype=args.dtype, weights=args.weights, group_size=args.group_size,
+        vision_int8=args.vision_int8, threads=args.threads,
         cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
         max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS,
     )
@@ -116,6 +121,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qvl.hub import resolve_model
+    from qvl.quantize import QuantSpec
+    from qvl.weights import save_quantized
+
+    spec = QuantSpec(args.weights, args.group_size, args.vision_int8)
+    out = save_quantized(resolve_model(args.input), Path(args.output), spec)
+    print(f"wrote {spec.weights} weights to {out}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     import platform
 
@@ -160,6 +178,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p.add_argument("--preset", default="tiny", choices=["tiny", "2b"])
     p.add_argument("--seed", type=int, default=0)
     commands["synth"] = cmd_synth
+
+    p = sub.add_parser("quantize", help="write a pre-quantised int8/int4 checkpoint that loads without re-quantising")
+    p.add_argument("input", help="bf16 checkpoint folder or hub id")
+    p.add_argument("output")
+    p.add_argument("--weights", required=True, choices=["int8", "int4"])
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--vision-int8", action="store_true")
+    commands["quantize"] = cmd_quantize
 
     p = sub.add_parser("info", help="CPU features, chosen dtype and threads, versions")
     p.add_argument("--json", action="store_true")

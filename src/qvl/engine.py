@@ -20,10 +20,19 @@ from qvl.processing.tokenizer import Tokenizer
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.stream import Delta, Done, Timings, Usage, stream_text
-from qvl.weights import load_model
+from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
+from qvl.weights import checkpoint_quantization, load_model
 
 DEFAULT_MAX_IMAGE_TOKENS = 1024  # CPU default budget per image; see docs/benchmarks.md
 DEFAULT_MAX_CONTEXT = 32768
+DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outputs; see docs/benchmarks.md
+
+
+def _model_quant(model) -> QuantSpec | None:
+    head = model.lm_head
+    if isinstance(head, Int4Linear):
+        return QuantSpec("int4", head.group_size)
+    return QuantSpec("int8") if isinstance(head, Int8Linear) else None
 
 
 class RequestError(ValueError):
@@ -37,7 +46,10 @@ class RequestError(ValueError):
 @dataclass(frozen=True)
 class EngineOptions:
     model: str | None = None  # folder or hub id; None = $QVL_MODEL or the default
-    dtype: str = "auto"
+    dtype: str = "auto"  # compute dtype of int8/int4 models; bf16/fp32 weights compute in their own
+    weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (auto: a pre-quantised file's format, else int8)
+    group_size: int = 128  # int4 group size
+    vision_int8: bool = False
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
     max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS
@@ -75,16 +87,25 @@ class Engine:
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
         self.path, self.load_s = path, load_s
+        self.weights = quant.weights if (quant := _model_quant(model)) else str(model.dtype).replace("torch.", "")
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
         started = time.perf_counter()
-        runtime = configure(options.dtype, options.threads, list(options.cpus) if options.cpus else None)
         path = resolve_model(options.model)
         cfg = ModelConfig.from_file(path / "config.json")
+        stored = checkpoint_quantization(path)
+        weights = options.weights if options.weights != "auto" else (stored.weights if stored else DEFAULT_WEIGHTS)
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weights format '{weights}' (choose from auto, {', '.join(WEIGHT_FORMATS)})")
+        dtype = weights if weights in ("bf16", "fp32") else options.dtype
+        runtime = configure(dtype, options.threads, list(options.cpus) if options.cpus else None)
+        quant = None
+        if weights in ("int8", "int4"):
+            quant = stored or QuantSpec(weights, options.group_size, options.vision_int8)
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
-        model = load_model(path, cfg, runtime.dtype)
+        model = load_model(path, cfg, runtime.dtype, quant)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)

@@ -12,6 +12,17 @@ from safetensors import safe_open
 
 from qvl.config import ModelConfig
 from qvl.model.qwen3_vl import Qwen3VL
+from qvl.quantize import (
+    Int4Linear,
+    Int8Linear,
+    QuantSpec,
+    TiedQuantEmbedding,
+    module_format,
+    portable_state,
+    quantized_state,
+    state_from_portable,
+    swap_modules,
+)
 
 # checkpoint name prefix -> module attribute prefix; the whole renaming table.
 NAME_PREFIXES = (
@@ -57,32 +68,85 @@ def read_metadata(files: list[Path]) -> dict[str, str]:
         return f.metadata() or {}
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> Qwen3VL:
+def checkpoint_quantization(model_dir: Path) -> QuantSpec | None:
+    """The weight format a pre-quantised checkpoint records in its safetensors metadata."""
+    return QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir)))
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None = None) -> Qwen3VL:
     """Build the model without initialising weights and fill it tensor by tensor from
-    the checkpoint, converting each to `dtype` on the way (never a second full copy).
-    Missing or unexpected tensors raise CheckpointError listing them."""
+    the checkpoint, converting (or quantising) each on the way: never a second full copy.
+    A pre-quantised checkpoint loads as it is. Missing or unexpected tensors raise
+    CheckpointError listing them."""
+    files = checkpoint_files(model_dir)
+    stored = QuantSpec.from_metadata(read_metadata(files))
+    if stored is not None and quant is not None and quant != stored:
+        raise CheckpointError(
+            f"{model_dir} holds pre-quantised {stored.weights} weights; load it with --weights {stored.weights} "
+            f"or quantise the original bf16 checkpoint instead")
+    spec = stored or quant
     with torch.device("meta"):
         model = Qwen3VL(cfg)
+        quantized = set(swap_modules(model, spec, dtype)) if spec else set()
+        tied_quant = cfg.tie_word_embeddings and "lm_head" in quantized
+        if tied_quant:
+            model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
+    source = _TensorSource(model, quantized, tied_quant, dtype, from_portable=stored is not None)
+    for name, tensor in iter_tensors(files):
+        source.add(name, tensor)
     expected = set(model.state_dict())
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not tied_quant:
         expected.discard("lm_head.weight")
-    state, unexpected = {}, []
-    for name, tensor in iter_tensors(checkpoint_files(model_dir)):
-        target = to_module_name(name)
-        if target == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # a tied checkpoint may still carry the duplicate
-        if target not in expected:
-            unexpected.append(name)
-            continue
-        state[target] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    missing = sorted(expected - set(state))
+    missing = sorted(expected - set(source.state))
+    unexpected = source.unexpected + sorted(set(source.state) - expected)
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(missing, unexpected))
-    _check_shapes(model, state)
-    model.load_state_dict(state, strict=False, assign=True)
+    _check_shapes(model, source.state)
+    model.load_state_dict(source.state, strict=False, assign=True)
     model.init_buffers()
-    model.tie_weights()
+    if not tied_quant:
+        model.tie_weights()
     return model.eval()
+
+
+class _TensorSource:
+    """Turns checkpoint tensors into module state: renamed, converted, quantised."""
+
+    def __init__(self, model: Qwen3VL, quantized: set[str], tied_quant: bool, dtype: torch.dtype,
+                 from_portable: bool):
+        self.model, self.quantized, self.tied_quant = model, quantized, tied_quant
+        self.dtype, self.from_portable = dtype, from_portable
+        self.state: dict[str, torch.Tensor] = {}
+        self.unexpected: list[str] = []
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # portable parts per module
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        target = to_module_name(name)
+        if target is None:
+            self.unexpected.append(name)
+            return
+        if self.tied_quant and target == "language_model.embed_tokens.weight":
+            target = "lm_head.weight"  # the shared matrix is quantised once, as the head
+        module_name, _, leaf = target.rpartition(".")
+        if module_name not in self.quantized:
+            if target == "lm_head.weight" and self.model.cfg.tie_word_embeddings:
+                return  # a tied checkpoint may still carry the duplicate
+            self.state[target] = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            return
+        module = self.model.get_submodule(module_name)
+        if not self.from_portable:
+            if leaf == "weight":
+                self.state.update(quantized_state(module, module_name, tensor, self.dtype))
+            else:
+                self.state[target] = tensor.to(self.dtype)
+            return
+        parts = self.pending.setdefault(module_name, {})
+        parts[leaf] = tensor
+        needed = {"weight", "weight_scale"} | ({"weight_zero"} if module_format(module) == "int4" else set())
+        if getattr(module, "bias", None) is not None:
+            needed.add("bias")
+        if needed <= parts.keys():
+            self.state.update(state_from_portable(module, module_name, self.pending.pop(module_name), self.dtype))
 
 
 def _check_shapes(model: Qwen3VL, state: dict[str, torch.Tensor]) -> None:
@@ -104,3 +168,41 @@ def _mismatch_message(missing: list[str], unexpected: list[str]) -> str:
             f"{len(unexpected)} unexpected tensors: " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else "")
         )
     return "checkpoint does not match config.json: " + "; ".join(lines)
+
+
+def to_checkpoint_name(module_name: str) -> str:
+    for src, dst in NAME_PREFIXES:
+        if module_name.startswith(dst):
+            return src + module_name[len(dst) :]
+    raise ValueError(f"no checkpoint name for {module_name}")
+
+
+def save_quantized(model_dir: Path, out_dir: Path, spec: QuantSpec) -> Path:
+    """Quantise a bf16 checkpoint and write it with its format in the safetensors
+    metadata; the other files (config, tokenizer, template, ...) are copied."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    if QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir))) is not None:
+        raise CheckpointError(f"{model_dir} is already quantised; quantise the original bf16 checkpoint")
+    model = load_model(model_dir, cfg, torch.bfloat16, spec)
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            for key, tensor in portable_state(module, name).items():
+                state[to_checkpoint_name(key)] = tensor.contiguous()
+    for name, tensor in model.state_dict().items():
+        module_name = name.rpartition(".")[0]
+        if isinstance(model.get_submodule(module_name), (Int8Linear, Int4Linear)):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        state[to_checkpoint_name(name)] = tensor.contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.is_file() and not path.name.startswith("model.safetensors") and not path.name.startswith("model-"):
+            shutil.copyfile(path, out_dir / path.name)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", **spec.metadata()})
+    return out_dir

@@ -1,0 +1,82 @@
+"""`qvl batch INPUT --out results.jsonl`: registers the subcommand and builds the job."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from qvl.batch.inputs import UsageError
+
+DEFAULT_BATCH_SIZE = 4  # items decoded together; see docs/batch.md for the measurement
+
+DESCRIPTION = """\
+Answer one prompt (or each JSONL row's own) over many images, one JSON line per item in --out.
+Re-running the same command skips the items already in --out and appends the rest; a row
+with "error" counts as done unless --retry-errors. Exit status: 0 all answered, 1 some
+items failed, 2 usage error, 130 interrupted."""
+
+
+def register(sub, commands) -> None:
+    from qvl.cli import add_engine_args, add_sampling_args
+
+    p = sub.add_parser("batch", help="run a prompt over many images into a resumable JSONL file",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", help='a folder (recursive), a quoted glob such as "scans/**/*.png", '
+                                 'or a JSONL file of {"id", "image", "prompt"} rows')
+    p.add_argument("--out", "-o", required=True, help="results file (JSONL), appended to")
+    p.add_argument("--prompt", "-p", help="prompt for every image (a JSONL row's own prompt wins); - reads stdin")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help=f"items decoded together (default {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--retry-errors", action="store_true", help="run items with an error row in --out again")
+    p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between progress lines when stderr is not a terminal (default 10)")
+    g = p.add_argument_group("Ray (pip install 'qvl[ray]')")
+    g.add_argument("--ray", action="store_true", help="run on a Ray cluster with Ray Data")
+    g.add_argument("--ray-address", help="cluster address (default: $RAY_ADDRESS, else a local instance)")
+    g.add_argument("--ray-actors", type=int, default=1, help="engines (actors), each of --threads CPUs (default 1)")
+    add_engine_args(p)
+    add_sampling_args(p)
+    commands["batch"] = cmd_batch
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from qvl.batch.runner import run
+
+    try:
+        job, backend = build_job(args)
+    except UsageError as exc:
+        print(f"qvl batch: error: {exc}", file=sys.stderr)
+        return 2
+    return run(job, backend)
+
+
+def build_job(args: argparse.Namespace):
+    """The job and its backend from the flags; UsageError for anything that cannot start."""
+    from qvl.batch.inputs import read_items
+    from qvl.batch.process import WorkSpec
+    from qvl.batch.runner import BatchJob, local_rows
+    from qvl.cli import engine_options, prompt_text
+
+    if args.batch_size < 1 or args.ray_actors < 1:
+        raise UsageError("--batch-size and --ray-actors must be at least 1")
+    items = read_items(args.input)
+    prompt = prompt_text(args) if args.prompt or args.task else None
+    missing = [item.id for item in items if item.prompt is None]
+    if prompt is None and missing:
+        raise UsageError(f"{len(missing)} item(s) have no prompt (first: {missing[0]!r}): give --prompt or --task")
+    options = engine_options(args)
+    backend = local_rows
+    if args.ray:
+        from qvl.batch.ray_runner import import_ray, ray_rows
+
+        if args.cpus:
+            raise UsageError("--cpus pins this machine's CPUs; with --ray give --threads (CPUs per actor)")
+        import_ray()
+        options = replace(options, threads=args.threads or 1)
+        backend = functools.partial(ray_rows, address=args.ray_address, actors=args.ray_actors)
+    spec = WorkSpec(options, args, prompt, args.batch_size)  # workers read the sampling flags
+    return BatchJob(items, Path(args.out), spec, args.retry_errors, args.progress_every), backend
+

@@ -1,0 +1,93 @@
+"""What to run: a folder (recursive), a glob or a JSONL file becomes a list of items whose
+ids stay the same from one run to the next (resume matches rows to items by id)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+JSONL_EXTENSIONS = frozenset({".jsonl", ".ndjson"})
+
+
+class UsageError(ValueError):
+    """The job as given cannot start (bad INPUT, duplicate ids, no prompt): exit status 2."""
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    image: str  # a path, as written to the output row
+    prompt: str | None = None  # None: the job's --prompt / --task
+
+
+def read_items(source: str) -> list[Item]:
+    """Items from a folder, a glob, a JSONL file or a single image; fails on duplicate ids."""
+    path = Path(source)
+    if path.is_dir():
+        items = _image_items(sorted(_images(path.rglob("*"))), path)
+    elif path.is_file() and path.suffix.lower() in JSONL_EXTENSIONS:
+        items = _jsonl_items(path)
+    elif path.is_file():
+        items = [Item(path.name, str(path))]
+    elif glob.has_magic(source):
+        items = _image_items(sorted(_images(map(Path, glob.glob(source, recursive=True)))), _glob_root(source))
+    else:
+        raise UsageError(f"INPUT not found: {source} (give a folder, a quoted glob or a .jsonl file)")
+    if not items:
+        raise UsageError(f"no images in {source} (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    _check_unique(items, source)
+    return items
+
+
+def _images(paths) -> list[Path]:
+    return [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+
+
+def _image_items(paths: list[Path], root: Path) -> list[Item]:
+    """Id = the path relative to the folder (or the glob's fixed leading folders), with '/'."""
+    return [Item(Path(os.path.relpath(p, root)).as_posix(), str(p)) for p in paths]
+
+
+def _glob_root(pattern: str) -> Path:
+    """The leading folders of a glob that hold no wildcard: `scans/2024/*/p*.png` -> scans/2024."""
+    parts = Path(pattern).parts
+    fixed = []
+    for part in parts[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return Path(*fixed) if fixed else Path(".")
+
+
+def _jsonl_items(path: Path) -> list[Item]:
+    """Rows {"image", "id"?, "prompt"?}; a relative image path is relative to the JSONL's folder."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{number}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict) or not isinstance(row.get("image"), str):
+                raise UsageError(f"{path}:{number}: a row needs an \"image\" path (a string)")
+            prompt = row.get("prompt")
+            if prompt is not None and not isinstance(prompt, str):
+                raise UsageError(f"{path}:{number}: \"prompt\" must be a string")
+            image = row["image"]
+            item_id = str(row["id"]) if row.get("id") is not None else image
+            items.append(Item(item_id, str(path.parent / image) if not os.path.isabs(image) else image, prompt))
+    return items
+
+
+def _check_unique(items: list[Item], source: str) -> None:
+    dupes = [i for i, n in Counter(item.id for item in items).items() if n > 1]
+    if dupes:
+        shown = ", ".join(repr(d) for d in dupes[:5]) + (f" and {len(dupes) - 5} more" if len(dupes) > 5 else "")
+        raise UsageError(f"duplicate ids in {source}: {shown}; every item needs its own id for resume to work")

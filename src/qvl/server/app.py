@@ -1,0 +1,89 @@
+"""The FastAPI app: routes only. Handlers live in openai.py, state in state.py, the error
+shape in errors.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
+
+from qvl.engine import Engine
+from qvl.server import errors
+from qvl.server.errors import APIError
+from qvl.server.metrics import StatusCounter
+from qvl.server.openai import ChatCompletions
+from qvl.server.schemas import ModelCard, ModelList
+from qvl.server.state import ServerSettings, ServerState
+from qvl.tasks import TASKS
+
+STATIC = Path(__file__).parent / "static"
+
+
+def web_page() -> str:
+    """index.html with the task presets filled in, so the page and the CLI share one prompt text."""
+    tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description}
+             for t in TASKS.values()]
+    data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
+    return (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
+
+
+def bearer_auth(key: str) -> Callable:
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
+    """`load` builds the engine; it runs in a background thread so /health answers at once."""
+    state = ServerState(settings, load)
+    chat = ChatCompletions(state)
+    page = web_page()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.start()
+        yield
+        await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="qvl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.qvl = state
+    errors.install(app)
+    app.add_middleware(StatusCounter, metrics=state.metrics)
+    api = APIRouter(dependencies=[Depends(bearer_auth(settings.api_key))] if settings.api_key else [])
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await chat(request)
+
+    @api.get("/v1/models")
+    async def models():
+        engine, _ = state.ready()
+        return ModelList(data=[ModelCard(id=engine.model_name, created=state.started)]).model_dump()
+
+    @api.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(state.gauges()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/health")
+    async def health():
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    app.include_router(api)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app

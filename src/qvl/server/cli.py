@@ -1,0 +1,87 @@
+"""`qvl serve`: its arguments (registered through qvl.cli.FRONT_DOORS)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from qvl.cli import add_engine_args, engine_options
+
+DEFAULTS = {"queue_size": 8, "max_body_mb": 20, "request_timeout": 300.0, "shutdown_timeout": 30.0,
+            "max_image_pixels": 40_000_000, "max_connections": 64, "image_url_timeout": 10.0}
+
+
+def register(sub: argparse._SubParsersAction, commands: dict) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible API and web page over one loaded model",
+                       description="Serve /v1/chat/completions, /v1/models, /health, /metrics and a web page at /.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("QVL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $QVL_API_KEY)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("limits")
+    g.add_argument("--queue-size", type=int, default=DEFAULTS["queue_size"],
+                   help="requests that may wait behind the running one; more get 429 (default: %(default)s)")
+    g.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"],
+                   help="largest request body, also the largest image (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=DEFAULTS["request_timeout"],
+                   help="seconds a request may take, queueing included (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS["shutdown_timeout"],
+                   help="on SIGTERM, seconds in-flight requests may still finish (default: %(default)s)")
+    g.add_argument("--max-images", type=int, default=8, help="images per request (default: %(default)s)")
+    g.add_argument("--max-image-pixels", type=int, default=DEFAULTS["max_image_pixels"],
+                   help="largest source image, width x height, checked before decoding (default: %(default)s)")
+    g.add_argument("--max-connections", type=int, default=DEFAULTS["max_connections"],
+                   help="open connections; more get 503 from uvicorn (default: %(default)s)")
+    g = p.add_argument_group("image sources (data: URIs always work)")
+    g.add_argument("--image-url-hosts", default="",
+                   help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
+                        "*.example.com, or * for any public host (default: none, fetching off)")
+    g.add_argument("--image-url-timeout", type=float, default=DEFAULTS["image_url_timeout"])
+    g.add_argument("--image-dir", type=Path, help="allow file: URLs and paths under this folder")
+    add_engine_args(p)
+    commands["serve"] = cmd_serve
+
+
+def settings(args: argparse.Namespace):
+    from qvl.server.images import MB, ImagePolicy
+    from qvl.server.state import ServerSettings
+
+    if args.image_dir is not None and not args.image_dir.is_dir():
+        raise ValueError(f"--image-dir {args.image_dir} is not a folder")
+    max_bytes = int(args.max_body_mb * MB)
+    hosts = tuple(h.strip().lower() for h in args.image_url_hosts.split(",") if h.strip())
+    images = ImagePolicy(max_bytes=max_bytes, max_pixels=args.max_image_pixels, url_hosts=hosts,
+                         url_timeout_s=args.image_url_timeout, local_dir=args.image_dir)
+    return ServerSettings(queue_size=args.queue_size, max_body_bytes=max_bytes, time_limit_s=args.request_timeout,
+                          shutdown_grace_s=args.shutdown_timeout, api_key=args.api_key or None, images=images)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from qvl.engine import Engine
+    from qvl.server.app import create_app
+    from qvl.server.serve import run
+
+    config = settings(args)
+    options = replace(engine_options(args), max_images=args.max_images)
+    if not is_loopback(args.host):
+        risk = "set --api-key (or $QVL_API_KEY) and put TLS in front" if not config.api_key else "use TLS in front"
+        print(f"qvl serve: warning: listening on {args.host}, not loopback: anyone who can reach port "
+              f"{args.port} can use this model; {risk}", file=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    app = create_app(config, lambda: Engine.load(options))
+    return run(app, args.host, args.port, args.log_level, args.max_connections)

@@ -1,0 +1,182 @@
+"""`image_url` values -> image bytes for the engine, refused early when unusable.
+
+data: URIs (base64) always work. http(s) URLs only for hosts the operator allowed, only to
+public addresses (the address checked is the address connected to: no DNS rebinding), no
+redirects, with a byte cap and a timeout. Local paths only inside one allowed folder.
+Every image's header is read before any pixel is decoded: format and pixel count checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import io
+import ipaddress
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from PIL import Image
+
+from qvl.processing.image import ImageError
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders we expose to the network
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    max_bytes: int = 20 * MB  # per image, after base64 decoding / download
+    max_pixels: int = 40_000_000  # declared width x height, checked before decoding
+    url_hosts: tuple[str, ...] = ()  # "example.com", "*.example.com" or "*"; empty = no http(s)
+    url_timeout_s: float = 10.0
+    local_dir: Path | None = None  # file: URLs and paths allowed only under this folder
+
+
+def load_image_bytes(url: str, policy: ImagePolicy) -> bytes:
+    """The bytes of one image_url, with its header checked; raises ImageError."""
+    if url.startswith("data:"):
+        data = decode_data_uri(url, policy.max_bytes)
+    elif url.startswith(("http://", "https://")):
+        data = fetch(url, policy)
+    elif policy.local_dir is not None:
+        data = read_local(url, policy)
+    else:
+        raise ImageError("image_url must be a data: URI with base64 data (http(s) URLs and local paths "
+                         "are off on this server)")
+    check_header(data, policy.max_pixels)
+    return data
+
+
+def decode_data_uri(url: str, max_bytes: int) -> bytes:
+    header, comma, payload = url[len("data:"):].partition(",")
+    if not comma or "base64" not in header.split(";")[1:]:
+        raise ImageError("data: URI must be base64-encoded: data:image/png;base64,...")
+    payload = "".join(payload.split())
+    if len(payload) // 4 * 3 > max_bytes + 2:
+        raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"invalid base64 in data: URI ({e})") from None
+
+
+def check_header(data: bytes, max_pixels: int) -> None:
+    """Identify the format and size from the header only: nothing is decoded here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data), formats=FORMATS) as img:
+                width, height = img.size
+        except Image.UnidentifiedImageError:
+            raise ImageError(f"not a supported image: send {', '.join(FORMATS)}") from None
+        except Image.DecompressionBombError as e:
+            raise ImageError(f"image refused as a decompression bomb: {e}") from None
+        except (OSError, SyntaxError, ValueError, EOFError) as e:
+            raise ImageError(f"could not read the image header: {e}") from None
+    if width * height > max_pixels:
+        raise ImageError(f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
+
+
+# -- http(s) -----------------------------------------------------------------------------------
+
+
+def host_allowed(host: str, patterns: tuple[str, ...]) -> bool:
+    return any(p == "*" or host == p or (p.startswith("*.") and host.endswith(p[1:])) for p in patterns)
+
+
+def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """False for private, loopback, link-local, multicast, reserved and unspecified addresses."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+def public_address(host: str, port: int) -> str:
+    """Resolve `host`; every address must be public. Returns the one to connect to."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ImageError(f"cannot resolve image host '{host}': {e}") from None
+    addresses = sorted({info[4][0] for info in infos})
+    for address in addresses:
+        if not is_public(ipaddress.ip_address(address.split("%")[0])):
+            raise ImageError(f"image host '{host}' resolves to a non-public address; refused")
+    if not addresses:
+        raise ImageError(f"cannot resolve image host '{host}'")
+    return addresses[0]
+
+
+def fetch(url: str, policy: ImagePolicy) -> bytes:
+    if not policy.url_hosts:
+        raise ImageError("http(s) image URLs are off on this server: send the image as a base64 data: URI")
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if parts.username or parts.password or not host:
+        raise ImageError("image URL must name a host and carry no credentials")
+    if not host_allowed(host, policy.url_hosts):
+        raise ImageError(f"image host '{host}' is not in this server's allowed hosts")
+    https = parts.scheme == "https"
+    try:
+        port = parts.port or (443 if https else 80)
+    except ValueError:
+        raise ImageError("image URL has an invalid port") from None
+    address = public_address(host, port)
+    conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
+        host, port, timeout=policy.url_timeout_s)
+    # Connect to the address we checked, not to whatever a second DNS lookup returns
+    # (TLS still verifies the certificate against `host`).
+    conn._create_connection = lambda _addr, timeout, source=None: socket.create_connection(
+        (address, port), timeout, source)
+    try:
+        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                     headers={"User-Agent": "qvl", "Accept": "image/*"})
+        response = conn.getresponse()
+        if response.status != 200:
+            hint = " (redirects are not followed)" if 300 <= response.status < 400 else ""
+            raise ImageError(f"fetching the image from '{host}' failed: HTTP {response.status}{hint}")
+        return read_capped(response, policy.max_bytes, time.monotonic() + policy.url_timeout_s)
+    except (OSError, http.client.HTTPException) as e:
+        raise ImageError(f"fetching the image from '{host}' failed: {e or type(e).__name__}") from None
+    finally:
+        conn.close()
+
+
+def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: float) -> bytes:
+    declared = response.getheader("Content-Length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
+    chunks, size = [], 0
+    while chunk := response.read1(64 * 1024):
+        size += len(chunk)
+        if size > max_bytes:
+            raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
+        if time.monotonic() > deadline:
+            raise ImageError("fetching the image took too long")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# -- local files -------------------------------------------------------------------------------
+
+
+def read_local(url: str, policy: ImagePolicy) -> bytes:
+    if url.startswith("file:"):
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ImageError("file: URLs must name a local path")
+        url = unquote(parts.path)
+    root = os.path.realpath(policy.local_dir)
+    path = os.path.realpath(os.path.join(root, url))  # an absolute `url` replaces root here
+    if os.path.commonpath([root, path]) != root:
+        raise ImageError("image path is outside the folder this server allows")
+    if not os.path.isfile(path):
+        raise ImageError(f"image file not found: {url}")
+    if os.path.getsize(path) > policy.max_bytes:
+        raise ImageError(f"image is larger than the limit of {policy.max_bytes // MB} MB")
+    return Path(path).read_bytes()

@@ -1,0 +1,105 @@
+"""Counters and histograms in the Prometheus text format (no client library needed).
+Updated from the event loop and the worker thread, so every update takes the lock."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from qvl.stream import Done
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # seconds
+TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)  # decoded tokens per second
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions")  # bounded label set
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
+                      f"{name}_count {self.count}"]
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.cancelled: Counter[str] = Counter()
+        self.tokens: Counter[str] = Counter()  # prompt, completion, image
+        self.cache_hits = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tps = Histogram(TPS_BUCKETS)
+
+    def count_request(self, path: str, status: int) -> None:
+        with self.lock:
+            self.requests[(path if path in ROUTES else "other", status)] += 1
+
+    def count_cancel(self, reason: str) -> None:
+        with self.lock:
+            self.cancelled[reason] += 1
+
+    def record(self, done: Done, cached: bool = False) -> None:
+        """One finished generation (or an answer served from the engine's cache)."""
+        with self.lock:
+            self.tokens.update(prompt=done.usage.prompt_tokens, completion=done.usage.completion_tokens,
+                               image=done.usage.image_tokens)
+            if cached:
+                self.cache_hits += 1
+                return
+            self.ttft.observe(done.timings.ttft_ms / 1000)
+            if done.timings.decode_ms_per_token > 0:
+                self.tps.observe(1000 / done.timings.decode_ms_per_token)
+
+    def render(self, gauges: dict[str, float]) -> str:
+        """gauges: current values by metric name (queue depth, busy, ready...)."""
+        with self.lock:
+            lines = ["# TYPE qvl_requests_total counter"]
+            lines += [f'qvl_requests_total{{path="{p}",status="{s}"}} {n}' for (p, s), n in sorted(self.requests.items())]
+            for name, value in gauges.items():
+                lines += [f"# TYPE {name} gauge", f"{name} {value:g}"]
+            lines += ["# TYPE qvl_cancelled_total counter"]
+            lines += [f'qvl_cancelled_total{{reason="{r}"}} {n}' for r, n in sorted(self.cancelled.items())]
+            for kind in ("prompt", "completion", "image"):
+                lines += [f"# TYPE qvl_{kind}_tokens_total counter", f"qvl_{kind}_tokens_total {self.tokens[kind]}"]
+            lines += ["# TYPE qvl_answer_cache_hits_total counter", f"qvl_answer_cache_hits_total {self.cache_hits}"]
+            lines += ["# TYPE qvl_time_to_first_token_seconds histogram"]
+            lines += self.ttft.lines("qvl_time_to_first_token_seconds")
+            lines += ["# TYPE qvl_decode_tokens_per_second histogram"]
+            lines += self.tps.lines("qvl_decode_tokens_per_second")
+        return "\n".join(lines) + "\n"
+
+
+class StatusCounter:
+    """ASGI middleware: counts every HTTP response by route and status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.count_request(scope["path"], message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.count_request(scope["path"], 500)
+            raise

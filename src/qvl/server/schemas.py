@@ -1,0 +1,166 @@
+"""Pydantic schemas of the OpenAI chat-completions API as qvl serves it (requests strict,
+responses as OpenAI sends them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+
+MAX_MESSAGES = 4096  # the context holds 32k tokens; every message costs a few
+MAX_PARTS = 1024
+
+
+class _Strict(BaseModel):
+    # Wrong types are errors, not coerced ("1" is not a number); unknown fields are ignored.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+def _content_list(value: Any) -> Any:
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise ValueError("content must be a string or a list of content parts")
+    return value
+
+
+def _stop_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+class ImageURL(_Strict):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(_Strict):
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+    @model_validator(mode="after")
+    def _matching_field(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a '{self.type}' part needs a '{self.type}' field")
+        return self
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[list[ContentPart], BeforeValidator(_content_list), Field(max_length=MAX_PARTS)]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: str | None = None  # any name is accepted: one process serves one model
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: Annotated[list[str] | None, BeforeValidator(_stop_list), Field(max_length=4)] = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    n: int = 1
+    # qvl extras
+    top_k: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0)
+    max_pixels: int | None = Field(None, ge=1)
+    # OpenAI features qvl does not offer: accepted by the schema, refused with a clear 400
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    audio: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something qvl cannot do, or None."""
+        if self.n != 1:
+            return "n"
+        for name in ("tools", "tool_choice", "functions", "function_call", "audio", "top_logprobs"):
+            if getattr(self, name) is not None:
+                return name
+        if self.logprobs not in (None, False):
+            return "logprobs"
+        if self.logit_bias not in (None, {}):
+            return "logit_bias"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        return None
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    qvl: dict  # extra: timings, image tokens, cache hits
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # only on the last chunk, when stream_options.include_usage
+    qvl: dict | None = None  # only on the chunk with finish_reason
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_extras(self, handler) -> dict:
+        data = handler(self)
+        return {k: v for k, v in data.items() if not (k in ("usage", "qvl") and v is None)}
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "qvl"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

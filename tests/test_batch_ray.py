@@ -1,0 +1,40 @@
+"""`qvl batch --ray` on a local Ray instance gives the same rows as the local path."""
+
+from __future__ import annotations
+
+import pytest
+
+from qvl.cli import main
+from tests.test_batch_cli import qvl_batch, read_rows, write_images
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'qvl[ray]'")
+
+ARGS = ("--task", "ocr", "--max-new-tokens", "8", "--batch-size", "2")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def without_timings(rows: list[dict]) -> dict[str, dict]:
+    return {row["id"]: {k: v for k, v in row.items() if k != "timings"} for row in rows}
+
+
+def test_ray_rows_match_local_rows_and_resume(tiny_checkpoint, tmp_path, local_ray):
+    folder = tmp_path / "images"
+    ids = write_images(folder, 5, broken=True)
+    local_out, ray_out = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    local = qvl_batch(tiny_checkpoint, folder, "--out", local_out, *ARGS)
+    assert local.returncode == 1, local.stderr
+
+    ray_out.write_text("".join(line + "\n" for line in local_out.read_text().splitlines()[:2]))  # a resumed run
+    argv = ["batch", str(folder), "--out", str(ray_out), *ARGS, "--model", str(tiny_checkpoint), "--dtype", "fp32",
+            "--ray", "--ray-actors", "1"]
+    assert main(argv) == 1
+
+    ray_rows = read_rows(ray_out)
+    assert sorted(r["id"] for r in ray_rows) == ids
+    assert without_timings(ray_rows) == without_timings(read_rows(local_out))

@@ -1,0 +1,99 @@
+"""Weight-only int8/int4: kernels against a dequantised reference, loading, the
+pre-quantised file format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qvl.config import ModelConfig
+from qvl.quantize import (
+    Int4Linear,
+    Int8Linear,
+    QuantSpec,
+    from_kernel_layout,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    quantized_state,
+    to_kernel_layout,
+    unpack_nibbles,
+)
+from qvl.weights import CheckpointError, load_model, save_quantized
+
+
+def _module(kind: str, o: int, i: int, dtype, group=64):
+    w = torch.randn(o, i)
+    m = Int8Linear(i, o, False, dtype) if kind == "int8" else Int4Linear(i, o, group, dtype)
+    for key, value in quantized_state(m, "m", w, dtype).items():
+        setattr(m, key.split(".", 1)[1], value)
+    return m, w
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # kernel path (few rows) and dequantised GEMM path (many)
+def test_kernels_match_dequantised_reference(kind, dtype, rows):
+    m, w = _module(kind, 192, 256, dtype)
+    x = torch.randn(2, rows, 256, dtype=dtype)
+    reference = F.linear(x.float(), m.dequantized().float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(m(x).float(), reference, atol=tol * reference.abs().max().item(), rtol=tol)
+    # and the quantisation itself stays close to the float weight
+    err = (m.dequantized().float() - w).abs().max() / w.abs().max()
+    assert err < (0.01 if kind == "int8" else 0.15)
+
+
+def test_int4_layout_round_trips_and_row_gather():
+    q, scale, zero = quantize_int4(torch.randn(128, 64), 32)
+    assert torch.equal(from_kernel_layout(to_kernel_layout(q)), q)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    m, _ = _module("int4", 192, 128, torch.float32, group=32)
+    rows = torch.tensor([0, 5, 63, 64, 100, 191, 5])
+    torch.testing.assert_close(m.dequantized(rows), m.dequantized()[rows])
+
+
+def test_int8_is_symmetric_per_channel():
+    w = torch.randn(8, 16)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (8,)
+    assert (q.abs().amax(1) == 127).all()
+
+
+def _logits(model, ids):
+    from qvl.kv_cache import KVCache
+
+    t = model.cfg.text
+    cache = KVCache(t.num_hidden_layers, 1, t.num_key_value_heads, ids.shape[1], t.head_dim, model.dtype)
+    cos, sin = model.rope(torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1))
+    with torch.inference_mode():
+        return model.logits(model.language_model(model.embed(ids), cos, sin, cache, 0))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", 32), QuantSpec("int8", vision=True)])
+def test_quantised_models_stay_close_to_fp32(tiny_checkpoint, spec):
+    cfg = ModelConfig.from_file(tiny_checkpoint / "config.json")
+    ids = torch.tensor([[9707, 11, 1879, 0, 108386, 151644, 872, 198, 3838, 374]])
+    ref = _logits(load_model(tiny_checkpoint, cfg, torch.float32), ids)
+    model = load_model(tiny_checkpoint, cfg, torch.float32, spec)
+    assert isinstance(model.lm_head, Int4Linear if spec.weights == "int4" else Int8Linear)
+    assert not any(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 and p.dim() == 2
+                   for n, p in model.language_model.named_parameters())  # every text matrix quantised
+    out = _logits(model, ids)
+    cosine = F.cosine_similarity(out.flatten(0, 1), ref.flatten(0, 1), dim=-1)
+    assert cosine.min() > (0.999 if spec.weights == "int8" else 0.93), cosine
+
+
+def test_prequantised_checkpoint_loads_identically_without_requantising(tiny_checkpoint, tmp_path):
+    cfg = ModelConfig.from_file(tiny_checkpoint / "config.json")
+    spec = QuantSpec("int4", 64)
+    out = save_quantized(tiny_checkpoint, tmp_path / "q", spec)
+    a = load_model(tiny_checkpoint, cfg, torch.bfloat16, spec).state_dict()
+    b = load_model(out, cfg, torch.bfloat16).state_dict()  # format read from the file's metadata
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(CheckpointError, match="pre-quantised int4"):
+        load_model(out, cfg, torch.bfloat16, QuantSpec("int8"))
+    (tmp_path / "renamed-int8").symlink_to(out)  # the format never comes from a name
+    model = load_model(tmp_path / "renamed-int8", cfg, torch.bfloat16)
+    assert isinstance(model.lm_head, Int4Linear)
