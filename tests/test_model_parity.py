@@ -52,7 +52,10 @@ def test_vision_and_deepstack_features_match(pair):
     engine, ref = pair
     parsed = engine.parse(two_image_request())
     assert len(parsed.images) == 2 and parsed.images[0].grid_thw[1] != parsed.images[0].grid_thw[2]
-    ours_embeds, ours_deepstack = engine._encode_images(parsed.images)
+    from qvl.stream import Timings
+
+    prompt = engine.prepare(parsed, Timings())
+    ours_embeds, ours_deepstack = prompt.image_embeds, prompt.deepstack
     kw = reference_inputs(parsed, engine.cfg.image_token_id)
     out = ref.model.get_image_features(kw["pixel_values"], kw["image_grid_thw"], return_dict=True)
     torch.testing.assert_close(ours_embeds, torch.cat(out.pooler_output), atol=1e-4, rtol=1e-4)

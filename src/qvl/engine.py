@@ -5,42 +5,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
-from qvl.generate import PreparedPrompt, generate_step
+from qvl.generate import PreparedPrompt, generate_step, new_cache
 from qvl.hub import resolve_model
 from qvl.model.rope import mrope_positions
-from qvl.processing.image import ImageProcessorConfig, ProcessedImage, load_image, preprocess
-from qvl.processing.prompt import load_chat_template, tokenize_chat
+from qvl.processing.image import ImageProcessorConfig, ProcessedImage
+from qvl.processing.prompt import load_chat_template
 from qvl.processing.tokenizer import Tokenizer
+from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
+from qvl.requests import Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.stream import Delta, Done, Timings, Usage, stream_text
-from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
 from qvl.weights import checkpoint_quantization, load_model
+
+__all__ = ["Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
 DEFAULT_MAX_IMAGE_TOKENS = 1024  # CPU default budget per image; see docs/benchmarks.md
 DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outputs; see docs/benchmarks.md
-
-
-def _model_quant(model) -> QuantSpec | None:
-    head = model.lm_head
-    if isinstance(head, Int4Linear):
-        return QuantSpec("int4", head.group_size)
-    return QuantSpec("int8") if isinstance(head, Int8Linear) else None
-
-
-class RequestError(ValueError):
-    """A request qvl cannot serve as given; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -55,29 +44,16 @@ class EngineOptions:
     max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS
     max_images: int = 8
     max_context: int = DEFAULT_MAX_CONTEXT
+    vision_cache_mb: float = 256
+    prefix_cache_mb: float = 512
+    answer_cache_entries: int = 256
 
 
-@dataclass
-class Request:
-    """messages: [{"role", "content": str | [{"type": "text", "text"} | {"type": "image",
-    "image": path | bytes | PIL.Image}]}]; max_image_tokens overrides the engine budget."""
-
-    messages: list[dict]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_image_tokens: int | None = None
-
-
-@dataclass
-class ParsedRequest:
-    """A request checked and tokenized; images decoded and preprocessed, not yet encoded."""
-
-    ids: torch.Tensor  # [T] long, image placeholders expanded
-    images: list[ProcessedImage]
-    sampling: SamplingParams
-
-    @property
-    def image_tokens(self) -> int:
-        return sum(im.num_tokens for im in self.images)
+def _weights_name(model) -> str:
+    head = model.lm_head
+    if isinstance(head, Int4Linear):
+        return f"int4-g{head.group_size}"
+    return "int8" if isinstance(head, Int8Linear) else str(model.dtype).replace("torch.", "")
 
 
 class Engine:
@@ -87,7 +63,11 @@ class Engine:
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
         self.path, self.load_s = path, load_s
-        self.weights = quant.weights if (quant := _model_quant(model)) else str(model.dtype).replace("torch.", "")
+        self.weights = _weights_name(model)
+        self.limits = Limits(options.max_image_tokens, options.max_images, options.max_context)
+        self.vision_cache = VisionCache(options.vision_cache_mb)
+        self.prefix_cache = PrefixCache(options.prefix_cache_mb)
+        self.answer_cache = AnswerCache(options.answer_cache_entries)
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
@@ -120,6 +100,11 @@ class Engine:
     def model_name(self) -> str:
         return self.options.model or self.path.name
 
+    @property
+    def model_id(self) -> str:
+        """Identifies what computes the answers: checkpoint, weight format, dtype."""
+        return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}"
+
     def sampling_defaults(self, **overrides) -> SamplingParams:
         """The checkpoint's generation_config defaults, with explicit overrides (None = keep)."""
         d = self.defaults
@@ -127,88 +112,108 @@ class Engine:
                               repetition_penalty=d.repetition_penalty, max_new_tokens=d.max_new_tokens)
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
-    # -- request preparation -------------------------------------------------------------
-
-    def _images(self, request: Request) -> tuple[list[dict], list[ProcessedImage]]:
-        """Decode and preprocess every image part; returns template-ready messages."""
-        tokens = request.max_image_tokens or self.options.max_image_tokens
-        if tokens < 1:
-            raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
-        max_pixels = tokens * self.image_cfg.factor**2
-        messages, images = [], []
-        for message in request.messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") == "image":
-                        if len(images) >= self.options.max_images:
-                            raise RequestError(f"too many images: at most {self.options.max_images} per request",
-                                               "messages")
-                        image = load_image(part["image"])
-                        images.append(preprocess(image, self.image_cfg, max_pixels=max(max_pixels,
-                                                                                       self.image_cfg.factor**2)))
-                        parts.append({"type": "image"})
-                    else:
-                        parts.append(part)
-                content = parts
-            messages.append({**message, "content": content})
-        return messages, images
-
-    def _encode_images(self, images: list[ProcessedImage]) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
-        if not images:
-            return None, None
-        with torch.inference_mode():
-            outs = [self.model.encode_images(im.pixel_values, [im.grid_thw]) for im in images]
-        embeds = torch.cat([o[0] for o in outs])
-        deepstack = [torch.cat(layer) for layer in zip(*(o[1] for o in outs))]
-        return embeds, deepstack
-
     def parse(self, request: Request) -> ParsedRequest:
-        """Decode images, render and tokenize the conversation, check the budget. Cheap next
-        to generation, and raises RequestError / ImageError for anything unusable, so a
-        server can answer 400 before it queues the request."""
-        messages, images = self._images(request)
-        if not messages:
-            raise RequestError("messages must not be empty", "messages")
-        counts = [im.num_tokens for im in images]
-        tokens = tokenize_chat(self.tokenizer, self.template, messages, counts)
-        ids = torch.tensor(tokens.ids, dtype=torch.long)
-        limit = self.options.max_context
-        if len(ids) + request.sampling.max_new_tokens > limit:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
-                f"but the context holds {limit}; shorten the conversation, lower max_tokens or the image budget",
-                "messages", "context_length_exceeded")
-        return ParsedRequest(ids, images, request.sampling)
+        """Decode images, tokenize, check the budget: cheap next to generation, and raises
+        RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
+        return parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits)
 
-    def prepare(self, parsed: ParsedRequest, timings: Timings) -> PreparedPrompt:
-        """Encode the images and lay out the M-RoPE positions."""
+    # -- vision and prompt layout ---------------------------------------------------------
+
+    def _image_features(self, image: ProcessedImage, timings: Timings) -> ImageFeatures:
+        features = self.vision_cache.get(image.content_hash)
+        if features is None:
+            timings.cached["vision"] = False
+            with torch.inference_mode():
+                embeds, deepstack = self.model.encode_images(image.pixel_values, [image.grid_thw])
+            features = ImageFeatures(embeds, deepstack)
+            self.vision_cache.add(image.content_hash, features)
+        return features
+
+    def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0) -> PreparedPrompt:
+        """Encode the images not already inside a reused prefix of `skip` tokens (through
+        the vision cache) and lay out the M-RoPE positions."""
         started = time.perf_counter()
-        embeds, deepstack = self._encode_images(parsed.images)
+        spans = image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
+        needed = [(im, span) for im, span in zip(parsed.images, spans) if span[1] > skip]
+        embeds_from = parsed.image_tokens - sum(im.num_tokens for im, _ in needed)
+        embeds = deepstack = None
+        if needed:
+            timings.cached["vision"] = True  # until an image misses
+            feats = [self._image_features(im, timings) for im, _ in needed]
+            embeds = torch.cat([f.embeds for f in feats])
+            deepstack = [torch.cat(layer) for layer in zip(*(f.deepstack for f in feats))]
         timings.vision_ms = (time.perf_counter() - started) * 1000
         grids = [im.grid_thw for im in parsed.images]
         positions, next_position = mrope_positions(parsed.ids, grids, self.cfg.image_token_id,
                                                    self.cfg.vision.spatial_merge_size)
-        return PreparedPrompt(parsed.ids, positions, next_position, embeds, deepstack)
+        return PreparedPrompt(parsed.ids, positions, next_position, embeds, deepstack, embeds_from)
 
     # -- generation ----------------------------------------------------------------------
 
     def eos_ids(self, params: SamplingParams) -> tuple[int, ...]:
         return () if params.ignore_eos else self.defaults.eos_token_ids
 
+    def _answer_key(self, parsed: ParsedRequest) -> str | None:
+        if not (self.answer_cache.enabled and parsed.sampling.deterministic):
+            return None
+        return AnswerCache.key(self.model_id, parsed.ids, parsed.image_hashes, parsed.sampling)
+
+    def cached_answer(self, request: Request | ParsedRequest) -> Done | None:
+        """The stored answer of an exact repeat of a deterministic request, if any."""
+        parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
+        key = None if parsed.answer_checked else self._answer_key(parsed)
+        done = self.answer_cache.get(key) if key else None
+        parsed.answer_checked = True
+        if done is None:
+            return None
+        timings = Timings(cached={"answer": True})
+        return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings)
+
     def stream(self, request: Request | ParsedRequest) -> Iterator[Delta | Done]:
         """Events for one request: Delta pieces of text, then Done. Closing the iterator
         cancels the generation before the next decode step."""
         started = time.perf_counter()
         parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
+        if (hit := self.cached_answer(parsed)) is not None:
+            hit.timings.ttft_ms = (time.perf_counter() - started) * 1000
+            if hit.text:
+                yield Delta(hit.text, hit.token_ids)
+            yield hit
+            return
         timings = Timings()
-        prompt = self.prepare(parsed, timings)
-        usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens)
+        spans = image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
+        prefix, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
+        timings.cached["prefix"] = reused > 0
+        timings.reused_tokens = reused
+        prompt = self.prepare(parsed, timings, skip=reused)
         params = parsed.sampling
         eos = self.eos_ids(params)
-        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos))
-        yield from stream_text(steps, self.tokenizer, params.stop, eos, usage, timings, started)
+        cache = new_cache(self.model, 1, len(prompt) + params.max_new_tokens)
+        prefixes = [(prefix.kv, reused)] if prefix else None
+        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos, cache=cache, prefixes=prefixes))
+        usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens)
+        done = None
+        for event in stream_text(steps, self.tokenizer, params.stop, eos, usage, timings, started):
+            if isinstance(event, Done):
+                done = event
+                break
+            yield event
+        self._remember(parsed, spans, cache, done)
+        yield done
+
+    def _remember(self, parsed: ParsedRequest, spans, cache, done: Done) -> None:
+        """Keep the KV state (prompt + answer) for prefix reuse and the answer for repeats."""
+        self._remember_prefix(parsed, spans, cache, 0, 0, cache.length - len(parsed.ids), done.token_ids)
+        key = self._answer_key(parsed)
+        if key:
+            self.answer_cache.put(key, done)
+
+    def _remember_prefix(self, parsed: ParsedRequest, spans, cache, row: int, slot: int, fed: int,
+                         answer: list[int]) -> None:
+        """Store one row's KV state: its prompt (from `slot`) and the `fed` answer tokens."""
+        if self.prefix_cache.enabled and fed >= 0:
+            ids = torch.cat([parsed.ids, torch.tensor(answer[:fed], dtype=torch.long)])
+            self.prefix_cache.add(PrefixEntry(ids, spans, cache.clone_row(row, slot, len(ids))))
 
     def generate(self, request: Request | ParsedRequest) -> Done:
         """The final event of `stream`."""
@@ -218,34 +223,57 @@ class Engine:
         raise RuntimeError("generation ended without a final event")
 
     def generate_batch(self, requests: list[Request | ParsedRequest]) -> list[Done]:
-        """Answer several requests with one batched decode: images encoded and prompts
-        prefilled one by one, then all rows decoded together (a decode step reads the
-        weights once for every row). All requests must share sampling parameters."""
+        """Answer several requests with one batched decode: exact repeats from the answer
+        cache, images through the vision cache, each prompt prefilled on its own (from a
+        cached prefix where there is one), then all rows decoded together (a decode step
+        reads the weights once for every row). Sampling must be shared."""
         parsed = [r if isinstance(r, ParsedRequest) else self.parse(r) for r in requests]
         params = parsed[0].sampling
         if any(p.sampling != params for p in parsed):
             raise ValueError("a batch needs the same sampling parameters for every request")
+        results: list[Done | None] = [self.cached_answer(p) for p in parsed]
+        todo = [i for i, r in enumerate(results) if r is None]
+        if todo:
+            for i, done in zip(todo, self._decode_together([parsed[i] for i in todo], params)):
+                results[i] = done
+        return results
+
+    def _decode_together(self, parsed: list[ParsedRequest], params: SamplingParams) -> list[Done]:
         started = time.perf_counter()
         timings = [Timings() for _ in parsed]
-        prompts = [self.prepare(p, t) for p, t in zip(parsed, timings)]
+        spans = [image_spans(p.ids, self.cfg.image_token_id, p.image_hashes) for p in parsed]
+        found = [self.prefix_cache.longest(p.ids, s) if self.prefix_cache.enabled else (None, 0)
+                 for p, s in zip(parsed, spans)]
+        prompts = []
+        for p, t, (entry, reused) in zip(parsed, timings, found):
+            t.cached["prefix"], t.reused_tokens = reused > 0, reused
+            prompts.append(self.prepare(p, t, skip=reused))
+        prefixes = [(entry.kv, reused) if entry else None for entry, reused in found]
         eos = self.eos_ids(params)
+        width = max(len(p) for p in prompts)
+        cache = new_cache(self.model, len(prompts), width + params.max_new_tokens)
         rows: list[list[int]] = [[] for _ in parsed]
-        step_ms, last = [], None
-        for step in generate_step(self.model, prompts, params, eos):
+        step_ms, last = [], started
+        for step in generate_step(self.model, prompts, params, eos, cache=cache, prefixes=prefixes):
             now = time.perf_counter()
-            step_ms.append((now - (last or started)) * 1000)
+            step_ms.append((now - last) * 1000)
             last = now
             for row, token in zip(rows, step):
                 if token is not None:
                     row.append(token)
+        vision_ms = sum(t.vision_ms for t in timings)
         results = []
-        for p, t, row in zip(parsed, timings, rows):
+        for r, (p, t, row, s) in enumerate(zip(parsed, timings, rows, spans)):
+            self._remember_prefix(p, s, cache, r, width - len(p.ids), min(len(row), cache.length - width), row)
             usage = Usage(prompt_tokens=len(p.ids), image_tokens=p.image_tokens)
             *_, done = stream_text(iter(row), self.tokenizer, params.stop, eos, usage, t, started)
             # stream_text timed a replay; the batch's own clock is what happened
             done.timings.ttft_ms = step_ms[0]
-            done.timings.prefill_ms = max(0.0, step_ms[0] - sum(x.vision_ms for x in timings)) / len(parsed)
+            done.timings.prefill_ms = max(0.0, step_ms[0] - vision_ms) / len(parsed)
             done.timings.decode_ms = step_ms[1 : len(row)]
             done.timings.decode_ms_per_token = sum(done.timings.decode_ms) / max(1, len(done.timings.decode_ms))
+            key = self._answer_key(p)
+            if key:
+                self.answer_cache.put(key, done)
             results.append(done)
         return results

@@ -23,8 +23,9 @@ class PreparedPrompt:
     ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [3, T] M-RoPE positions
     next_position: int  # position of the first generated token
-    image_embeds: torch.Tensor | None = None  # [n_image_tokens, D]
-    deepstack: list[torch.Tensor] | None = None  # each [n_image_tokens, D]
+    image_embeds: torch.Tensor | None = None  # [n, D] for the image tokens from embeds_from on
+    deepstack: list[torch.Tensor] | None = None  # each [n, D]
+    embeds_from: int = 0  # image tokens before the first embedded one (already in a reused prefix)
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -40,7 +41,7 @@ def prefill(
     reuse). Returns the logits of the last token [1, V]."""
     image_token = model.cfg.image_token_id
     is_image = prompt.ids == image_token
-    done_images = int(is_image[:skip].sum())
+    done_images = int(is_image[:skip].sum()) - prompt.embeds_from
     h_last = None
     for s in range(skip, len(prompt), chunk):
         e = min(s + chunk, len(prompt))
@@ -71,19 +72,22 @@ def decode_step(
 
 
 def new_cache(model: Qwen3VL, batch: int, capacity: int) -> KVCache:
+    """Rows of a batch may hold masked, never-written slots: zero them (garbage could be
+    NaN, and NaN * 0 poisons attention). A single row only ever reads what it wrote."""
     t = model.cfg.text
-    return KVCache(t.num_hidden_layers, batch, t.num_key_value_heads, capacity, t.head_dim, model.dtype)
+    return KVCache(t.num_hidden_layers, batch, t.num_key_value_heads, capacity, t.head_dim, model.dtype,
+                   zeroed=batch > 1)
 
 
 def generate_step(
     model: Qwen3VL, prompts: list[PreparedPrompt], params: SamplingParams, eos_ids: tuple[int, ...],
-    *, cache: KVCache | None = None, reused: int = 0,
+    *, cache: KVCache | None = None, prefixes: list[tuple[KVCache, int] | None] | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield, per step, the next token of each row (None for a row already finished).
 
     Rows are right-aligned in one cache (shorter prompts padded on the left and masked),
-    prefilled one by one and decoded together. With a single prompt, `cache` may hold
-    its first `reused` tokens already (prefix reuse); it must have room for the answer.
+    prefilled one by one and decoded together. prefixes[r] = (kv, n): a B=1 cache whose
+    first n positions hold row r's first n prompt tokens, which are then not recomputed.
     A row finishes on an EOS id (unless params.ignore_eos) or after max_new_tokens.
     """
     batch, width = len(prompts), max(len(p) for p in prompts)
@@ -101,7 +105,10 @@ def generate_step(
             key_mask[r, pad:width] = True
             row_mask = key_mask[r : r + 1]
         row_cache = cache.row(r) if batch > 1 else cache
-        logits.append(prefill(model, row_cache, p, skip=reused, slot=pad, key_mask=row_mask))
+        prefix, skip = prefixes[r] if prefixes and prefixes[r] else (None, 0)
+        if prefix is not None:
+            row_cache.write_prefix(prefix, skip, slot=pad)
+        logits.append(prefill(model, row_cache, p, skip=skip, slot=pad, key_mask=row_mask))
     cache.length = width
     logits = torch.cat(logits)
     vocab = logits.shape[-1]

@@ -12,10 +12,12 @@ class KVCache:
     filled; layers write at `start` through `update` and read everything before it.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 zeroed: bool = False):
         shape = (layers, batch, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        alloc = torch.zeros if zeroed else torch.empty  # empty: pages become resident only when written
+        self.keys = alloc(shape, dtype=dtype)
+        self.values = alloc(shape, dtype=dtype)
         self.length = 0
 
     @property
@@ -36,21 +38,16 @@ class KVCache:
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
-    def trim(self, length: int) -> None:
-        """Forget positions from `length` on (their slots are overwritten later)."""
-        self.length = min(self.length, length)
+    def write_prefix(self, other: KVCache, length: int, slot: int = 0) -> None:
+        """Copy the first `length` positions of a B=1 cache into slots slot..slot+length."""
+        self.keys[:, :, :, slot : slot + length] = other.keys[:, :1, :, :length]
+        self.values[:, :, :, slot : slot + length] = other.values[:, :1, :, :length]
 
-    def copy_prefix_from(self, other: KVCache, length: int, row: int = 0) -> None:
-        """Copy the first `length` positions of `other`'s row into every row of this cache."""
-        self.keys[:, :, :, :length] = other.keys[:, row : row + 1, :, :length]
-        self.values[:, :, :, :length] = other.values[:, row : row + 1, :, :length]
-        self.length = length
-
-    def clone_prefix(self, length: int, row: int = 0) -> KVCache:
-        """A compact copy of one row's first `length` positions (for prefix reuse)."""
+    def clone_row(self, row: int, slot: int, length: int) -> KVCache:
+        """A compact B=1 copy of positions slot..slot+length of one row."""
         new = KVCache.__new__(KVCache)
-        new.keys = self.keys[:, row : row + 1, :, :length].clone()
-        new.values = self.values[:, row : row + 1, :, :length].clone()
+        new.keys = self.keys[:, row : row + 1, :, slot : slot + length].clone()
+        new.values = self.values[:, row : row + 1, :, slot : slot + length].clone()
         new.length = length
         return new
 

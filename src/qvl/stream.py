@@ -29,6 +29,7 @@ class Timings:
     decode_ms_per_token: float = 0.0
     decode_ms: list[float] = field(default_factory=list, repr=False)  # per decoded token
     cached: dict[str, bool] = field(default_factory=dict)  # per stage: vision, prefix, answer
+    reused_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
 
 
 @dataclass

@@ -1,0 +1,161 @@
+"""Caches keyed by content: image features by image hash, KV states by token prefix
+(images by hash), and whole answers by the exact request. All bounded, all LRU."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qvl.kv_cache import KVCache
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    entries: int = 0
+
+
+class LRU:
+    """An LRU map bounded by a byte budget (or an entry count); thread-safe."""
+
+    def __init__(self, max_bytes: int = 0, max_entries: int = 0):
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self.stats = CacheStats()
+        self.lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0 or self.max_entries > 0
+
+    def get(self, key) -> Any | None:
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                self.stats.hits += 1
+                return self.items[key][0]
+            self.stats.misses += 1
+            return None
+
+    def put(self, key, value, size: int = 0) -> None:
+        if not self.enabled or (self.max_bytes and size > self.max_bytes):
+            return
+        with self.lock:
+            if key in self.items:
+                self.stats.bytes -= self.items.pop(key)[1]
+            self.items[key] = (value, size)
+            self.stats.bytes += size
+            while (self.max_bytes and self.stats.bytes > self.max_bytes) or (
+                self.max_entries and len(self.items) > self.max_entries
+            ):
+                _, (_, freed) = self.items.popitem(last=False)
+                self.stats.bytes -= freed
+                self.stats.evictions += 1
+            self.stats.entries = len(self.items)
+
+    def values(self) -> list:
+        with self.lock:
+            return [v for v, _ in self.items.values()]
+
+    def touch(self, key) -> None:
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+
+
+@dataclass
+class ImageFeatures:
+    embeds: torch.Tensor  # [n, D]
+    deepstack: list[torch.Tensor]  # each [n, D]
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.nbytes + sum(d.nbytes for d in self.deepstack)
+
+
+class VisionCache(LRU):
+    """The vision tower's output per image content hash (pixels + preprocessing)."""
+
+    def __init__(self, max_mb: float):
+        super().__init__(max_bytes=int(max_mb * 2**20))
+
+    def add(self, content_hash: str, features: ImageFeatures) -> None:
+        self.put(content_hash, features, features.nbytes)
+
+
+@dataclass
+class PrefixEntry:
+    ids: torch.Tensor  # [L] token ids held in `kv`
+    image_spans: list[tuple[int, int, str]]  # (start, end, content hash) of each image in ids
+    kv: KVCache = field(repr=False)  # B=1, exactly L positions
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
+def image_spans(ids: torch.Tensor, image_token_id: int, hashes: list[str]) -> list[tuple[int, int, str]]:
+    """(start, end, hash) of each run of image tokens, in order."""
+    is_image = (ids == image_token_id).int()
+    edges = torch.diff(torch.cat([torch.tensor([0]), is_image, torch.tensor([0])]))
+    starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+    return [(s, e, h) for s, e, h in zip(starts, ends, hashes)]
+
+
+class PrefixCache(LRU):
+    """KV states of earlier prompts (and answers), reused by requests that start with
+    the same tokens and the same images (compared by content hash)."""
+
+    def __init__(self, max_mb: float):
+        super().__init__(max_bytes=int(max_mb * 2**20))
+
+    def longest(self, ids: torch.Tensor, spans: list[tuple[int, int, str]]) -> tuple[PrefixEntry | None, int]:
+        """The entry sharing the longest usable prefix with `ids`, and that length (at
+        most len(ids) - 1: the last prompt token is always run to get logits)."""
+        best, best_len = None, 0
+        for key, entry in [(k, v) for k, (v, _) in list(self.items.items())]:
+            n = min(common_prefix(entry.ids, ids), len(ids) - 1)
+            for (s, e, h), (s2, e2, h2) in zip(entry.image_spans, spans):
+                if s >= n:
+                    break
+                if (s, e, h) != (s2, e2, h2):  # a different picture behind the same placeholders
+                    n = s
+                    break
+            if n > best_len:
+                best, best_len = (key, entry), n
+        with self.lock:
+            if best is None:
+                self.stats.misses += 1
+                return None, 0
+            self.stats.hits += 1
+        self.touch(best[0])
+        return best[1], best_len
+
+    def add(self, entry: PrefixEntry) -> None:
+        key = hashlib.sha256(entry.ids.numpy().tobytes() + repr(entry.image_spans).encode()).hexdigest()
+        self.put(key, entry, entry.kv.nbytes)
+
+
+class AnswerCache(LRU):
+    """Final answers of deterministic requests, by a key over everything that shapes them."""
+
+    def __init__(self, max_entries: int):
+        super().__init__(max_entries=max_entries)
+
+    @staticmethod
+    def key(model_id: str, ids: torch.Tensor, image_hashes: list[str], params: Any) -> str:
+        h = hashlib.sha256(model_id.encode())
+        h.update(ids.numpy().tobytes())
+        h.update("|".join(image_hashes).encode())
+        h.update(repr(params).encode())
+        return h.hexdigest()

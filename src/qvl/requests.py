@@ -1,0 +1,97 @@
+"""Chat requests: what a front door hands the engine, and its checked, tokenized form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qvl.processing.image import ImageProcessorConfig, ProcessedImage, load_image, preprocess
+from qvl.processing.prompt import tokenize_chat
+from qvl.processing.tokenizer import Tokenizer
+from qvl.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request qvl cannot serve as given; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass
+class Request:
+    """messages: [{"role", "content": str | [{"type": "text", "text"} | {"type": "image",
+    "image": path | bytes | PIL.Image}]}]; max_image_tokens overrides the engine budget."""
+
+    messages: list[dict]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_image_tokens: int | None = None
+
+
+@dataclass
+class ParsedRequest:
+    """A request checked and tokenized; images decoded and preprocessed, not yet encoded."""
+
+    ids: torch.Tensor  # [T] long, image placeholders expanded
+    images: list[ProcessedImage]
+    sampling: SamplingParams
+    answer_checked: bool = False  # the answer cache was already asked (and missed)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images)
+
+    @property
+    def image_hashes(self) -> list[str]:
+        return [im.content_hash for im in self.images]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_image_tokens: int  # default budget per image
+    max_images: int
+    max_context: int
+
+
+def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Limits):
+    """Template-ready messages (image parts reduced to {"type": "image"}) and the images."""
+    tokens = request.max_image_tokens or limits.max_image_tokens
+    if tokens < 1:
+        raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
+    max_pixels = max(tokens, 1) * image_cfg.factor**2
+    messages, images = [], []
+    for message in request.messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "image":
+                    parts.append(part)
+                    continue
+                if len(images) >= limits.max_images:
+                    raise RequestError(f"too many images: at most {limits.max_images} per request", "messages")
+                images.append(preprocess(load_image(part["image"]), image_cfg, max_pixels=max_pixels))
+                parts.append({"type": "image"})
+            content = parts
+        messages.append({**message, "content": content})
+    return messages, images
+
+
+def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
+                  limits: Limits) -> ParsedRequest:
+    """Decode images, render and tokenize the conversation, check the context budget.
+    Raises RequestError / ImageError for anything unusable."""
+    if not request.messages:
+        raise RequestError("messages must not be empty", "messages")
+    messages, images = _decode_images(request, image_cfg, limits)
+    tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images])
+    ids = torch.tensor(tokens.ids, dtype=torch.long)
+    wanted = len(ids) + request.sampling.max_new_tokens
+    if wanted > limits.max_context:
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
+            f"but the context holds {limits.max_context}; shorten the conversation, lower max_tokens or the "
+            f"image budget", "messages", "context_length_exceeded")
+    return ParsedRequest(ids, images, request.sampling)
