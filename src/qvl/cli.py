@@ -113,6 +113,67 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Multi-turn chat on the terminal; earlier turns are reused from the prefix cache."""
+    from qvl.engine import Engine, Request
+    from qvl.stream import Delta, Done
+
+    check_images(args.image)
+    engine = Engine.load(engine_options(args))
+    params = sampling_params(engine, args)
+    history: list[dict] = []
+    pending = list(args.image)
+    print("qvl chat: type a message; /image PATH attaches a picture, /reset forgets, /quit leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            history, pending = [], []
+            continue
+        if line.startswith("/image "):
+            path = line[len("/image "):].strip()
+            check_images([path])
+            pending.append(path)
+            continue
+        if not line:
+            continue
+        history.append(user_message(line, pending))
+        pending = []
+        text = ""
+        for event in engine.stream(Request(history, params)):
+            if isinstance(event, Delta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Done):
+                text = event.text
+                t = event.timings
+                print(f"\n[{t.ttft_ms:.0f} ms to first token, {t.decode_ms_per_token:.0f} ms/token, "
+                      f"{t.reused_tokens} prompt tokens reused]", file=sys.stderr)
+        history.append({"role": "assistant", "content": text})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from qvl.bench import format_report, parse_size, run_bench, synthetic_image
+    from qvl.engine import Engine
+    from qvl.processing.image import load_image
+
+    image = load_image(args.image_file) if args.image_file else (
+        synthetic_image(*parse_size(args.image)) if args.image != "none" else None)
+    options = engine_options(args)
+    if not args.with_caches:
+        from dataclasses import replace
+
+        options = replace(options, vision_cache_mb=0, prefix_cache_mb=0, answer_cache_entries=0)
+    engine = Engine.load(options)
+    report = run_bench(engine, image, args.new_tokens, args.repeat, options.max_image_tokens)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     from qvl.synth import write_checkpoint
 
@@ -172,6 +233,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     add_engine_args(p)
     add_sampling_args(p)
     commands["ask"] = cmd_ask
+
+    p = sub.add_parser("chat", help="multi-turn chat on the terminal (earlier turns are not recomputed)")
+    p.add_argument("-i", "--image", action="append", default=[], help="image for the first message (repeatable)")
+    add_engine_args(p)
+    add_sampling_args(p)
+    commands["chat"] = cmd_chat
+
+    p = sub.add_parser("bench", help="measure load time, memory, vision, prefill and decode speed")
+    p.add_argument("--image", default="1920x1080", help="synthetic image WIDTHxHEIGHT, or none (default 1920x1080)")
+    p.add_argument("-i", dest="image_file", help="an image file instead of the synthetic one")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode exactly this many tokens (EOS ignored)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--with-caches", action="store_true", help="keep the caches on (default off: measure the work)")
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p)
+    commands["bench"] = cmd_bench
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint in the official layout (offline demo)")
     p.add_argument("out")
