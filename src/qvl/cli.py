@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vision-int8", action="store_true", help="also quantise the vision tower to int8")
     g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
+    g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
+    g.add_argument("--prefix-cache-mb", type=float, default=512, help="prefix KV cache budget (0 disables)")
+    g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--max-image-tokens", type=int, help="image budget per image, in LLM tokens")
     budget.add_argument("--max-pixels", type=int, help="image budget per image, in pixels (32x32 pixels per token)")
@@ -51,7 +54,8 @@ def engine_options(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, weights=args.weights, group_size=args.group_size,
         vision_int8=args.vision_int8, threads=args.threads,
         cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
-        max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS,
+        max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, vision_cache_mb=args.vision_cache_mb,
+        prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache,
     )
 
 
