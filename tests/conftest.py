@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+os.environ["QVL_CACHE_DIR"] = tempfile.mkdtemp(prefix="qvl-test-cache-")  # quantised weights kept here
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # An untied, differently shaped variant for parity tests.

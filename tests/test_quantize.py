@@ -97,3 +97,17 @@ def test_prequantised_checkpoint_loads_identically_without_requantising(tiny_che
     (tmp_path / "renamed-int8").symlink_to(out)  # the format never comes from a name
     model = load_model(tmp_path / "renamed-int8", cfg, torch.bfloat16)
     assert isinstance(model.lm_head, Int4Linear)
+
+
+def test_weights_quantised_at_load_are_kept_for_the_next_start(tiny_checkpoint):
+    from qvl.engine import Engine, EngineOptions
+    from qvl.weights import quantized_cache_dir
+
+    options = EngineOptions(model=str(tiny_checkpoint), weights="int4", group_size=64, threads=1)
+    first = Engine.load(options)
+    kept = quantized_cache_dir(tiny_checkpoint, QuantSpec("int4", 64))
+    assert (kept / "model.safetensors").exists() and (kept / "tokenizer.json").exists()
+    second = Engine.load(options)
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert quantized_cache_dir(tiny_checkpoint, QuantSpec("int4", 128)) != kept  # another format, another entry

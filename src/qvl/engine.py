@@ -3,6 +3,7 @@ into a stream of events. Every front door (CLI, server, batch, bench) calls it."
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -23,7 +24,7 @@ from qvl.requests import Limits, ParsedRequest, Request, RequestError, parse_req
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.stream import Delta, Done, Timings, Usage, stream_text
-from qvl.weights import checkpoint_quantization, load_model
+from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir, write_quantized
 
 __all__ = ["Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
@@ -47,6 +48,24 @@ class EngineOptions:
     vision_cache_mb: float = 256
     prefix_cache_mb: float = 512
     answer_cache_entries: int = 256
+    quant_cache: bool = True  # keep int8/int4 weights quantised at load for the next start
+
+
+def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
+                  use_cache: bool):
+    """Load the checkpoint. Quantising a bf16 checkpoint takes tens of seconds, so the result
+    is kept (see weights.quantized_cache_dir) and later starts load it directly."""
+    if quant is None or prequantised or not use_cache:
+        return load_model(path, cfg, dtype, quant)
+    cached = quantized_cache_dir(path, quant)
+    if (cached / "model.safetensors").exists():
+        return load_model(cached, cfg, dtype)
+    model = load_model(path, cfg, dtype, quant)
+    try:
+        write_quantized(model, quant, path, cached)
+    except OSError as exc:  # a read-only home or a full disk costs only the next start
+        print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
+    return model
 
 
 def _weights_name(model) -> str:
@@ -85,7 +104,7 @@ class Engine:
             quant = stored or QuantSpec(weights, options.group_size, options.vision_int8)
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
-        model = load_model(path, cfg, runtime.dtype, quant)
+        model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)

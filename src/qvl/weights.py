@@ -32,6 +32,9 @@ NAME_PREFIXES = (
 )
 
 
+QUANT_LAYOUT_VERSION = "1"  # bump when the portable quantised layout changes
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder that does not hold the tensors the config describes."""
 
@@ -178,31 +181,52 @@ def to_checkpoint_name(module_name: str) -> str:
 
 
 def save_quantized(model_dir: Path, out_dir: Path, spec: QuantSpec) -> Path:
-    """Quantise a bf16 checkpoint and write it with its format in the safetensors
-    metadata; the other files (config, tokenizer, template, ...) are copied."""
+    """Quantise a bf16 checkpoint and write it (see write_quantized)."""
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    if QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir))) is not None:
+        raise CheckpointError(f"{model_dir} is already quantised; quantise the original bf16 checkpoint")
+    return write_quantized(load_model(model_dir, cfg, torch.bfloat16, spec), spec, model_dir, out_dir)
+
+
+def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: Path) -> Path:
+    """Write a quantised model as a checkpoint folder: HF names, quantised matrices in a
+    portable layout, the format in the safetensors metadata; the other files (config,
+    tokenizer, template, ...) copied from `model_dir`. Written to a temporary name first."""
     import shutil
 
     from safetensors.torch import save_file
 
-    cfg = ModelConfig.from_file(model_dir / "config.json")
-    if QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir))) is not None:
-        raise CheckpointError(f"{model_dir} is already quantised; quantise the original bf16 checkpoint")
-    model = load_model(model_dir, cfg, torch.bfloat16, spec)
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             for key, tensor in portable_state(module, name).items():
                 state[to_checkpoint_name(key)] = tensor.contiguous()
     for name, tensor in model.state_dict().items():
-        module_name = name.rpartition(".")[0]
-        if isinstance(model.get_submodule(module_name), (Int8Linear, Int4Linear)):
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, (Int8Linear, Int4Linear)):
             continue
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
-        state[to_checkpoint_name(name)] = tensor.contiguous()
+        state[to_checkpoint_name(name)] = tensor.to(torch.bfloat16).contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in model_dir.iterdir():
-        if path.is_file() and not path.name.startswith("model.safetensors") and not path.name.startswith("model-"):
+        if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
             shutil.copyfile(path, out_dir / path.name)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", **spec.metadata()})
+    partial = out_dir / "model.safetensors.partial"
+    save_file(state, str(partial), metadata={"format": "pt", **spec.metadata()})
+    partial.rename(out_dir / "model.safetensors")
     return out_dir
+
+
+def quantized_cache_dir(model_dir: Path, spec: QuantSpec) -> Path:
+    """Where the int8/int4 version of a bf16 checkpoint is kept after the first load, so
+    later starts skip quantising. Keyed by the files' identity and the format."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256(repr(spec).encode() + QUANT_LAYOUT_VERSION.encode())
+    for path in checkpoint_files(model_dir):
+        st = path.stat()
+        h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    root = Path(os.environ.get("QVL_CACHE_DIR", Path.home() / ".cache" / "qvl")) / "quantized"
+    return root / f"{model_dir.resolve().name}-{spec.weights}-{h.hexdigest()[:16]}"
