@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qvl.config import VisionConfig
+from qvl.model.attention import blockwise_attention
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
@@ -43,7 +44,7 @@ class VisionAttention(nn.Module):
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, hd]
         outs = [
-            F.scaled_dot_product_attention(qi, ki, vi)
+            blockwise_attention(qi, ki, vi)
             for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))
         ]
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
