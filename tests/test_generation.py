@@ -148,3 +148,36 @@ def test_batched_decoding_matches_one_at_a_time(tiny_engine):
     assert [b.token_ids for b in batched] == [s.token_ids for s in single]
     assert [b.text for b in batched] == [s.text for s in single]
     assert [b.finish_reason for b in batched] == [s.finish_reason for s in single]
+
+
+def test_cancel_check_stops_between_steps(tiny_engine):
+    from qvl.engine import Cancelled
+
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        return len(calls) > 3  # let the prefill and two decode steps through
+
+    request = Request([{"role": "user", "content": "Count to a hundred."}],
+                      SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True))
+    events = []
+    with pytest.raises(Cancelled):
+        for event in tiny_engine.stream(request, cancel=cancel):
+            events.append(event)
+    assert len(calls) == 4 and 1 <= len(events) <= 3 and not any(isinstance(e, Done) for e in events)
+
+
+def test_prequantised_int8_checkpoint_decodes(tiny_checkpoint, tmp_path):
+    """Weights read from a file's memory map are copied to aligned memory before the
+    int8 kernel sees them (it crashed on the mmap's 8-byte alignment)."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.quantize import QuantSpec
+    from qvl.weights import save_quantized
+
+    out = save_quantized(tiny_checkpoint, tmp_path / "int8", QuantSpec("int8"))
+    loaded = Engine.load(EngineOptions(model=str(out), threads=1, answer_cache_entries=0))
+    fresh = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", threads=1, quant_cache=False))
+    assert all(b.data_ptr() % 64 == 0 for n, b in loaded.model.named_buffers() if b.dtype == torch.int8)
+    request = Request([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_new_tokens=8))
+    assert loaded.generate(request).token_ids == fresh.generate(request).token_ids

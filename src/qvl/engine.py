@@ -13,7 +13,7 @@ import torch
 
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
-from qvl.generate import PreparedPrompt, generate_step, new_cache
+from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, generate_step, new_cache
 from qvl.hub import resolve_model
 from qvl.model.rope import mrope_positions
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage
@@ -26,7 +26,7 @@ from qvl.sampling import SamplingParams
 from qvl.stream import Delta, Done, Timings, Usage, stream_text
 from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir, write_quantized
 
-__all__ = ["Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
+__all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
 DEFAULT_MAX_IMAGE_TOKENS = 1024  # CPU default budget per image; see docs/benchmarks.md
 DEFAULT_MAX_CONTEXT = 32768
@@ -117,7 +117,9 @@ class Engine:
 
     @property
     def model_name(self) -> str:
-        return self.options.model or self.path.name
+        """The hub id, or the folder's name for a local checkpoint."""
+        name = self.options.model
+        return name if name and not Path(name).expanduser().is_dir() else self.path.name
 
     @property
     def model_id(self) -> str:
@@ -148,7 +150,8 @@ class Engine:
             self.vision_cache.add(image.content_hash, features)
         return features
 
-    def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0) -> PreparedPrompt:
+    def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0,
+                cancel: CancelCheck | None = None) -> PreparedPrompt:
         """Encode the images not already inside a reused prefix of `skip` tokens (through
         the vision cache) and lay out the M-RoPE positions."""
         started = time.perf_counter()
@@ -158,7 +161,10 @@ class Engine:
         embeds = deepstack = None
         if needed:
             timings.cached["vision"] = True  # until an image misses
-            feats = [self._image_features(im, timings) for im, _ in needed]
+            feats = []
+            for im, _ in needed:
+                check(cancel)
+                feats.append(self._image_features(im, timings))
             embeds = torch.cat([f.embeds for f in feats])
             deepstack = [torch.cat(layer) for layer in zip(*(f.deepstack for f in feats))]
         timings.vision_ms = (time.perf_counter() - started) * 1000
@@ -188,9 +194,10 @@ class Engine:
         timings = Timings(cached={"answer": True})
         return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings)
 
-    def stream(self, request: Request | ParsedRequest) -> Iterator[Delta | Done]:
+    def stream(self, request: Request | ParsedRequest, cancel: CancelCheck | None = None) -> Iterator[Delta | Done]:
         """Events for one request: Delta pieces of text, then Done. Closing the iterator
-        cancels the generation before the next decode step."""
+        stops before the next decode step; so does `cancel()` turning true (it is checked
+        between images, prefill chunks and decode steps, and raises Cancelled)."""
         started = time.perf_counter()
         parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
         if (hit := self.cached_answer(parsed)) is not None:
@@ -204,12 +211,13 @@ class Engine:
         prefix, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
         timings.cached["prefix"] = reused > 0
         timings.reused_tokens = reused
-        prompt = self.prepare(parsed, timings, skip=reused)
+        prompt = self.prepare(parsed, timings, skip=reused, cancel=cancel)
         params = parsed.sampling
         eos = self.eos_ids(params)
         cache = new_cache(self.model, 1, len(prompt) + params.max_new_tokens)
         prefixes = [(prefix.kv, reused)] if prefix else None
-        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos, cache=cache, prefixes=prefixes))
+        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos, cache=cache, prefixes=prefixes,
+                                                 cancel=cancel))
         usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens)
         done = None
         for event in stream_text(steps, self.tokenizer, params.stop, eos, usage, timings, started):

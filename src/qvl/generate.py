@@ -4,7 +4,7 @@ or several rows decoded together."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,17 @@ from qvl.model.qwen3_vl import Qwen3VL
 from qvl.sampling import SamplingParams, apply_penalties, sample
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention matrix of long prompts
+
+CancelCheck = Callable[[], bool]  # True = stop now (client gone, time limit)
+
+
+class Cancelled(Exception):
+    """Raised between steps when the request's cancel check says so."""
+
+
+def check(cancel: CancelCheck | None) -> None:
+    if cancel is not None and cancel():
+        raise Cancelled()
 
 
 @dataclass
@@ -34,7 +45,7 @@ class PreparedPrompt:
 @torch.inference_mode()
 def prefill(
     model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, *, skip: int = 0, slot: int = 0,
-    key_mask: torch.Tensor | None = None, chunk: int = PREFILL_CHUNK,
+    key_mask: torch.Tensor | None = None, chunk: int = PREFILL_CHUNK, cancel: CancelCheck | None = None,
 ) -> torch.Tensor:
     """Run prompt tokens skip..T through the decoder into cache slots slot+skip.. (a B=1
     cache or one row's view). The first `skip` tokens must already be cached (prefix
@@ -44,6 +55,7 @@ def prefill(
     done_images = int(is_image[:skip].sum()) - prompt.embeds_from
     h_last = None
     for s in range(skip, len(prompt), chunk):
+        check(cancel)
         e = min(s + chunk, len(prompt))
         ids = prompt.ids[s:e][None]
         vis = is_image[s:e][None]
@@ -82,6 +94,7 @@ def new_cache(model: Qwen3VL, batch: int, capacity: int) -> KVCache:
 def generate_step(
     model: Qwen3VL, prompts: list[PreparedPrompt], params: SamplingParams, eos_ids: tuple[int, ...],
     *, cache: KVCache | None = None, prefixes: list[tuple[KVCache, int] | None] | None = None,
+    cancel: CancelCheck | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield, per step, the next token of each row (None for a row already finished).
 
@@ -89,6 +102,7 @@ def generate_step(
     prefilled one by one and decoded together. prefixes[r] = (kv, n): a B=1 cache whose
     first n positions hold row r's first n prompt tokens, which are then not recomputed.
     A row finishes on an EOS id (unless params.ignore_eos) or after max_new_tokens.
+    `cancel` is checked before every prefill chunk and decode step (raises Cancelled).
     """
     batch, width = len(prompts), max(len(p) for p in prompts)
     if cache is None:
@@ -108,7 +122,7 @@ def generate_step(
         prefix, skip = prefixes[r] if prefixes and prefixes[r] else (None, 0)
         if prefix is not None:
             row_cache.write_prefix(prefix, skip, slot=pad)
-        logits.append(prefill(model, row_cache, p, skip=skip, slot=pad, key_mask=row_mask))
+        logits.append(prefill(model, row_cache, p, skip=skip, slot=pad, key_mask=row_mask, cancel=cancel))
     cache.length = width
     logits = torch.cat(logits)
     vocab = logits.shape[-1]
@@ -129,5 +143,6 @@ def generate_step(
             return
         seen[torch.arange(batch), tokens] = True
         counts[torch.arange(batch), tokens] += 1
+        check(cancel)
         with torch.inference_mode():
             logits = decode_step(model, cache, tokens, positions + step, key_mask)

@@ -214,12 +214,14 @@ def portable_state(module: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 def state_from_portable(module: nn.Module, name: str, tensors: dict[str, torch.Tensor],
                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Inverse of portable_state (for loading a pre-quantised checkpoint)."""
+    """Inverse of portable_state (for loading a pre-quantised checkpoint). Tensors are
+    copied out of the file's memory map: the CPU kernels need aligned, owned memory (a
+    safetensors mmap is only 8-byte aligned)."""
     if isinstance(module, Int4Linear):
         q = unpack_nibbles(tensors["weight"])
-        sz = torch.stack([tensors["weight_scale"].t(), tensors["weight_zero"].t()], -1)
+        sz = torch.stack([tensors["weight_scale"].t(), tensors["weight_zero"].t()], -1)  # a new tensor
         return {f"{name}.weight": to_kernel_layout(q), f"{name}.scales_and_zeros": sz.to(dtype).contiguous()}
-    out = {f"{name}.weight": tensors["weight"], f"{name}.scales": tensors["weight_scale"].to(dtype)}
+    out = {f"{name}.weight": tensors["weight"].clone(), f"{name}.scales": tensors["weight_scale"].to(dtype).clone()}
     if "bias" in tensors:
-        out[f"{name}.bias"] = tensors["bias"].to(dtype)
+        out[f"{name}.bias"] = tensors["bias"].to(dtype).clone()
     return out

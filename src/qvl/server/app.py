@@ -20,7 +20,8 @@ from qvl.server.errors import APIError
 from qvl.server.metrics import StatusCounter
 from qvl.server.openai import ChatCompletions
 from qvl.server.schemas import ModelCard, ModelList
-from qvl.server.state import ServerSettings, ServerState
+from qvl.server.settings import ServerSettings
+from qvl.server.state import ServerState
 from qvl.tasks import TASKS
 
 STATIC = Path(__file__).parent / "static"

@@ -11,47 +11,45 @@ from dataclasses import replace
 from pathlib import Path
 
 from qvl.cli import add_engine_args, engine_options
+from qvl.server.settings import MB, ImagePolicy, ServerSettings
 
-DEFAULTS = {"queue_size": 8, "max_body_mb": 20, "request_timeout": 300.0, "shutdown_timeout": 30.0,
-            "max_image_pixels": 40_000_000, "max_connections": 64, "image_url_timeout": 10.0}
+DEFAULT_MAX_CONNECTIONS = 64
 
 
 def register(sub: argparse._SubParsersAction, commands: dict) -> None:
+    s, im = ServerSettings(), ImagePolicy()
     p = sub.add_parser("serve", help="OpenAI-compatible API and web page over one loaded model",
                        description="Serve /v1/chat/completions, /v1/models, /health, /metrics and a web page at /.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("QVL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $QVL_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g = p.add_argument_group("limits")
-    g.add_argument("--queue-size", type=int, default=DEFAULTS["queue_size"],
+    g.add_argument("--queue-size", type=int, default=s.queue_size,
                    help="requests that may wait behind the running one; more get 429 (default: %(default)s)")
-    g.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"],
-                   help="largest request body, also the largest image (default: %(default)s)")
-    g.add_argument("--request-timeout", type=float, default=DEFAULTS["request_timeout"],
-                   help="seconds a request may take, queueing included (default: %(default)s)")
-    g.add_argument("--shutdown-timeout", type=float, default=DEFAULTS["shutdown_timeout"],
-                   help="on SIGTERM, seconds in-flight requests may still finish (default: %(default)s)")
-    g.add_argument("--max-images", type=int, default=8, help="images per request (default: %(default)s)")
-    g.add_argument("--max-image-pixels", type=int, default=DEFAULTS["max_image_pixels"],
+    g.add_argument("--max-body-mb", type=float, default=s.max_body_bytes / MB,
+                   help="largest request body, also the largest image (default: %(default)g)")
+    g.add_argument("--request-timeout", type=float, default=s.time_limit_s,
+                   help="seconds a request may take, queueing included (default: %(default)g)")
+    g.add_argument("--shutdown-timeout", type=float, default=s.shutdown_grace_s,
+                   help="on SIGTERM, seconds in-flight requests may still finish (default: %(default)g)")
+    g.add_argument("--max-images", type=int, help="images per request (default: the engine's, 8)")
+    g.add_argument("--max-image-pixels", type=int, default=im.max_pixels,
                    help="largest source image, width x height, checked before decoding (default: %(default)s)")
-    g.add_argument("--max-connections", type=int, default=DEFAULTS["max_connections"],
+    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="open connections; more get 503 from uvicorn (default: %(default)s)")
-    g = p.add_argument_group("image sources (data: URIs always work)")
+    g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
                         "*.example.com, or * for any public host (default: none, fetching off)")
-    g.add_argument("--image-url-timeout", type=float, default=DEFAULTS["image_url_timeout"])
-    g.add_argument("--image-dir", type=Path, help="allow file: URLs and paths under this folder")
+    g.add_argument("--image-url-timeout", type=float, default=im.url_timeout_s, help="(default: %(default)g s)")
+    g.add_argument("--image-dir", type=Path, help="allow file: URLs and paths under this folder (default: none)")
     add_engine_args(p)
     commands["serve"] = cmd_serve
 
 
-def settings(args: argparse.Namespace):
-    from qvl.server.images import MB, ImagePolicy
-    from qvl.server.state import ServerSettings
-
+def settings(args: argparse.Namespace) -> ServerSettings:
     if args.image_dir is not None and not args.image_dir.is_dir():
         raise ValueError(f"--image-dir {args.image_dir} is not a folder")
     max_bytes = int(args.max_body_mb * MB)
@@ -77,7 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from qvl.server.serve import run
 
     config = settings(args)
-    options = replace(engine_options(args), max_images=args.max_images)
+    options = engine_options(args)
+    if args.max_images is not None:
+        options = replace(options, max_images=args.max_images)
     if not is_loopback(args.host):
         risk = "set --api-key (or $QVL_API_KEY) and put TLS in front" if not config.api_key else "use TLS in front"
         print(f"qvl serve: warning: listening on {args.host}, not loopback: anyone who can reach port "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -74,6 +73,11 @@ def from_exception(exc: BaseException) -> APIError:
         return bad_request(str(exc), "messages", "invalid_image")
     if isinstance(exc, ValueError):  # SamplingParams range checks and other input checks
         return bad_request(str(exc))
+    return internal(exc)
+
+
+def internal(exc: BaseException) -> APIError:
+    """A bug or a resource problem: logged with its traceback, answered with a 500."""
     log.error("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
@@ -87,11 +91,6 @@ def install(app: FastAPI) -> None:
     async def http_error(_: Request, exc: HTTPException):
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
-    async def validation_error(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        return bad_request(first["msg"], loc_to_param(tuple(first["loc"])), first["type"]).response()
-
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, api_error)

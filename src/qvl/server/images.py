@@ -17,25 +17,15 @@ import os
 import socket
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from PIL import Image
 
 from qvl.processing.image import ImageError
+from qvl.server.settings import MB, ImagePolicy
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders we expose to the network
-MB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ImagePolicy:
-    max_bytes: int = 20 * MB  # per image, after base64 decoding / download
-    max_pixels: int = 40_000_000  # declared width x height, checked before decoding
-    url_hosts: tuple[str, ...] = ()  # "example.com", "*.example.com" or "*"; empty = no http(s)
-    url_timeout_s: float = 10.0
-    local_dir: Path | None = None  # file: URLs and paths allowed only under this folder
 
 
 def load_image_bytes(url: str, policy: ImagePolicy) -> bytes:

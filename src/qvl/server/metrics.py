@@ -8,7 +8,7 @@ from collections import Counter
 
 from qvl.stream import Done
 
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # seconds
+SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)  # decoded tokens per second
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions")  # bounded label set
 
@@ -37,7 +37,8 @@ class Metrics:
         self.cancelled: Counter[str] = Counter()
         self.tokens: Counter[str] = Counter()  # prompt, completion, image
         self.cache_hits = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
+        self.queue_wait = Histogram(SECONDS_BUCKETS)
+        self.ttft = Histogram(SECONDS_BUCKETS)  # from the start of generation (queue wait excluded)
         self.tps = Histogram(TPS_BUCKETS)
 
     def count_request(self, path: str, status: int) -> None:
@@ -47,6 +48,10 @@ class Metrics:
     def count_cancel(self, reason: str) -> None:
         with self.lock:
             self.cancelled[reason] += 1
+
+    def observe_wait(self, seconds: float) -> None:
+        with self.lock:
+            self.queue_wait.observe(seconds)
 
     def record(self, done: Done, cached: bool = False) -> None:
         """One finished generation (or an answer served from the engine's cache)."""
@@ -72,6 +77,8 @@ class Metrics:
             for kind in ("prompt", "completion", "image"):
                 lines += [f"# TYPE qvl_{kind}_tokens_total counter", f"qvl_{kind}_tokens_total {self.tokens[kind]}"]
             lines += ["# TYPE qvl_answer_cache_hits_total counter", f"qvl_answer_cache_hits_total {self.cache_hits}"]
+            lines += ["# TYPE qvl_queue_wait_seconds histogram"]
+            lines += self.queue_wait.lines("qvl_queue_wait_seconds")
             lines += ["# TYPE qvl_time_to_first_token_seconds histogram"]
             lines += self.ttft.lines("qvl_time_to_first_token_seconds")
             lines += ["# TYPE qvl_decode_tokens_per_second histogram"]

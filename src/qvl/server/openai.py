@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from qvl.engine import Engine, ParsedRequest, Request
 from qvl.processing.image import ImageError
 from qvl.sampling import SamplingParams
 from qvl.server.errors import APIError, bad_request, from_exception
-from qvl.server.images import ImagePolicy, load_image_bytes
+from qvl.server.images import load_image_bytes
 from qvl.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                 Choice, ChunkChoice, Usage)
+from qvl.server.settings import MB, ImagePolicy
 from qvl.server.state import ServerState
 from qvl.server.worker import DISCONNECT
 from qvl.stream import Delta, Done
@@ -81,16 +83,19 @@ class ChatCompletions:
 
 async def read_body(http: HTTPRequest, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    too_large = APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+    too_large = APIError(413, f"the request body exceeds the limit of {limit / MB:g} MB", code="body_too_large")
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for piece in http.stream():
-        size += len(piece)
-        if size > limit:
-            raise too_large
-        chunks.append(piece)
+    try:
+        async for piece in http.stream():
+            size += len(piece)
+            if size > limit:
+                raise too_large
+            chunks.append(piece)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the request", code="cancelled") from None
     return b"".join(chunks)
 
 

@@ -29,8 +29,7 @@ def _stop_list(value: Any) -> Any:
 
 
 class ImageURL(_Strict):
-    url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None
+    url: str = Field(min_length=1)  # "detail" is ignored: the pixel budget is max_pixels
 
 
 class ContentPart(_Strict):
@@ -41,14 +40,13 @@ class ContentPart(_Strict):
     @model_validator(mode="after")
     def _matching_field(self) -> ContentPart:
         if getattr(self, self.type) is None:
-            raise ValueError(f"a '{self.type}' part needs a '{self.type}' field")
+            raise ValueError(f"a part of type '{self.type}' needs a '{self.type}' field")
         return self
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[list[ContentPart], BeforeValidator(_content_list), Field(max_length=MAX_PARTS)]
-    name: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -64,7 +62,7 @@ class ChatCompletionRequest(_Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: Annotated[list[str] | None, BeforeValidator(_stop_list), Field(max_length=4)] = None
+    stop: Annotated[Annotated[list[str], Field(max_length=4)] | None, BeforeValidator(_stop_list)] = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)

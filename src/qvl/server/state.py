@@ -1,4 +1,4 @@
-"""Server settings and the state the routes share: the engine (loaded in the background),
+"""The state the routes share: the engine (loaded in the background),
 its worker, the metrics."""
 
 from __future__ import annotations
@@ -7,26 +7,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from qvl.engine import Engine
 from qvl.server.errors import APIError
-from qvl.server.images import MB, ImagePolicy
 from qvl.server.metrics import Metrics
+from qvl.server.settings import ServerSettings
 from qvl.server.worker import Worker
 
 log = logging.getLogger("qvl.server")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    queue_size: int = 8  # requests waiting behind the one being generated
-    max_body_bytes: int = 20 * MB
-    time_limit_s: float = 300.0  # per request, from acceptance to the last token
-    shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight work may finish within this
-    api_key: str | None = None
-    parse_slots: int = 2  # requests decoding images / tokenizing at once (bounds memory)
-    images: ImagePolicy = field(default_factory=ImagePolicy)
 
 
 class ServerState:

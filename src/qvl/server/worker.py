@@ -11,19 +11,17 @@ engine's generator, which stops generation before the next decode step.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import closing
 
-from qvl.engine import Engine, ParsedRequest
-from qvl.server.errors import APIError, from_exception
+from qvl.engine import Cancelled, Engine, ParsedRequest
+from qvl.server.errors import APIError, internal
 from qvl.server.metrics import Metrics
 from qvl.stream import Delta, Done
-
-log = logging.getLogger("qvl.server")
 
 DISCONNECT, TIMEOUT, SHUTDOWN = "disconnect", "timeout", "shutdown"
 
@@ -31,7 +29,8 @@ DISCONNECT, TIMEOUT, SHUTDOWN = "disconnect", "timeout", "shutdown"
 class Job:
     def __init__(self, worker: Worker, parsed: ParsedRequest, time_limit_s: float):
         self.worker, self.parsed, self.time_limit_s = worker, parsed, time_limit_s
-        self.deadline = time.monotonic() + time_limit_s
+        self.submitted = time.monotonic()
+        self.deadline = self.submitted + time_limit_s
         self.loop = asyncio.get_running_loop()
         self.inbox: asyncio.Queue[Delta | Done | APIError] = asyncio.Queue()
         self.reason: str | None = None  # why it was cancelled
@@ -158,23 +157,27 @@ class Worker:
             if self.stopped:
                 return None
             self.running = self.waiting.popleft()
-            return self.running
+        self.metrics.observe_wait(time.monotonic() - self.running.submitted)
+        return self.running
 
     def _run(self, job: Job) -> None:
-        events = self.engine.stream(job.parsed)
         try:
-            for event in events:
-                if time.monotonic() > job.deadline:
-                    self.cancel(job, TIMEOUT)
-                if job.reason is not None:
-                    job.put(job.failure())
-                    return
-                if isinstance(event, Done):
-                    with self.cond:
-                        job.finished = True
-                    self.metrics.record(event)
-                job.put(event)
+            stop = lambda: job.reason is not None or time.monotonic() > job.deadline  # noqa: E731
+            with closing(self.engine.stream(job.parsed, cancel=stop)) as events:
+                for event in events:
+                    if time.monotonic() > job.deadline:
+                        self.cancel(job, TIMEOUT)
+                    if job.reason is not None:
+                        job.put(job.failure())
+                        return
+                    if isinstance(event, Done):
+                        with self.cond:
+                            job.finished = True
+                        self.metrics.record(event)
+                    job.put(event)
+        except Cancelled:  # the engine stopped between two steps (disconnect, time limit, shutdown)
+            if job.reason is None:
+                self.cancel(job, TIMEOUT)
+            job.put(job.failure())
         except Exception as exc:  # a failing request must not take the worker down
-            job.put(from_exception(exc))
-        finally:
-            events.close()  # cancels generation before the next decode step
+            job.put(internal(exc))

@@ -1,0 +1,40 @@
+"""What an operator can change: limits, image sources, the API key. No heavy imports, so
+`qvl serve --help` can show these defaults without loading torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    max_bytes: int = 20 * MB  # per image, after base64 decoding / download
+    max_pixels: int = 40_000_000  # declared width x height, checked before decoding
+    url_hosts: tuple[str, ...] = ()  # "example.com", "*.example.com" or "*"; empty = no http(s)
+    url_timeout_s: float = 10.0
+    local_dir: Path | None = None  # file: URLs and paths allowed only under this folder
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    queue_size: int = 8  # requests waiting behind the one being generated
+    max_body_bytes: int = 20 * MB
+    time_limit_s: float = 300.0  # per request, from acceptance to the last token
+    shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight work may finish within this
+    api_key: str | None = None
+    parse_slots: int = 2  # requests decoding images / tokenizing at once (bounds memory)
+    images: ImagePolicy = field(default_factory=ImagePolicy)
+
+    def __post_init__(self):
+        checks = [(self.queue_size >= 0, "the queue size must be >= 0"),
+                  (self.max_body_bytes > 0, "the body limit must be > 0"),
+                  (self.time_limit_s > 0, "the request time limit must be > 0"),
+                  (self.shutdown_grace_s >= 0, "the shutdown grace period must be >= 0"),
+                  (self.parse_slots >= 1, "parse_slots must be >= 1"),
+                  (self.images.max_pixels > 0 and self.images.max_bytes > 0, "image limits must be > 0")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,134 @@
+"""The web page in headless Chromium (Debian's `chromium`, driven by Playwright's Python
+package): upload an image, pick a preset, watch the answer stream, stop it, ask a follow-up.
+
+Set QVL_UPDATE_SCREENSHOT=1 to refresh docs/web-page.png from this run."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_server_support import live_server, png_bytes
+
+CHROMIUM = shutil.which("chromium")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                "(apt-get install -y chromium) so the web page cannot be driven")
+# The network here is closed: without these flags Chromium waits on background connections.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "web-page.png"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with live_server(tiny_checkpoint) as s:
+        yield s
+
+
+@pytest.fixture
+def page(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1200, "height": 760})
+        context.set_default_timeout(30_000)
+        yield context.pages[0] if context.pages else context.new_page()
+        context.close()
+
+
+def scene_png(path: Path) -> None:
+    """A small picture worth describing: sky, sun, a house and a line of text."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (360, 260), (135, 196, 235))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((0, 190, 360, 260), fill=(90, 160, 80))
+    draw.ellipse((270, 20, 330, 80), fill=(250, 210, 60))
+    draw.rectangle((60, 120, 170, 200), fill=(200, 80, 60))
+    draw.polygon([(50, 120), (115, 70), (180, 120)], fill=(120, 60, 40))
+    draw.rectangle((100, 160, 130, 200), fill=(70, 40, 30))
+    draw.text((200, 215), "OPEN 9:00-17:00", fill=(255, 255, 255))
+    img.save(path)
+
+
+def wait_until(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def sent_messages(page, action) -> list[dict]:
+    """Run `action` and return the messages of the chat request it sends."""
+    with page.expect_request("**/v1/chat/completions") as request:
+        action()
+    return json.loads(request.value.post_data)["messages"]
+
+
+def test_upload_preset_stream_stop_follow_up(server, page, tmp_path):
+    image = tmp_path / "scene.png"
+    scene_png(image)
+    page.goto(f"{server.url}/")
+    load_ms = page.evaluate("performance.getEntriesByType('navigation')[0].loadEventEnd")
+    assert load_ms < 1000, f"the page took {load_ms:.0f} ms to load"
+    page.wait_for_selector("#status:has-text('ready')")
+
+    page.set_input_files("#file", str(image))
+    page.wait_for_selector("#preview:visible")
+    messages = sent_messages(page, lambda: page.click("#presets button[data-task=describe]"))
+    assert messages[0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    page.wait_for_function("document.querySelector('.msg.assistant.streaming')?.textContent.length > 5")
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant.stopped")
+    assert page.is_disabled("#stop") and page.is_enabled("#ask")
+    wait_until(lambda: 'qvl_cancelled_total{reason="disconnect"} 1' in httpx.get(f"{server.url}/metrics").text)
+    partial = page.text_content(".msg.assistant")
+
+    page.fill("#max-tokens", "6")
+    page.fill("#question", "And what colour is it?")
+    follow_up = sent_messages(page, lambda: page.click("#ask"))
+    assert [m["role"] for m in follow_up] == ["user", "assistant", "user"]
+    assert follow_up[1]["content"] == partial and follow_up[2]["content"][0]["text"] == "And what colour is it?"
+    page.wait_for_selector("#stats:has-text('tokens/s')")
+    assert page.locator(".msg").count() == 4 and page.locator(".msg.streaming").count() == 0
+    assert "time to first token" in page.text_content("#stats")
+    page.screenshot(path=str(tmp_path / "web-page.png"))
+    if os.environ.get("QVL_UPDATE_SCREENSHOT") == "1":
+        SCREENSHOT.write_bytes((tmp_path / "web-page.png").read_bytes())
+
+
+def test_paste_drop_and_plain_errors(server, page):
+    page.goto(f"{server.url}/")
+    page.wait_for_selector("#status:has-text('ready')")
+    page.evaluate("""() => {  // paste an image, as Ctrl+V on a screenshot would
+        const data = new DataTransfer();
+        data.items.add(new File(['not really an image'], 'broken.png', {type: 'image/png'}));
+        document.dispatchEvent(new ClipboardEvent('paste', {clipboardData: data}));
+    }""")
+    page.wait_for_selector("#image-info:has-text('broken.png')")
+    page.fill("#max-tokens", "4")
+    page.click("#presets button[data-task=ocr]")
+    page.wait_for_selector("#error:visible")
+    assert "not a supported image" in page.text_content("#error")
+    assert page.locator(".msg.assistant").count() == 0  # the failed question can simply be asked again
+
+    page.evaluate("""(b64) => {  // drop a real image on the drop zone
+        const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
+        const data = new DataTransfer();
+        data.items.add(new File([bytes], 'dropped.png', {type: 'image/png'}));
+        document.getElementById('drop').dispatchEvent(new DragEvent('drop', {dataTransfer: data, bubbles: true}));
+    }""", base64.b64encode(png_bytes(64, 64)).decode())
+    page.wait_for_selector("#image-info:has-text('dropped.png')")
+    assert page.is_hidden("#error")
+    page.click("#presets button[data-task=ocr]")
+    page.wait_for_selector("#stats:has-text('tokens/s')")
+    assert page.text_content(".msg.assistant")
