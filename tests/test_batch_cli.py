@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from qvl.cli import main
+
 BROKEN = {"broken.jpg": b"this is not a jpeg", "empty.png": b""}
 
 
@@ -107,7 +109,7 @@ def test_jsonl_input_with_own_prompts(tiny_checkpoint, images, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no_prompt", "duplicate_ids", "missing_input", "bad_batch_size"])
-def test_usage_errors_exit_2_with_one_line(tiny_checkpoint, images, tmp_path, case):
+def test_usage_errors_exit_2_with_one_line(tiny_checkpoint, images, tmp_path, capsys, case):
     folder, _ = images
     job = tmp_path / "job.jsonl"
     job.write_text('{"id": "x", "image": "a.png", "prompt": "p"}\n{"id": "x", "image": "b.png", "prompt": "p"}\n')
@@ -117,7 +119,15 @@ def test_usage_errors_exit_2_with_one_line(tiny_checkpoint, images, tmp_path, ca
         "missing_input": [tmp_path / "nope", "--task", "ocr"],
         "bad_batch_size": [folder, "--task", "ocr", "--batch-size", "0"],
     }[case]
-    r = qvl_batch(tiny_checkpoint, *args, "--out", tmp_path / "out.jsonl")
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qvl batch: error:"), r.stderr
+    assert main(["batch", *map(str, args), "--out", str(tmp_path / "out.jsonl"), "--model", str(tiny_checkpoint)]) == 2
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qvl batch: error:"), stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_ray_without_ray_says_how_to_install(tiny_checkpoint, images, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    folder, _ = images
+    assert main(["batch", str(folder), "--out", str(tmp_path / "out.jsonl"), "--task", "ocr", "--ray"]) == 2
+    assert "pip install 'qvl[ray]'" in capsys.readouterr().err

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import pytest
 
 from tests.test_batch_cli import qvl_batch, read_rows, write_images
 
-ITEMS = 12
-ARGS = ("--prompt", "Describe the image.", "--max-new-tokens", "64", "--temperature", "0", "--batch-size", "2")
+ITEMS = 10
+ARGS = ("--prompt", "Describe the image.", "--max-new-tokens", "32", "--temperature", "0", "--batch-size", "2")
 
 
 def start(checkpoint, folder, out) -> subprocess.Popen:
@@ -32,7 +31,7 @@ def wait_for_rows(out, proc, rows: int, timeout: float = 60) -> None:
     raise AssertionError(f"fewer than {rows} rows after {timeout} s")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_killed_run_resumes_without_duplicates_or_losses(tiny_checkpoint, tmp_path, sig):
     folder = tmp_path / "images"
     ids = write_images(folder, ITEMS)

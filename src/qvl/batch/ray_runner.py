@@ -37,8 +37,18 @@ class RayWorker:
     def __call__(self, batch: dict) -> dict:
         items = [Item(str(i), str(image), prompt if isinstance(prompt, str) else None)
                  for i, image, prompt in zip(batch["id"], batch["image"], batch["prompt"])]
-        rows = list(self.worker.rows(items))
-        return {"id": [row["id"] for row in rows], "row": [json.dumps(row, ensure_ascii=False) for row in rows]}
+        return {"row": [json.dumps(row, ensure_ascii=False) for row in self.worker.rows(items)]}
+
+
+def quiet_console(logger: logging.Logger) -> None:
+    """Ray Data's progress bars and INFO lines off the terminal (our progress is on the driver);
+    its warnings stay, and its log files keep everything."""
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(max(handler.level, logging.WARNING))
 
 
 def ray_rows(spec: WorkSpec, items: list[Item], *, address: str | None = None, actors: int = 1) -> Iterator[dict]:
@@ -50,7 +60,7 @@ def ray_rows(spec: WorkSpec, items: list[Item], *, address: str | None = None, a
     if started_here:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     try:
-        ray.data.DataContext.get_current().enable_progress_bars = False  # ours is on the driver
+        quiet_console(logging.getLogger("ray.data"))
         blocks = math.ceil(len(items) / spec.batch_size)
         ds = ray.data.from_items([asdict(item) for item in items], override_num_blocks=blocks)
         ds = ds.map_batches(RayWorker, fn_constructor_args=(spec,), batch_size=spec.batch_size,

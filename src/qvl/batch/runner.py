@@ -24,7 +24,6 @@ class BatchJob:
     spec: WorkSpec
     retry_errors: bool = False
     progress_interval: float = 10.0  # seconds between plain progress lines (not a terminal)
-    fsync: bool = True
 
 
 def local_rows(spec: WorkSpec, items: list[Item]) -> Iterator[dict]:
@@ -37,7 +36,7 @@ def log(message: str) -> None:
 
 
 def open_results(job: BatchJob) -> ResultsFile:
-    results = ResultsFile(job.out, fsync=job.fsync)
+    results = ResultsFile(job.out)
     if results.repaired_bytes:
         log(f"{job.out}: removed a truncated last line ({results.repaired_bytes} bytes) left by an interrupted run")
     if results.scan.bad_lines:
@@ -55,16 +54,20 @@ def run(job: BatchJob, backend: Backend = local_rows) -> int:
         summary.skipped_failed = sum(1 for item in job.items if results.done.get(item.id) is False)
         if summary.skipped:
             log(f"resuming: {summary.skipped} of {len(job.items)} item(s) already in {job.out}")
-        progress = Progress(len(todo), job.progress_interval)
-        try:
-            if todo:
-                for row in backend(job.spec, todo):
-                    results.write(row)
-                    summary.count(row)
-                    progress.update("error" not in row)
-        except KeyboardInterrupt:
-            summary.interrupted = True
-        finally:
-            progress.close()
+        if todo:
+            write_rows(backend(job.spec, todo), results, summary, Progress(len(todo), job.progress_interval))
     log(summary.line())
     return summary.exit_code()
+
+
+def write_rows(rows: Iterator[dict], results: ResultsFile, summary: Summary, progress: Progress) -> None:
+    """Each row to disk as soon as it comes; Ctrl-C stops between rows, never inside one."""
+    try:
+        for row in rows:
+            results.write(row)
+            summary.count(row)
+            progress.update("error" not in row)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        progress.close()
