@@ -111,3 +111,24 @@ def test_weights_quantised_at_load_are_kept_for_the_next_start(tiny_checkpoint):
     a, b = first.model.state_dict(), second.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert quantized_cache_dir(tiny_checkpoint, QuantSpec("int4", 128)) != kept  # another format, another entry
+
+
+def test_quantised_files_are_64_byte_aligned_and_readable_by_safetensors(tmp_path):
+    import json
+    import struct
+
+    from safetensors.torch import load_file
+
+    from qvl.weights import save_aligned
+
+    state = {"odd": torch.arange(5, dtype=torch.int8), "a": torch.ones(64, 3, dtype=torch.int8),
+             "b": torch.randn(32, dtype=torch.bfloat16)}
+    path = tmp_path / "x.safetensors"
+    save_aligned(state, path, {"qvl_weights": "int8"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    assert (8 + n) % 64 == 0
+    assert all(header[k]["data_offsets"][0] % 64 == 0 for k in ("a", "b"))
+    loaded = load_file(str(path))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())

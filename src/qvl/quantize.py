@@ -214,14 +214,18 @@ def portable_state(module: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 def state_from_portable(module: nn.Module, name: str, tensors: dict[str, torch.Tensor],
                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Inverse of portable_state (for loading a pre-quantised checkpoint). Tensors are
-    copied out of the file's memory map: the CPU kernels need aligned, owned memory (a
-    safetensors mmap is only 8-byte aligned)."""
+    """Inverse of portable_state (for loading a pre-quantised checkpoint). The int8 kernel
+    needs 64-byte aligned weights: files qvl writes are (save_aligned) and stay memory-
+    mapped; tensors of other files are copied into aligned memory."""
     if isinstance(module, Int4Linear):
         q = unpack_nibbles(tensors["weight"])
         sz = torch.stack([tensors["weight_scale"].t(), tensors["weight_zero"].t()], -1)  # a new tensor
         return {f"{name}.weight": to_kernel_layout(q), f"{name}.scales_and_zeros": sz.to(dtype).contiguous()}
-    out = {f"{name}.weight": tensors["weight"].clone(), f"{name}.scales": tensors["weight_scale"].to(dtype).clone()}
+    out = {f"{name}.weight": _aligned(tensors["weight"]), f"{name}.scales": _aligned(tensors["weight_scale"].to(dtype))}
     if "bias" in tensors:
-        out[f"{name}.bias"] = tensors["bias"].to(dtype).clone()
+        out[f"{name}.bias"] = tensors["bias"].to(dtype)
     return out
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 64 == 0 else t.clone()

@@ -32,7 +32,7 @@ NAME_PREFIXES = (
 )
 
 
-QUANT_LAYOUT_VERSION = "1"  # bump when the portable quantised layout changes
+QUANT_LAYOUT_VERSION = "2"  # bump when the portable quantised layout changes
 
 
 class CheckpointError(ValueError):
@@ -194,8 +194,6 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
     tokenizer, template, ...) copied from `model_dir`. Written to a temporary name first."""
     import shutil
 
-    from safetensors.torch import save_file
-
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
@@ -213,9 +211,40 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
         if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
             shutil.copyfile(path, out_dir / path.name)
     partial = out_dir / "model.safetensors.partial"
-    save_file(state, str(partial), metadata={"format": "pt", **spec.metadata()})
+    save_aligned(state, partial, {"format": "pt", **spec.metadata()})
     partial.rename(out_dir / "model.safetensors")
     return out_dir
+
+
+SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",
+                     torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64"}
+ALIGN = 64
+
+
+def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file whose tensors start 64-byte aligned, so memory-mapped weights
+    feed the CPU kernels without a copy: the header is padded with spaces (as the format
+    allows) and tensors whose size is not a multiple of 64 bytes go last."""
+    import json
+    import struct
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    names = sorted(state, key=lambda n: nbytes(state[n]) % ALIGN != 0)  # stable: odd sizes last
+    header, offset = {"__metadata__": metadata}, 0
+    for name in names:
+        t = state[name]
+        header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes(t)]}
+        offset += nbytes(t)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in names:
+            if state[name].numel():
+                f.write(state[name].contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def quantized_cache_dir(model_dir: Path, spec: QuantSpec) -> Path:
