@@ -7,9 +7,13 @@ cd "$(dirname "$0")"
 if [ ! -x .venv/bin/qvl ]; then
   python3 -m venv .venv
   .venv/bin/pip install --quiet --upgrade pip
-  # the CPU wheel of torch; a bare `pip install torch` would pull a multi-GB CUDA build
-  .venv/bin/pip install --quiet torch==2.13.0 ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} \
-    || .venv/bin/pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  # the CPU wheel of torch: a local wheel folder ($PIP_FIND_LINKS) or PyTorch's CPU index; a bare
+  # `pip install torch` from PyPI would pull a multi-GB CUDA build
+  if [ -n "${PIP_FIND_LINKS:-}" ]; then
+    .venv/bin/pip install --quiet torch==2.13.0 --find-links "$PIP_FIND_LINKS"
+  else
+    .venv/bin/pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  fi
   .venv/bin/pip install --quiet -e .
 fi
 model="${QVL_MODEL:-Qwen/Qwen3-VL-2B-Instruct}"

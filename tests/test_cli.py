@@ -73,3 +73,16 @@ def test_info_reports_features_dtype_threads():
     info = json.loads(r.stdout)
     assert info["dtype_auto"] in ("bfloat16", "float32")
     assert info["threads_default"] >= 1 and "avx512_bf16" in info["cpu_features"]
+
+
+def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):
+    script = "What is in the picture?\nAnd the colours?\n/reset\nHello again\n/quit\n"
+    r = qvl("chat", "--model", tiny_checkpoint, "-i", photo, "--max-new-tokens", "6", "--temperature", "0",
+            stdin=script)
+    assert r.returncode == 0, r.stderr
+    reused = [int(line.split(" prompt tokens reused")[0].rsplit(", ", 1)[1])
+              for line in r.stderr.splitlines() if "prompt tokens reused" in line]
+    assert len(reused) == 3
+    assert reused[0] == 0  # first turn: nothing to reuse
+    assert reused[1] > 64  # second turn: the image and the first exchange come from the prefix cache
+    assert reused[2] < reused[1]  # after /reset the conversation starts over

@@ -158,6 +158,14 @@ def test_max_pixels_lowers_the_image_budget(client):
     assert low == 4 < full
 
 
+def test_max_pixels_raises_the_budget_up_to_the_cap(client):
+    request = {"messages": [image_message("x", png_bytes(960, 960))], "max_tokens": 1}
+    default = client.post(URL, json=request).json()["qvl"]["image_tokens"]
+    raised = client.post(URL, json={**request, "max_pixels": 960 * 960}).json()["qvl"]["image_tokens"]
+    assert default <= 256 < raised == 900  # 30 x 30 tokens of 32 x 32 pixels
+    assert_error(client.post(URL, json={**request, "max_pixels": 5000 * 1024}), 400, param="max_pixels")
+
+
 def test_health_is_503_while_loading_then_200(tiny_engine):
     release = threading.Event()
 
@@ -235,6 +243,9 @@ def test_metrics_in_prometheus_format(client):
     for name in ("qvl_queue_depth 0", "qvl_ready 1", "qvl_time_to_first_token_seconds_count", "qvl_queue_wait_seconds_sum",
                  "qvl_decode_tokens_per_second_bucket", "qvl_image_tokens_total", "qvl_completion_tokens_total"):
         assert name in text
+    for cache in ("vision", "prefix", "answer"):  # the engine's caches, per cache
+        for name in ("qvl_cache_hits_total", "qvl_cache_misses_total", "qvl_cache_evictions_total", "qvl_cache_bytes"):
+            assert f'{name}{{cache="{cache}"}}' in text
 
 
 def test_web_page_carries_the_task_prompts(client):

@@ -10,7 +10,14 @@ import sys
 from collections.abc import Callable
 
 FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli")
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (ValueError, RuntimeError, OSError)
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """What a user's input or files can cause: one line, no traceback."""
+    from jinja2 import TemplateError
+    from safetensors import SafetensorError
+
+    return ValueError, RuntimeError, OSError, SafetensorError, TemplateError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
     g.add_argument("--prefix-cache-mb", type=float, default=512, help="prefix KV cache budget (0 disables)")
     g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
+    g.add_argument("--image-tokens-cap", type=int, default=4096,
+                   help="the largest image budget a request may ask for (default 4096 tokens, 4 megapixels)")
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--max-image-tokens", type=int, help="image budget per image, in LLM tokens")
     budget.add_argument("--max-pixels", type=int, help="image budget per image, in pixels (32x32 pixels per token)")
@@ -49,12 +58,17 @@ def engine_options(args: argparse.Namespace):
     from qvl.engine import DEFAULT_MAX_IMAGE_TOKENS, EngineOptions
     from qvl.runtime import parse_cpu_list
 
+    from qvl.tasks import get_task
+
     tokens = args.max_image_tokens or (max(1, args.max_pixels // 1024) if args.max_pixels else None)
+    if tokens is None and getattr(args, "task", None):
+        tokens = get_task(args.task).max_image_tokens  # e.g. OCR reads small print at a larger budget
     return EngineOptions(
         model=args.model, dtype=args.dtype, weights=args.weights, group_size=args.group_size,
         vision_int8=args.vision_int8, threads=args.threads,
         cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
-        max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, vision_cache_mb=args.vision_cache_mb,
+        max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,
+        vision_cache_mb=args.vision_cache_mb,
         prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache,
     )
 
@@ -119,8 +133,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat on the terminal; earlier turns are reused from the prefix cache."""
-    from qvl.engine import Engine, Request
-    from qvl.stream import Delta, Done
+    from qvl.engine import Engine
 
     check_images(args.image)
     engine = Engine.load(engine_options(args))
@@ -140,24 +153,39 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if line.startswith("/image "):
             path = line[len("/image "):].strip()
-            check_images([path])
-            pending.append(path)
+            if os.path.isfile(path):
+                pending.append(path)
+            else:
+                print(f"[no such image file: {path}]", file=sys.stderr)
             continue
         if not line:
             continue
         history.append(user_message(line, pending))
+        try:
+            text = chat_turn(engine, history, params)
+        except (*expected_errors(), KeyboardInterrupt) as exc:  # this turn is lost, the session goes on
+            history.pop()
+            print(f"\n[{'stopped' if isinstance(exc, KeyboardInterrupt) else f'error: {exc}'}]", file=sys.stderr)
+            continue
         pending = []
-        text = ""
-        for event in engine.stream(Request(history, params)):
-            if isinstance(event, Delta):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Done):
-                text = event.text
-                t = event.timings
-                print(f"\n[{t.ttft_ms:.0f} ms to first token, {t.decode_ms_per_token:.0f} ms/token, "
-                      f"{t.reused_tokens} prompt tokens reused]", file=sys.stderr)
         history.append({"role": "assistant", "content": text})
+
+
+def chat_turn(engine, history: list[dict], params) -> str:
+    from qvl.engine import Request
+    from qvl.stream import Delta, Done
+
+    text = ""
+    for event in engine.stream(Request(history, params)):
+        if isinstance(event, Delta):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, Done):
+            text = event.text
+            t = event.timings
+            print(f"\n[{t.ttft_ms:.0f} ms to first token, {t.decode_ms_per_token:.0f} ms/token, "
+                  f"{t.reused_tokens} prompt tokens reused]", file=sys.stderr)
+    return text
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -282,12 +310,20 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # a CPU engine: keep CUDA builds of torch quiet
     parser, commands = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "cpus", None):  # pin here, in the main thread, so every thread started later inherits it
+        from qvl.runtime import parse_cpu_list
+
+        try:
+            os.sched_setaffinity(0, parse_cpu_list(args.cpus))
+        except (ValueError, OSError) as exc:
+            print(f"qvl {args.command}: error: --cpus {args.cpus}: {exc}", file=sys.stderr)
+            return 2
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except EXPECTED_ERRORS as exc:
+    except expected_errors() as exc:
         print(f"qvl {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

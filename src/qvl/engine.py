@@ -3,6 +3,7 @@ into a stream of events. Every front door (CLI, server, batch, bench) calls it."
 
 from __future__ import annotations
 
+import fcntl
 import sys
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir
 
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
-DEFAULT_MAX_IMAGE_TOKENS = 1024  # CPU default budget per image; see docs/benchmarks.md
+DEFAULT_MAX_IMAGE_TOKENS = 256  # CPU default budget per image (~512x512); see docs/benchmarks.md
 DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outputs; see docs/benchmarks.md
 
@@ -43,6 +44,7 @@ class EngineOptions:
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
     max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS
+    image_tokens_cap: int = 4096  # the most one request may raise the budget to (4 megapixels)
     max_images: int = 8
     max_context: int = DEFAULT_MAX_CONTEXT
     vision_cache_mb: float = 256
@@ -57,15 +59,23 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
     is kept (see weights.quantized_cache_dir) and later starts load it directly."""
     if quant is None or prequantised or not use_cache:
         return load_model(path, cfg, dtype, quant)
-    cached = quantized_cache_dir(path, quant)
-    if (cached / "model.safetensors").exists():
-        return load_model(cached, cfg, dtype)
-    model = load_model(path, cfg, dtype, quant)
+    cached = quantized_cache_dir(path, quant, dtype)
     try:
-        write_quantized(model, quant, path, cached)
-    except OSError as exc:  # a read-only home or a full disk costs only the next start
-        print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
-    return model
+        cached.mkdir(parents=True, exist_ok=True)
+        lock = open(cached / ".lock", "w")
+    except OSError as exc:  # a read-only home: quantise every time
+        print(f"qvl: cannot keep quantised weights in {cached}: {exc}", file=sys.stderr)
+        return load_model(path, cfg, dtype, quant)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then loads what the first wrote
+        if (cached / "model.safetensors").exists():
+            return load_model(cached, cfg, dtype)
+        model = load_model(path, cfg, dtype, quant)
+        try:
+            write_quantized(model, quant, path, cached)
+        except OSError as exc:  # a full disk costs only the next start
+            print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
+        return model
 
 
 def _weights_name(model) -> str:
@@ -83,7 +93,8 @@ class Engine:
         self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
         self.path, self.load_s = path, load_s
         self.weights = _weights_name(model)
-        self.limits = Limits(options.max_image_tokens, options.max_images, options.max_context)
+        self.limits = Limits(options.max_image_tokens, max(options.image_tokens_cap, options.max_image_tokens),
+                             options.max_images, options.max_context)
         self.vision_cache = VisionCache(options.vision_cache_mb)
         self.prefix_cache = PrefixCache(options.prefix_cache_mb)
         self.answer_cache = AnswerCache(options.answer_cache_entries)
@@ -94,6 +105,9 @@ class Engine:
         path = resolve_model(options.model)
         cfg = ModelConfig.from_file(path / "config.json")
         stored = checkpoint_quantization(path)
+        if stored and options.weights not in ("auto", stored.weights):
+            raise ValueError(f"{path} holds pre-quantised {stored.weights} weights; run it with --weights "
+                             f"{stored.weights} (or auto), or use the original bf16 checkpoint for {options.weights}")
         weights = options.weights if options.weights != "auto" else (stored.weights if stored else DEFAULT_WEIGHTS)
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weights format '{weights}' (choose from auto, {', '.join(WEIGHT_FORMATS)})")
@@ -238,9 +252,12 @@ class Engine:
     def _remember_prefix(self, parsed: ParsedRequest, spans, cache, row: int, slot: int, fed: int,
                          answer: list[int]) -> None:
         """Store one row's KV state: its prompt (from `slot`) and the `fed` answer tokens."""
-        if self.prefix_cache.enabled and fed >= 0:
-            ids = torch.cat([parsed.ids, torch.tensor(answer[:fed], dtype=torch.long)])
-            self.prefix_cache.add(PrefixEntry(ids, spans, cache.clone_row(row, slot, len(ids))))
+        length = len(parsed.ids) + fed
+        per_position = cache.nbytes // (cache.keys.shape[1] * cache.capacity)
+        if not self.prefix_cache.enabled or fed < 0 or length * per_position > self.prefix_cache.max_bytes:
+            return  # (an entry over the whole budget would be dropped anyway: do not copy it)
+        ids = torch.cat([parsed.ids, torch.tensor(answer[:fed], dtype=torch.long)])
+        self.prefix_cache.add(PrefixEntry(ids, spans, cache.clone_row(row, slot, length)))
 
     def generate(self, request: Request | ParsedRequest) -> Done:
         """The final event of `stream`."""

@@ -51,6 +51,7 @@ class ParsedRequest:
 @dataclass(frozen=True)
 class Limits:
     max_image_tokens: int  # default budget per image
+    image_tokens_cap: int  # the most a request may ask for
     max_images: int
     max_context: int
 
@@ -60,7 +61,10 @@ def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Li
     tokens = request.max_image_tokens or limits.max_image_tokens
     if tokens < 1:
         raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
-    max_pixels = max(tokens, 1) * image_cfg.factor**2
+    if tokens > limits.image_tokens_cap:
+        raise RequestError(f"an image budget of {tokens} tokens ({tokens * image_cfg.factor**2} pixels) is over this "
+                           f"server's cap of {limits.image_tokens_cap} tokens", "max_pixels")
+    max_pixels = tokens * image_cfg.factor**2
     messages, images = [], []
     for message in request.messages:
         content = message.get("content")

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by ~0 overflows)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 means greedy."""
@@ -27,7 +30,7 @@ class SamplingParams:
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (0.01 <= self.repetition_penalty <= 100, "repetition_penalty must be in [0.01, 100]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
@@ -38,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def deterministic(self) -> bool:
@@ -81,5 +84,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits: [B, V] float32 (penalties applied) -> token ids [B]."""
     if params.greedy:
         return logits.argmax(-1)
+    logits = logits - logits.amax(-1, keepdim=True)  # the largest is 0: no overflow at low temperature
     logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

@@ -11,6 +11,7 @@ class Task:
     prompt: str
     greedy: bool  # OCR wants the single most likely reading, not a sample
     description: str
+    max_image_tokens: int | None = None  # a budget of its own (small print needs detail), else the default
 
 
 TASKS = {
@@ -26,6 +27,7 @@ TASKS = {
         "Output only the text, one line per line of the image.",
         greedy=True,
         description="OCR, Chinese and English, line by line in reading order",
+        max_image_tokens=1024,
     ),
 }
 

@@ -210,9 +210,17 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
     for path in model_dir.iterdir():
         if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
             shutil.copyfile(path, out_dir / path.name)
-    partial = out_dir / "model.safetensors.partial"
-    save_aligned(state, partial, {"format": "pt", **spec.metadata()})
-    partial.rename(out_dir / "model.safetensors")
+    import os
+    import tempfile
+
+    fd, partial = tempfile.mkstemp(dir=out_dir, prefix=".model.", suffix=".partial")
+    os.close(fd)
+    try:
+        save_aligned(state, Path(partial), {"format": "pt", **spec.metadata()})
+        os.replace(partial, out_dir / "model.safetensors")  # readers see all of it or nothing
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
     return out_dir
 
 
@@ -226,6 +234,7 @@ def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
     feed the CPU kernels without a copy: the header is padded with spaces (as the format
     allows) and tensors whose size is not a multiple of 64 bytes go last."""
     import json
+    import os
     import struct
 
     def nbytes(t: torch.Tensor) -> int:
@@ -245,15 +254,17 @@ def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
         for name in names:
             if state[name].numel():
                 f.write(state[name].contiguous().view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def quantized_cache_dir(model_dir: Path, spec: QuantSpec) -> Path:
+def quantized_cache_dir(model_dir: Path, spec: QuantSpec, dtype: torch.dtype) -> Path:
     """Where the int8/int4 version of a bf16 checkpoint is kept after the first load, so
     later starts skip quantising. Keyed by the files' identity and the format."""
     import hashlib
     import os
 
-    h = hashlib.sha256(repr(spec).encode() + QUANT_LAYOUT_VERSION.encode())
+    h = hashlib.sha256(f"{spec!r}|{dtype}|{QUANT_LAYOUT_VERSION}".encode())  # scales are stored in dtype
     for path in checkpoint_files(model_dir):
         st = path.stat()
         h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())

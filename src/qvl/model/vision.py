@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qvl.config import VisionConfig
-from qvl.model.attention import blockwise_attention
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
+GRID_TABLES_KEPT = 64
 
 
 class PatchEmbed(nn.Module):
@@ -42,13 +42,13 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, hd]
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, N, hd]: 4-D takes the fused kernel
         outs = [
-            blockwise_attention(qi, ki, vi)
-            for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))
+            F.scaled_dot_product_attention(qi, ki, vi)
+            for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
         ]
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -132,6 +132,8 @@ class VisionModel(nn.Module):
         """Per-grid constants, computed once per grid size: position-embedding taps
         [N, 4] and weights [N, 4], RoPE cos and sin [N, 1, head_dim]."""
         if grid not in self._grid_tables:
+            if len(self._grid_tables) >= GRID_TABLES_KEPT:  # many sizes over time: keep the recent ones
+                self._grid_tables.pop(next(iter(self._grid_tables)))
             t, h, w = grid
             rows, cols = _block_order(h, w, self.cfg.spatial_merge_size)
             rt, rw = _axis_taps(rows, h, self.side)

@@ -29,8 +29,8 @@ STATIC = Path(__file__).parent / "static"
 
 def web_page() -> str:
     """index.html with the task presets filled in, so the page and the CLI share one prompt text."""
-    tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description}
-             for t in TASKS.values()]
+    tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description,
+              "max_image_tokens": t.max_image_tokens} for t in TASKS.values()]
     data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
     return (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
 
@@ -74,7 +74,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
 
     @api.get("/metrics")
     async def metrics():
-        return PlainTextResponse(state.metrics.render(state.gauges()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(state.gauges(), state.cache_stats()), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health():

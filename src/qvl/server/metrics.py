@@ -65,8 +65,9 @@ class Metrics:
             if done.timings.decode_ms_per_token > 0:
                 self.tps.observe(1000 / done.timings.decode_ms_per_token)
 
-    def render(self, gauges: dict[str, float]) -> str:
-        """gauges: current values by metric name (queue depth, busy, ready...)."""
+    def render(self, gauges: dict[str, float], caches: dict | None = None) -> str:
+        """gauges: current values by metric name (queue depth, busy, ready...);
+        caches: the engine's CacheStats by cache name (vision, prefix, answer)."""
         with self.lock:
             lines = ["# TYPE qvl_requests_total counter"]
             lines += [f'qvl_requests_total{{path="{p}",status="{s}"}} {n}' for (p, s), n in sorted(self.requests.items())]
@@ -77,6 +78,11 @@ class Metrics:
             for kind in ("prompt", "completion", "image"):
                 lines += [f"# TYPE qvl_{kind}_tokens_total counter", f"qvl_{kind}_tokens_total {self.tokens[kind]}"]
             lines += ["# TYPE qvl_answer_cache_hits_total counter", f"qvl_answer_cache_hits_total {self.cache_hits}"]
+            for field, kind in (("hits", "counter"), ("misses", "counter"), ("evictions", "counter"),
+                                ("bytes", "gauge"), ("entries", "gauge")):
+                name = f"qvl_cache_{field}" + ("_total" if kind == "counter" else "")
+                lines += [f"# TYPE {name} {kind}"]
+                lines += [f'{name}{{cache="{c}"}} {getattr(st, field)}' for c, st in (caches or {}).items()]
             lines += ["# TYPE qvl_queue_wait_seconds histogram"]
             lines += self.queue_wait.lines("qvl_queue_wait_seconds")
             lines += ["# TYPE qvl_time_to_first_token_seconds histogram"]

@@ -136,10 +136,11 @@ def sampling(req: ChatCompletionRequest, engine: Engine) -> SamplingParams:
 
 
 def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
-    """max_pixels -> a per-image token budget; a request may lower the server's, not raise it."""
+    """max_pixels -> a per-image token budget; it may raise or lower the server's default, up
+    to the engine's cap (checked when the request is parsed)."""
     if req.max_pixels is None:
         return None
-    return max(1, min(req.max_pixels // engine.image_cfg.factor**2, engine.options.max_image_tokens))
+    return max(1, req.max_pixels // engine.image_cfg.factor**2)
 
 
 # -- answers -----------------------------------------------------------------------------------

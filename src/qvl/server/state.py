@@ -71,6 +71,13 @@ class ServerState:
             "qvl_busy": float(worker.busy) if worker else 0,
         }
 
+    def cache_stats(self) -> dict:
+        """Hits, misses, evictions and bytes of the engine's caches (empty while loading)."""
+        e = self.engine
+        if e is None:
+            return {}
+        return {"vision": e.vision_cache.stats, "prefix": e.prefix_cache.stats, "answer": e.answer_cache.stats}
+
     def begin_shutdown(self) -> None:
         """SIGTERM: refuse new requests, let in-flight ones finish within the grace period."""
         self.shutting_down = True

@@ -96,7 +96,7 @@ class Worker:
         with self.cond:
             if self.closing:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
-            if len(self.waiting) >= self.capacity:
+            if len(self.waiting) + (self.running is not None) > self.capacity:  # capacity: may wait behind one
                 retry = str(max(1, min(60, math.ceil(self.avg_job_s))))
                 raise APIError(429, f"the server is busy: {self.capacity} requests are already waiting; "
                                f"retry in {retry} s", code="queue_full", headers={"Retry-After": retry})
@@ -180,4 +180,6 @@ class Worker:
                 self.cancel(job, TIMEOUT)
             job.put(job.failure())
         except Exception as exc:  # a failing request must not take the worker down
+            with self.cond:
+                job.finished = True  # answered (with a 500): not a cancellation
             job.put(internal(exc))

@@ -151,6 +151,7 @@ function showStats(clientTtftMs, timings, usage) {
 function requestBody(history, task) {
   const body = {messages: history, stream: true, stream_options: {include_usage: true}};
   if (task && task.greedy) body.temperature = 0;
+  if (task && task.max_image_tokens) body.max_pixels = task.max_image_tokens * 32 * 32;
   const maxTokens = parseInt($("max-tokens").value, 10);
   if (maxTokens > 0) body.max_tokens = maxTokens;
   return body;
