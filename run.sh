@@ -4,18 +4,8 @@
 # Where it cannot be had, serve an offline demo checkpoint (random weights, official layout).
 set -euo pipefail
 cd "$(dirname "$0")"
-if [ ! -x .venv/bin/qvl ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install --quiet --upgrade pip
-  # the CPU wheel of torch: a local wheel folder ($PIP_FIND_LINKS) or PyTorch's CPU index; a bare
-  # `pip install torch` from PyPI would pull a multi-GB CUDA build
-  if [ -n "${PIP_FIND_LINKS:-}" ]; then
-    .venv/bin/pip install --quiet torch==2.13.0 --find-links "$PIP_FIND_LINKS"
-  else
-    .venv/bin/pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-  fi
-  .venv/bin/pip install --quiet -e .
-fi
+. scripts/venv.sh
+[ -x .venv/bin/qvl ] || qvl_venv ""
 model="${QVL_MODEL:-Qwen/Qwen3-VL-2B-Instruct}"
 if ! .venv/bin/python -c "import sys; from qvl.hub import resolve_model; resolve_model(sys.argv[1])" "$model" 2>/tmp/qvl-resolve.err; then
   echo "qvl: $(cat /tmp/qvl-resolve.err | tail -1)" >&2
