@@ -10,7 +10,8 @@ qvl_venv() {
     if [ -n "${PIP_FIND_LINKS:-}" ]; then
       .venv/bin/pip install --quiet torch==2.13.0 --find-links "$PIP_FIND_LINKS"
     else
-      .venv/bin/pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+      .venv/bin/pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+        || .venv/bin/pip install --quiet torch==2.13.0  # no CPU index reachable: whatever pip is configured with
     fi
   fi
   .venv/bin/pip install --quiet -e ".${1:+[$1]}"
