@@ -130,9 +130,10 @@ class Int4Linear(nn.Module):
             q = from_kernel_layout(packed.flatten(0, 1)).view(len(rows), INT4_BLOCK, -1)
             q = q[torch.arange(len(rows)), rows % INT4_BLOCK]
             sz = sz[:, rows]
-        scale = sz[..., 0].t().repeat_interleave(self.group_size, 1)
-        zero = sz[..., 1].t().repeat_interleave(self.group_size, 1)
-        return (q.to(sz.dtype) - 8) * scale + zero
+        rows_out, g = q.shape[0], self.group_size
+        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [O, I/g, 1]: no full-size copies
+        w = (q.view(rows_out, -1, g).to(sz.dtype) - 8).mul_(scale).add_(zero)
+        return w.view(rows_out, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _rows(x) > KERNEL_MAX_ROWS:
