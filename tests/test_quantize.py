@@ -47,6 +47,7 @@ def test_kernels_match_dequantised_reference(kind, dtype, rows):
 
 def test_int4_layout_round_trips_and_row_gather():
     q, scale, zero = quantize_int4(torch.randn(128, 64), 32)
+    assert torch.equal(to_kernel_layout(q), torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
     assert torch.equal(from_kernel_layout(to_kernel_layout(q)), q)
     assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
     m, _ = _module("int4", 192, 128, torch.float32, group=32)

@@ -73,8 +73,12 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 
 
 def to_kernel_layout(q: torch.Tensor) -> torch.Tensor:
-    """[O, I] codes -> torch's CPU int4 layout [O, I/2] uint8."""
-    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    """[O, I] codes -> torch's CPU int4 layout [O, I/2] uint8 (what
+    `torch._convert_weight_to_int4pack_for_cpu` computes, without its int32 copy)."""
+    o, i = q.shape
+    blocks = q.to(torch.uint8).view(o // INT4_BLOCK, 2, INT4_BLOCK // 2, i)
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [O/64, 32, I]: rows d and d + 32 share a byte
+    return packed.transpose(1, 2).contiguous().view(o, i // 2)
 
 
 def from_kernel_layout(p: torch.Tensor) -> torch.Tensor:
