@@ -61,9 +61,10 @@ class LRU:
                 self.stats.evictions += 1
             self.stats.entries = len(self.items)
 
-    def values(self) -> list:
+    def snapshot(self) -> list[tuple]:
+        """(key, value) pairs, oldest first, read under the lock."""
         with self.lock:
-            return [v for v, _ in self.items.values()]
+            return [(k, v) for k, (v, _) in self.items.items()]
 
     def touch(self, key) -> None:
         with self.lock:
@@ -123,7 +124,7 @@ class PrefixCache(LRU):
         """The entry sharing the longest usable prefix with `ids`, and that length (at
         most len(ids) - 1: the last prompt token is always run to get logits)."""
         best, best_len = None, 0
-        for key, entry in [(k, v) for k, (v, _) in list(self.items.items())]:
+        for key, entry in self.snapshot():
             n = min(common_prefix(entry.ids, ids), len(ids) - 1)
             for (s, e, h), (s2, e2, h2) in zip(entry.image_spans, spans):
                 if s >= n:

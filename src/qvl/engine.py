@@ -164,12 +164,16 @@ class Engine:
             self.vision_cache.add(image.content_hash, features)
         return features
 
+    def spans(self, parsed: ParsedRequest) -> list[tuple[int, int, str]]:
+        """(start, end, content hash) of each image's tokens in the prompt."""
+        return image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
+
     def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0,
-                cancel: CancelCheck | None = None) -> PreparedPrompt:
+                cancel: CancelCheck | None = None, spans: list | None = None) -> PreparedPrompt:
         """Encode the images not already inside a reused prefix of `skip` tokens (through
         the vision cache) and lay out the M-RoPE positions."""
         started = time.perf_counter()
-        spans = image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
+        spans = self.spans(parsed) if spans is None else spans
         needed = [(im, span) for im, span in zip(parsed.images, spans) if span[1] > skip]
         embeds_from = parsed.image_tokens - sum(im.num_tokens for im, _ in needed)
         embeds = deepstack = None
@@ -221,16 +225,12 @@ class Engine:
             yield hit
             return
         timings = Timings()
-        spans = image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
-        prefix, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
-        timings.cached["prefix"] = reused > 0
-        timings.reused_tokens = reused
-        prompt = self.prepare(parsed, timings, skip=reused, cancel=cancel)
+        spans = self.spans(parsed)
+        prompt, prefix = self._prepare_from_prefix(parsed, spans, timings, cancel)
         params = parsed.sampling
         eos = self.eos_ids(params)
         cache = new_cache(self.model, 1, len(prompt) + params.max_new_tokens)
-        prefixes = [(prefix.kv, reused)] if prefix else None
-        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos, cache=cache, prefixes=prefixes,
+        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos, cache=cache, prefixes=[prefix],
                                                  cancel=cancel))
         usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens)
         done = None
@@ -242,22 +242,27 @@ class Engine:
         self._remember(parsed, spans, cache, done)
         yield done
 
-    def _remember(self, parsed: ParsedRequest, spans, cache, done: Done) -> None:
-        """Keep the KV state (prompt + answer) for prefix reuse and the answer for repeats."""
-        self._remember_prefix(parsed, spans, cache, 0, 0, cache.length - len(parsed.ids), done.token_ids)
+    def _prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings,
+                             cancel: CancelCheck | None = None) -> tuple[PreparedPrompt, tuple | None]:
+        """The longest cached prefix of the prompt (as (kv, tokens) for generate_step, or
+        None) and the prompt prepared for the rest."""
+        entry, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
+        timings.cached["prefix"], timings.reused_tokens = reused > 0, reused
+        prompt = self.prepare(parsed, timings, skip=reused, cancel=cancel, spans=spans)
+        return prompt, ((entry.kv, reused) if entry else None)
+
+    def _remember(self, parsed: ParsedRequest, spans, cache, done: Done, row: int = 0, slot: int = 0) -> None:
+        """Keep one row's KV state (its prompt, from `slot`, and the answer tokens fed back
+        into the cache) for prefix reuse, and the answer for exact repeats."""
+        fed = min(len(done.token_ids), cache.length - slot - len(parsed.ids))
+        length = len(parsed.ids) + fed
+        # an entry over the whole budget would be dropped anyway: do not copy it
+        if self.prefix_cache.enabled and fed >= 0 and length * cache.bytes_per_position <= self.prefix_cache.max_bytes:
+            ids = torch.cat([parsed.ids, torch.tensor(done.token_ids[:fed], dtype=torch.long)])
+            self.prefix_cache.add(PrefixEntry(ids, spans, cache.clone_row(row, slot, length)))
         key = self._answer_key(parsed)
         if key:
             self.answer_cache.put(key, done)
-
-    def _remember_prefix(self, parsed: ParsedRequest, spans, cache, row: int, slot: int, fed: int,
-                         answer: list[int]) -> None:
-        """Store one row's KV state: its prompt (from `slot`) and the `fed` answer tokens."""
-        length = len(parsed.ids) + fed
-        per_position = cache.nbytes // (cache.keys.shape[1] * cache.capacity)
-        if not self.prefix_cache.enabled or fed < 0 or length * per_position > self.prefix_cache.max_bytes:
-            return  # (an entry over the whole budget would be dropped anyway: do not copy it)
-        ids = torch.cat([parsed.ids, torch.tensor(answer[:fed], dtype=torch.long)])
-        self.prefix_cache.add(PrefixEntry(ids, spans, cache.clone_row(row, slot, length)))
 
     def generate(self, request: Request | ParsedRequest) -> Done:
         """The final event of `stream`."""
@@ -285,14 +290,9 @@ class Engine:
     def _decode_together(self, parsed: list[ParsedRequest], params: SamplingParams) -> list[Done]:
         started = time.perf_counter()
         timings = [Timings() for _ in parsed]
-        spans = [image_spans(p.ids, self.cfg.image_token_id, p.image_hashes) for p in parsed]
-        found = [self.prefix_cache.longest(p.ids, s) if self.prefix_cache.enabled else (None, 0)
-                 for p, s in zip(parsed, spans)]
-        prompts = []
-        for p, t, (entry, reused) in zip(parsed, timings, found):
-            t.cached["prefix"], t.reused_tokens = reused > 0, reused
-            prompts.append(self.prepare(p, t, skip=reused))
-        prefixes = [(entry.kv, reused) if entry else None for entry, reused in found]
+        spans = [self.spans(p) for p in parsed]
+        prompts, prefixes = zip(*(self._prepare_from_prefix(p, s, t) for p, s, t in zip(parsed, spans, timings)))
+        prompts, prefixes = list(prompts), list(prefixes)
         eos = self.eos_ids(params)
         width = max(len(p) for p in prompts)
         cache = new_cache(self.model, len(prompts), width + params.max_new_tokens)
@@ -308,7 +308,6 @@ class Engine:
         vision_ms = sum(t.vision_ms for t in timings)
         results = []
         for r, (p, t, row, s) in enumerate(zip(parsed, timings, rows, spans)):
-            self._remember_prefix(p, s, cache, r, width - len(p.ids), min(len(row), cache.length - width), row)
             usage = Usage(prompt_tokens=len(p.ids), image_tokens=p.image_tokens)
             *_, done = stream_text(iter(row), self.tokenizer, params.stop, eos, usage, t, started)
             # stream_text timed a replay; the batch's own clock is what happened
@@ -316,8 +315,6 @@ class Engine:
             done.timings.prefill_ms = max(0.0, step_ms[0] - vision_ms) / len(parsed)
             done.timings.decode_ms = step_ms[1 : len(row)]
             done.timings.decode_ms_per_token = sum(done.timings.decode_ms) / max(1, len(done.timings.decode_ms))
-            key = self._answer_key(p)
-            if key:
-                self.answer_cache.put(key, done)
+            self._remember(p, s, cache, done, row=r, slot=width - len(p.ids))
             results.append(done)
         return results

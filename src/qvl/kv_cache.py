@@ -28,6 +28,11 @@ class KVCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Keys and values of one position of one row, all layers."""
+        return self.nbytes // (self.keys.shape[1] * self.capacity)
+
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, H_kv, T, hd] written at positions start..start+T.
         Returns the layer's keys and values for positions 0..start+T: [B, H_kv, start+T, hd]."""
