@@ -101,7 +101,7 @@ def generate_step(
     Rows are right-aligned in one cache (shorter prompts padded on the left and masked),
     prefilled one by one and decoded together. prefixes[r] = (kv, n): a B=1 cache whose
     first n positions hold row r's first n prompt tokens, which are then not recomputed.
-    A row finishes on an EOS id (unless params.ignore_eos) or after max_new_tokens.
+    A row finishes on one of `eos_ids` (pass () to ignore EOS) or after max_new_tokens.
     `cancel` is checked before every prefill chunk and decode step (raises Cancelled).
     """
     batch, width = len(prompts), max(len(p) for p in prompts)
@@ -134,7 +134,7 @@ def generate_step(
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     positions = torch.tensor([p.next_position for p in prompts])
     alive = torch.ones(batch, dtype=torch.bool)
-    stop = torch.tensor([] if params.ignore_eos else list(eos_ids))
+    stop = torch.tensor(list(eos_ids), dtype=torch.long)
     for step in range(params.max_new_tokens):
         tokens = sample(apply_penalties(logits, seen, counts, params), params, generator)
         yield [int(t) if a else None for t, a in zip(tokens.tolist(), alive.tolist())]

@@ -190,10 +190,6 @@ def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[
     return names
 
 
-def module_format(module: nn.Module) -> str:
-    return "int4" if isinstance(module, Int4Linear) else "int8"
-
-
 def quantized_state(module: nn.Module, name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A float weight [O, I] -> the module's buffers, under `name.weight` etc."""
     if isinstance(module, Int4Linear):

@@ -3,7 +3,12 @@ strict, keeping Hugging Face parameter names."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +22,6 @@ from qvl.quantize import (
     Int8Linear,
     QuantSpec,
     TiedQuantEmbedding,
-    module_format,
     portable_state,
     quantized_state,
     state_from_portable,
@@ -145,7 +149,7 @@ class _TensorSource:
             return
         parts = self.pending.setdefault(module_name, {})
         parts[leaf] = tensor
-        needed = {"weight", "weight_scale"} | ({"weight_zero"} if module_format(module) == "int4" else set())
+        needed = {"weight", "weight_scale"} | ({"weight_zero"} if isinstance(module, Int4Linear) else set())
         if getattr(module, "bias", None) is not None:
             needed.add("bias")
         if needed <= parts.keys():
@@ -192,8 +196,6 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
     """Write a quantised model as a checkpoint folder: HF names, quantised matrices in a
     portable layout, the format in the safetensors metadata; the other files (config,
     tokenizer, template, ...) copied from `model_dir`. Written to a temporary name first."""
-    import shutil
-
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
@@ -210,9 +212,6 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
     for path in model_dir.iterdir():
         if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
             shutil.copyfile(path, out_dir / path.name)
-    import os
-    import tempfile
-
     fd, partial = tempfile.mkstemp(dir=out_dir, prefix=".model.", suffix=".partial")
     os.close(fd)
     try:
@@ -233,20 +232,13 @@ def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
     """A safetensors file whose tensors start 64-byte aligned, so memory-mapped weights
     feed the CPU kernels without a copy: the header is padded with spaces (as the format
     allows) and tensors whose size is not a multiple of 64 bytes go last."""
-    import json
-    import os
-    import struct
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    names = sorted(state, key=lambda n: nbytes(state[n]) % ALIGN != 0)  # stable: odd sizes last
+    names = sorted(state, key=lambda n: state[n].nbytes % ALIGN != 0)  # stable: odd sizes last
     header, offset = {"__metadata__": metadata}, 0
     for name in names:
         t = state[name]
         header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes(t)]}
-        offset += nbytes(t)
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGN)
     with open(path, "wb") as f:
@@ -261,9 +253,6 @@ def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
 def quantized_cache_dir(model_dir: Path, spec: QuantSpec, dtype: torch.dtype) -> Path:
     """Where the int8/int4 version of a bf16 checkpoint is kept after the first load, so
     later starts skip quantising. Keyed by the files' identity and the format."""
-    import hashlib
-    import os
-
     h = hashlib.sha256(f"{spec!r}|{dtype}|{QUANT_LAYOUT_VERSION}".encode())  # scales are stored in dtype
     for path in checkpoint_files(model_dir):
         st = path.stat()
