@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qvl.processing.image import ImageProcessorConfig, ProcessedImage, load_image, preprocess
+from qvl.processing.image import (
+    ImageProcessorConfig,
+    ProcessedImage,
+    load_image,
+    max_pixels_for_tokens,
+    preprocess,
+)
 from qvl.processing.prompt import tokenize_chat
 from qvl.processing.tokenizer import Tokenizer
 from qvl.sampling import SamplingParams
@@ -61,10 +67,10 @@ def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Li
     tokens = request.max_image_tokens or limits.max_image_tokens
     if tokens < 1:
         raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
+    max_pixels = max_pixels_for_tokens(tokens, image_cfg)
     if tokens > limits.image_tokens_cap:
-        raise RequestError(f"an image budget of {tokens} tokens ({tokens * image_cfg.factor**2} pixels) is over this "
-                           f"server's cap of {limits.image_tokens_cap} tokens", "max_pixels")
-    max_pixels = tokens * image_cfg.factor**2
+        raise RequestError(f"an image budget of {tokens} tokens ({max_pixels} pixels) is over this server's cap "
+                           f"of {limits.image_tokens_cap} tokens", "max_pixels")
     messages, images = [], []
     for message in request.messages:
         content = message.get("content")
