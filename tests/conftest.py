@@ -48,3 +48,13 @@ def tiny_tokenizer(tiny_checkpoint):
     from qvl.processing.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """tokenizer.json, tokenizer_config.json, vocab.json and merges.txt built offline (read-only)."""
+    from qvl.processing.tokenizer import write_tokenizer_files
+
+    path = tmp_path_factory.mktemp("qwen_tokenizer")
+    write_tokenizer_files(path)
+    return path

@@ -19,7 +19,7 @@ from qvl.processing.prompt import (
     render_chat,
     tokenize_chat,
 )
-from qvl.processing.tokenizer import Tokenizer, write_tokenizer_files
+from qvl.processing.tokenizer import Tokenizer
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "src" / "qvl" / "data" / "qwen3_vl_chat_template.jinja"
 TEMPLATE = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -65,21 +65,14 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="session")
-def prompt_tok_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen_prompt_tokenizer")
-    write_tokenizer_files(path)
-    return path
+def tok(tokenizer_dir):
+    return Tokenizer.from_dir(tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
-def tok(prompt_tok_dir):
-    return Tokenizer.from_dir(prompt_tok_dir)
-
-
-@pytest.fixture(scope="session")
-def hf_tok(prompt_tok_dir):
+def hf_tok(tokenizer_dir):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(prompt_tok_dir))
+    return transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def reference_ids(hf_tok, messages, counts, add_generation_prompt=True, **kwargs) -> list[int]:
@@ -254,10 +247,10 @@ def test_template_loading_variants(tmp_path):
         load_chat_template(tmp_path)
 
 
-def test_template_missing(tmp_path, prompt_tok_dir):
+def test_template_missing(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match="no chat template"):
         load_chat_template(tmp_path)
     with pytest.raises(ValueError, match="no chat template"):
-        load_chat_template(prompt_tok_dir)  # tokenizer files alone carry no template
+        load_chat_template(tokenizer_dir)  # tokenizer files alone carry no template
     _write(tmp_path, "chat_template.jinja", TEMPLATE)
     assert load_chat_template(tmp_path) == TEMPLATE

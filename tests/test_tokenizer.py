@@ -16,7 +16,6 @@ from qvl.processing.tokenizer import (
     Tokenizer,
     default_tiktoken_path,
     load_tiktoken_ranks,
-    write_tokenizer_files,
 )
 
 CORPUS = [
@@ -47,10 +46,8 @@ CORPUS = [
 
 
 @pytest.fixture(scope="session")
-def tok_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen_tokenizer")
-    write_tokenizer_files(path)
-    return path
+def tok_dir(tokenizer_dir):
+    return tokenizer_dir
 
 
 @pytest.fixture(scope="session")
