@@ -8,51 +8,119 @@ import torch
 import torch.nn.functional as F
 
 from qvl.config import ModelConfig
+from qvl import native
 from qvl.quantize import (
+    Bf16Linear,
     Int4Linear,
     Int8Linear,
     QuantSpec,
-    from_kernel_layout,
     pack_nibbles,
     quantize_int4,
     quantize_int8,
     quantized_state,
-    to_kernel_layout,
     unpack_nibbles,
 )
 from qvl.weights import CheckpointError, load_model, save_quantized
 
 
-def _module(kind: str, o: int, i: int, dtype, group=64):
+def _module(kind: str, o: int, i: int, dtype, group=64, bias=False):
     w = torch.randn(o, i)
-    m = Int8Linear(i, o, False, dtype) if kind == "int8" else Int4Linear(i, o, group, dtype)
+    if kind == "bf16":
+        m = Bf16Linear(i, o, bias=bias, dtype=dtype)
+        with torch.no_grad():
+            m.weight.copy_(w)
+        return m, w
+    m = Int8Linear(i, o, bias, dtype) if kind == "int8" else Int4Linear(i, o, group, dtype)
     for key, value in quantized_state(m, "m", w, dtype).items():
         setattr(m, key.split(".", 1)[1], value)
+    if bias:
+        m.bias = torch.randn(o).to(dtype)
     return m, w
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Each product runs once through qvl's native kernels and once through torch's."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.skip("no C compiler: the native kernels are not built here")
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # kernel path (few rows) and dequantised GEMM path (many)
-def test_kernels_match_dequantised_reference(kind, dtype, rows):
-    m, w = _module(kind, 192, 256, dtype)
-    x = torch.randn(2, rows, 256, dtype=dtype)
-    reference = F.linear(x.float(), m.dequantized().float())
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(m(x).float(), reference, atol=tol * reference.abs().max().item(), rtol=tol)
-    # and the quantisation itself stays close to the float weight
-    err = (m.dequantized().float() - w).abs().max() / w.abs().max()
-    assert err < (0.01 if kind == "int8" else 0.15)
+@pytest.mark.parametrize("rows", [1, 3, 6, 40])  # GEMV (1-16 rows, tiles of 4) and dequantise + GEMM (more)
+def test_linear_layers_match_dequantised_reference(kernels, kind, dtype, rows):
+    m, w = _module(kind, 192, 384, dtype, bias=kind == "int8")
+    x = torch.randn(2, rows, 384, dtype=dtype)
+    weight = m.weight.float() if kind == "bf16" else m.dequantized().float()
+    bias = getattr(m, "bias", None)
+    reference = F.linear(x.float(), weight, None if bias is None else bias.float())
+    # native int4 quantises activations to int8 per 128 columns (~1% error), the rest accumulate floats
+    tol = 3e-2 if kind == "int4" and kernels == "native" and rows <= 16 else 2e-2 if dtype == torch.bfloat16 else 1e-4
+    out = m(x)
+    assert out.dtype == dtype and out.shape == (2, rows, 192)
+    torch.testing.assert_close(out.float(), reference, atol=tol * reference.abs().max().item(), rtol=tol)
+    if kind != "bf16":  # and the quantisation itself stays close to the float weight
+        err = (m.dequantized().float() - w).abs().max() / w.abs().max()
+        assert err < (0.01 if kind == "int8" else 0.15)
 
 
-def test_int4_layout_round_trips_and_row_gather():
-    q, scale, zero = quantize_int4(torch.randn(128, 64), 32)
-    assert torch.equal(to_kernel_layout(q), torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-    assert torch.equal(from_kernel_layout(to_kernel_layout(q)), q)
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_int4_group_sizes_and_row_gather(kernels, group):
+    m, _ = _module("int4", 96, 512, torch.float32, group=group)
+    full = m.dequantized()
+    q, scale, zero = quantize_int4(full, group)
     assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
-    m, _ = _module("int4", 192, 128, torch.float32, group=32)
-    rows = torch.tensor([0, 5, 63, 64, 100, 191, 5])
-    torch.testing.assert_close(m.dequantized(rows), m.dequantized()[rows])
+    reference = ((unpack_nibbles(m.weight).float().view(96, -1, group) - 8)
+                 * m.scales[..., None] + m.zeros[..., None]).view(96, 512)
+    torch.testing.assert_close(full, reference)
+    rows = torch.tensor([0, 5, 63, 64, 95, 5])
+    torch.testing.assert_close(m.dequantized(rows), full[rows])
+    x = torch.randn(1, 512)
+    ref = F.linear(x, full)
+    torch.testing.assert_close(m(x), ref, atol=3e-2 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.skipif(native.compiler() is None or "x86_64" not in __import__("platform").machine(),
+                    reason="needs a C compiler on x86-64")
+def test_portable_kernels_without_avx512_match(tmp_path):
+    """The loops a CPU without AVX-512 runs (the library built for plain x86-64-v2)."""
+    lib = native.open_library(native.build(tmp_path, march="x86-64-v2"))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 256, dtype=dtype)
+        m8, _ = _module("int8", 64, 256, dtype, bias=True)
+        ref = F.linear(x.float(), m8.dequantized().float(), m8.bias.float())
+        out = native.linear(lib, native.W_INT8, x, m8.weight, 64, m8.scales, bias=m8.bias)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+        m4, _ = _module("int4", 64, 256, dtype, group=32)
+        ref = F.linear(x.float(), m4.dequantized().float())
+        out = native.linear(lib, native.W_INT4, x, m4.weight, 64, m4.scales, m4.zeros, 32)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+        deq = native.dequantize(lib, native.W_INT4, m4.weight, m4.scales, m4.zeros, 32, (64, 256))
+        torch.testing.assert_close(deq.float(), m4.dequantized().float(), atol=1e-2, rtol=1e-2)
+    wb = torch.randn(64, 256, dtype=torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    ref = x.float() @ wb.float().T
+    out = native.linear(lib, native.W_BF16, x, wb, 64)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+
+
+def test_kernel_build_failure_is_reported_and_torch_kernels_take_over(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises((RuntimeError, OSError)):
+        native.build(tmp_path)
+    monkeypatch.setenv("QVL_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        m, _ = _module("int4", 64, 128, torch.float32)
+        x = torch.randn(1, 128)
+        torch.testing.assert_close(m(x), F.linear(x, m.dequantized()))
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
 
 
 def test_int8_is_symmetric_per_channel():

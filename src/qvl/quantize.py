@@ -1,10 +1,11 @@
-"""Weight-only int8 / int4 quantisation as a module swap.
+"""Weight-only int8 / int4 quantisation as a module swap, and the linear layers' kernels.
 
 int8: symmetric, one scale per output channel. int4: asymmetric min/max per group of
-`group_size` inputs. Decoding (a few rows) runs torch's CPU weight-only kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which read 1 or 0.5 bytes per
-weight; prefill and vision (many rows) dequantise one matrix at a time and run the
-dtype's GEMM, where those kernels are slower than oneDNN.
+`group_size` inputs, two codes per byte. Decoding (a few activation rows) runs qvl's
+native kernels (native.py), which stream the weights at the machine's memory bandwidth;
+prefill and vision (many rows) dequantise one matrix at a time and run the dtype's GEMM
+(oneDNN). Without the native kernels, int8 decoding uses torch's `_weight_int8pack_mm`
+and int4 the dequantised GEMM.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qvl import native
+
 WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
-KERNEL_MAX_ROWS = 16  # up to this many activation rows the weight-only kernels win
-INT4_BLOCK = 64  # torch's CPU int4 layout packs rows in blocks of 64
+KERNEL_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w: [O, I] -> codes uint8 [O, I] in 0..15, scales and zeros [O, I/g] float32;
-    w ~= (q - 8) * scale + zero (the convention of torch's int4 kernels)."""
+    w ~= (q - 8) * scale + zero."""
     o, i = w.shape
     g = w.float().view(o, i // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
@@ -64,7 +66,8 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Portable int4 storage: [O, I] codes -> [O, I/2] uint8, even column in the low nibble."""
+    """int4 storage (in memory and in files): [O, I] codes -> [O, I/2] uint8, even column
+    in the low nibble."""
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
@@ -72,27 +75,28 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 0xF, p >> 4], -1).flatten(1)
 
 
-def to_kernel_layout(q: torch.Tensor) -> torch.Tensor:
-    """[O, I] codes -> torch's CPU int4 layout [O, I/2] uint8 (what
-    `torch._convert_weight_to_int4pack_for_cpu` computes, without its int32 copy)."""
-    o, i = q.shape
-    blocks = q.to(torch.uint8).view(o // INT4_BLOCK, 2, INT4_BLOCK // 2, i)
-    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [O/64, 32, I]: rows d and d + 32 share a byte
-    return packed.transpose(1, 2).contiguous().view(o, i // 2)
-
-
-def from_kernel_layout(p: torch.Tensor) -> torch.Tensor:
-    """Inverse of to_kernel_layout: in each block of 64 rows, byte [k, d] holds row d in
-    the low nibble and row d + 32 in the high nibble. -> [O, I] uint8 codes."""
-    o, half = p.shape
-    blocks = p.view(o // INT4_BLOCK, 2 * half, INT4_BLOCK // 2)
-    return torch.cat([blocks & 0xF, blocks >> 4], 2).transpose(1, 2).reshape(o, 2 * half)
-
-
 # -- modules ------------------------------------------------------------------------------
 
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
+
+
+def _gemv_library(x: torch.Tensor, dtype: torch.dtype):
+    """The native library when x is few rows of the layer's float dtype, else None."""
+    if _rows(x) > KERNEL_MAX_ROWS or x.dtype != dtype or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return native.library()
+
+
+class Bf16Linear(nn.Linear):
+    """nn.Linear (same parameters) whose decoding products run the native bf16 GEMV:
+    oneDNN's reads the weights at about half the memory bandwidth."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _gemv_library(x, torch.bfloat16) if self.weight.dtype == torch.bfloat16 else None
+        if lib is None:
+            return F.linear(x, self.weight, self.bias)
+        return native.linear(lib, native.W_BF16, x, self.weight, self.out_features, bias=self.bias)
 
 
 class Int8Linear(nn.Module):
@@ -105,6 +109,8 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or some of its rows) in the compute dtype."""
+        if rows is None and (lib := native.library()) is not None:
+            return native.dequantize(lib, native.W_INT8, self.weight, self.scales, None, 0, tuple(self.weight.shape))
         w, s = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
         return w.to(s.dtype) * s[..., None]
 
@@ -112,6 +118,8 @@ class Int8Linear(nn.Module):
         # x: [..., I] -> [..., O]
         if _rows(x) > KERNEL_MAX_ROWS:
             return F.linear(x, self.dequantized(), self.bias)
+        if (lib := _gemv_library(x, self.scales.dtype)) is not None:
+            return native.linear(lib, native.W_INT8, x, self.weight, self.out_features, self.scales, bias=self.bias)
         y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -121,30 +129,26 @@ class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups = in_features // group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales_and_zeros", torch.empty(in_features // group_size, out_features, 2, dtype=dtype))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=dtype))
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        sz = self.scales_and_zeros
-        if rows is None:
-            q = from_kernel_layout(self.weight)
-        else:  # only the 64-row blocks holding the wanted rows
-            blocks = rows // INT4_BLOCK
-            packed = self.weight.view(-1, INT4_BLOCK, self.in_features // 2)[blocks]
-            q = from_kernel_layout(packed.flatten(0, 1)).view(len(rows), INT4_BLOCK, -1)
-            q = q[torch.arange(len(rows)), rows % INT4_BLOCK]
-            sz = sz[:, rows]
-        rows_out, g = q.shape[0], self.group_size
-        scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [O, I/g, 1]: no full-size copies
-        w = (q.view(rows_out, -1, g).to(sz.dtype) - 8).mul_(scale).add_(zero)
-        return w.view(rows_out, -1)
+        if rows is None and (lib := native.library()) is not None:
+            return native.dequantize(lib, native.W_INT4, self.weight, self.scales, self.zeros, self.group_size,
+                                     (self.out_features, self.in_features))
+        packed, scale, zero = (self.weight, self.scales, self.zeros) if rows is None else \
+            (self.weight[rows], self.scales[rows], self.zeros[rows])
+        q = unpack_nibbles(packed).view(packed.shape[0], -1, self.group_size)
+        w = (q.to(scale.dtype) - 8).mul_(scale[..., None]).add_(zero[..., None])
+        return w.view(packed.shape[0], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _rows(x) > KERNEL_MAX_ROWS:
+        if (lib := _gemv_library(x, self.scales.dtype)) is None:
             return F.linear(x, self.dequantized())
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight, self.group_size,
-                                              self.scales_and_zeros)
-        return y.view(*x.shape[:-1], self.out_features)
+        return native.linear(lib, native.W_INT4, x, self.weight, self.out_features, self.scales, self.zeros,
+                             self.group_size)
 
 
 class TiedQuantEmbedding(nn.Module):
@@ -164,14 +168,19 @@ class TiedQuantEmbedding(nn.Module):
 def quantized_linear_names(model: nn.Module, spec: QuantSpec) -> list[str]:
     """Module names that the spec quantises: every text-decoder linear and the lm_head,
     plus the vision tower's linears when spec.vision."""
-    names = []
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)
+            and (_is_text(name) or (spec.vision and name.startswith("visual.")))]
+
+
+def _is_text(name: str) -> bool:
+    return name.startswith("language_model.") or name == "lm_head"
+
+
+def use_decode_kernels(model: nn.Module) -> None:
+    """The text decoder's float linears (those not quantised) decode with the native GEMV."""
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        text = name.startswith("language_model.") or name == "lm_head"
-        if text or (spec.vision and name.startswith("visual.")):
-            names.append(name)
-    return names
+        if type(module) is nn.Linear and _is_text(name):
+            module.__class__ = Bf16Linear
 
 
 def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[str]:
@@ -194,36 +203,31 @@ def quantized_state(module: nn.Module, name: str, w: torch.Tensor, dtype: torch.
     """A float weight [O, I] -> the module's buffers, under `name.weight` etc."""
     if isinstance(module, Int4Linear):
         q, scale, zero = quantize_int4(w, module.group_size)
-        return {f"{name}.weight": to_kernel_layout(q),
-                f"{name}.scales_and_zeros": torch.stack([scale.t(), zero.t()], -1).to(dtype).contiguous()}
+        return {f"{name}.weight": pack_nibbles(q), f"{name}.scales": scale.to(dtype), f"{name}.zeros": zero.to(dtype)}
     q, scale = quantize_int8(w)
     return {f"{name}.weight": q, f"{name}.scales": scale.to(dtype)}
 
 
 def portable_state(module: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    """A quantised module's tensors for a file: independent of torch's kernel layout.
-    int8: weight (int8) + weight_scale; int4: weight (nibbles) + weight_scale + weight_zero."""
-    if isinstance(module, Int4Linear):
-        sz = module.scales_and_zeros
-        return {f"{name}.weight": pack_nibbles(from_kernel_layout(module.weight)),
-                f"{name}.weight_scale": sz[..., 0].t().contiguous(), f"{name}.weight_zero": sz[..., 1].t().contiguous()}
+    """A quantised module's tensors for a file: int8: weight (int8) + weight_scale;
+    int4: weight (nibbles) + weight_scale + weight_zero."""
     out = {f"{name}.weight": module.weight, f"{name}.weight_scale": module.scales}
-    if module.bias is not None:
+    if isinstance(module, Int4Linear):
+        out[f"{name}.weight_zero"] = module.zeros
+    elif module.bias is not None:
         out[f"{name}.bias"] = module.bias
     return out
 
 
 def state_from_portable(module: nn.Module, name: str, tensors: dict[str, torch.Tensor],
                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Inverse of portable_state (for loading a pre-quantised checkpoint). The int8 kernel
-    needs 64-byte aligned weights: files qvl writes are (save_aligned) and stay memory-
-    mapped; tensors of other files are copied into aligned memory."""
+    """Inverse of portable_state (for loading a pre-quantised checkpoint): the matrices stay
+    memory-mapped. torch's int8 kernel (the fallback) needs 64-byte aligned weights: files
+    qvl writes are (save_aligned); tensors of other files are copied into aligned memory."""
+    out = {f"{name}.weight": _aligned(tensors["weight"]), f"{name}.scales": tensors["weight_scale"].to(dtype)}
     if isinstance(module, Int4Linear):
-        q = unpack_nibbles(tensors["weight"])
-        sz = torch.stack([tensors["weight_scale"].t(), tensors["weight_zero"].t()], -1)  # a new tensor
-        return {f"{name}.weight": to_kernel_layout(q), f"{name}.scales_and_zeros": sz.to(dtype).contiguous()}
-    out = {f"{name}.weight": _aligned(tensors["weight"]), f"{name}.scales": _aligned(tensors["weight_scale"].to(dtype))}
-    if "bias" in tensors:
+        out[f"{name}.zeros"] = tensors["weight_zero"].to(dtype)
+    elif "bias" in tensors:
         out[f"{name}.bias"] = tensors["bias"].to(dtype)
     return out
 

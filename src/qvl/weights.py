@@ -26,6 +26,7 @@ from qvl.quantize import (
     quantized_state,
     state_from_portable,
     swap_modules,
+    use_decode_kernels,
 )
 
 # checkpoint name prefix -> module attribute prefix; the whole renaming table.
@@ -95,6 +96,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
     with torch.device("meta"):
         model = Qwen3VL(cfg)
         quantized = set(swap_modules(model, spec, dtype)) if spec else set()
+        use_decode_kernels(model)
         tied_quant = cfg.tie_word_embeddings and "lm_head" in quantized
         if tied_quant:
             model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)

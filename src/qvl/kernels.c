@@ -1,0 +1,343 @@
+/* qvl's native CPU kernels: matrix-vector products for decoding (a few activation rows
+ * against bf16, int8 or int4 weights) and one-pass dequantisation for prefill.
+ *
+ * Compiled on first use for the CPU it runs on (cc -O3 -march=native, see native.py), so
+ * the AVX-512 paths exist only where the CPU has AVX-512; elsewhere the portable loops
+ * are what the compiler vectorises for that CPU.
+ *
+ * Layouts (row-major, one row per output channel n):
+ *   bf16 weights  w[N][K] uint16
+ *   int8 weights  w[N][K] int8, scale[N]                       w = q * scale
+ *   int4 weights  w[N][K/2] uint8 (column 2i in the low nibble of byte i, 2i+1 in the high),
+ *                 scale[N][K/g], zero[N][K/g]                  w = (q - 8) * scale + zero
+ * Activations x[M][K] and outputs y[M][N] are float32 (dt 0) or bfloat16 (dt 1); scales,
+ * zeros and bias use the same dtype.
+ *
+ * With AVX-512, int4 products quantise the activations to int8 per 128 columns and use
+ * integer dot products (VNNI where present), as llama.cpp does for its 4-bit formats; the
+ * other paths accumulate exact float products in float32. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QVL_AVX512 1
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, BF16 = 1 };
+enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
+#define TILE 4     /* activation rows sharing one pass over a weight row */
+#define CHUNK 128  /* int4 columns per activation scale */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float get(const void* p, int dt, int64_t i) {
+    return dt == BF16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void put(void* p, int dt, int64_t i, float v) {
+    if (dt == BF16)
+        ((uint16_t*)p)[i] = f32_to_bf16(v);
+    else
+        ((float*)p)[i] = v;
+}
+
+static inline float int4_at(const uint8_t* row, int64_t k) {
+    uint8_t b = row[k >> 1];
+    return (float)((k & 1) ? (b >> 4) : (b & 0x0F));
+}
+
+/* ---- portable row products (exact float accumulation) --------------------------------- */
+
+static float dot_bf16(const float* x, const uint16_t* w, int64_t K) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; k++) s += bf16_to_f32(w[k]) * x[k];
+    return s;
+}
+
+static float dot_int8(const float* x, const int8_t* w, int64_t K) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; k++) s += (float)w[k] * x[k];
+    return s;
+}
+
+static float dot_int4(const float* x, const uint8_t* w, const void* sc, const void* zr, int dt, int64_t K,
+                      int64_t gs) {
+    float total = 0.f;
+    for (int64_t g = 0; g < K / gs; g++) {
+        float s = get(sc, dt, g), z = get(zr, dt, g), part = 0.f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) part += ((int4_at(w, k) - 8.f) * s + z) * x[k];
+        total += part;
+    }
+    return total;
+}
+
+/* ---- AVX-512 row products --------------------------------------------------------------- */
+#ifdef QVL_AVX512
+
+static inline __m512 load16_weights(const void* w, int64_t k, const int kind) {
+    if (kind == W_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)w + k))));
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* out[m] = sum_k w[k] * x[m][k] for mt <= TILE rows; four accumulators per row hide the
+ * FMA latency. Inlined with constant kind and mt, so the loops unroll into registers. */
+static inline __attribute__((always_inline)) void dot_float_tile(const float* x, int64_t K, const void* w,
+                                                                 float* out, const int kind, const int mt) {
+    __m512 acc[TILE][4];
+    for (int m = 0; m < mt; m++)
+        for (int u = 0; u < 4; u++) acc[m][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        for (int u = 0; u < 4; u++) {
+            __m512 wv = load16_weights(w, k + 16 * u, kind);
+            for (int m = 0; m < mt; m++)
+                acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        __m512 a = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+        float s = _mm512_reduce_add_ps(a);
+        for (int64_t j = k; j < K; j++)
+            s += (kind == W_INT8 ? (float)((const int8_t*)w)[j] : bf16_to_f32(((const uint16_t*)w)[j])) * x[m * K + j];
+        out[m] = s;
+    }
+}
+
+static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+static inline __m512 load_scales(const void* p, int dt, int64_t at, __mmask16 mask) {
+    if (dt == BF16) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)p + at);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float*)p + at);
+}
+
+/* Activations prepared for int4 products: per row, per 128-column chunk, 64 int8 values of
+ * the even columns then 64 of the odd ones (matching the nibbles of 64 weight bytes), the
+ * chunk's scale, and the exact float sum of x over each weight group (for the zeros). */
+typedef struct {
+    int8_t* q;     /* [M][K] */
+    float* scale;  /* [M][K/CHUNK] */
+    float* sum;    /* [M][K/gs] */
+} QuantX;
+
+static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t gs, QuantX* qx) {
+    const int64_t C = K / CHUNK, G = K / gs;
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        for (int64_t c = 0; c < C; c++) {
+            const float* xc = xr + c * CHUNK;
+            float amax = 0.f;
+            for (int j = 0; j < CHUNK; j++) amax = fmaxf(amax, fabsf(xc[j]));
+            float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+            int8_t* q = qx->q + m * K + c * CHUNK;
+            for (int i = 0; i < CHUNK / 2; i++) {
+                q[i] = (int8_t)lrintf(xc[2 * i] * inv);
+                q[CHUNK / 2 + i] = (int8_t)lrintf(xc[2 * i + 1] * inv);
+            }
+            qx->scale[m * C + c] = scale;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += xr[k];
+            qx->sum[m * G + g] = s;
+        }
+    }
+}
+
+/* Lane j of a chunk's integer dot product covers columns 8j..8j+7, so its weight scale is
+ * that of group (c * 128 + 8j) / gs: loaded per chunk and spread by `spread`. */
+static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
+                                                                const uint8_t* w, const void* sc, const void* zr,
+                                                                int dt, float* out, const int mt) {
+    const int64_t C = K / CHUNK, G = K / gs;
+    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
+    const __mmask16 mask = (__mmask16)((1u << per_chunk) - 1);
+    int idx[16];
+    for (int j = 0; j < 16; j++) idx[j] = gs >= CHUNK ? 0 : (int)(8 * j / gs);
+    const __m512i spread = _mm512_loadu_si512(idx);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m512i v = _mm512_loadu_si512(w + c * (CHUNK / 2));
+        __m512i lo = _mm512_and_si512(v, nibble);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512 s = _mm512_permutexvar_ps(spread, load_scales(sc, dt, c * CHUNK / gs, mask));
+        for (int m = 0; m < mt; m++) {
+            const int8_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
+            __m512i d = dot_u8s8(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+            d = dot_u8s8(d, hi, _mm512_loadu_si512(xq + CHUNK / 2));
+            __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(qx->scale[(m0 + m) * C + c]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx, acc[m]);
+        }
+    }
+    /* + sum_g (zero_g - 8 scale_g) * sum(x over g) */
+    for (int m = 0; m < mt; m++) {
+        const float* xs = qx->sum + (m0 + m) * G;
+        __m512 off = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g += 16) {
+            __mmask16 gm = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            __m512 z = load_scales(zr, dt, g, gm), s8 = _mm512_mul_ps(load_scales(sc, dt, g, gm), _mm512_set1_ps(8.f));
+            off = _mm512_fmadd_ps(_mm512_sub_ps(z, s8), _mm512_maskz_loadu_ps(gm, xs + g), off);
+        }
+        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], off));
+    }
+}
+#endif /* QVL_AVX512 */
+
+/* out[m] = row n of W . x[m0 + m] for the rows of one tile. */
+static void row_products(int kind, const float* xf, const void* qxv, int64_t m0, int64_t mt, int64_t K, int64_t gs,
+                         const void* w, const void* sc, const void* zr, int dt, int64_t n, float* out) {
+    const int64_t G = kind == W_INT4 ? K / gs : 0;
+    const size_t esize = dt == BF16 ? 2 : 4;
+    const void* wrow = kind == W_INT4   ? (const void*)((const uint8_t*)w + n * (K / 2))
+                       : kind == W_INT8 ? (const void*)((const int8_t*)w + n * K)
+                                        : (const void*)((const uint16_t*)w + n * K);
+    const void* srow = kind == W_INT4 ? (const char*)sc + n * G * esize : NULL;
+    const void* zrow = kind == W_INT4 ? (const char*)zr + n * G * esize : NULL;
+#ifdef QVL_AVX512
+    if (kind == W_INT4 && qxv) {
+        const QuantX* qx = (const QuantX*)qxv;
+        switch (mt) {
+            case 4: dot_int4_tile(qx, m0, K, gs, wrow, srow, zrow, dt, out, 4); return;
+            case 3: dot_int4_tile(qx, m0, K, gs, wrow, srow, zrow, dt, out, 3); return;
+            case 2: dot_int4_tile(qx, m0, K, gs, wrow, srow, zrow, dt, out, 2); return;
+            default: dot_int4_tile(qx, m0, K, gs, wrow, srow, zrow, dt, out, 1); return;
+        }
+    }
+    if (kind == W_INT8) {
+        switch (mt) {
+            case 4: dot_float_tile(xf + m0 * K, K, wrow, out, W_INT8, 4); return;
+            case 3: dot_float_tile(xf + m0 * K, K, wrow, out, W_INT8, 3); return;
+            case 2: dot_float_tile(xf + m0 * K, K, wrow, out, W_INT8, 2); return;
+            default: dot_float_tile(xf + m0 * K, K, wrow, out, W_INT8, 1); return;
+        }
+    }
+    if (kind == W_BF16) {
+        switch (mt) {
+            case 4: dot_float_tile(xf + m0 * K, K, wrow, out, W_BF16, 4); return;
+            case 3: dot_float_tile(xf + m0 * K, K, wrow, out, W_BF16, 3); return;
+            case 2: dot_float_tile(xf + m0 * K, K, wrow, out, W_BF16, 2); return;
+            default: dot_float_tile(xf + m0 * K, K, wrow, out, W_BF16, 1); return;
+        }
+    }
+#else
+    (void)qxv;
+#endif
+    for (int64_t m = 0; m < mt; m++) {
+        const float* xr = xf + (m0 + m) * K;
+        out[m] = kind == W_INT4   ? dot_int4(xr, wrow, srow, zrow, dt, K, gs)
+                 : kind == W_INT8 ? dot_int8(xr, wrow, K)
+                                  : dot_bf16(xr, wrow, K);
+    }
+}
+
+/* y[M][N] = x[M][K] . W^T (+ bias), W in one of the layouts above. Returns 0, or -1 when
+ * out of memory. */
+int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+               const void* zero, int64_t gs, const void* bias, void* y, int threads) {
+    float* xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M * K; i++) xf[i] = get(x, dt, i);
+    void* qxv = NULL;
+#ifdef QVL_AVX512
+    QuantX qx = {NULL, NULL, NULL};
+    if (kind == W_INT4 && K % CHUNK == 0 && gs % 32 == 0) {
+        qx.q = malloc((size_t)(M * K));
+        qx.scale = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
+        qx.sum = malloc((size_t)(M * (K / gs)) * sizeof(float));
+        if (!qx.q || !qx.scale || !qx.sum) {
+            free(qx.q), free(qx.scale), free(qx.sum), free(xf);
+            return -1;
+        }
+        quantize_activations(xf, M, K, gs, &qx);
+        qxv = &qx;
+    }
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float out[TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+            row_products(kind, xf, qxv, m0, mt, K, gs, w, scale, zero, dt, n, out);
+            for (int64_t m = 0; m < mt; m++) {
+                float v = out[m];
+                if (kind == W_INT8) v *= get(scale, dt, n);
+                if (bias) v += get(bias, dt, n);
+                put(y, dt, (m0 + m) * N + n, v);
+            }
+        }
+    }
+#ifdef QVL_AVX512
+    free(qx.q), free(qx.scale), free(qx.sum);
+#endif
+    free(xf);
+    return 0;
+}
+
+/* out[N][K] (dtype dt) = the int8 or int4 weight, dequantised in one pass. */
+void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
+                    int dt, void* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        if (kind == W_INT8) {
+            const int8_t* row = (const int8_t*)w + n * K;
+            float s = get(scale, dt, n);
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)out + n * K;
+                for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16((float)row[k] * s);
+            } else {
+                float* o = (float*)out + n * K;
+                for (int64_t k = 0; k < K; k++) o[k] = (float)row[k] * s;
+            }
+            continue;
+        }
+        const uint8_t* row = (const uint8_t*)w + n * (K / 2);
+        const int64_t G = K / gs;
+        for (int64_t g = 0; g < G; g++) {
+            float s = get(scale, dt, n * G + g), z = get(zero, dt, n * G + g) - 8.f * s;
+            const uint8_t* b = row + g * gs / 2;
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)out + n * K + g * gs;
+                for (int64_t i = 0; i < gs / 2; i++) {
+                    o[2 * i] = f32_to_bf16((float)(b[i] & 0x0F) * s + z);
+                    o[2 * i + 1] = f32_to_bf16((float)(b[i] >> 4) * s + z);
+                }
+            } else {
+                float* o = (float*)out + n * K + g * gs;
+                for (int64_t i = 0; i < gs / 2; i++) {
+                    o[2 * i] = (float)(b[i] & 0x0F) * s + z;
+                    o[2 * i + 1] = (float)(b[i] >> 4) * s + z;
+                }
+            }
+        }
+    }
+}

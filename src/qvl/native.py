@@ -1,0 +1,113 @@
+"""qvl's native kernels (kernels.c): built for this machine's CPU on first use, called
+through ctypes (which releases the GIL while they run).
+
+The library is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into
+the qvl cache, keyed by the source, the compiler and the CPU's flags, and reused by later
+starts (about a second to build). Without a compiler, or with QVL_NATIVE=0, `library()`
+is None and callers use torch's own kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from qvl.runtime import cpu_flags
+
+SOURCE = Path(__file__).with_name("kernels.c")
+W_BF16, W_INT8, W_INT4 = 0, 1, 2
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QVL_CACHE_DIR", Path.home() / ".cache" / "qvl"))
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def build(out_dir: Path, march: str = "native") -> Path:
+    """Compile kernels.c for `march` into out_dir (atomically) and return the library's path.
+    Raises RuntimeError with the compiler's message when it fails."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + march.encode() + version.encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    lib = out_dir / f"qvl_kernels-{march}-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
+    os.close(fd)
+    try:
+        cmd = [cc, "-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", partial, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
+        os.replace(partial, lib)  # other processes see the whole library or none
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.qvl_linear.argtypes = [c_int, ptr, c_int, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, c_int]
+    lib.qvl_linear.restype = c_int
+    lib.qvl_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int]
+    lib.qvl_dequantize.restype = None
+    return lib
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The kernels for this CPU, or None (no compiler, QVL_NATIVE=0, not x86/arm Linux)."""
+    if os.environ.get("QVL_NATIVE", "1") == "0":
+        return None
+    try:
+        return open_library(build(cache_root() / "native"))
+    except (RuntimeError, OSError) as exc:
+        print(f"qvl: native kernels unavailable, using torch's ({exc})", file=sys.stderr)
+        return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, out_features: int,
+           scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, group_size: int = 0,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] float32/bf16 -> [..., out_features] in x's dtype. Float arguments
+    (scale, zero, bias) must have x's dtype; every tensor must be contiguous."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    status = lib.qvl_linear(kind, rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, out_features,
+                            weight.data_ptr(), _ptr(scale), _ptr(zero), group_size, _ptr(bias), y.data_ptr(),
+                            torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("qvl_linear could not allocate its activation buffers")
+    return y.view(*x.shape[:-1], out_features)
+
+
+def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               group_size: int, shape: tuple[int, int]) -> torch.Tensor:
+    """An int8/int4 weight -> [N, K] in the scales' dtype, in one multi-threaded pass."""
+    out = torch.empty(shape, dtype=scale.dtype)
+    lib.qvl_dequantize(kind, weight.data_ptr(), scale.data_ptr(), _ptr(zero), group_size, shape[0], shape[1],
+                       _DTYPES[scale.dtype], out.data_ptr(), torch.get_num_threads())
+    return out
