@@ -148,6 +148,59 @@ typedef struct {
     float* sum;    /* [M][K/gs] */
 } QuantX;
 
+#ifdef __AVX512VNNI__
+/* Activations for int8 products: per 128-column chunk, x / scale rounded to 16 bits and
+ * offset by 32768 into two unsigned bytes (hi, lo), so that integer dot products with the
+ * int8 weights are exact: sum w*xq = 256 sum w*hi + sum w*lo - 32768 sum w. The rounding
+ * error (1/65534 of the chunk's largest value) is below bf16's. */
+typedef struct {
+    uint8_t* hi;   /* [M][K] */
+    uint8_t* lo;   /* [M][K] */
+    float* scale;  /* [M][K/CHUNK] */
+} SplitX;
+
+static void split_activations(const float* x, int64_t M, int64_t K, SplitX* sx) {
+    const int64_t C = K / CHUNK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < C; c++) {
+            const float* xc = x + m * K + c * CHUNK;
+            float amax = 0.f;
+            for (int j = 0; j < CHUNK; j++) amax = fmaxf(amax, fabsf(xc[j]));
+            float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
+            for (int j = 0; j < CHUNK; j++) {
+                uint32_t u = (uint32_t)(lrintf(xc[j] * inv) + 32768);
+                sx->hi[m * K + c * CHUNK + j] = (uint8_t)(u >> 8);
+                sx->lo[m * K + c * CHUNK + j] = (uint8_t)(u & 0xFF);
+            }
+            sx->scale[m * C + c] = scale;
+        }
+}
+
+static inline __attribute__((always_inline)) void dot_int8_tile(const SplitX* sx, int64_t m0, int64_t K,
+                                                                const int8_t* w, float* out, const int mt) {
+    const int64_t C = K / CHUNK;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m512i w0 = _mm512_loadu_si512(w + c * CHUNK), w1 = _mm512_loadu_si512(w + c * CHUNK + 64);
+        __m512i wsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0), ones, w1);
+        __m512i offset = _mm512_slli_epi32(wsum, 15);
+        for (int m = 0; m < mt; m++) {
+            const uint8_t* hi = sx->hi + (m0 + m) * K + c * CHUNK;
+            const uint8_t* lo = sx->lo + (m0 + m) * K + c * CHUNK;
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(hi), w0);
+            a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(hi + 64), w1);
+            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(lo), w0);
+            b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(lo + 64), w1);
+            __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b), offset);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx->scale[(m0 + m) * C + c]), acc[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
 static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t gs, QuantX* qx) {
     const int64_t C = K / CHUNK, G = K / gs;
     for (int64_t m = 0; m < M; m++) {
@@ -214,7 +267,7 @@ static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx
 #endif /* QVL_AVX512 */
 
 /* out[m] = row n of W . x[m0 + m] for the rows of one tile. */
-static void row_products(int kind, const float* xf, const void* qxv, int64_t m0, int64_t mt, int64_t K, int64_t gs,
+static void row_products(int kind, const float* xf, const void* qxv, const void* sxv, int64_t m0, int64_t mt, int64_t K, int64_t gs,
                          const void* w, const void* sc, const void* zr, int dt, int64_t n, float* out) {
     const int64_t G = kind == W_INT4 ? K / gs : 0;
     const size_t esize = dt == BF16 ? 2 : 4;
@@ -233,6 +286,17 @@ static void row_products(int kind, const float* xf, const void* qxv, int64_t m0,
             default: dot_int4_tile(qx, m0, K, gs, wrow, srow, zrow, dt, out, 1); return;
         }
     }
+#ifdef __AVX512VNNI__
+    if (kind == W_INT8 && sxv) {
+        const SplitX* sx = (const SplitX*)sxv;
+        switch (mt) {
+            case 4: dot_int8_tile(sx, m0, K, wrow, out, 4); return;
+            case 3: dot_int8_tile(sx, m0, K, wrow, out, 3); return;
+            case 2: dot_int8_tile(sx, m0, K, wrow, out, 2); return;
+            default: dot_int8_tile(sx, m0, K, wrow, out, 1); return;
+        }
+    }
+#endif
     if (kind == W_INT8) {
         switch (mt) {
             case 4: dot_float_tile(xf + m0 * K, K, wrow, out, W_INT8, 4); return;
@@ -250,7 +314,7 @@ static void row_products(int kind, const float* xf, const void* qxv, int64_t m0,
         }
     }
 #else
-    (void)qxv;
+    (void)qxv, (void)sxv;
 #endif
     for (int64_t m = 0; m < mt; m++) {
         const float* xr = xf + (m0 + m) * K;
@@ -282,12 +346,27 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         qxv = &qx;
     }
 #endif
+    void* sxv = NULL;
+#ifdef __AVX512VNNI__
+    SplitX sx = {NULL, NULL, NULL};
+    if (kind == W_INT8 && K % CHUNK == 0) {
+        sx.hi = malloc((size_t)(M * K));
+        sx.lo = malloc((size_t)(M * K));
+        sx.scale = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
+        if (!sx.hi || !sx.lo || !sx.scale) {
+            free(sx.hi), free(sx.lo), free(sx.scale), free(xf);
+            return -1;
+        }
+        split_activations(xf, M, K, &sx);
+        sxv = &sx;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float out[TILE];
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             int64_t mt = M - m0 < TILE ? M - m0 : TILE;
-            row_products(kind, xf, qxv, m0, mt, K, gs, w, scale, zero, dt, n, out);
+            row_products(kind, xf, qxv, sxv, m0, mt, K, gs, w, scale, zero, dt, n, out);
             for (int64_t m = 0; m < mt; m++) {
                 float v = out[m];
                 if (kind == W_INT8) v *= get(scale, dt, n);
@@ -298,6 +377,9 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     }
 #ifdef QVL_AVX512
     free(qx.q), free(qx.scale), free(qx.sum);
+#endif
+#ifdef __AVX512VNNI__
+    free(sx.hi), free(sx.lo), free(sx.scale);
 #endif
     free(xf);
     return 0;
