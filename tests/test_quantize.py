@@ -85,9 +85,14 @@ def test_int4_group_sizes_and_row_gather(kernels, group):
 
 @pytest.mark.skipif(native.compiler() is None or "x86_64" not in __import__("platform").machine(),
                     reason="needs a C compiler on x86-64")
-def test_portable_kernels_without_avx512_match(tmp_path):
-    """The loops a CPU without AVX-512 runs (the library built for plain x86-64-v2)."""
-    lib = native.open_library(native.build(tmp_path, march="x86-64-v2"))
+@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
+def test_kernels_built_for_older_cpus_match(tmp_path, march):
+    """What CPUs without AVX-512 (portable loops) or without VNNI (AVX-512 float and
+    maddubs paths) run: the library built for those targets, run here."""
+    flags = native.cpu_flags()
+    if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        pytest.skip("this CPU cannot run AVX-512 code")
+    lib = native.open_library(native.build(tmp_path, march=march))
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(5, 256, dtype=dtype)
         m8, _ = _module("int8", 64, 256, dtype, bias=True)

@@ -41,6 +41,7 @@ class EngineOptions:
     weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (auto: a pre-quantised file's format, else int8)
     group_size: int = 128  # int4 group size
     vision_int8: bool = False
+    int8_activations: bool = False  # int8 layers' many-row matmuls as int8 x int8 (see Int8Linear)
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
     max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS
@@ -119,6 +120,9 @@ class Engine:
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.int8_activations = options.int8_activations
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)
@@ -138,7 +142,8 @@ class Engine:
     @property
     def model_id(self) -> str:
         """Identifies what computes the answers: checkpoint, weight format, dtype."""
-        return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}"
+        activations = "|int8-activations" if self.options.int8_activations else ""
+        return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{activations}"
 
     def sampling_defaults(self, **overrides) -> SamplingParams:
         """The checkpoint's generation_config defaults, with explicit overrides (None = keep)."""

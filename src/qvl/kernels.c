@@ -57,6 +57,9 @@ static inline void put(void* p, int dt, int64_t i, float v) {
         ((float*)p)[i] = v;
 }
 
+/* Round to nearest (ties away from zero); unlike lrintf, loops over it vectorise. */
+static inline int32_t round_int(float v) { return (int32_t)(v + (v >= 0.f ? 0.5f : -0.5f)); }
+
 static inline float int4_at(const uint8_t* row, int64_t k) {
     uint8_t b = row[k >> 1];
     return (float)((k & 1) ? (b >> 4) : (b & 0x0F));
@@ -168,7 +171,7 @@ static void split_activations(const float* x, int64_t M, int64_t K, SplitX* sx) 
             for (int j = 0; j < CHUNK; j++) amax = fmaxf(amax, fabsf(xc[j]));
             float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
             for (int j = 0; j < CHUNK; j++) {
-                uint32_t u = (uint32_t)(lrintf(xc[j] * inv) + 32768);
+                uint32_t u = (uint32_t)(round_int(xc[j] * inv) + 32768);
                 sx->hi[m * K + c * CHUNK + j] = (uint8_t)(u >> 8);
                 sx->lo[m * K + c * CHUNK + j] = (uint8_t)(u & 0xFF);
             }
@@ -212,8 +215,8 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
             float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
             int8_t* q = qx->q + m * K + c * CHUNK;
             for (int i = 0; i < CHUNK / 2; i++) {
-                q[i] = (int8_t)lrintf(xc[2 * i] * inv);
-                q[CHUNK / 2 + i] = (int8_t)lrintf(xc[2 * i + 1] * inv);
+                q[i] = (int8_t)round_int(xc[2 * i] * inv);
+                q[CHUNK / 2 + i] = (int8_t)round_int(xc[2 * i + 1] * inv);
             }
             qx->scale[m * C + c] = scale;
         }
@@ -423,3 +426,210 @@ void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero
         }
     }
 }
+
+/* ---- int8 x int8 GEMMs (many rows): the parts around torch._int_mm ------------------ */
+
+/* xq[M][K] int8 and scale[M] = x quantised symmetrically per row (x ~= xq * scale). */
+void qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, float* scale, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float* row = malloc((size_t)K * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float amax = 0.f;
+            if (dt == BF16) {
+                const uint16_t* xr = (const uint16_t*)x + m * K;
+#pragma omp simd
+                for (int64_t k = 0; k < K; k++) row[k] = bf16_to_f32(xr[k]);
+            } else {
+                memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
+            }
+#pragma omp simd reduction(max : amax)
+            for (int64_t k = 0; k < K; k++) {
+                float a = fabsf(row[k]);
+                amax = a > amax ? a : amax;
+            }
+            float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+            int8_t* q = xq + m * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) q[k] = (int8_t)round_int(row[k] * inv);
+            scale[m] = s;
+        }
+        free(row);
+    }
+}
+
+/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]). */
+void qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scale, const void* bias, int dt,
+                 int64_t M, int64_t N, void* y, int threads) {
+    float* cs = malloc((size_t)N * sizeof(float));
+    float* b = malloc((size_t)N * sizeof(float));
+    for (int64_t n = 0; n < N; n++) {
+        cs[n] = get(col_scale, dt, n);
+        b[n] = bias ? get(bias, dt, n) : 0.f;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const int32_t* a = acc + m * N;
+        float rs = row_scale[m];
+        if (dt == BF16) {
+            uint16_t* o = (uint16_t*)y + m * N;
+            for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16((float)a[n] * rs * cs[n] + b[n]);
+        } else {
+            float* o = (float*)y + m * N;
+            for (int64_t n = 0; n < N; n++) o[n] = (float)a[n] * rs * cs[n] + b[n];
+        }
+    }
+    free(cs), free(b);
+}
+
+/* ---- attention over one image's patches (vision tower), AVX512-BF16 ----------------- */
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+#define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
+#define ATQ 8  /* query rows per tile */
+#define ABK 32 /* keys per step */
+
+static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~1e-7 (Taylor, degree 6) */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Flash attention for the query rows [0, rows) of one head: scores and products in
+ * AVX512-BF16 dot products with float32 accumulation, online softmax in float32.
+ * kp: [D/2][S_pad] key pairs (k[n][2p], k[n][2p+1]); vp: [S_pad/2][D] value pairs
+ * (v[2j][d], v[2j+1][d]); keys >= S are zero and masked. */
+static inline __attribute__((always_inline)) void attention_block(
+    const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
+    int64_t S_pad, float scale2, uint16_t* out, int64_t out_stride, const int D) {
+    const int GR = D == 64 ? 4 : 2; /* rows per value-product group: GR * D/16 accumulators */
+    uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
+    float o[ABQ * 128] __attribute__((aligned(64)));
+    uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
+    float mx[ABQ], l[ABQ], corr[ATQ];
+    for (int r = 0; r < ABQ; r++) {
+        if (r < rows)
+            memcpy(qb + r * D, q + r * q_stride, (size_t)D * 2);
+        else
+            memset(qb + r * D, 0, (size_t)D * 2);
+        mx[r] = -1e30f, l[r] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * ABQ * D);
+    const __m512 scale = _mm512_set1_ps(scale2);
+    for (int64_t kb = 0; kb < S_pad; kb += ABK) {
+        const __mmask16 m0 = kb + 16 <= S ? 0xFFFF : kb >= S ? 0 : (__mmask16)((1u << (S - kb)) - 1);
+        const __mmask16 m1 = kb + 32 <= S ? 0xFFFF : kb + 16 >= S ? 0 : (__mmask16)((1u << (S - kb - 16)) - 1);
+        for (int t = 0; t < ABQ && t < rows; t += ATQ) {
+            __m512 s0[ATQ], s1[ATQ];
+            for (int i = 0; i < ATQ; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+            for (int p = 0; p < D / 2; p++) {
+                __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb);
+                __m512bh b1 = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16);
+                for (int i = 0; i < ATQ; i++) {
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
+                    s0[i] = _mm512_dpbf16_ps(s0[i], a, b0);
+                    s1[i] = _mm512_dpbf16_ps(s1[i], a, b1);
+                }
+            }
+            for (int i = 0; i < ATQ; i++) {
+                const __m512 low = _mm512_set1_ps(-1e30f);
+                __m512 x0 = _mm512_mask_mul_ps(low, m0, s0[i], scale), x1 = _mm512_mask_mul_ps(low, m1, s1[i], scale);
+                float top = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)), prev = mx[t + i];
+                float now = top > prev ? top : prev;
+                __m512 nv = _mm512_set1_ps(now);
+                __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(x0, nv)));
+                __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(x1, nv)));
+                corr[i] = exp2f(prev - now);
+                l[t + i] = l[t + i] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                mx[t + i] = now;
+                _mm512_storeu_si512(pb + i * ABK, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            }
+            for (int g = 0; g < ATQ; g += GR) {
+                __m512 acc[4][8];
+                for (int i = 0; i < GR; i++)
+                    for (int d = 0; d < D / 16; d++)
+                        acc[i][d] = _mm512_mul_ps(_mm512_loadu_ps(o + (t + g + i) * D + 16 * d), _mm512_set1_ps(corr[g + i]));
+                for (int jp = 0; jp < ABK / 2; jp++) {
+                    const uint32_t* vrow = vp + (kb / 2 + jp) * D;
+                    for (int i = 0; i < GR; i++) {
+                        __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
+                        for (int d = 0; d < D / 16; d++)
+                            acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
+                    }
+                }
+                for (int i = 0; i < GR; i++)
+                    for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + (t + g + i) * D + 16 * d, acc[i][d]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float inv = 1.f / l[r];
+        for (int d = 0; d < D; d++) out[r * out_stride + d] = f32_to_bf16(o[r * D + d] * inv);
+    }
+}
+
+/* out[S][H][D] (bf16) = softmax(q k^T / sqrt(D)) v per head, over all S positions (no
+ * mask). q, k, v: [S][H][D] bf16 with the given row strides (elements). D = 64 or 128.
+ * Returns 0, -1 when out of memory, -2 for an unsupported D. */
+int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t q_stride, int64_t k_stride,
+                  int64_t v_stride, int64_t S, int64_t H, int64_t D, uint16_t* out, int threads) {
+    if (D != 64 && D != 128) return -2;
+    const int64_t S_pad = (S + ABK - 1) / ABK * ABK;
+    uint32_t* kp = aligned_alloc(64, (size_t)(H * S_pad * D * 2));
+    uint32_t* vp = aligned_alloc(64, (size_t)(H * S_pad * D * 2));
+    if (!kp || !vp) {
+        free(kp), free(vp);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        uint32_t* kh = kp + h * (D / 2) * S_pad;
+        uint32_t* vh = vp + h * (S_pad / 2) * D;
+        for (int64_t n = 0; n < S_pad; n++)
+            for (int64_t p = 0; p < D / 2; p++)
+                kh[p * S_pad + n] = n < S ? ((const uint32_t*)(k + n * k_stride + h * D))[p] : 0u;
+        for (int64_t j = 0; j < S_pad; j += 2)
+            for (int64_t d = 0; d < D; d++) {
+                uint32_t lo = j < S ? v[j * v_stride + h * D + d] : 0u;
+                uint32_t hi = j + 1 < S ? v[(j + 1) * v_stride + h * D + d] : 0u;
+                vh[(j / 2) * D + d] = lo | (hi << 16);
+            }
+    }
+    const int64_t blocks = (S + ABQ - 1) / ABQ;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * blocks; item++) {
+        int64_t h = item / blocks, r0 = (item % blocks) * ABQ;
+        int64_t rows = S - r0 < ABQ ? S - r0 : ABQ;
+        const uint16_t* qh = q + r0 * q_stride + h * D;
+        uint16_t* oh = out + r0 * H * D + h * D;
+        const uint32_t* kh = kp + h * (D / 2) * S_pad;
+        const uint32_t* vh = vp + h * (S_pad / 2) * D;
+        if (D == 64)
+            attention_block(qh, q_stride, rows, kh, vh, S, S_pad, scale2, oh, H * D, 64);
+        else
+            attention_block(qh, q_stride, rows, kh, vh, S, S_pad, scale2, oh, H * D, 128);
+    }
+    free(kp), free(vp);
+    return 0;
+}
+
+int qvl_has_attention(void) { return 1; }
+#else
+int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t q_stride, int64_t k_stride,
+                  int64_t v_stride, int64_t S, int64_t H, int64_t D, uint16_t* out, int threads) {
+    (void)q, (void)k, (void)v, (void)q_stride, (void)k_stride, (void)v_stride, (void)S, (void)H, (void)D, (void)out,
+        (void)threads;
+    return -2;
+}
+
+int qvl_has_attention(void) { return 0; }
+#endif

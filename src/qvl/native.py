@@ -51,7 +51,7 @@ def build(out_dir: Path, march: str = "native") -> Path:
     fd, partial = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
     os.close(fd)
     try:
-        cmd = [cc, "-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", partial, "-lm"]
+        cmd = [cc, "-O3", f"-march={march}", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", partial, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
@@ -69,6 +69,14 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_linear.restype = c_int
     lib.qvl_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.qvl_dequantize.restype = None
+    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, ptr, ptr, c_int]
+    lib.qvl_quantize_rows.restype = None
+    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, ptr, c_int]
+    lib.qvl_rescale.restype = None
+    lib.qvl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, c_int]
+    lib.qvl_attention.restype = c_int
+    lib.qvl_has_attention.argtypes = []
+    lib.qvl_has_attention.restype = c_int
     return lib
 
 
@@ -110,4 +118,37 @@ def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.T
     out = torch.empty(shape, dtype=scale.dtype)
     lib.qvl_dequantize(kind, weight.data_ptr(), scale.data_ptr(), _ptr(zero), group_size, shape[0], shape[1],
                        _DTYPES[scale.dtype], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) with the activations
+    quantised to int8 per row: torch._int_mm (VNNI) between two fused native passes."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, k).contiguous()
+    m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
+    xq = torch.empty(m, k, dtype=torch.int8)
+    row_scale = torch.empty(m, dtype=torch.float32)
+    lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, xq.data_ptr(), row_scale.data_ptr(), threads)
+    acc = torch._int_mm(xq, weight.t())
+    y = torch.empty(m, n, dtype=x.dtype)
+    lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), _ptr(bias), dt, m, n, y.data_ptr(), threads)
+    return y.view(*x.shape[:-1], n)
+
+
+def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Full (unmasked) attention of one sequence: q, k, v [S, H, D] bf16 whose last two
+    dims are contiguous (rows may be strided) -> [S, H, D]. None when the library has no
+    AVX512-BF16 kernel or D is not 64/128 (then use torch's SDPA)."""
+    s, h, d = q.shape
+    if q.dtype != torch.bfloat16 or d not in (64, 128) or not lib.qvl_has_attention():
+        return None
+    if any(t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)):
+        return None
+    out = torch.empty(s, h, d, dtype=torch.bfloat16)
+    status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                               s, h, d, out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_attention could not allocate its packed keys and values")
     return out

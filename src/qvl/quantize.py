@@ -100,6 +100,12 @@ class Bf16Linear(nn.Linear):
 
 
 class Int8Linear(nn.Module):
+    """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM,
+    or, with `int8_activations`, quantise the activations per row and run an int8 x int8
+    GEMM (AVX512-VNNI; ~1.4-1.9x faster, slightly less exact)."""
+
+    int8_activations = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -117,6 +123,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., I] -> [..., O]
         if _rows(x) > KERNEL_MAX_ROWS:
+            if self.int8_activations and x.dtype == self.scales.dtype and (lib := native.library()) is not None:
+                return native.int8_matmul(lib, x, self.weight, self.scales, self.bias)
             return F.linear(x, self.dequantized(), self.bias)
         if (lib := _gemv_library(x, self.scales.dtype)) is not None:
             return native.linear(lib, native.W_INT8, x, self.weight, self.out_features, self.scales, bias=self.bias)
