@@ -69,3 +69,53 @@ def test_engine_option_switches_int8_layers_to_int8_activations(tiny_checkpoint)
     layer, x = fast.model.visual.blocks[0].mlp.linear_fc1, torch.randn(50, 64).to(fast.model.dtype)
     ref = F.linear(x.float(), layer.dequantized().float(), layer.bias.float())
     assert F.cosine_similarity(layer(x).float().flatten(), ref.flatten(), 0) > 0.999
+
+
+@needs_attention
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
+       length=st.integers(1, 300), d=st.sampled_from([32, 64, 128]), masked=st.booleans())
+def test_decode_attention_matches_sdpa_over_cache_views(b, kv_heads, group, length, d, masked):
+    capacity = length + 7  # the cache is larger than what is filled: keys are strided views
+    cache_k = torch.randn(b, kv_heads, capacity, d).bfloat16()
+    cache_v = torch.randn(b, kv_heads, capacity, d).bfloat16()
+    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]
+    q = (torch.randn(b, kv_heads * group, 1, d) * 2).bfloat16()
+    mask = None
+    if masked:  # left padding of batched rows, as generate_step builds it
+        mask = torch.ones(b, length, dtype=torch.bool)
+        for r in range(b):
+            mask[r, : torch.randint(0, length, ()).item()] = False
+    out = native.decode_attention(lib, q, keys, values, mask)
+    ref = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), enable_gqa=True,
+                                         attn_mask=None if mask is None else mask[:, None, None, :])
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_attention
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_bf16_model_with_native_kernels_matches_torch_kernels(tiny_checkpoint, monkeypatch, weights):
+    """Prefill, then decode steps over the cache: every kernel switched on vs all of torch's."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.generate import decode_step, new_cache
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights=weights, dtype="bf16", threads=1))
+    model, ids = engine.model, torch.tensor([9707, 11, 1879, 0, 108386, 151644, 872, 198, 3838, 374, 13, 42])
+
+    def run() -> torch.Tensor:
+        cache = new_cache(model, 1, 32)
+        positions = torch.arange(len(ids)).view(1, 1, -1).expand(3, 1, -1)
+        cos, sin = model.rope(positions)
+        with torch.inference_mode():
+            h = model.language_model(model.embed(ids[None]), cos, sin, cache, 0)
+            logits = [model.logits(h)[:, -1]]
+            for step in range(4):
+                token = logits[-1].argmax(-1)
+                logits.append(decode_step(model, cache, token, torch.tensor([len(ids) + step])))
+        return torch.cat(logits).float()
+
+    native_logits = run()
+    monkeypatch.setattr(native, "library", lambda: None)
+    torch_logits = run()
+    cosine = F.cosine_similarity(native_logits, torch_logits, dim=-1)
+    assert cosine.min() > (0.99 if weights == "int4" else 0.999), cosine

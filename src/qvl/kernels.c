@@ -485,9 +485,10 @@ void qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_sca
 
 /* ---- attention over one image's patches (vision tower), AVX512-BF16 ----------------- */
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
+#define ABK 64 /* keys per step */
+#define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */
 #define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
-#define ATQ 8  /* query rows per tile */
-#define ABK 32 /* keys per step */
+#define NKB (ABK / 16)
 
 static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~1e-7 (Taylor, degree 6) */
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
@@ -510,7 +511,7 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~1e-7 (Taylor, d
 static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
     int64_t S_pad, float scale2, uint16_t* out, int64_t out_stride, const int D) {
-    const int GR = D == 64 ? 4 : 2; /* rows per value-product group: GR * D/16 accumulators */
+    const int GR = D == 64 ? (ATQ < 4 ? ATQ : 4) : (ATQ < 2 ? ATQ : 2); /* rows per value-product group */
     uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
     float o[ABQ * 128] __attribute__((aligned(64)));
     uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
@@ -525,32 +526,42 @@ static inline __attribute__((always_inline)) void attention_block(
     memset(o, 0, sizeof(float) * ABQ * D);
     const __m512 scale = _mm512_set1_ps(scale2);
     for (int64_t kb = 0; kb < S_pad; kb += ABK) {
-        const __mmask16 m0 = kb + 16 <= S ? 0xFFFF : kb >= S ? 0 : (__mmask16)((1u << (S - kb)) - 1);
-        const __mmask16 m1 = kb + 32 <= S ? 0xFFFF : kb + 16 >= S ? 0 : (__mmask16)((1u << (S - kb - 16)) - 1);
+        __mmask16 mask[NKB];
+        for (int b = 0; b < NKB; b++) {
+            int64_t left = S - kb - 16 * b;
+            mask[b] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        }
         for (int t = 0; t < ABQ && t < rows; t += ATQ) {
-            __m512 s0[ATQ], s1[ATQ];
-            for (int i = 0; i < ATQ; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+            __m512 sc[ATQ][NKB];
+            for (int i = 0; i < ATQ; i++)
+                for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
             for (int p = 0; p < D / 2; p++) {
-                __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb);
-                __m512bh b1 = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16);
+                __m512bh kv[NKB];
+                for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
                 for (int i = 0; i < ATQ; i++) {
                     __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
-                    s0[i] = _mm512_dpbf16_ps(s0[i], a, b0);
-                    s1[i] = _mm512_dpbf16_ps(s1[i], a, b1);
+                    for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
                 }
             }
             for (int i = 0; i < ATQ; i++) {
                 const __m512 low = _mm512_set1_ps(-1e30f);
-                __m512 x0 = _mm512_mask_mul_ps(low, m0, s0[i], scale), x1 = _mm512_mask_mul_ps(low, m1, s1[i], scale);
-                float top = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)), prev = mx[t + i];
-                float now = top > prev ? top : prev;
-                __m512 nv = _mm512_set1_ps(now);
-                __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(x0, nv)));
-                __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(x1, nv)));
+                __m512 top = low;
+                for (int b = 0; b < NKB; b++) {
+                    sc[i][b] = _mm512_mask_mul_ps(low, mask[b], sc[i][b], scale);
+                    top = _mm512_max_ps(top, sc[i][b]);
+                }
+                float prev = mx[t + i], best = _mm512_reduce_max_ps(top);
+                float now = best > prev ? best : prev;
+                __m512 nv = _mm512_set1_ps(now), sum = _mm512_setzero_ps();
+                for (int b = 0; b < NKB; b++) {
+                    sc[i][b] = _mm512_maskz_mov_ps(mask[b], exp2_ps(_mm512_sub_ps(sc[i][b], nv)));
+                    sum = _mm512_add_ps(sum, sc[i][b]);
+                }
                 corr[i] = exp2f(prev - now);
-                l[t + i] = l[t + i] * corr[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                l[t + i] = l[t + i] * corr[i] + _mm512_reduce_add_ps(sum);
                 mx[t + i] = now;
-                _mm512_storeu_si512(pb + i * ABK, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                for (int b = 0; b < NKB; b += 2)
+                    _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]));
             }
             for (int g = 0; g < ATQ; g += GR) {
                 __m512 acc[4][8];
@@ -623,11 +634,109 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64
 }
 
 int qvl_has_attention(void) { return 1; }
+
+/* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
+ * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
+ * b, head h, position j at b*row_stride + h*head_stride + j*D; mask: [B][mask_stride] bytes
+ * (nonzero = attend) or NULL; out: [B][H][D]. Scores and softmax in float32. */
+int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t row_stride,
+                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
+                         const uint8_t* mask, int64_t mask_stride, uint16_t* out, int threads) {
+    if (D % 32 != 0 || D > 256 || H % Hkv != 0 || H / Hkv > 16) return -2;
+    const int64_t G = H / Hkv;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < B * Hkv; item++) {
+        const int64_t b = item / Hkv, h = item % Hkv;
+        const uint16_t* kh = keys + b * row_stride + h * head_stride;
+        const uint16_t* vh = values + b * row_stride + h * head_stride;
+        const uint8_t* mrow = mask ? mask + b * mask_stride : NULL;
+        float* sc = malloc((size_t)(G * L) * sizeof(float));
+        if (!sc) {
+            failed = 1;
+            continue;
+        }
+        const int nq = (int)(D / 32);
+        for (int64_t g = 0; g < G; g++) {
+            const uint16_t* qg = q + (b * H + h * G + g) * D;
+            __m512bh qv[8];
+            for (int c = 0; c < nq; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+            float* sg = sc + g * L;
+            float top = -1e30f;
+            for (int64_t j = 0; j < L; j++) {
+                if (mrow && !mrow[j]) {
+                    sg[j] = -1e30f;
+                    continue;
+                }
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < nq; c++)
+                    acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kh + j * D + 32 * c));
+                float v = _mm512_reduce_add_ps(acc) * scale2;
+                sg[j] = v;
+                top = v > top ? v : top;
+            }
+            float sum = 0.f;
+            int64_t j = 0;
+            const __m512 tv = _mm512_set1_ps(top);
+            __m512 vsum = _mm512_setzero_ps();
+            for (; j + 16 <= L; j += 16) {
+                __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + j), tv));
+                e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(_mm512_loadu_ps(sg + j), _mm512_set1_ps(-1e29f), _CMP_LT_OQ),
+                                       _mm512_setzero_ps());
+                _mm512_storeu_ps(sg + j, e);
+                vsum = _mm512_add_ps(vsum, e);
+            }
+            sum = _mm512_reduce_add_ps(vsum);
+            for (; j < L; j++) {
+                float e = sg[j] < -1e29f ? 0.f : exp2f(sg[j] - top);
+                sg[j] = e;
+                sum += e;
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (j = 0; j < L; j++) sg[j] *= inv;
+        }
+        /* out[g] = sum_j p[g][j] v[j]: each value row converted once for all G heads */
+        __m512 acc[16][8];
+        for (int64_t g = 0; g < G; g++)
+            for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            if (mrow && !mrow[j]) continue;
+            __m512 vr[8];
+            for (int c = 0; c < 2 * nq; c++) {
+                __m256i h16 = _mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c));
+                vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
+            }
+            for (int64_t g = 0; g < G; g++) {
+                __m512 pj = _mm512_set1_ps(sc[g * L + j]);
+                for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_fmadd_ps(pj, vr[c], acc[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            uint16_t* og = out + (b * H + h * G + g) * D;
+            for (int c = 0; c < 2 * nq; c++) {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, acc[g][c]);
+                for (int i = 0; i < 16; i++) og[16 * c + i] = f32_to_bf16(tmp[i]);
+            }
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
 #else
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t q_stride, int64_t k_stride,
                   int64_t v_stride, int64_t S, int64_t H, int64_t D, uint16_t* out, int threads) {
     (void)q, (void)k, (void)v, (void)q_stride, (void)k_stride, (void)v_stride, (void)S, (void)H, (void)D, (void)out,
         (void)threads;
+    return -2;
+}
+
+int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t row_stride,
+                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
+                         const uint8_t* mask, int64_t mask_stride, uint16_t* out, int threads) {
+    (void)q, (void)keys, (void)values, (void)row_stride, (void)head_stride, (void)B, (void)H, (void)Hkv, (void)L,
+        (void)D, (void)mask, (void)mask_stride, (void)out, (void)threads;
     return -2;
 }
 

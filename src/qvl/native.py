@@ -75,6 +75,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rescale.restype = None
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, c_int]
     lib.qvl_attention.restype = c_int
+    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
+    lib.qvl_decode_attention.restype = c_int
     lib.qvl_has_attention.argtypes = []
     lib.qvl_has_attention.restype = c_int
     return lib
@@ -152,3 +154,25 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if status == -1:
         raise MemoryError("qvl_attention could not allocate its packed keys and values")
     return out
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """One query per row over the cache: q [B, H, 1, D] bf16; keys/values [B, Hkv, L, D]
+    views of the KV cache (positions contiguous); key_mask [B, L] bool (True = attend) or
+    None -> [B, H, 1, D]. None when the kernel does not apply (then use SDPA)."""
+    b, h, _, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or not lib.qvl_has_attention():
+        return None
+    if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d:
+        return None
+    q = q.contiguous()
+    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    out = torch.empty(b, h, 1, d, dtype=torch.bfloat16)
+    status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                                      keys.stride(1), b, h, hkv, length, d, _ptr(mask),
+                                      0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_decode_attention could not allocate its scores")
+    return out if status == 0 else None
