@@ -4,6 +4,9 @@ read bandwidth and bf16 GEMM rate, measured in the same run.
 
     python benchmarks/compare.py --model /work/ckpt/qvl-2b --out docs/bench-results.json
 
+qvl configurations (CONFIGS): bf16, int8 (the default), int8-fast (int8 with --vision-int8
+--int8-activations), int4, int4-vision-int8.
+
 Each configuration runs in its own process (peak RSS is per process). Prints markdown
 tables; writes the raw results as JSON (for benchmarks/plots.py).
 """
@@ -20,6 +23,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Describe this image in detail."
+# qvl configurations: name -> (`qvl bench` flags, the weight format whose bytes set the decode floor)
+CONFIGS = {
+    "bf16": (["--weights", "bf16"], "bf16"),
+    "int8": (["--weights", "int8"], "int8"),
+    "int8-fast": (["--weights", "int8", "--vision-int8", "--int8-activations"], "int8"),
+    "int4": (["--weights", "int4"], "int4"),
+    "int4-vision-int8": (["--weights", "int4", "--vision-int8"], "int4"),
+}
 
 
 def median_time(fn, repeat: int, warmup: bool = True) -> float:
@@ -56,7 +67,9 @@ def text_weight_bytes(model_dir: str) -> dict:
         model = Qwen3VL(ModelConfig.from_file(os.path.join(model_dir, "config.json")))
     params = sum(m.weight.numel() for n, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and (n.startswith("language_model.") or n == "lm_head"))
-    return {"params": params, "bf16": 2 * params, "fp32": 4 * params, "int8": params, "int4": params // 2}
+    # int4: half a byte per weight plus a bf16 scale and zero per group of 128
+    return {"params": params, "bf16": 2 * params, "fp32": 4 * params, "int8": params,
+            "int4": params // 2 + params // 128 * 4}
 
 
 # -- transformers baseline (runs in a worker process) ---------------------------------------
@@ -120,8 +133,8 @@ def workloads(args):
 
 # -- qvl (each format in its own process, through `qvl bench --json`) -----------------------
 
-def qvl_bench(args, weights: str, image_tokens: int, new_tokens: int, repeat: int) -> dict:
-    cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--weights", weights,
+def qvl_bench(args, config: str, image_tokens: int, new_tokens: int, repeat: int) -> dict:
+    cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, *CONFIGS[config][0],
            "--threads", str(args.threads), "--image", "1920x1080", "--max-image-tokens", str(image_tokens),
            "--new-tokens", str(new_tokens), "--repeat", str(repeat), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -135,10 +148,11 @@ def run_all(args) -> dict:
                             capture_output=True, text=True, check=True)
     results["transformers"] = json.loads(worker.stdout.strip().splitlines()[-1])
     results["qvl"] = {}
-    for weights in args.formats:
-        results["qvl"][weights] = {
-            "full_budget": qvl_bench(args, weights, 16384, 2, 1),
-            "default": qvl_bench(args, weights, args.default_tokens, args.new_tokens, args.repeat),
+    results["floor_format"] = {config: CONFIGS[config][1] for config in args.configs}
+    for config in args.configs:
+        results["qvl"][config] = {
+            "full_budget": qvl_bench(args, config, 16384, 2, 1),
+            "default": qvl_bench(args, config, args.default_tokens, args.new_tokens, args.repeat),
         }
     sweep = {t: qvl_bench(args, "int8", t, 2, args.repeat) for t in args.budgets}
     results["vision_vs_budget"] = {str(t): r["vision_ms"] for t, r in sweep.items()}
@@ -162,7 +176,7 @@ def report(r: dict) -> str:
     lines.append(f"| transformers bf16 | {tf_decode:.1f} | {wb['bf16'] / m['read_gb_s'] / 1e6:.1f} | "
                  f"{tf_decode / (wb['bf16'] / m['read_gb_s'] / 1e6):.2f} | 1.00 |")
     for fmt, q in r["qvl"].items():
-        floor = wb[fmt] / m["read_gb_s"] / 1e6
+        floor = wb[r["floor_format"][fmt]] / m["read_gb_s"] / 1e6
         ms = q["default"]["decode_ms_per_token"]
         lines.append(f"| qvl {fmt} | {ms:.1f} | {floor:.1f} | {ms / floor:.2f} | {tf_decode / ms:.2f} |")
     lines += ["", "| 1920x1080 at the full budget | image tokens | vision ms | prefill ms | vision speed-up | "
@@ -197,7 +211,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--default-tokens", type=int, default=1024, help="qvl's default image budget")
-    p.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4"])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--budgets", nargs="+", type=int, default=[64, 144, 256, 576, 1024, 2040])
     p.add_argument("--out", help="write the raw results here (JSON)")
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -42,12 +42,12 @@ def decode_vs_floor(results: dict, out: Path) -> None:
     names = ["transformers bf16"] + [f"qvl {f}" for f in results["qvl"]]
     measured = [results["transformers"]["decode"]["decode_ms_per_token"]] + [
         q["default"]["decode_ms_per_token"] for q in results["qvl"].values()]
-    floors = [wb["bf16"] / bw / 1e6] + [wb[f] / bw / 1e6 for f in results["qvl"]]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    floors = [wb["bf16"] / bw / 1e6] + [wb[results["floor_format"][f]] / bw / 1e6 for f in results["qvl"]]
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], measured, 0.4, label="measured ms/token")
     ax.bar([x + 0.2 for x in xs], floors, 0.4, label=f"floor: weight bytes / {bw:.0f} GB/s")
-    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set_xticks(list(xs), [n.replace(" ", "\n", 1) for n in names], fontsize=7)
     ax.set_ylabel("ms per decoded token")
     ax.set_title("Decode speed per weight format against its bandwidth floor")
     ax.grid(axis="y", alpha=0.3)

@@ -26,6 +26,14 @@ PROMPTS = [
 ]
 
 
+FORMATS = {  # every prompt position runs through prefill: int8 activations apply to all of them
+    "int8": {"weights": "int8"},
+    "int8 --vision-int8 --int8-activations": {"weights": "int8", "vision_int8": True, "int8_activations": True},
+    "int4 (group 128)": {"weights": "int4"},
+    "int4 --vision-int8": {"weights": "int4", "vision_int8": True},
+}
+
+
 def request(kind: str, text: str, n: int) -> Request:
     content = ([{"type": "image", "image": synthetic_image(640, 480, seed=len(text))}] if kind == "image" else []) + [
         {"type": "text", "text": text}]
@@ -59,8 +67,8 @@ def main() -> None:
     ref_logits = [all_logits(reference, request(k, t, args.tokens), c) for k, t, c in runs]
     del reference
     print("| weights | top-1 agreement with bf16 | mean logit cosine |\n|---|---|---|")
-    for fmt in ("int8", "int4"):
-        engine = Engine.load(EngineOptions(**{**options.__dict__, "weights": fmt}))
+    for name, changes in FORMATS.items():
+        engine = Engine.load(EngineOptions(**{**options.__dict__, **changes}))
         agree = total = 0
         cosines = []
         for (kind, text, cont), ref in zip(runs, ref_logits):
@@ -68,7 +76,7 @@ def main() -> None:
             agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
             total += len(cont)
             cosines.append(F.cosine_similarity(logits, ref, dim=-1).mean().item())
-        print(f"| {fmt} | {agree}/{total} = {agree / total:.1%} | {sum(cosines) / len(cosines):.4f} |", flush=True)
+        print(f"| {name} | {agree}/{total} = {agree / total:.1%} | {sum(cosines) / len(cosines):.4f} |", flush=True)
         del engine
 
 

@@ -73,6 +73,7 @@ def test_info_reports_features_dtype_threads():
     info = json.loads(r.stdout)
     assert info["dtype_auto"] in ("bfloat16", "float32")
     assert info["threads_default"] >= 1 and "avx512_bf16" in info["cpu_features"]
+    assert {"native", "decode", "attention"} <= info["kernels"].keys()  # which kernels this CPU runs
 
 
 def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):

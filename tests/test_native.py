@@ -119,3 +119,21 @@ def test_bf16_model_with_native_kernels_matches_torch_kernels(tiny_checkpoint, m
     torch_logits = run()
     cosine = F.cosine_similarity(native_logits, torch_logits, dim=-1)
     assert cosine.min() > (0.99 if weights == "int4" else 0.999), cosine
+
+
+@needs_attention
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 150), start=st.integers(0, 150), kv_heads=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 3]), d=st.sampled_from([64, 128]))
+def test_causal_prefill_attention_over_a_cache_matches_sdpa(t, start, kv_heads, group, d):
+    """A prefill chunk of t queries at positions start..start+t over a cache holding start+t."""
+    capacity, length = start + t + 5, start + t
+    cache_k = torch.randn(1, kv_heads, capacity, d).bfloat16()
+    cache_v = torch.randn(1, kv_heads, capacity, d).bfloat16()
+    keys, values = cache_k[0, :, :length].transpose(0, 1), cache_v[0, :, :length].transpose(0, 1)  # [S, Hkv, D]
+    q = (torch.randn(t, kv_heads * group, d) * 2).bfloat16()
+    out = native.attention(lib, q, keys, values, causal_from=start)
+    mask = torch.arange(length)[None, :] <= torch.arange(start, start + t)[:, None]
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None],
+                                         values.float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref[0].transpose(0, 1), atol=2e-2, rtol=2e-2)

@@ -236,6 +236,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from qvl import __version__
+    from qvl.native import describe
     from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
 
     flags = cpu_flags()
@@ -245,13 +246,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},
         "dtype_auto": str(choose_dtype("auto")).replace("torch.", ""), "threads_default": physical_cores(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
+        "kernels": describe(),
     }
     if args.json:
         print(json.dumps(info))
     else:
         for key, value in info.items():
             if isinstance(value, dict):
-                value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items())
+                value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items()) if all(
+                    isinstance(v, bool) for v in value.values()) else "; ".join(f"{k}: {v}" for k, v in value.items())
             print(f"{key:22} {value}")
     return 0
 

@@ -507,11 +507,12 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~1e-7 (Taylor, d
 /* Flash attention for the query rows [0, rows) of one head: scores and products in
  * AVX512-BF16 dot products with float32 accumulation, online softmax in float32.
  * kp: [D/2][S_pad] key pairs (k[n][2p], k[n][2p+1]); vp: [S_pad/2][D] value pairs
- * (v[2j][d], v[2j+1][d]); keys >= S are zero and masked. */
+ * (v[2j][d], v[2j+1][d]); keys >= S are zero and masked. causal >= 0: row r sees keys
+ * j <= causal + r only (causal = the first row's position); -1: every row sees all keys. */
 static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
-    int64_t S_pad, float scale2, uint16_t* out, int64_t out_stride, const int D) {
-    const int GR = D == 64 ? (ATQ < 4 ? ATQ : 4) : (ATQ < 2 ? ATQ : 2); /* rows per value-product group */
+    int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const int D) {
+    const int GR = D == 64 ? 4 : 2; /* rows per value-product group: GR x D/16 accumulators */
     uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
     float o[ABQ * 128] __attribute__((aligned(64)));
     uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
@@ -525,13 +526,17 @@ static inline __attribute__((always_inline)) void attention_block(
     }
     memset(o, 0, sizeof(float) * ABQ * D);
     const __m512 scale = _mm512_set1_ps(scale2);
-    for (int64_t kb = 0; kb < S_pad; kb += ABK) {
-        __mmask16 mask[NKB];
-        for (int b = 0; b < NKB; b++) {
-            int64_t left = S - kb - 16 * b;
-            mask[b] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-        }
+    const int64_t key_end = causal < 0 ? S_pad : (causal + rows < S ? causal + rows : S); /* keys any row sees */
+    for (int64_t kb = 0; kb < key_end; kb += ABK) {
         for (int t = 0; t < ABQ && t < rows; t += ATQ) {
+            __mmask16 mask[ATQ][NKB];
+            for (int i = 0; i < ATQ; i++) {
+                int64_t seen = causal < 0 ? S : (causal + t + i + 1 < S ? causal + t + i + 1 : S);
+                for (int b = 0; b < NKB; b++) {
+                    int64_t left = seen - kb - 16 * b;
+                    mask[i][b] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+                }
+            }
             __m512 sc[ATQ][NKB];
             for (int i = 0; i < ATQ; i++)
                 for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
@@ -547,14 +552,14 @@ static inline __attribute__((always_inline)) void attention_block(
                 const __m512 low = _mm512_set1_ps(-1e30f);
                 __m512 top = low;
                 for (int b = 0; b < NKB; b++) {
-                    sc[i][b] = _mm512_mask_mul_ps(low, mask[b], sc[i][b], scale);
+                    sc[i][b] = _mm512_mask_mul_ps(low, mask[i][b], sc[i][b], scale);
                     top = _mm512_max_ps(top, sc[i][b]);
                 }
                 float prev = mx[t + i], best = _mm512_reduce_max_ps(top);
                 float now = best > prev ? best : prev;
                 __m512 nv = _mm512_set1_ps(now), sum = _mm512_setzero_ps();
                 for (int b = 0; b < NKB; b++) {
-                    sc[i][b] = _mm512_maskz_mov_ps(mask[b], exp2_ps(_mm512_sub_ps(sc[i][b], nv)));
+                    sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], exp2_ps(_mm512_sub_ps(sc[i][b], nv)));
                     sum = _mm512_add_ps(sum, sc[i][b]);
                 }
                 corr[i] = exp2f(prev - now);
@@ -587,47 +592,53 @@ static inline __attribute__((always_inline)) void attention_block(
     }
 }
 
-/* out[S][H][D] (bf16) = softmax(q k^T / sqrt(D)) v per head, over all S positions (no
- * mask). q, k, v: [S][H][D] bf16 with the given row strides (elements). D = 64 or 128.
- * Returns 0, -1 when out of memory, -2 for an unsupported D. */
-int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t q_stride, int64_t k_stride,
-                  int64_t v_stride, int64_t S, int64_t H, int64_t D, uint16_t* out, int threads) {
-    if (D != 64 && D != 128) return -2;
-    const int64_t S_pad = (S + ABK - 1) / ABK * ABK;
-    uint32_t* kp = aligned_alloc(64, (size_t)(H * S_pad * D * 2));
-    uint32_t* vp = aligned_alloc(64, (size_t)(H * S_pad * D * 2));
+/* out = softmax(q k^T / sqrt(D)) v for T queries over S keys, grouped-query (query head h
+ * uses key/value head h / (H / Hkv)). Every tensor is bf16 with D contiguous and strides
+ * in elements: q[t][h] at t*q_tok + h*q_head, likewise k, v (positions j), out.
+ * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
+ * over a cache of S = causal + T); -1: no mask (vision). D = 64 or 128.
+ * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
+int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                  int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
+    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -2;
+    const int64_t S_pad = (S + ABK - 1) / ABK * ABK, G = H / Hkv;
+    uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
+    uint32_t* vp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
     if (!kp || !vp) {
         free(kp), free(vp);
         return -1;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = 0; h < Hkv; h++) {
         uint32_t* kh = kp + h * (D / 2) * S_pad;
         uint32_t* vh = vp + h * (S_pad / 2) * D;
         for (int64_t n = 0; n < S_pad; n++)
             for (int64_t p = 0; p < D / 2; p++)
-                kh[p * S_pad + n] = n < S ? ((const uint32_t*)(k + n * k_stride + h * D))[p] : 0u;
+                kh[p * S_pad + n] = n < S ? ((const uint32_t*)(k + n * k_tok + h * k_head))[p] : 0u;
         for (int64_t j = 0; j < S_pad; j += 2)
             for (int64_t d = 0; d < D; d++) {
-                uint32_t lo = j < S ? v[j * v_stride + h * D + d] : 0u;
-                uint32_t hi = j + 1 < S ? v[(j + 1) * v_stride + h * D + d] : 0u;
+                uint32_t lo = j < S ? v[j * v_tok + h * v_head + d] : 0u;
+                uint32_t hi = j + 1 < S ? v[(j + 1) * v_tok + h * v_head + d] : 0u;
                 vh[(j / 2) * D + d] = lo | (hi << 16);
             }
     }
-    const int64_t blocks = (S + ABQ - 1) / ABQ;
+    const int64_t blocks = (T + ABQ - 1) / ABQ;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < H * blocks; item++) {
-        int64_t h = item / blocks, r0 = (item % blocks) * ABQ;
-        int64_t rows = S - r0 < ABQ ? S - r0 : ABQ;
-        const uint16_t* qh = q + r0 * q_stride + h * D;
-        uint16_t* oh = out + r0 * H * D + h * D;
-        const uint32_t* kh = kp + h * (D / 2) * S_pad;
-        const uint32_t* vh = vp + h * (S_pad / 2) * D;
+        /* the last (causally longest) blocks first, so the dynamic schedule balances */
+        int64_t h = item % H, r0 = (blocks - 1 - item / H) * ABQ;
+        int64_t rows = T - r0 < ABQ ? T - r0 : ABQ;
+        const uint16_t* qh = q + r0 * q_tok + h * q_head;
+        uint16_t* oh = out + r0 * o_tok + h * o_head;
+        const uint32_t* kh = kp + (h / G) * (D / 2) * S_pad;
+        const uint32_t* vh = vp + (h / G) * (S_pad / 2) * D;
+        int64_t first = causal < 0 ? -1 : causal + r0;
         if (D == 64)
-            attention_block(qh, q_stride, rows, kh, vh, S, S_pad, scale2, oh, H * D, 64);
+            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 64);
         else
-            attention_block(qh, q_stride, rows, kh, vh, S, S_pad, scale2, oh, H * D, 128);
+            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 128);
     }
     free(kp), free(vp);
     return 0;
@@ -725,10 +736,11 @@ int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t
     return failed ? -1 : 0;
 }
 #else
-int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t q_stride, int64_t k_stride,
-                  int64_t v_stride, int64_t S, int64_t H, int64_t D, uint16_t* out, int threads) {
-    (void)q, (void)k, (void)v, (void)q_stride, (void)k_stride, (void)v_stride, (void)S, (void)H, (void)D, (void)out,
-        (void)threads;
+int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                  int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head,
+        (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)causal, (void)threads;
     return -2;
 }
 
@@ -742,3 +754,18 @@ int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t
 
 int qvl_has_attention(void) { return 0; }
 #endif
+
+/* Which paths this build has: 1 = AVX-512 GEMV, 2 = VNNI integer products, 4 = BF16 attention. */
+int qvl_features(void) {
+    int f = 0;
+#ifdef QVL_AVX512
+    f |= 1;
+#ifdef __AVX512VNNI__
+    f |= 2;
+#endif
+#ifdef __AVX512BF16__
+    f |= 4;
+#endif
+#endif
+    return f;
+}

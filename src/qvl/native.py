@@ -73,10 +73,12 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_quantize_rows.restype = None
     lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, ptr, c_int]
     lib.qvl_rescale.restype = None
-    lib.qvl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, c_int]
+    lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
     lib.qvl_decode_attention.restype = c_int
+    lib.qvl_features.argtypes = []
+    lib.qvl_features.restype = c_int
     lib.qvl_has_attention.argtypes = []
     lib.qvl_has_attention.restype = c_int
     return lib
@@ -92,6 +94,21 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         print(f"qvl: native kernels unavailable, using torch's ({exc})", file=sys.stderr)
         return None
+
+
+def describe() -> dict[str, str]:
+    """What runs each kind of product on this machine (for `qvl info`)."""
+    lib = library()
+    if lib is None:
+        return {"native": "off (QVL_NATIVE=0 or no C compiler)", "decode": "torch weight-only kernels / oneDNN",
+                "attention": "torch SDPA"}
+    f = lib.qvl_features()
+    return {
+        "native": f"built with {compiler()} -march=native",
+        "decode": "AVX-512" + (" + VNNI" if f & 2 else "") if f & 1 else "portable C (compiler-vectorised)",
+        "attention": "AVX512-BF16 flash / decode kernels (bf16)" if f & 4 else "torch SDPA",
+        "int8_activations": "torch._int_mm + native quantise/rescale",
+    }
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -139,21 +156,26 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: 
     return y.view(*x.shape[:-1], n)
 
 
-def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """Full (unmasked) attention of one sequence: q, k, v [S, H, D] bf16 whose last two
-    dims are contiguous (rows may be strided) -> [S, H, D]. None when the library has no
-    AVX512-BF16 kernel or D is not 64/128 (then use torch's SDPA)."""
-    s, h, d = q.shape
-    if q.dtype != torch.bfloat16 or d not in (64, 128) or not lib.qvl_has_attention():
+def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal_from: int | None = None) -> torch.Tensor | None:
+    """Attention of T queries over S keys: q [T, H, D], k and v [S, H_kv, D] bf16 (any
+    token/head strides, D contiguous) -> [T, H, D] contiguous. causal_from=None: every query
+    sees every key (vision); an int p: query t sits at position p + t and sees keys 0..p+t
+    (prefill over a cache). None when the kernel does not apply (use torch's SDPA)."""
+    t, h, d = q.shape
+    s, hkv = k.shape[0], k.shape[1]
+    if q.dtype != torch.bfloat16 or d not in (64, 128) or h % hkv or not lib.qvl_has_attention():
         return None
-    if any(t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)):
+    if any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
         return None
-    out = torch.empty(s, h, d, dtype=torch.bfloat16)
-    status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
-                               s, h, d, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(t, h, d, dtype=torch.bfloat16)
+    status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
+                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               out.stride(0), out.stride(1), -1 if causal_from is None else causal_from,
+                               torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_attention could not allocate its packed keys and values")
-    return out
+    return out if status == 0 else None
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -26,27 +26,38 @@ class RMSNorm(nn.Module):
 
 
 def attention_mask(start: int, length: int, key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean mask [B or 1, 1, T, start+T] (True = attend) for T new queries at
-    positions start..start+T over all keys so far; None when plain causal/full works."""
-    if key_mask is None and (length == 1 or start == 0):
+    """Boolean mask [B, 1, T, start+T] (True = attend) for T new queries at positions
+    start..start+T over all keys so far, hiding the key_mask's padding slots ([B, S] False);
+    None without a key_mask: plain causal attention, which cache_attention applies itself."""
+    if key_mask is None:
         return None
+    return causal_mask(start, length) & key_mask[:, None, None, : start + length]
+
+
+def causal_mask(start: int, length: int) -> torch.Tensor:
     q = torch.arange(start, start + length)[:, None]
-    k = torch.arange(start + length)[None, :]
-    mask = (k <= q)[None, None]
-    if key_mask is not None:  # key_mask: [B, S] False at padding slots
-        mask = mask & key_mask[:, None, None, : start + length]
-    return mask
+    return (torch.arange(start + length)[None, :] <= q)[None, None]
 
 
-def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q: [B, H, T, hd] over the cache's keys/values [B, H_kv, S, hd] (GQA); mask: see
-    attention_mask (None = causal, or full for one query). Decoding (T = 1) runs the native
-    kernel where it applies: torch's SDPA spends ~3.5 ms per layer at 2k positions on one query."""
-    if q.shape[2] == 1 and (lib := native.library()) is not None:
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """q: [B, H, T, hd] at positions start..start+T over the cache's keys/values
+    [B, H_kv, start+T, hd] (GQA); mask from attention_mask (None = causal). The native
+    kernels run where they apply (bf16): one query (decoding) over the cache, and causal
+    prefill of one row; torch's SDPA spends ~3.5 ms per layer on one query at 2k positions."""
+    b, _, t, _ = q.shape
+    lib = native.library()
+    out = None
+    if lib is not None and t == 1:
         out = native.decode_attention(lib, q, keys, values, None if mask is None else mask[:, 0, 0])
-        if out is not None:
-            return out
-    causal = mask is None and q.shape[2] > 1
+    elif lib is not None and b == 1 and mask is None:
+        out = native.attention(lib, q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1), start)
+        out = None if out is None else out.transpose(0, 1)[None]
+    if out is not None:
+        return out
+    if mask is None and t > 1 and start > 0:  # SDPA's is_causal aligns the diagonal top-left
+        mask = causal_mask(start, t)
+    causal = mask is None and t > 1
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
@@ -74,7 +85,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.update(self.layer, start, k, v)
-        out = cache_attention(q, keys, values, mask)
+        out = cache_attention(q, keys, values, start, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
