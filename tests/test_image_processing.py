@@ -131,6 +131,7 @@ def test_patch_layout():
     img = noise(64, 96, seed=5)
     out = preprocess(img, cfg)
     assert out.grid_thw == (1, 4, 6) and out.pixel_values.shape == (24, 1536)
+    assert out.pixels.dtype == np.uint8 and out.pixels.nbytes * 8 == out.pixel_values.nbytes  # what a queue holds
     x = (torch.from_numpy(np.array(img)).double() / 255).float()  # [H, W, 3]
     x = ((x - 0.5) / 0.5).permute(2, 0, 1)  # [3, H, W]
     p = out.pixel_values.view(24, 3, 2, 16, 16)

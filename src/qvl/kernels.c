@@ -490,18 +490,83 @@ void qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_sca
 #define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
 #define NKB (ABK / 16)
 
-static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~1e-7 (Taylor, degree 6) */
+static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, degree 5) */
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    __m512 p = _mm512_set1_ps(1.3534167e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6588929e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022217e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314699e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* One step of attention_block: query rows t..t+ATQ against keys kb..kb+ABK. `masked` (a
+ * constant after inlining) = some of those keys are hidden from some rows (causal diagonal,
+ * padding past S); most steps have none and skip the masking. */
+static inline __attribute__((always_inline)) void attention_tile(
+    const uint16_t* qb, const uint32_t* kp, const uint32_t* vp, int64_t S, int64_t S_pad, int64_t causal,
+    __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const int D, const int masked) {
+    const int GR = D == 64 ? 4 : 2; /* rows per value-product group: GR x D/16 accumulators */
+    float corr[ATQ];
+    __mmask16 mask[ATQ][NKB];
+    for (int i = 0; i < ATQ; i++) {
+        int64_t seen = causal < 0 ? S : (causal + t + i + 1 < S ? causal + t + i + 1 : S);
+        for (int b = 0; b < NKB; b++) {
+            int64_t left = masked ? seen - kb - 16 * b : 16;
+            mask[i][b] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        }
+    }
+    __m512 sc[ATQ][NKB];
+    for (int i = 0; i < ATQ; i++)
+        for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512bh kv[NKB];
+        for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
+        for (int i = 0; i < ATQ; i++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
+            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
+        }
+    }
+    for (int i = 0; i < ATQ; i++) {
+        const __m512 low = _mm512_set1_ps(-1e30f);
+        __m512 top = low;
+        for (int b = 0; b < NKB; b++) {
+            sc[i][b] = masked ? _mm512_mask_mul_ps(low, mask[i][b], sc[i][b], scale) : _mm512_mul_ps(sc[i][b], scale);
+            top = _mm512_max_ps(top, sc[i][b]);
+        }
+        float prev = mx[t + i], best = _mm512_reduce_max_ps(top);
+        float now = best > prev ? best : prev;
+        __m512 nv = _mm512_set1_ps(now), sum = _mm512_setzero_ps();
+        for (int b = 0; b < NKB; b++) {
+            sc[i][b] = exp2_ps(_mm512_sub_ps(sc[i][b], nv));
+            if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
+            sum = _mm512_add_ps(sum, sc[i][b]);
+        }
+        corr[i] = exp2f(prev - now);
+        l[t + i] = l[t + i] * corr[i] + _mm512_reduce_add_ps(sum);
+        mx[t + i] = now;
+        for (int b = 0; b < NKB; b += 2)
+            _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]));
+    }
+    for (int g = 0; g < ATQ; g += GR) {
+        __m512 acc[4][8];
+        for (int i = 0; i < GR; i++)
+            for (int d = 0; d < D / 16; d++)
+                acc[i][d] = _mm512_mul_ps(_mm512_loadu_ps(o + (t + g + i) * D + 16 * d), _mm512_set1_ps(corr[g + i]));
+        for (int jp = 0; jp < ABK / 2; jp++) {
+            const uint32_t* vrow = vp + (kb / 2 + jp) * D;
+            for (int i = 0; i < GR; i++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
+                for (int d = 0; d < D / 16; d++)
+                    acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
+            }
+        }
+        for (int i = 0; i < GR; i++)
+            for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + (t + g + i) * D + 16 * d, acc[i][d]);
+    }
 }
 
 /* Flash attention for the query rows [0, rows) of one head: scores and products in
@@ -512,11 +577,10 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~1e-7 (Taylor, d
 static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
     int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const int D) {
-    const int GR = D == 64 ? 4 : 2; /* rows per value-product group: GR x D/16 accumulators */
     uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
     float o[ABQ * 128] __attribute__((aligned(64)));
     uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
-    float mx[ABQ], l[ABQ], corr[ATQ];
+    float mx[ABQ], l[ABQ];
     for (int r = 0; r < ABQ; r++) {
         if (r < rows)
             memcpy(qb + r * D, q + r * q_stride, (size_t)D * 2);
@@ -529,61 +593,11 @@ static inline __attribute__((always_inline)) void attention_block(
     const int64_t key_end = causal < 0 ? S_pad : (causal + rows < S ? causal + rows : S); /* keys any row sees */
     for (int64_t kb = 0; kb < key_end; kb += ABK) {
         for (int t = 0; t < ABQ && t < rows; t += ATQ) {
-            __mmask16 mask[ATQ][NKB];
-            for (int i = 0; i < ATQ; i++) {
-                int64_t seen = causal < 0 ? S : (causal + t + i + 1 < S ? causal + t + i + 1 : S);
-                for (int b = 0; b < NKB; b++) {
-                    int64_t left = seen - kb - 16 * b;
-                    mask[i][b] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-                }
-            }
-            __m512 sc[ATQ][NKB];
-            for (int i = 0; i < ATQ; i++)
-                for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
-            for (int p = 0; p < D / 2; p++) {
-                __m512bh kv[NKB];
-                for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
-                for (int i = 0; i < ATQ; i++) {
-                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
-                    for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
-                }
-            }
-            for (int i = 0; i < ATQ; i++) {
-                const __m512 low = _mm512_set1_ps(-1e30f);
-                __m512 top = low;
-                for (int b = 0; b < NKB; b++) {
-                    sc[i][b] = _mm512_mask_mul_ps(low, mask[i][b], sc[i][b], scale);
-                    top = _mm512_max_ps(top, sc[i][b]);
-                }
-                float prev = mx[t + i], best = _mm512_reduce_max_ps(top);
-                float now = best > prev ? best : prev;
-                __m512 nv = _mm512_set1_ps(now), sum = _mm512_setzero_ps();
-                for (int b = 0; b < NKB; b++) {
-                    sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], exp2_ps(_mm512_sub_ps(sc[i][b], nv)));
-                    sum = _mm512_add_ps(sum, sc[i][b]);
-                }
-                corr[i] = exp2f(prev - now);
-                l[t + i] = l[t + i] * corr[i] + _mm512_reduce_add_ps(sum);
-                mx[t + i] = now;
-                for (int b = 0; b < NKB; b += 2)
-                    _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]));
-            }
-            for (int g = 0; g < ATQ; g += GR) {
-                __m512 acc[4][8];
-                for (int i = 0; i < GR; i++)
-                    for (int d = 0; d < D / 16; d++)
-                        acc[i][d] = _mm512_mul_ps(_mm512_loadu_ps(o + (t + g + i) * D + 16 * d), _mm512_set1_ps(corr[g + i]));
-                for (int jp = 0; jp < ABK / 2; jp++) {
-                    const uint32_t* vrow = vp + (kb / 2 + jp) * D;
-                    for (int i = 0; i < GR; i++) {
-                        __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
-                        for (int d = 0; d < D / 16; d++)
-                            acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
-                    }
-                }
-                for (int i = 0; i < GR; i++)
-                    for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + (t + g + i) * D + 16 * d, acc[i][d]);
-            }
+            int64_t first_seen = causal < 0 ? S : (causal + t + 1 < S ? causal + t + 1 : S);
+            if (kb + ABK <= first_seen)
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 0);
+            else
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 1);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -627,8 +641,9 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < H * blocks; item++) {
-        /* the last (causally longest) blocks first, so the dynamic schedule balances */
-        int64_t h = item % H, r0 = (blocks - 1 - item / H) * ABQ;
+        /* head by head (its packed keys and values stay in L2), and within a head the last
+         * (causally longest) blocks first, so the dynamic schedule balances */
+        int64_t h = item / blocks, r0 = (blocks - 1 - item % blocks) * ABQ;
         int64_t rows = T - r0 < ABQ ? T - r0 : ABQ;
         const uint16_t* qh = q + r0 * q_tok + h * q_head;
         uint16_t* oh = out + r0 * o_tok + h * o_head;

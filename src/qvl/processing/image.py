@@ -239,13 +239,22 @@ def max_pixels_for_tokens(max_image_tokens: int, cfg: ImageProcessorConfig) -> i
 
 @dataclass(frozen=True, eq=False)
 class ProcessedImage:
-    """One image ready for the vision tower."""
+    """One image ready for the vision tower. It keeps the resized uint8 pixels; the float32
+    patches (8x larger: normalised, frame repeated over T) are made when the tower runs, so
+    requests waiting in a queue stay small."""
 
-    pixel_values: torch.Tensor  # [N, C*T*P*P] float32, N = h*w patches
+    pixels: np.ndarray  # [H, W, 3] uint8, resized
+    cfg: ImageProcessorConfig
     grid_thw: tuple[int, int, int]  # (t, h, w) in patches
     num_tokens: int  # t*h*w // merge_size**2: LLM tokens for this image
     content_hash: str  # sha256 hex of resized pixels + size + preprocessing settings
     size: tuple[int, int]  # resized (height, width)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """[N, C*T*P*P] float32, N = h*w patches (computed on each access)."""
+        cfg = self.cfg
+        return patchify(_normalise_pixels(self.pixels, cfg), cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
 
 
 def preprocess(
@@ -272,11 +281,10 @@ def preprocess(
     resized = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
     pixels = np.asarray(resized, dtype=np.uint8)  # [H, W, 3]
 
-    values = _normalise_pixels(pixels, cfg)  # [3, H, W]
-    pixel_values = patchify(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     grid = (1, height // cfg.patch_size, width // cfg.patch_size)
     return ProcessedImage(
-        pixel_values=pixel_values,
+        pixels=pixels,
+        cfg=cfg,
         grid_thw=grid,
         num_tokens=grid[0] * grid[1] * grid[2] // cfg.merge_size**2,
         content_hash=content_hash(pixels, cfg),
