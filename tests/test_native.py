@@ -137,3 +137,21 @@ def test_causal_prefill_attention_over_a_cache_matches_sdpa(t, start, kv_heads, 
     ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None],
                                          values.float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out.float(), ref[0].transpose(0, 1), atol=2e-2, rtol=2e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (2, 16, 1, 128), (1, 300, 256)])
+def test_rms_norm_matches_the_reference_formula(shape):
+    from qvl.model.text import RMSNorm
+
+    norm = RMSNorm(shape[-1], 1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+    x = (torch.randn(*shape) * 5).bfloat16()
+    h = x.float()
+    reference = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    out = norm(x)  # the native kernel for bf16
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    differ = out != reference  # only a float32 sum in another order can move a value by one bf16 step
+    assert differ.float().mean() < 1e-3
+    torch.testing.assert_close(out.float(), reference.float(), atol=0, rtol=1e-2)

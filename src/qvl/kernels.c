@@ -784,3 +784,23 @@ int qvl_features(void) {
 #endif
     return f;
 }
+
+/* RMSNorm of bf16 rows as the reference computes it: float32 mean of squares, x * rsqrt(mean +
+ * eps) rounded to bf16, times the bf16 weight, rounded again. x, w, out: bf16; x [rows][dim]. */
+void qvl_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t rows, int64_t dim, float eps,
+                      int threads) {
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* xr = x + r * dim;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            float v = bf16_to_f32(xr[i]);
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        uint16_t* o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++)
+            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
+    }
+}

@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and (lib := native.library()) is not None:
+            return native.rms_norm(lib, x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
