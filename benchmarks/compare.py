@@ -132,11 +132,10 @@ def workloads(args):
     """(label, image size, max_pixels): the full-budget photo, the qvl default budget,
     the seed's 384x384 budget, and the decode workload."""
     full = 16384 * 32 * 32
-    return [
-        ("full_budget", (1920, 1080), full),
-        ("seed_384", (1920, 1080), 384 * 384),
-        ("decode", (1920, 1080), args.default_tokens * 32 * 32),
-    ]
+    decode = ("decode", (1920, 1080), args.default_tokens * 32 * 32)
+    if args.decode_only:
+        return [decode]
+    return [("full_budget", (1920, 1080), full), ("seed_384", (1920, 1080), 384 * 384), decode]
 
 
 # -- qvl (each format in its own process, through `qvl bench --json`) -----------------------
@@ -158,10 +157,11 @@ def run_all(args) -> dict:
     results["qvl"] = {}
     results["floor_format"] = {config: CONFIGS[config][1] for config in args.configs}
     for config in args.configs:
-        results["qvl"][config] = {
-            "full_budget": qvl_bench(args, config, 16384, 2, 1),
-            "default": qvl_bench(args, config, args.default_tokens, args.new_tokens, args.repeat),
-        }
+        results["qvl"][config] = {"default": qvl_bench(args, config, args.default_tokens, args.new_tokens, args.repeat)}
+        if not args.decode_only:
+            results["qvl"][config]["full_budget"] = qvl_bench(args, config, 16384, 2, 1)
+    if args.decode_only:
+        return results
     sweep = {t: qvl_bench(args, "int8", t, 2, args.repeat) for t in args.budgets}
     results["vision_vs_budget"] = {str(t): r["vision_ms"] for t, r in sweep.items()}
     results["ttft_vs_budget"] = {str(t): r["ttft_ms"] for t, r in sweep.items()}
@@ -188,6 +188,8 @@ def report(r: dict) -> str:
         floor = wb[r["floor_format"][fmt]] / m["read_gb_s"] / 1e6
         ms = q["default"]["decode_ms_per_token"]
         lines.append(f"| qvl {fmt} | {ms:.1f} | {floor:.1f} | {ms / floor:.2f} | {tf_decode / ms:.2f} |")
+    if "full_budget" not in tf:  # --decode-only
+        return "\n".join(lines)
     lines += ["", "| 1920x1080 at the full budget | image tokens | vision ms | prefill ms | vision speed-up | "
               "prefill speed-up |", "|---|---|---|---|---|---|"]
     tfull = tf["full_budget"]
@@ -222,6 +224,7 @@ def main() -> None:
     p.add_argument("--default-tokens", type=int, default=1024, help="qvl's default image budget")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--budgets", nargs="+", type=int, default=[64, 144, 256, 576, 1024, 2040])
+    p.add_argument("--decode-only", action="store_true", help="only the decode table (minutes instead of ~20)")
     p.add_argument("--out", help="write the raw results here (JSON)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args, _ = p.parse_known_args()
