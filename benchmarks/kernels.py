@@ -53,7 +53,8 @@ def attention_rows(lib, repeat: int) -> list[tuple[str, float, float]]:
         q, k, v = (torch.randn(patches, 16, 64).bfloat16() for _ in range(3))
         flops = 4 * 16 * patches**2 * 64
         ours = median_time(lambda: native.attention(lib, q, k, v), repeat)
-        sdpa = median_time(lambda: F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v))), repeat)
+        heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, S, D]: SDPA's fused 4-D path
+        sdpa = median_time(lambda: F.scaled_dot_product_attention(*heads_first), repeat)
         rows.append((f"vision attention, {patches} patches (TFLOP/s)", flops / ours / 1e12, flops / sdpa / 1e12))
     cache_k, cache_v = torch.randn(1, 8, 4096, 128).bfloat16(), torch.randn(1, 8, 4096, 128).bfloat16()
     keys, values, q = cache_k[:, :, :2048], cache_v[:, :, :2048], torch.randn(1, 16, 1, 128).bfloat16()

@@ -3,7 +3,7 @@ through ctypes (which releases the GIL while they run).
 
 The library is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into
 the qvl cache, keyed by the source, the compiler and the CPU's flags, and reused by later
-starts (about a second to build). Without a compiler, or with QVL_NATIVE=0, `library()`
+starts (a few seconds to build, once). Without a compiler, or with QVL_NATIVE=0, `library()`
 is None and callers use torch's own kernels."""
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def build(out_dir: Path, march: str = "native") -> Path:
     fd, partial = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
     os.close(fd)
     try:
-        cmd = [cc, "-O3", f"-march={march}", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", partial, "-lm"]
+        cmd = [cc, "-O3", f"-march={march}", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", str(SOURCE),
+               "-o", partial, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
