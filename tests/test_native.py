@@ -14,7 +14,8 @@ from qvl.model.vision import image_attention
 
 lib = native.library()
 needs_native = pytest.mark.skipif(lib is None, reason="native kernels not built (no C compiler)")
-needs_attention = pytest.mark.skipif(lib is None or not lib.qvl_has_attention(), reason="no AVX512-BF16 kernel")
+needs_attention = pytest.mark.skipif(lib is None or not lib.features & native.BF16_ATTENTION,
+                                     reason="no AVX512-BF16 kernel")
 
 
 def _reference_attention(q, k, v):

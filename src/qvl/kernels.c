@@ -1,5 +1,7 @@
 /* qvl's native CPU kernels: matrix-vector products for decoding (a few activation rows
- * against bf16, int8 or int4 weights) and one-pass dequantisation for prefill.
+ * against bf16, int8 or int4 weights), one-pass dequantisation for prefill, the passes
+ * around torch._int_mm for int8 x int8 GEMMs, flash attention (vision, causal prefill),
+ * attention of one query over the KV cache, and RMSNorm.
  *
  * Compiled on first use for the CPU it runs on (cc -O3 -march=native, see native.py), so
  * the AVX-512 paths exist only where the CPU has AVX-512; elsewhere the portable loops
@@ -14,8 +16,9 @@
  * zeros and bias use the same dtype.
  *
  * With AVX-512, int4 products quantise the activations to int8 per 128 columns and use
- * integer dot products (VNNI where present), as llama.cpp does for its 4-bit formats; the
- * other paths accumulate exact float products in float32. */
+ * integer dot products (VNNI where present), as llama.cpp does for its 4-bit formats; with
+ * VNNI, int8 products split each activation into two exact bytes (16 bits per 128 columns);
+ * the other paths accumulate exact float products in float32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,6 +63,17 @@ static inline void put(void* p, int dt, int64_t i, float v) {
 /* Round to nearest (ties away from zero); unlike lrintf, loops over it vectorise. */
 static inline int32_t round_int(float v) { return (int32_t)(v + (v >= 0.f ? 0.5f : -0.5f)); }
 
+/* max |x[i]| over n values: what a symmetric quantisation scale is made from. */
+static inline float absmax(const float* x, int64_t n) {
+    float m = 0.f;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
 static inline float int4_at(const uint8_t* row, int64_t k) {
     uint8_t b = row[k >> 1];
     return (float)((k & 1) ? (b >> 4) : (b & 0x0F));
@@ -95,11 +109,14 @@ static float dot_int4(const float* x, const uint8_t* w, const void* sc, const vo
 /* ---- AVX-512 row products --------------------------------------------------------------- */
 #ifdef QVL_AVX512
 
+static inline __m512 bf16x16_to_ps(__m256i h) { /* 16 bf16 -> 16 float32, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 static inline __m512 load16_weights(const void* w, int64_t k, const int kind) {
     if (kind == W_INT8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)w + k))));
-    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + k));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + k)));
 }
 
 /* out[m] = sum_k w[k] * x[m][k] for mt <= TILE rows; four accumulators per row hide the
@@ -135,10 +152,7 @@ static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 }
 
 static inline __m512 load_scales(const void* p, int dt, int64_t at, __mmask16 mask) {
-    if (dt == BF16) {
-        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t*)p + at);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (dt == BF16) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p + at));
     return _mm512_maskz_loadu_ps(mask, (const float*)p + at);
 }
 
@@ -167,8 +181,7 @@ static void split_activations(const float* x, int64_t M, int64_t K, SplitX* sx) 
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < C; c++) {
             const float* xc = x + m * K + c * CHUNK;
-            float amax = 0.f;
-            for (int j = 0; j < CHUNK; j++) amax = fmaxf(amax, fabsf(xc[j]));
+            float amax = absmax(xc, CHUNK);
             float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
             for (int j = 0; j < CHUNK; j++) {
                 uint32_t u = (uint32_t)(round_int(xc[j] * inv) + 32768);
@@ -210,8 +223,7 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
         const float* xr = x + m * K;
         for (int64_t c = 0; c < C; c++) {
             const float* xc = xr + c * CHUNK;
-            float amax = 0.f;
-            for (int j = 0; j < CHUNK; j++) amax = fmaxf(amax, fabsf(xc[j]));
+            float amax = absmax(xc, CHUNK);
             float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
             int8_t* q = qx->q + m * K + c * CHUNK;
             for (int i = 0; i < CHUNK / 2; i++) {
@@ -429,14 +441,17 @@ void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero
 
 /* ---- int8 x int8 GEMMs (many rows): the parts around torch._int_mm ------------------ */
 
-/* xq[M][K] int8 and scale[M] = x quantised symmetrically per row (x ~= xq * scale). */
-void qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, float* scale, int threads) {
+/* xq[M][K] int8 and scale[M] = x quantised symmetrically per row (x ~= xq * scale).
+ * Returns 0, or -1 when out of memory. */
+int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, float* scale, int threads) {
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         float* row = malloc((size_t)K * sizeof(float));
+        if (!row) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            float amax = 0.f;
+            if (!row) continue;
             if (dt == BF16) {
                 const uint16_t* xr = (const uint16_t*)x + m * K;
 #pragma omp simd
@@ -444,11 +459,7 @@ void qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, 
             } else {
                 memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
             }
-#pragma omp simd reduction(max : amax)
-            for (int64_t k = 0; k < K; k++) {
-                float a = fabsf(row[k]);
-                amax = a > amax ? a : amax;
-            }
+            float amax = absmax(row, K);
             float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
             int8_t* q = xq + m * K;
 #pragma omp simd
@@ -457,13 +468,19 @@ void qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, 
         }
         free(row);
     }
+    return failed ? -1 : 0;
 }
 
-/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]). */
-void qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scale, const void* bias, int dt,
-                 int64_t M, int64_t N, void* y, int threads) {
+/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]). Returns 0, or -1
+ * when out of memory. */
+int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scale, const void* bias, int dt,
+                int64_t M, int64_t N, void* y, int threads) {
     float* cs = malloc((size_t)N * sizeof(float));
     float* b = malloc((size_t)N * sizeof(float));
+    if (!cs || !b) {
+        free(cs), free(b);
+        return -1;
+    }
     for (int64_t n = 0; n < N; n++) {
         cs[n] = get(col_scale, dt, n);
         b[n] = bias ? get(bias, dt, n) : 0.f;
@@ -481,9 +498,10 @@ void qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_sca
         }
     }
     free(cs), free(b);
+    return 0;
 }
 
-/* ---- attention over one image's patches (vision tower), AVX512-BF16 ----------------- */
+/* ---- attention (vision, causal prefill, decoding over the KV cache), AVX512-BF16 ---- */
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
 #define ABK 64 /* keys per step */
 #define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */
@@ -659,8 +677,6 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     return 0;
 }
 
-int qvl_has_attention(void) { return 1; }
-
 /* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
  * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
  * b, head h, position j at b*row_stride + h*head_stride + j*D; mask: [B][mask_stride] bytes
@@ -729,10 +745,7 @@ int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t
         for (int64_t j = 0; j < L; j++) {
             if (mrow && !mrow[j]) continue;
             __m512 vr[8];
-            for (int c = 0; c < 2 * nq; c++) {
-                __m256i h16 = _mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c));
-                vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h16), 16));
-            }
+            for (int c = 0; c < 2 * nq; c++) vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c)));
             for (int64_t g = 0; g < G; g++) {
                 __m512 pj = _mm512_set1_ps(sc[g * L + j]);
                 for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_fmadd_ps(pj, vr[c], acc[g][c]);
@@ -766,8 +779,6 @@ int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t
         (void)D, (void)mask, (void)mask_stride, (void)out, (void)threads;
     return -2;
 }
-
-int qvl_has_attention(void) { return 0; }
 #endif
 
 /* Which paths this build has: 1 = AVX-512 GEMV, 2 = VNNI integer products, 4 = BF16 attention. */

@@ -24,6 +24,7 @@ from qvl.runtime import cpu_flags
 
 SOURCE = Path(__file__).with_name("kernels.c")
 W_BF16, W_INT8, W_INT4 = 0, 1, 2
+AVX512, VNNI, BF16_ATTENTION = 1, 2, 4  # bits of qvl_features(): the paths this build has
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -71,9 +72,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.qvl_dequantize.restype = None
     lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, ptr, ptr, c_int]
-    lib.qvl_quantize_rows.restype = None
+    lib.qvl_quantize_rows.restype = c_int
     lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, ptr, c_int]
-    lib.qvl_rescale.restype = None
+    lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
@@ -82,8 +83,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rmsnorm_bf16.restype = None
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
-    lib.qvl_has_attention.argtypes = []
-    lib.qvl_has_attention.restype = c_int
+    lib.features = lib.qvl_features()  # fixed for the build: read once, not per call
     return lib
 
 
@@ -105,11 +105,11 @@ def describe() -> dict[str, str]:
     if lib is None:
         return {"native": "off (QVL_NATIVE=0 or no C compiler)", "decode": "torch weight-only kernels / oneDNN",
                 "attention": "torch SDPA"}
-    f = lib.qvl_features()
+    f = lib.features
     return {
         "native": f"built with {compiler()} -march=native",
-        "decode": "AVX-512" + (" + VNNI" if f & 2 else "") if f & 1 else "portable C (compiler-vectorised)",
-        "attention": "AVX512-BF16 flash / decode kernels (bf16)" if f & 4 else "torch SDPA",
+        "decode": "AVX-512" + (" + VNNI" if f & VNNI else "") if f & AVX512 else "portable C (compiler-vectorised)",
+        "attention": "AVX512-BF16 flash / decode kernels (bf16)" if f & BF16_ATTENTION else "torch SDPA",
         "int8_activations": "torch._int_mm + native quantise/rescale",
     }
 
@@ -152,10 +152,13 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: 
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
     xq = torch.empty(m, k, dtype=torch.int8)
     row_scale = torch.empty(m, dtype=torch.float32)
-    lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, xq.data_ptr(), row_scale.data_ptr(), threads)
+    if lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, xq.data_ptr(), row_scale.data_ptr(), threads) != 0:
+        raise MemoryError("qvl_quantize_rows could not allocate its row buffers")
     acc = torch._int_mm(xq, weight.t())
     y = torch.empty(m, n, dtype=x.dtype)
-    lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), _ptr(bias), dt, m, n, y.data_ptr(), threads)
+    if lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), _ptr(bias), dt, m, n, y.data_ptr(),
+                       threads) != 0:
+        raise MemoryError("qvl_rescale could not allocate its scale buffers")
     return y.view(*x.shape[:-1], n)
 
 
@@ -167,7 +170,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     (prefill over a cache). None when the kernel does not apply (use torch's SDPA)."""
     t, h, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
-    if q.dtype != torch.bfloat16 or d not in (64, 128) or h % hkv or not lib.qvl_has_attention():
+    if q.dtype != torch.bfloat16 or d not in (64, 128) or h % hkv or not lib.features & BF16_ATTENTION:
         return None
     if any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
         return None
@@ -188,7 +191,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, valu
     None -> [B, H, 1, D]. None when the kernel does not apply (then use SDPA)."""
     b, h, _, d = q.shape
     hkv, length = keys.shape[1], keys.shape[2]
-    if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or not lib.qvl_has_attention():
+    if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or not lib.features & BF16_ATTENTION:
         return None
     if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d:
         return None
