@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: the median step (one token over 300 cached positions)
-and the part of it spent inside qvl's GEMV kernels; the rest is norms, RoPE, attention,
-residuals and Python.
+"""Where a decode step's time goes: the median step (one token over 300 cached positions),
+the part inside the one-call layer kernel (native.decode_layers: every decoder layer's
+GEMVs, norms, RoPE and attention), the part inside the lm_head's GEMV, and the rest
+(embedding, RoPE tables, final norm, Python).
 
     python benchmarks/decode_profile.py --model /work/ckpt/qvl-2b --weights int4
 """
@@ -18,6 +19,16 @@ from qvl.engine import Engine, EngineOptions
 from qvl.generate import decode_step, new_cache
 
 
+def timed(fn, total: list[float]):
+    def wrapper(*a, **k):
+        started = time.perf_counter()
+        out = fn(*a, **k)
+        total[0] += time.perf_counter() - started
+        return out
+
+    return wrapper
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -25,29 +36,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, weights=args.weights, threads=2))
-    model, inside = engine.model, [0.0]
-    linear = native.linear
-
-    def timed(*a, **k):
-        started = time.perf_counter()
-        out = linear(*a, **k)
-        inside[0] += time.perf_counter() - started
-        return out
-
-    native.linear = timed  # quantize.py calls it through the module
+    model, layers, head = engine.model, [0.0], [0.0]
+    native.decode_layers = timed(native.decode_layers, layers)  # text.py and quantize.py call them
+    native.linear = timed(native.linear, head)  # through the module: the lm_head is the only GEMV left
     cache, token, position = new_cache(model, 1, 512), torch.tensor([100]), torch.tensor([300])
     steps = []
     for i in range(args.steps + 3):
         cache.length = 300
         if i == 3:
-            inside[0] = 0.0
+            layers[0] = head[0] = 0.0
         started = time.perf_counter()
         decode_step(model, cache, token, position)
         if i >= 3:
             steps.append(time.perf_counter() - started)
-    gemv = inside[0] / args.steps
-    print(f"{engine.weights}: step median {statistics.median(steps) * 1e3:.1f} ms, "
-          f"GEMV kernels {gemv * 1e3:.1f} ms per step (mean)")
+    step, in_layers, in_head = statistics.median(steps), layers[0] / args.steps, head[0] / args.steps
+    print(f"{engine.weights}: step median {step * 1e3:.1f} ms; layers (one native call) {in_layers * 1e3:.1f} ms, "
+          f"lm_head {in_head * 1e3:.1f} ms, rest {(step - in_layers - in_head) * 1e3:.1f} ms (means per step)")
 
 
 if __name__ == "__main__":

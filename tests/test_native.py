@@ -156,3 +156,41 @@ def test_rms_norm_matches_the_reference_formula(shape):
     differ = out != reference  # only a float32 sum in another order can move a value by one bf16 step
     assert differ.float().mean() < 1e-3
     torch.testing.assert_close(out.float(), reference.float(), atol=0, rtol=1e-2)
+
+
+@needs_attention
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, monkeypatch):
+    """The whole-step kernel (every layer in one native call) against the per-layer modules
+    running the same kernels: same logits and same cache, for two rows with padding masked."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.generate import decode_step, new_cache
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights=weights, dtype="bf16", threads=2))
+    model, text = engine.model, engine.model.language_model
+    ids = torch.tensor([9707, 11, 1879, 0, 108386, 151644, 872, 198, 3838, 374, 13, 42])
+    calls = []
+    one_call = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = new_cache(model, 2, 32)
+        mask = torch.ones(2, 32, dtype=torch.bool)
+        mask[1, :3] = False  # row 1's first three slots are padding
+        cos, sin = model.rope(torch.arange(len(ids)).view(1, 1, -1).expand(3, 2, -1))
+        with torch.inference_mode():
+            logits = model.logits(text(model.embed(ids[None].expand(2, -1)), cos, sin, cache, 0, mask))[:, -1]
+            steps = []
+            for step in range(5):
+                logits = decode_step(model, cache, logits.argmax(-1), torch.tensor([len(ids) + step] * 2), mask)
+                steps.append(logits)
+        return torch.stack(steps), cache.keys[:, :, :, : len(ids) + 5]
+
+    text._native_layers = None
+    logits, keys = run()
+    assert len(calls) == 5  # every decode step went through the one-call kernel
+    text._native_layers = False  # per-op path
+    ref_logits, ref_keys = run()
+    assert len(calls) == 5
+    torch.testing.assert_close(keys, ref_keys, atol=0, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-2, rtol=0)

@@ -815,3 +815,128 @@ void qvl_rmsnorm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int64
             o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv)));
     }
 }
+
+/* ---- a whole decode step through the decoder layers ---- */
+
+/* One linear of a decoder layer, as qvl_linear takes it. */
+typedef struct {
+    int64_t kind, n, k, group_size;
+    const void *w, *scale, *zero, *bias;
+} QvlLinear;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm, *q_norm, *k_norm;
+    QvlLinear q, k, v, o, gate, up, down;
+} QvlLayer;
+
+static inline float bf(uint16_t v) { return bf16_to_f32(v); }
+static inline float round_bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+static int layer_linear(const QvlLinear* l, const uint16_t* x, int64_t M, uint16_t* y, int threads) {
+    return qvl_linear((int)l->kind, x, BF16, M, l->k, l->n, l->w, l->scale, l->zero, l->group_size, l->bias, y,
+                      threads);
+}
+
+/* Rotary embedding of `heads` rows of D in place, rounded as the reference does in bf16:
+ * x*cos + rotate_half(x)*sin, each product and the sum rounded to bf16. */
+static void rope_bf16(uint16_t* x, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
+    const int64_t half = D / 2;
+    float t[256];
+    for (int64_t r = 0; r < heads; r++) {
+        uint16_t* xr = x + r * D;
+        for (int64_t i = 0; i < D; i++) t[i] = bf(xr[i]);
+        for (int64_t i = 0; i < D; i++) {
+            float rot = i < half ? -t[i + half] : t[i - half];
+            xr[i] = f32_to_bf16(round_bf(t[i] * bf(cos[i])) + round_bf(rot * bf(sin[i])));
+        }
+    }
+}
+
+/* g <- silu(g) * u, rounded after silu and after the product (bf16 [n]). */
+static void silu_mul_bf16(uint16_t* g, const uint16_t* u, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        int64_t end = i0 + 16 < n ? i0 + 16 : n;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+        if (end - i0 == 16) {
+            __m512 x = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(g + i0)));
+            __m512 e = exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
+            __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            float sv[16];
+            _mm512_storeu_ps(sv, s);
+            for (int j = 0; j < 16; j++) g[i0 + j] = f32_to_bf16(round_bf(sv[j]) * bf(u[i0 + j]));
+            continue;
+        }
+#endif
+        for (int64_t i = i0; i < end; i++) {
+            float x = bf(g[i]);
+            g[i] = f32_to_bf16(round_bf(x / (1.f + expf(-x))) * bf(u[i]));
+        }
+    }
+}
+
+static void add_bf16(uint16_t* x, const uint16_t* a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf(x[i]) + bf(a[i]));
+}
+
+/* One decode step (one new token per row) through all decoder layers, in place on the
+ * hidden states x [B][D] bf16: per layer RMSNorm, q/k/v, per-head q/k norms, RoPE (cos/sin
+ * [B][hd] bf16), the new keys/values written at position `pos` of the cache (layer l, row b,
+ * head h, position j at l*layer_stride + b*row_stride + h*head_stride + j*hd), attention over
+ * positions 0..pos (mask [B][mask_stride] bytes or NULL), o_proj + residual, RMSNorm, SwiGLU
+ * MLP + residual. The same kernels and bf16 roundings as the per-op path. Returns 0, -1
+ * when out of memory, -2 when this build or these shapes have no decode attention (before
+ * anything is written). */
+int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, uint16_t* x, int64_t B, int64_t D, int64_t H,
+                      int64_t Hkv, int64_t hd, int64_t I, float eps, const uint16_t* cos, const uint16_t* sin,
+                      uint16_t* keys, uint16_t* values, int64_t layer_stride, int64_t row_stride,
+                      int64_t head_stride, int64_t pos, const uint8_t* mask, int64_t mask_stride, int threads) {
+    if (!(qvl_features() & 4) || hd % 32 != 0 || hd > 256 || H % Hkv != 0 || H / Hkv > 16) return -2;
+    const int64_t qn = B * H * hd, kn = B * Hkv * hd;
+    uint16_t* buf = malloc((size_t)(2 * B * D + 2 * qn + 2 * kn + 2 * B * I) * sizeof(uint16_t));
+    if (!buf) return -1;
+    uint16_t *xn = buf, *a = xn + B * D, *q = a + B * D, *att = q + qn, *k = att + qn, *v = k + kn, *g = v + kn,
+             *u = g + B * I;
+    int status = 0;
+    for (int64_t l = 0; l < n_layers && status == 0; l++) {
+        const QvlLayer* L = layers + l;
+        uint16_t *kc = keys + l * layer_stride, *vc = values + l * layer_stride;
+        qvl_rmsnorm_bf16(x, L->input_norm, xn, B, D, eps, threads);
+        if (layer_linear(&L->q, xn, B, q, threads) || layer_linear(&L->k, xn, B, k, threads) ||
+            layer_linear(&L->v, xn, B, v, threads)) {
+            status = -1;
+            break;
+        }
+        qvl_rmsnorm_bf16(q, L->q_norm, q, B * H, hd, eps, threads);
+        qvl_rmsnorm_bf16(k, L->k_norm, k, B * Hkv, hd, eps, threads);
+        for (int64_t b = 0; b < B; b++) {
+            rope_bf16(q + b * H * hd, H, hd, cos + b * hd, sin + b * hd);
+            rope_bf16(k + b * Hkv * hd, Hkv, hd, cos + b * hd, sin + b * hd);
+            for (int64_t h = 0; h < Hkv; h++) {
+                int64_t at = b * row_stride + h * head_stride + pos * hd;
+                memcpy(kc + at, k + (b * Hkv + h) * hd, (size_t)hd * sizeof(uint16_t));
+                memcpy(vc + at, v + (b * Hkv + h) * hd, (size_t)hd * sizeof(uint16_t));
+            }
+        }
+        status = qvl_decode_attention(q, kc, vc, row_stride, head_stride, B, H, Hkv, pos + 1, hd, mask, mask_stride,
+                                      att, threads);
+        if (status || layer_linear(&L->o, att, B, a, threads)) {
+            status = status ? status : -1;
+            break;
+        }
+        add_bf16(x, a, B * D);
+        qvl_rmsnorm_bf16(x, L->post_norm, xn, B, D, eps, threads);
+        if (layer_linear(&L->gate, xn, B, g, threads) || layer_linear(&L->up, xn, B, u, threads)) {
+            status = -1;
+            break;
+        }
+        silu_mul_bf16(g, u, B * I, threads);
+        if (layer_linear(&L->down, g, B, a, threads)) {
+            status = -1;
+            break;
+        }
+        add_bf16(x, a, B * D);
+    }
+    free(buf);
+    return status;
+}

@@ -98,6 +98,12 @@ class Bf16Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return native.linear(lib, native.W_BF16, x, self.weight, self.out_features, bias=self.bias)
 
+    def native_args(self) -> native.LinearArgs | None:
+        """This layer for the one-call decode step (bf16 only)."""
+        if self.weight.dtype != torch.bfloat16:
+            return None
+        return native.LinearArgs.of(native.W_BF16, self.out_features, self.in_features, self.weight, bias=self.bias)
+
 
 class Int8Linear(nn.Module):
     """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM,
@@ -132,6 +138,12 @@ class Int8Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def native_args(self) -> native.LinearArgs | None:
+        if self.scales.dtype != torch.bfloat16:
+            return None
+        return native.LinearArgs.of(native.W_INT8, self.out_features, self.in_features, self.weight, self.scales,
+                                    bias=self.bias)
+
 
 class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int, dtype: torch.dtype):
@@ -157,6 +169,12 @@ class Int4Linear(nn.Module):
             return F.linear(x, self.dequantized())
         return native.linear(lib, native.W_INT4, x, self.weight, self.out_features, self.scales, self.zeros,
                              self.group_size)
+
+    def native_args(self) -> native.LinearArgs | None:
+        if self.scales.dtype != torch.bfloat16:
+            return None
+        return native.LinearArgs.of(native.W_INT4, self.out_features, self.in_features, self.weight, self.scales,
+                                    self.zeros, self.group_size)
 
 
 class TiedQuantEmbedding(nn.Module):

@@ -122,6 +122,7 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._native_layers = None  # built at the first decode step, after the weights are loaded
 
     def forward(
         self,
@@ -137,6 +138,12 @@ class TextModel(nn.Module):
         """h: [B, T, D] embeddings of positions start..start+T; cos/sin: [B, 1, T, hd];
         visual_mask: [B, T] image positions receiving deepstack[i] ([n_visual, D]) after
         layer i. Returns final-normed hidden states [B, T, D]."""
+        out = None
+        if h.shape[1] == 1 and h.dtype == torch.bfloat16 and (lib := native.library()) is not None:
+            out = self.decode_native(lib, h, cos, sin, cache, start, key_mask)
+        if out is not None:
+            cache.length = start + 1
+            return self.norm(out)
         mask = attention_mask(start, h.shape[1], key_mask)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, start, mask)
@@ -144,3 +151,33 @@ class TextModel(nn.Module):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
         cache.length = start + h.shape[1]
         return self.norm(h)
+
+    def decode_native(self, lib, h, cos, sin, cache, start, key_mask) -> torch.Tensor | None:
+        """A decode step (h: [B, 1, D] bf16) through every layer in one native call: the same
+        kernels and roundings as the per-op path without its ~8 ms of per-token overhead.
+        None when some layer or the cache cannot run it."""
+        if self._native_layers is None:
+            self._native_layers = self._layer_args() or False
+        if self._native_layers is False or cache.keys.dtype != torch.bfloat16:
+            return None
+        cfg = self.cfg
+        return native.decode_layers(lib, self._native_layers, h, cos, sin, cache.keys, cache.values, start, key_mask,
+                                    heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                                    intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps)
+
+    def _layer_args(self):
+        """The layers' weights for native.decode_layers, or None (a float32 or unquantised
+        plain nn.Linear layer)."""
+        args = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                     attn.q_norm, attn.k_norm)
+            if any(n.weight.dtype != torch.bfloat16 for n in norms):
+                return None
+            linears = [getattr(m, "native_args", lambda: None)() for m in
+                       (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+            if any(a is None for a in linears):
+                return None
+            args.append(native.LayerArgs(*(n.weight.data_ptr() for n in norms), *linears))
+        return (native.LayerArgs * len(args))(*args)
