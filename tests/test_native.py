@@ -194,3 +194,36 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, m
     assert len(calls) == 5
     torch.testing.assert_close(keys, ref_keys, atol=0, rtol=0)
     torch.testing.assert_close(logits, ref_logits, atol=1e-2, rtol=0)
+
+
+@needs_attention
+@pytest.mark.parametrize("d", [64, 128])
+def test_vision_rotary_native_pass_equals_the_reference(d):
+    from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
+    from qvl.model.vision import vision_rotary
+
+    n, h = 37, 3
+    qkv = (torch.randn(n, 3, h, d) * 3).bfloat16()
+    q = qkv[:, 0]  # a strided view, as the fused qkv gives it
+    cos, sin = vision_cos_sin(torch.randint(0, 40, (n, 2)), inverse_frequencies(d // 2, 10000.0))
+    out = vision_rotary(q, cos, sin)
+    assert out.is_contiguous() and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, apply_rotary(q.float(), cos, sin).bfloat16(), atol=0, rtol=0)
+
+
+def test_fused_linear_gelu_matches_linear_then_gelu():
+    """The vision MLP's fc1 + tanh-GELU in one oneDNN call (bf16) against the two-step
+    reference: within one bf16 rounding of the float result."""
+    from torch import nn
+
+    from qvl.model.vision import LINEAR_POINTWISE, linear_gelu_tanh
+
+    if LINEAR_POINTWISE is None:
+        pytest.skip("torch built without oneDNN")
+    fc = nn.Linear(128, 96).bfloat16()
+    x = torch.randn(50, 128).bfloat16()
+    exact = F.gelu(F.linear(x.float(), fc.weight.float(), fc.bias.float()), approximate="tanh")
+    out = linear_gelu_tanh(fc, x)
+    assert out.dtype == torch.bfloat16 and out.shape == (50, 96)
+    torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(linear_gelu_tanh(fc.float(), x.float()), exact, atol=1e-5, rtol=1e-5)

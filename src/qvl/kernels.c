@@ -507,6 +507,7 @@ int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scal
 #define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */
 #define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
 #define NKB (ABK / 16)
+#define MAX_SLACK 8.f /* log2 units */
 
 static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, degree 5) */
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
@@ -555,25 +556,33 @@ static inline __attribute__((always_inline)) void attention_tile(
             sc[i][b] = masked ? _mm512_mask_mul_ps(low, mask[i][b], sc[i][b], scale) : _mm512_mul_ps(sc[i][b], scale);
             top = _mm512_max_ps(top, sc[i][b]);
         }
-        float prev = mx[t + i], best = _mm512_reduce_max_ps(top);
-        float now = best > prev ? best : prev;
-        __m512 nv = _mm512_set1_ps(now), sum = _mm512_setzero_ps();
+        /* the running max moves only when a score passes it by more than MAX_SLACK (so the
+         * exponentials stay below 2^MAX_SLACK): most tiles skip the reduction and rescale */
+        float prev = mx[t + i];
+        corr[i] = 1.f;
+        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(prev + MAX_SLACK), _CMP_GT_OQ)) {
+            float now = _mm512_reduce_max_ps(top);
+            corr[i] = exp2f(prev - now);
+            mx[t + i] = now;
+            _mm512_store_ps(l + (t + i) * 16, _mm512_mul_ps(_mm512_load_ps(l + (t + i) * 16), _mm512_set1_ps(corr[i])));
+        }
+        __m512 nv = _mm512_set1_ps(mx[t + i]), sum = _mm512_load_ps(l + (t + i) * 16);
         for (int b = 0; b < NKB; b++) {
             sc[i][b] = exp2_ps(_mm512_sub_ps(sc[i][b], nv));
             if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
             sum = _mm512_add_ps(sum, sc[i][b]);
         }
-        corr[i] = exp2f(prev - now);
-        l[t + i] = l[t + i] * corr[i] + _mm512_reduce_add_ps(sum);
-        mx[t + i] = now;
+        _mm512_store_ps(l + (t + i) * 16, sum);
         for (int b = 0; b < NKB; b += 2)
             _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]));
     }
     for (int g = 0; g < ATQ; g += GR) {
         __m512 acc[4][8];
         for (int i = 0; i < GR; i++)
-            for (int d = 0; d < D / 16; d++)
-                acc[i][d] = _mm512_mul_ps(_mm512_loadu_ps(o + (t + g + i) * D + 16 * d), _mm512_set1_ps(corr[g + i]));
+            for (int d = 0; d < D / 16; d++) {
+                __m512 prev = _mm512_loadu_ps(o + (t + g + i) * D + 16 * d);
+                acc[i][d] = corr[g + i] == 1.f ? prev : _mm512_mul_ps(prev, _mm512_set1_ps(corr[g + i]));
+            }
         for (int jp = 0; jp < ABK / 2; jp++) {
             const uint32_t* vrow = vp + (kb / 2 + jp) * D;
             for (int i = 0; i < GR; i++) {
@@ -598,15 +607,16 @@ static inline __attribute__((always_inline)) void attention_block(
     uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
     float o[ABQ * 128] __attribute__((aligned(64)));
     uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
-    float mx[ABQ], l[ABQ];
+    float mx[ABQ], l[ABQ * 16] __attribute__((aligned(64))); /* running max; running sums per lane */
     for (int r = 0; r < ABQ; r++) {
         if (r < rows)
             memcpy(qb + r * D, q + r * q_stride, (size_t)D * 2);
         else
             memset(qb + r * D, 0, (size_t)D * 2);
-        mx[r] = -1e30f, l[r] = 0.f;
+        mx[r] = -1e30f;
     }
     memset(o, 0, sizeof(float) * ABQ * D);
+    memset(l, 0, sizeof(l));
     const __m512 scale = _mm512_set1_ps(scale2);
     const int64_t key_end = causal < 0 ? S_pad : (causal + rows < S ? causal + rows : S); /* keys any row sees */
     for (int64_t kb = 0; kb < key_end; kb += ABK) {
@@ -619,7 +629,7 @@ static inline __attribute__((always_inline)) void attention_block(
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        float inv = 1.f / l[r];
+        float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
         for (int d = 0; d < D; d++) out[r * out_stride + d] = f32_to_bf16(o[r * D + d] * inv);
     }
 }
@@ -675,6 +685,31 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     }
     free(kp), free(vp);
     return 0;
+}
+
+/* Rotary embedding of the vision tower's q or k, as the reference computes it: in float32,
+ * x*cos + rotate_half(x)*sin (two products and a sum, no fused multiply-add), rounded once
+ * to bf16. x: bf16, row n head h at n*tok + h*head (D contiguous); cos/sin: [N][D] float32;
+ * out: [N][H][D] bf16. D a multiple of 32, at most 256. */
+void qvl_rope_bf16(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
+                   const float* sin, uint16_t* out, int threads) {
+    const int half = (int)(D / 32); /* 16-lane vectors per half */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t* xr = x + n * tok + h * head;
+            uint16_t* o = out + (n * H + h) * D;
+            __m512 v[16];
+            for (int j = 0; j < 2 * half; j++) v[j] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(xr + 16 * j)));
+            for (int j = 0; j < 2 * half; j++) {
+                __m512 rot = j < half ? _mm512_sub_ps(_mm512_setzero_ps(), v[j + half]) : v[j - half];
+                __m512 y = _mm512_add_ps(_mm512_mul_ps(v[j], _mm512_loadu_ps(c + 16 * j)),
+                                         _mm512_mul_ps(rot, _mm512_loadu_ps(s + 16 * j)));
+                _mm256_storeu_si256((__m256i*)(o + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
+            }
+        }
+    }
 }
 
 /* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
@@ -770,6 +805,11 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head,
         (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)causal, (void)threads;
     return -2;
+}
+
+void qvl_rope_bf16(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
+                   const float* sin, uint16_t* out, int threads) {
+    (void)x, (void)tok, (void)head, (void)N, (void)H, (void)D, (void)cos, (void)sin, (void)out, (void)threads;
 }
 
 int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t row_stride,

@@ -79,6 +79,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_attention.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
     lib.qvl_decode_attention.restype = c_int
+    lib.qvl_rope_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
+    lib.qvl_rope_bf16.restype = None
     lib.qvl_rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
     lib.qvl_rmsnorm_bf16.restype = None
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr,
@@ -207,6 +209,20 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, valu
     if status == -1:
         raise MemoryError("qvl_decode_attention could not allocate its scores")
     return out if status == 0 else None
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """The vision tower's rotary embedding in one pass: x [N, H, D] bf16 (any row/head
+    strides, D contiguous), cos/sin [N, 1, D] float32 -> [N, H, D] bf16 contiguous, as
+    the reference rounds it (float32 throughout, one rounding). None when it does not apply."""
+    n, h, d = x.shape
+    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or d % 32 or d > 256 or not lib.features & BF16_ATTENTION:
+        return None
+    cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
+    out = torch.empty(n, h, d, dtype=torch.bfloat16)
+    lib.qvl_rope_bf16(x.data_ptr(), x.stride(0), x.stride(1), n, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                      torch.get_num_threads())
+    return out
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
