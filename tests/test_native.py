@@ -227,3 +227,13 @@ def test_fused_linear_gelu_matches_linear_then_gelu():
     assert out.dtype == torch.bfloat16 and out.shape == (50, 96)
     torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(linear_gelu_tanh(fc.float(), x.float()), exact, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_int8_matmul_with_fused_gelu_matches_gelu_after():
+    x = torch.randn(40, 256).bfloat16()
+    w = torch.randint(-127, 128, (200, 256), dtype=torch.int8)
+    scale, bias = (torch.rand(200) / 50).bfloat16(), torch.randn(200).bfloat16()
+    plain = native.int8_matmul(lib, x, w, scale, bias)
+    fused = native.int8_matmul(lib, x, w, scale, bias, gelu_tanh=True)
+    torch.testing.assert_close(fused.float(), F.gelu(plain.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)

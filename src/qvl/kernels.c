@@ -113,6 +113,19 @@ static inline __m512 bf16x16_to_ps(__m256i h) { /* 16 bf16 -> 16 float32, exactl
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, degree 5) */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3534167e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6588929e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022217e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314699e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
 static inline __m512 load16_weights(const void* w, int64_t k, const int kind) {
     if (kind == W_INT8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)w + k))));
@@ -471,10 +484,24 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, f
     return failed ? -1 : 0;
 }
 
-/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]). Returns 0, or -1
- * when out of memory. */
+/* v[n] <- tanh-GELU(v[n]) = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3), in float32. */
+static void gelu_tanh(float* v, int64_t n) {
+    int64_t i = 0;
+#ifdef QVL_AVX512
+    const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(v + i);
+        __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x), c1);
+        _mm512_storeu_ps(v + i, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(u))));
+    }
+#endif
+    for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+}
+
+/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]), then tanh-GELU when
+ * `gelu` (applied before the one rounding to bf16). Returns 0, or -1 when out of memory. */
 int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scale, const void* bias, int dt,
-                int64_t M, int64_t N, void* y, int threads) {
+                int64_t M, int64_t N, int gelu, void* y, int threads) {
     float* cs = malloc((size_t)N * sizeof(float));
     float* b = malloc((size_t)N * sizeof(float));
     if (!cs || !b) {
@@ -485,20 +512,31 @@ int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scal
         cs[n] = get(col_scale, dt, n);
         b[n] = bias ? get(bias, dt, n) : 0.f;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const int32_t* a = acc + m * N;
-        float rs = row_scale[m];
-        if (dt == BF16) {
-            uint16_t* o = (uint16_t*)y + m * N;
-            for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16((float)a[n] * rs * cs[n] + b[n]);
-        } else {
-            float* o = (float*)y + m * N;
-            for (int64_t n = 0; n < N; n++) o[n] = (float)a[n] * rs * cs[n] + b[n];
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float* row = malloc((size_t)N * sizeof(float));
+        if (!row) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!row) continue;
+            const int32_t* a = acc + m * N;
+            float rs = row_scale[m];
+#pragma omp simd
+            for (int64_t n = 0; n < N; n++) row[n] = (float)a[n] * rs * cs[n] + b[n];
+            if (gelu) gelu_tanh(row, N);
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)y + m * N;
+#pragma omp simd
+                for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(row[n]);
+            } else {
+                memcpy((float*)y + m * N, row, (size_t)N * sizeof(float));
+            }
         }
+        free(row);
     }
     free(cs), free(b);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* ---- attention (vision, causal prefill, decoding over the KV cache), AVX512-BF16 ---- */
@@ -508,19 +546,6 @@ int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scal
 #define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
 #define NKB (ABK / 16)
 #define MAX_SLACK 8.f /* log2 units */
-
-static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, degree 5) */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3534167e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6588929e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022217e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314699e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* One step of attention_block: query rows t..t+ATQ against keys kb..kb+ABK. `masked` (a
  * constant after inlining) = some of those keys are hidden from some rows (causal diagonal,

@@ -73,7 +73,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_dequantize.restype = None
     lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, ptr, ptr, c_int]
     lib.qvl_quantize_rows.restype = c_int
-    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, ptr, c_int]
+    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, c_int]
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
@@ -149,9 +149,10 @@ def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.T
 
 
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, gelu_tanh: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) with the activations
-    quantised to int8 per row: torch._int_mm (VNNI) between two fused native passes."""
+    quantised to int8 per row: torch._int_mm (VNNI) between two fused native passes; the
+    second applies tanh-GELU too when `gelu_tanh` (before rounding to x's dtype)."""
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k).contiguous()
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
@@ -161,8 +162,8 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: 
         raise MemoryError("qvl_quantize_rows could not allocate its row buffers")
     acc = torch._int_mm(xq, weight.t())
     y = torch.empty(m, n, dtype=x.dtype)
-    if lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), _ptr(bias), dt, m, n, y.data_ptr(),
-                       threads) != 0:
+    if lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), _ptr(bias), dt, m, n, int(gelu_tanh),
+                       y.data_ptr(), threads) != 0:
         raise MemoryError("qvl_rescale could not allocate its scale buffers")
     return y.view(*x.shape[:-1], n)
 

@@ -126,12 +126,15 @@ class Int8Linear(nn.Module):
         w, s = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
         return w.to(s.dtype) * s[..., None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., I] -> [..., O]
+    def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+        # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
         if _rows(x) > KERNEL_MAX_ROWS:
             if self.int8_activations and x.dtype == self.scales.dtype and (lib := native.library()) is not None:
-                return native.int8_matmul(lib, x, self.weight, self.scales, self.bias)
-            return F.linear(x, self.dequantized(), self.bias)
+                return native.int8_matmul(lib, x, self.weight, self.scales, self.bias, gelu_tanh)
+            y = F.linear(x, self.dequantized(), self.bias)
+            return F.gelu(y, approximate="tanh") if gelu_tanh else y
+        if gelu_tanh:
+            return F.gelu(self(x), approximate="tanh")
         if (lib := _gemv_library(x, self.scales.dtype)) is not None:
             return native.linear(lib, native.W_INT8, x, self.weight, self.out_features, self.scales, bias=self.bias)
         y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)

@@ -74,7 +74,10 @@ def linear_gelu_tanh(fc: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """tanh-GELU(fc(x)). With bf16 float weights, one oneDNN call applies the GELU to the
     GEMM's float32 results before they are rounded (torch's own fused CPU linear, as
     torch.compile emits it): ~50 ms less per layer at the full budget than GELU as a
-    second pass, and one bf16 rounding instead of two."""
+    second pass, and one bf16 rounding instead of two. Quantised layers (qvl.quantize's
+    Int8Linear, not an nn.Linear) take `gelu_tanh` and fuse it themselves."""
+    if not isinstance(fc, nn.Linear):
+        return fc(x, gelu_tanh=True)
     if (type(fc) is nn.Linear and x.dtype == torch.bfloat16 and fc.weight.dtype == torch.bfloat16 and x.dim() == 2
             and LINEAR_POINTWISE is not None):
         return LINEAR_POINTWISE(x, fc.weight, fc.bias, "gelu", [None], "tanh")
