@@ -237,3 +237,17 @@ def test_int8_matmul_with_fused_gelu_matches_gelu_after():
     plain = native.int8_matmul(lib, x, w, scale, bias)
     fused = native.int8_matmul(lib, x, w, scale, bias, gelu_tanh=True)
     torch.testing.assert_close(fused.float(), F.gelu(plain.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)
+
+
+@needs_attention
+def test_one_call_decode_step_refuses_a_full_cache(tiny_checkpoint):
+    from qvl.engine import Engine, EngineOptions
+    from qvl.generate import decode_step, new_cache
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="bf16", threads=1))
+    cache = new_cache(engine.model, 1, 4)
+    cache.length = 4
+    before = cache.keys.view(torch.int16).clone()  # bit patterns: an unwritten cache may hold NaNs
+    with pytest.raises(ValueError, match="KV cache overflow"), torch.inference_mode():
+        decode_step(engine.model, cache, torch.tensor([5]), torch.tensor([4]))
+    assert torch.equal(cache.keys.view(torch.int16), before)

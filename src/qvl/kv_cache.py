@@ -37,11 +37,15 @@ class KVCache:
         """k, v: [B, H_kv, T, hd] written at positions start..start+T.
         Returns the layer's keys and values for positions 0..start+T: [B, H_kv, start+T, hd]."""
         end = start + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
+        self.check_room(end)
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def check_room(self, end: int) -> None:
+        """Raise ValueError unless positions up to `end` fit (before anything is written)."""
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
 
     def write_prefix(self, other: KVCache, length: int, slot: int = 0) -> None:
         """Copy the first `length` positions of a B=1 cache into slots slot..slot+length."""

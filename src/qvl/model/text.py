@@ -160,6 +160,7 @@ class TextModel(nn.Module):
             self._native_layers = self._layer_args() or False
         if self._native_layers is False or cache.keys.dtype != torch.bfloat16:
             return None
+        cache.check_room(start + 1)  # the kernel writes position `start` unchecked
         cfg = self.cfg
         return native.decode_layers(lib, self._native_layers, h, cos, sin, cache.keys, cache.values, start, key_mask,
                                     heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
