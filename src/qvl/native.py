@@ -115,6 +115,7 @@ def describe() -> dict[str, str]:
         "native": f"built with {compiler()} -march=native",
         "decode": "AVX-512" + (" + VNNI" if f & VNNI else "") if f & AVX512 else "portable C (compiler-vectorised)",
         "attention": "AVX512-BF16 flash / decode kernels (bf16)" if f & BF16_ATTENTION else "torch SDPA",
+        "decode_step": "all layers in one native call (bf16)" if f & BF16_ATTENTION else "per-layer modules",
         "int8_activations": "torch._int_mm + native quantise/rescale",
     }
 
