@@ -247,7 +247,9 @@ class LinearArgs(ctypes.Structure):
     @classmethod
     def of(cls, kind: int, out_features: int, in_features: int, weight: torch.Tensor, scale=None, zero=None,
            group_size: int = 0, bias=None) -> LinearArgs:
-        return cls(kind, out_features, in_features, group_size, weight.data_ptr(), _ptr(scale), _ptr(zero), _ptr(bias))
+        args = cls(kind, out_features, in_features, group_size, weight.data_ptr(), _ptr(scale), _ptr(zero), _ptr(bias))
+        args.tensors = [t for t in (weight, scale, zero, bias) if t is not None]  # the pointers stay valid
+        return args
 
 
 class LayerArgs(ctypes.Structure):

@@ -168,12 +168,11 @@ class TextModel(nn.Module):
 
     def _layer_args(self):
         """The layers' weights for native.decode_layers, or None (a float32 or unquantised
-        plain nn.Linear layer)."""
-        args = []
+        plain nn.Linear layer). Built once: the weights are fixed after loading."""
+        args, tensors = [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm,
-                     attn.q_norm, attn.k_norm)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             if any(n.weight.dtype != torch.bfloat16 for n in norms):
                 return None
             linears = [getattr(m, "native_args", lambda: None)() for m in
@@ -181,4 +180,7 @@ class TextModel(nn.Module):
             if any(a is None for a in linears):
                 return None
             args.append(native.LayerArgs(*(n.weight.data_ptr() for n in norms), *linears))
-        return (native.LayerArgs * len(args))(*args)
+            tensors += [n.weight for n in norms] + [t for a in linears for t in a.tensors]
+        array = (native.LayerArgs * len(args))(*args)
+        array.tensors = tensors  # keeps every pointed-to tensor alive as long as the array
+        return array
