@@ -50,10 +50,20 @@ def test_presence_and_frequency_penalties_follow_openai():
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=7)
-    a = sample(logits, params, torch.Generator().manual_seed(7))
-    b = sample(logits, params, torch.Generator().manual_seed(7))
+    a = sample(logits, params, [torch.Generator().manual_seed(7) for _ in range(3)])
+    b = sample(logits, params, [torch.Generator().manual_seed(7) for _ in range(3)])
     assert torch.equal(a, b)
     assert torch.equal(sample(logits, SamplingParams(), None), logits.argmax(-1))
+
+
+def test_each_seeded_row_samples_as_if_it_were_alone():
+    """A seeded request's tokens do not depend on the other rows of its batch."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=1.5, seed=11)
+    together = sample(logits, params, [torch.Generator().manual_seed(11) for _ in range(3)])
+    for r in range(3):
+        alone = sample(logits[r : r + 1], params, [torch.Generator().manual_seed(11)])
+        assert together[r] == alone[0]
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_new_tokens", 0),
@@ -131,10 +141,19 @@ def test_default_max_new_tokens_is_generous(tiny_engine):
     assert tiny_engine.sampling_defaults().max_new_tokens >= 1024
 
 
-def test_batched_decoding_matches_one_at_a_time(tiny_engine):
+@pytest.fixture(scope="module")
+def uncached_engine(tiny_checkpoint):
+    """Without the answer cache, so that a repeated request is computed again."""
+    from qvl.engine import Engine, EngineOptions
+
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2, answer_cache_entries=0))
+
+
+def test_batched_decoding_matches_one_at_a_time(uncached_engine):
     """Rows of different prompt lengths decoded together give the same greedy text."""
     from PIL import Image
 
+    tiny_engine = uncached_engine
     params = SamplingParams(temperature=0, max_new_tokens=10)
     requests = [
         Request([{"role": "user", "content": "Short."}], params),
@@ -148,6 +167,16 @@ def test_batched_decoding_matches_one_at_a_time(tiny_engine):
     assert [b.token_ids for b in batched] == [s.token_ids for s in single]
     assert [b.text for b in batched] == [s.text for s in single]
     assert [b.finish_reason for b in batched] == [s.finish_reason for s in single]
+
+
+def test_seeded_rows_of_a_batch_sample_as_if_alone(uncached_engine):
+    """Two identical seeded requests in one batch get the same answer, and the one they get
+    alone: each row draws from its own generator."""
+    request = Request([{"role": "user", "content": "Tell me a story."}],
+                      SamplingParams(temperature=1.5, seed=5, max_new_tokens=12, ignore_eos=True))
+    first, second = uncached_engine.generate_batch([request, request])
+    alone = uncached_engine.generate(request)
+    assert first.token_ids == second.token_ids == alone.token_ids
 
 
 def test_cancel_check_stops_between_steps(tiny_engine):

@@ -131,12 +131,12 @@ def generate_step(
         for r, p in enumerate(prompts):
             seen[r, p.ids[p.ids < vocab]] = True
     counts = torch.zeros(batch, vocab)
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    generators = None if params.seed is None else [torch.Generator().manual_seed(params.seed) for _ in prompts]
     positions = torch.tensor([p.next_position for p in prompts])
     alive = torch.ones(batch, dtype=torch.bool)
     stop = torch.tensor(list(eos_ids), dtype=torch.long)
     for step in range(params.max_new_tokens):
-        tokens = sample(apply_penalties(logits, seen, counts, params), params, generator)
+        tokens = sample(apply_penalties(logits, seen, counts, params), params, generators)
         yield [int(t) if a else None for t, a in zip(tokens.tolist(), alive.tolist())]
         alive &= ~torch.isin(tokens, stop)
         if not alive.any() or step + 1 == params.max_new_tokens:

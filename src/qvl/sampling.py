@@ -80,10 +80,14 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [B, V] float32 (penalties applied) -> token ids [B]."""
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    """logits: [B, V] float32 (penalties applied) -> token ids [B]. generators: one per row
+    (seeded requests), so that a row draws the same numbers whatever else is in the batch."""
     if params.greedy:
         return logits.argmax(-1)
     logits = logits - logits.amax(-1, keepdim=True)  # the largest is 0: no overflow at low temperature
-    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=g) for r, g in enumerate(generators)]).squeeze(-1)
