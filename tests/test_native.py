@@ -199,13 +199,15 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, m
 @needs_attention
 @pytest.mark.parametrize("d", [64, 128])
 def test_vision_rotary_native_pass_equals_the_reference(d):
+    """Bit for bit, over enough values (~0.5M) that a product fused into an FMA would show."""
     from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
     from qvl.model.vision import vision_rotary
 
-    n, h = 37, 3
-    qkv = (torch.randn(n, 3, h, d) * 3).bfloat16()
+    n, h = 4096 // (d // 32), 4
+    gen = torch.Generator().manual_seed(d)
+    qkv = (torch.randn(n, 3, h, d, generator=gen) * 3).bfloat16()
     q = qkv[:, 0]  # a strided view, as the fused qkv gives it
-    cos, sin = vision_cos_sin(torch.randint(0, 40, (n, 2)), inverse_frequencies(d // 2, 10000.0))
+    cos, sin = vision_cos_sin(torch.randint(0, 60, (n, 2), generator=gen), inverse_frequencies(d // 2, 10000.0))
     out = vision_rotary(q, cos, sin)
     assert out.is_contiguous() and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, apply_rotary(q.float(), cos, sin).bfloat16(), atol=0, rtol=0)
@@ -251,3 +253,35 @@ def test_one_call_decode_step_refuses_a_full_cache(tiny_checkpoint):
     with pytest.raises(ValueError, match="KV cache overflow"), torch.inference_mode():
         decode_step(engine.model, cache, torch.tensor([5]), torch.tensor([4]))
     assert torch.equal(cache.keys.view(torch.int16), before)
+
+
+@needs_attention
+def test_one_call_decode_step_leaves_what_it_does_not_cover_to_the_layers(tiny_checkpoint, monkeypatch):
+    """A one-token prefill chunk carrying DeepStack features, and more rows than the GEMV
+    kernels take, run the per-layer modules."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.generate import decode_step, new_cache
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="bf16", threads=1))
+    model, text = engine.model, engine.model.language_model
+    calls = []
+    one_call = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+    d = model.cfg.text.hidden_size
+    h = torch.randn(1, 1, d).bfloat16()
+    cos, sin = model.rope(torch.full((3, 1, 1), 7))
+    deepstack = [torch.randn(1, d).bfloat16() for _ in model.cfg.vision.deepstack_visual_indexes]
+    with torch.inference_mode():
+        out = text(h, cos, sin, new_cache(model, 1, 8), 0, None, torch.tensor([[True]]), deepstack)
+        text._native_layers = False
+        ref = text(h, cos, sin, new_cache(model, 1, 8), 0, None, torch.tensor([[True]]), deepstack)
+        text._native_layers = None
+        assert not calls
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        rows = native.GEMV_MAX_ROWS + 1
+        cache = new_cache(model, rows, 8)
+        cache.length = 3
+        decode_step(model, cache, torch.full((rows,), 5), torch.full((rows,), 3))
+        assert not calls
+        decode_step(model, new_cache(model, 2, 8), torch.full((2,), 5), torch.full((2,), 0))
+        assert len(calls) == 1

@@ -126,6 +126,10 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, 
     return _mm512_scalef_ps(p, n);
 }
 
+static inline __m512 div_one_plus_exp2(__m512 x, __m512 t) { /* x / (1 + 2^t): SiLU and tanh-GELU */
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(t)));
+}
+
 static inline __m512 load16_weights(const void* w, int64_t k, const int kind) {
     if (kind == W_INT8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)w + k))));
@@ -492,7 +496,7 @@ static void gelu_tanh(float* v, int64_t n) {
     for (; i + 16 <= n; i += 16) {
         __m512 x = _mm512_loadu_ps(v + i);
         __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x), c1);
-        _mm512_storeu_ps(v + i, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(u))));
+        _mm512_storeu_ps(v + i, div_one_plus_exp2(x, u));
     }
 #endif
     for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
@@ -595,7 +599,8 @@ static inline __attribute__((always_inline)) void attention_tile(
         for (int b = 0; b < NKB; b++) {
             sc[i][b] = exp2_ps(_mm512_sub_ps(sc[i][b], nv));
             if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
-            sum = _mm512_add_ps(sum, sc[i][b]);
+            /* summed as rounded to bf16, i.e. as the value product below weighs them */
+            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sc[i][b])));
         }
         _mm512_store_ps(l + (t + i) * 16, sum);
         for (int b = 0; b < NKB; b += 2)
@@ -713,12 +718,15 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
 }
 
 /* Rotary embedding of the vision tower's q or k, as the reference computes it: in float32,
- * x*cos + rotate_half(x)*sin (two products and a sum, no fused multiply-add), rounded once
- * to bf16. x: bf16, row n head h at n*tok + h*head (D contiguous); cos/sin: [N][D] float32;
- * out: [N][H][D] bf16. D a multiple of 32, at most 256. */
-void qvl_rope_bf16(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
-                   const float* sin, uint16_t* out, int threads) {
+ * x*cos + rotate_half(x)*sin (two products and a sum, each rounded: the explicit-rounding
+ * intrinsics keep the compiler from fusing them into one FMA), rounded once to bf16.
+ * x: bf16, row n head h at n*tok + h*head (D contiguous); cos/sin: [N][D] float32;
+ * out: [N][H][D] bf16. Returns 0, or -2 when D is not a multiple of 32 up to 256. */
+int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
+                    const float* sin, uint16_t* out, int threads) {
+    if (D % 32 != 0 || D > 256) return -2;
     const int half = (int)(D / 32); /* 16-lane vectors per half */
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *c = cos + n * D, *s = sin + n * D;
@@ -729,12 +737,13 @@ void qvl_rope_bf16(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int6
             for (int j = 0; j < 2 * half; j++) v[j] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(xr + 16 * j)));
             for (int j = 0; j < 2 * half; j++) {
                 __m512 rot = j < half ? _mm512_sub_ps(_mm512_setzero_ps(), v[j + half]) : v[j - half];
-                __m512 y = _mm512_add_ps(_mm512_mul_ps(v[j], _mm512_loadu_ps(c + 16 * j)),
-                                         _mm512_mul_ps(rot, _mm512_loadu_ps(s + 16 * j)));
+                __m512 y = _mm512_add_round_ps(_mm512_mul_round_ps(v[j], _mm512_loadu_ps(c + 16 * j), rn),
+                                               _mm512_mul_round_ps(rot, _mm512_loadu_ps(s + 16 * j), rn), rn);
                 _mm256_storeu_si256((__m256i*)(o + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
             }
         }
     }
+    return 0;
 }
 
 /* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
@@ -832,9 +841,10 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     return -2;
 }
 
-void qvl_rope_bf16(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
-                   const float* sin, uint16_t* out, int threads) {
+int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
+                    const float* sin, uint16_t* out, int threads) {
     (void)x, (void)tok, (void)head, (void)N, (void)H, (void)D, (void)cos, (void)sin, (void)out, (void)threads;
+    return -2;
 }
 
 int qvl_decode_attention(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t row_stride,
@@ -894,7 +904,6 @@ typedef struct {
     QvlLinear q, k, v, o, gate, up, down;
 } QvlLayer;
 
-static inline float bf(uint16_t v) { return bf16_to_f32(v); }
 static inline float round_bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 static int layer_linear(const QvlLinear* l, const uint16_t* x, int64_t M, uint16_t* y, int threads) {
@@ -904,15 +913,15 @@ static int layer_linear(const QvlLinear* l, const uint16_t* x, int64_t M, uint16
 
 /* Rotary embedding of `heads` rows of D in place, rounded as the reference does in bf16:
  * x*cos + rotate_half(x)*sin, each product and the sum rounded to bf16. */
-static void rope_bf16(uint16_t* x, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
+static void text_rope_bf16(uint16_t* x, int64_t heads, int64_t D, const uint16_t* cos, const uint16_t* sin) {
     const int64_t half = D / 2;
     float t[256];
     for (int64_t r = 0; r < heads; r++) {
         uint16_t* xr = x + r * D;
-        for (int64_t i = 0; i < D; i++) t[i] = bf(xr[i]);
+        for (int64_t i = 0; i < D; i++) t[i] = bf16_to_f32(xr[i]);
         for (int64_t i = 0; i < D; i++) {
             float rot = i < half ? -t[i + half] : t[i - half];
-            xr[i] = f32_to_bf16(round_bf(t[i] * bf(cos[i])) + round_bf(rot * bf(sin[i])));
+            xr[i] = f32_to_bf16(round_bf(t[i] * bf16_to_f32(cos[i])) + round_bf(rot * bf16_to_f32(sin[i])));
         }
     }
 }
@@ -925,23 +934,22 @@ static void silu_mul_bf16(uint16_t* g, const uint16_t* u, int64_t n, int threads
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
         if (end - i0 == 16) {
             __m512 x = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(g + i0)));
-            __m512 e = exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
-            __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            __m512 s = div_one_plus_exp2(x, _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
             float sv[16];
             _mm512_storeu_ps(sv, s);
-            for (int j = 0; j < 16; j++) g[i0 + j] = f32_to_bf16(round_bf(sv[j]) * bf(u[i0 + j]));
+            for (int j = 0; j < 16; j++) g[i0 + j] = f32_to_bf16(round_bf(sv[j]) * bf16_to_f32(u[i0 + j]));
             continue;
         }
 #endif
         for (int64_t i = i0; i < end; i++) {
-            float x = bf(g[i]);
-            g[i] = f32_to_bf16(round_bf(x / (1.f + expf(-x))) * bf(u[i]));
+            float x = bf16_to_f32(g[i]);
+            g[i] = f32_to_bf16(round_bf(x / (1.f + expf(-x))) * bf16_to_f32(u[i]));
         }
     }
 }
 
 static void add_bf16(uint16_t* x, const uint16_t* a, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf(x[i]) + bf(a[i]));
+    for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(a[i]));
 }
 
 /* One decode step (one new token per row) through all decoder layers, in place on the
@@ -975,8 +983,8 @@ int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, uint16_t* x, int
         qvl_rmsnorm_bf16(q, L->q_norm, q, B * H, hd, eps, threads);
         qvl_rmsnorm_bf16(k, L->k_norm, k, B * Hkv, hd, eps, threads);
         for (int64_t b = 0; b < B; b++) {
-            rope_bf16(q + b * H * hd, H, hd, cos + b * hd, sin + b * hd);
-            rope_bf16(k + b * Hkv * hd, Hkv, hd, cos + b * hd, sin + b * hd);
+            text_rope_bf16(q + b * H * hd, H, hd, cos + b * hd, sin + b * hd);
+            text_rope_bf16(k + b * Hkv * hd, Hkv, hd, cos + b * hd, sin + b * hd);
             for (int64_t h = 0; h < Hkv; h++) {
                 int64_t at = b * row_stride + h * head_stride + pos * hd;
                 memcpy(kc + at, k + (b * Hkv + h) * hd, (size_t)hd * sizeof(uint16_t));

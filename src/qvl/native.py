@@ -24,6 +24,7 @@ from qvl.runtime import cpu_flags
 
 SOURCE = Path(__file__).with_name("kernels.c")
 W_BF16, W_INT8, W_INT4 = 0, 1, 2
+GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 AVX512, VNNI, BF16_ATTENTION = 1, 2, 4  # bits of qvl_features(): the paths this build has
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -79,8 +80,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_attention.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
     lib.qvl_decode_attention.restype = c_int
-    lib.qvl_rope_bf16.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
-    lib.qvl_rope_bf16.restype = None
+    lib.qvl_vision_rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
+    lib.qvl_vision_rope.restype = c_int
     lib.qvl_rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
     lib.qvl_rmsnorm_bf16.restype = None
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr,
@@ -213,18 +214,20 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, valu
     return out if status == 0 else None
 
 
-def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+def vision_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """The vision tower's rotary embedding in one pass: x [N, H, D] bf16 (any row/head
     strides, D contiguous), cos/sin [N, 1, D] float32 -> [N, H, D] bf16 contiguous, as
     the reference rounds it (float32 throughout, one rounding). None when it does not apply."""
     n, h, d = x.shape
-    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or d % 32 or d > 256 or not lib.features & BF16_ATTENTION:
+    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or not lib.features & BF16_ATTENTION:
+        return None
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != n * d or sin.numel() != n * d:
         return None
     cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
     out = torch.empty(n, h, d, dtype=torch.bfloat16)
-    lib.qvl_rope_bf16(x.data_ptr(), x.stride(0), x.stride(1), n, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                      torch.get_num_threads())
-    return out
+    status = lib.qvl_vision_rope(x.data_ptr(), x.stride(0), x.stride(1), n, h, d, cos.data_ptr(), sin.data_ptr(),
+                                 out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -271,7 +274,7 @@ def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: 
     b, _, d = h.shape
     if keys.stride(4) != 1 or keys.stride(3) != head_dim or keys.stride() != values.stride():
         return None
-    x = h.contiguous().clone()
+    x = h.clone(memory_format=torch.contiguous_format)
     cos, sin = cos.reshape(b, head_dim).contiguous(), sin.reshape(b, head_dim).contiguous()
     mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
     status = lib.qvl_decode_layers(

@@ -19,7 +19,7 @@ from torch import nn
 from qvl import native
 
 WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
-KERNEL_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
+KERNEL_MAX_ROWS = native.GEMV_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class Int8Linear(nn.Module):
     GEMM (AVX512-VNNI; ~1.4-1.9x faster, slightly less exact)."""
 
     int8_activations = False
+    fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()

@@ -139,7 +139,7 @@ class TextModel(nn.Module):
         visual_mask: [B, T] image positions receiving deepstack[i] ([n_visual, D]) after
         layer i. Returns final-normed hidden states [B, T, D]."""
         out = None
-        if h.shape[1] == 1 and h.dtype == torch.bfloat16 and (lib := native.library()) is not None:
+        if h.shape[1] == 1 and deepstack is None and (lib := native.library()) is not None:
             out = self.decode_native(lib, h, cos, sin, cache, start, key_mask)
         if out is not None:
             cache.length = start + 1
@@ -152,33 +152,51 @@ class TextModel(nn.Module):
         cache.length = start + h.shape[1]
         return self.norm(h)
 
-    def decode_native(self, lib, h, cos, sin, cache, start, key_mask) -> torch.Tensor | None:
-        """A decode step (h: [B, 1, D] bf16) through every layer in one native call: the same
-        kernels and roundings as the per-op path without its ~8 ms of per-token overhead.
-        None when some layer or the cache cannot run it."""
+    def decode_native(self, lib, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+                      key_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A decode step (h: [B, 1, D] bf16, B <= the GEMV row limit, so that the per-op path
+        runs the same kernels) through every layer in one native call: the same kernels and
+        roundings without the per-op path's ~8 ms of per-token overhead. None when the
+        layers, the cache or the inputs are not what the kernel takes (nothing written)."""
+        cfg, (b, _, d) = self.cfg, h.shape
         if self._native_layers is None:
-            self._native_layers = self._layer_args() or False
-        if self._native_layers is False or cache.keys.dtype != torch.bfloat16:
+            self._native_layers = self._layer_args() if lib.features & native.BF16_ATTENTION else False
+        if self._native_layers is False or h.dtype != torch.bfloat16 or b > native.GEMV_MAX_ROWS:
+            return None
+        shape = (cfg.num_hidden_layers, b, cfg.num_key_value_heads, cache.capacity, cfg.head_dim)
+        if cache.keys.dtype != torch.bfloat16 or tuple(cache.keys.shape) != shape or cos.dtype != torch.bfloat16:
+            return None
+        if cos.numel() != b * cfg.head_dim or (key_mask is not None and key_mask.shape != (b, cache.capacity)):
             return None
         cache.check_room(start + 1)  # the kernel writes position `start` unchecked
-        cfg = self.cfg
         return native.decode_layers(lib, self._native_layers, h, cos, sin, cache.keys, cache.values, start, key_mask,
                                     heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                     intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._native_layers = None  # .to() and friends replace the tensors the table points to
+        return super()._apply(fn, *args, **kwargs)
+
     def _layer_args(self):
-        """The layers' weights for native.decode_layers, or None (a float32 or unquantised
-        plain nn.Linear layer). Built once: the weights are fixed after loading."""
+        """The layers' weights for native.decode_layers, or False (a float32 layer, a plain
+        nn.Linear, shapes other than the config's). Built once: the weights are fixed after
+        loading."""
+        cfg = self.cfg
+        d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        shapes = [(q_out, d), (kv_out, d), (kv_out, d), (d, q_out), (inter, d), (inter, d), (d, inter)]
         args, tensors = [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             if any(n.weight.dtype != torch.bfloat16 for n in norms):
-                return None
+                return False
+            if [n.weight.numel() for n in norms] != [d, d, hd, hd]:
+                return False
             linears = [getattr(m, "native_args", lambda: None)() for m in
                        (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-            if any(a is None for a in linears):
-                return None
+            if any(a is None for a in linears) or [(a.n, a.k) for a in linears] != shapes:
+                return False
             args.append(native.LayerArgs(*(n.weight.data_ptr() for n in norms), *linears))
             tensors += [n.weight for n in norms] + [t for a in linears for t in a.tensors]
         array = (native.LayerArgs * len(args))(*args)

@@ -13,9 +13,10 @@ from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 GRID_TABLES_KEPT = 64
-# torch's fused CPU linear + pointwise op (oneDNN), which torch.compile emits; None without oneDNN
-LINEAR_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
-    else None
+# torch's fused CPU linear + pointwise op (oneDNN), which torch.compile emits; None without oneDNN's
+# native bf16 support (as torch.compile gates it)
+LINEAR_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
 class PatchEmbed(nn.Module):
@@ -49,7 +50,7 @@ def vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     x's dtype once; the native pass reads the view and writes the result in one go (the
     reference's float copies and six elementwise ops cost ~1 s per full-budget image)."""
     lib = native.library()
-    out = native.rope(lib, x, cos, sin) if lib is not None else None
+    out = native.vision_rope(lib, x, cos, sin) if lib is not None else None
     return out if out is not None else apply_rotary(x.float(), cos, sin).to(x.dtype)
 
 
@@ -74,9 +75,9 @@ def linear_gelu_tanh(fc: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """tanh-GELU(fc(x)). With bf16 float weights, one oneDNN call applies the GELU to the
     GEMM's float32 results before they are rounded (torch's own fused CPU linear, as
     torch.compile emits it): ~50 ms less per layer at the full budget than GELU as a
-    second pass, and one bf16 rounding instead of two. Quantised layers (qvl.quantize's
-    Int8Linear, not an nn.Linear) take `gelu_tanh` and fuse it themselves."""
-    if not isinstance(fc, nn.Linear):
+    second pass, and one bf16 rounding instead of two. Layers that say `fuses_gelu_tanh`
+    (qvl.quantize's Int8Linear) take `gelu_tanh=True` and fuse it themselves."""
+    if getattr(fc, "fuses_gelu_tanh", False):
         return fc(x, gelu_tanh=True)
     if (type(fc) is nn.Linear and x.dtype == torch.bfloat16 and fc.weight.dtype == torch.bfloat16 and x.dim() == 2
             and LINEAR_POINTWISE is not None):
