@@ -1,7 +1,8 @@
 /* qvl's native CPU kernels: matrix-vector products for decoding (a few activation rows
  * against bf16, int8 or int4 weights), one-pass dequantisation for prefill, the passes
- * around torch._int_mm for int8 x int8 GEMMs, flash attention (vision, causal prefill),
- * attention of one query over the KV cache, and RMSNorm.
+ * around torch._int_mm for int8 x int8 GEMMs (tanh-GELU fused into the second), flash
+ * attention (vision, causal prefill), attention of one query over the KV cache, the vision
+ * tower's RoPE, RMSNorm, and a whole decode step through every decoder layer in one call.
  *
  * Compiled on first use for the CPU it runs on (cc -O3 -march=native, see native.py), so
  * the AVX-512 paths exist only where the CPU has AVX-512; elsewhere the portable loops
