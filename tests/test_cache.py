@@ -137,3 +137,12 @@ def test_batch_uses_the_caches(tiny_engine):
     assert again[1].timings.cached["prefix"]
     single = fresh(tiny_engine, vision_cache_mb=0, prefix_cache_mb=0, answer_cache_entries=0)
     assert again[1].token_ids == single.generate(ask(image, "Three?")).token_ids
+
+
+def test_warm_up_runs_every_stage_without_touching_the_caches(tiny_engine):
+    from dataclasses import asdict
+
+    caches = (tiny_engine.vision_cache, tiny_engine.prefix_cache, tiny_engine.answer_cache)
+    before = [asdict(c.stats) for c in caches]
+    assert tiny_engine.warm_up() > 0
+    assert [asdict(c.stats) for c in caches] == before

@@ -322,3 +322,24 @@ def test_arbitrary_json_is_answered_400_or_200_never_500(client, body, messages)
     assert response.status_code in (200, 400), response.text
     if response.status_code == 400:
         assert_error(response, 400)
+
+
+def test_the_worker_warms_up_before_the_first_request(tiny_engine, monkeypatch):
+    """Ready at once; the warm-up runs in the worker, and a request sent meanwhile waits for
+    it and is then answered."""
+    order, release = [], threading.Event()
+    warm_up = tiny_engine.warm_up
+
+    def slow_warm_up():
+        release.wait(10)
+        order.append("warm-up")
+        return warm_up()
+
+    monkeypatch.setattr(tiny_engine, "warm_up", slow_warm_up)
+    with TestClient(make_app(tiny_engine, warm_up=True)) as c:
+        wait_ready(c)
+        threading.Timer(0.3, release.set).start()
+        body = c.post(URL, json={"messages": HELLO, "max_tokens": 2}).json()
+        order.append("answer")
+        assert body["choices"][0]["message"]["content"] is not None
+    assert order == ["warm-up", "answer"]

@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     p.add_argument("--api-key", default=os.environ.get("QVL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $QVL_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip the small request the worker runs once the model is loaded (it saves the first "
+                        "real request ~1 s of first-touch costs; requests arriving meanwhile wait for it)")
     g = p.add_argument_group("limits")
     g.add_argument("--queue-size", type=int, default=s.queue_size,
                    help="requests that may wait behind the running one; more get 429 (default: %(default)s)")
@@ -57,7 +60,8 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     images = ImagePolicy(max_bytes=max_bytes, max_pixels=args.max_image_pixels, url_hosts=hosts,
                          url_timeout_s=args.image_url_timeout, local_dir=args.image_dir)
     return ServerSettings(queue_size=args.queue_size, max_body_bytes=max_bytes, time_limit_s=args.request_timeout,
-                          shutdown_grace_s=args.shutdown_timeout, api_key=args.api_key or None, images=images)
+                          shutdown_grace_s=args.shutdown_timeout, api_key=args.api_key or None, images=images,
+                          warm_up=args.warm_up)
 
 
 def is_loopback(host: str) -> bool:

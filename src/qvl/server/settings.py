@@ -26,6 +26,7 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight work may finish within this
     api_key: str | None = None
     parse_slots: int = 2  # requests decoding images / tokenizing at once (bounds memory)
+    warm_up: bool = True  # run Engine.warm_up in the worker once loaded, before the first request
     images: ImagePolicy = field(default_factory=ImagePolicy)
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ class ServerState:
             if self.on_load_failure:
                 self.on_load_failure()
             return
-        worker = Worker(engine, self.settings.queue_size, self.metrics)
+        worker = Worker(engine, self.settings.queue_size, self.metrics, warm_up=self.settings.warm_up)
         worker.start()
         self.worker, self.engine = worker, engine
         log.info("model %s ready (loaded in %.1f s)", engine.model_name, engine.load_s)

@@ -11,6 +11,7 @@ engine's generator, which stops generation before the next decode step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -24,6 +25,7 @@ from qvl.server.metrics import Metrics
 from qvl.stream import Delta, Done
 
 DISCONNECT, TIMEOUT, SHUTDOWN = "disconnect", "timeout", "shutdown"
+log = logging.getLogger("qvl.server")
 
 
 class Job:
@@ -71,8 +73,8 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine, queue_size: int, metrics: Metrics):
-        self.engine, self.capacity, self.metrics = engine, queue_size, metrics
+    def __init__(self, engine: Engine, queue_size: int, metrics: Metrics, warm_up: bool = False):
+        self.engine, self.capacity, self.metrics, self.warm_up = engine, queue_size, metrics, warm_up
         self.waiting: deque[Job] = deque()
         self.running: Job | None = None
         self.cond = threading.Condition()
@@ -143,6 +145,11 @@ class Worker:
     # -- the worker thread -----------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.warm_up:  # the server is already ready: requests arriving meanwhile wait in the queue
+            try:
+                log.info("warm-up done in %.1f s", self.engine.warm_up())
+            except Exception:  # only a lost optimisation: serve anyway
+                log.exception("warm-up failed")
         while (job := self._next()) is not None:
             started = time.monotonic()
             self._run(job)
