@@ -161,14 +161,15 @@ class Engine:
 
     # -- vision and prompt layout ---------------------------------------------------------
 
-    def _image_features(self, image: ProcessedImage, timings: Timings) -> ImageFeatures:
-        features = self.vision_cache.get(image.content_hash)
+    def _image_features(self, image: ProcessedImage, timings: Timings, use_cache: bool = True) -> ImageFeatures:
+        features = self.vision_cache.get(image.content_hash) if use_cache else None
         if features is None:
             timings.cached["vision"] = False
             with torch.inference_mode():
                 embeds, deepstack = self.model.encode_images(image.pixel_values, [image.grid_thw])
             features = ImageFeatures(embeds, deepstack)
-            self.vision_cache.add(image.content_hash, features)
+            if use_cache:
+                self.vision_cache.add(image.content_hash, features)
         return features
 
     def spans(self, parsed: ParsedRequest) -> list[tuple[int, int, str]]:
@@ -176,9 +177,10 @@ class Engine:
         return image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
 
     def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0,
-                cancel: CancelCheck | None = None, spans: list | None = None) -> PreparedPrompt:
+                cancel: CancelCheck | None = None, spans: list | None = None,
+                use_cache: bool = True) -> PreparedPrompt:
         """Encode the images not already inside a reused prefix of `skip` tokens (through
-        the vision cache) and lay out the M-RoPE positions."""
+        the vision cache, unless not `use_cache`) and lay out the M-RoPE positions."""
         started = time.perf_counter()
         spans = self.spans(parsed) if spans is None else spans
         needed = [(im, span) for im, span in zip(parsed.images, spans) if span[1] > skip]
@@ -189,7 +191,7 @@ class Engine:
             feats = []
             for im, _ in needed:
                 check(cancel)
-                feats.append(self._image_features(im, timings))
+                feats.append(self._image_features(im, timings, use_cache))
             embeds = torch.cat([f.embeds for f in feats])
             deepstack = [torch.cat(layer) for layer in zip(*(f.deepstack for f in feats))]
         timings.vision_ms = (time.perf_counter() - started) * 1000
@@ -209,12 +211,7 @@ class Engine:
         parsed = self.parse(Request([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
                                                                   {"type": "text", "text": "Hi"}]}],
                                     SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)))
-        image = parsed.images[0]
-        with torch.inference_mode():
-            embeds, deepstack = self.model.encode_images(image.pixel_values, [image.grid_thw])
-        positions, next_position = mrope_positions(parsed.ids, [image.grid_thw], self.cfg.image_token_id,
-                                                   self.cfg.vision.spatial_merge_size)
-        prompt = PreparedPrompt(parsed.ids, positions, next_position, embeds, deepstack)
+        prompt = self.prepare(parsed, Timings(), use_cache=False)
         for _ in generate_step(self.model, [prompt], parsed.sampling, ()):
             pass
         return time.perf_counter() - started

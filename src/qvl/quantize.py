@@ -129,13 +129,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
+        if (_rows(x) > KERNEL_MAX_ROWS and self.int8_activations and x.dtype == self.scales.dtype
+                and (lib := native.library()) is not None):
+            return native.int8_matmul(lib, x, self.weight, self.scales, self.bias, gelu_tanh)
+        y = self._product(x)
+        return F.gelu(y, approximate="tanh") if gelu_tanh else y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias) with the weights' own precision: dequantise + GEMM for many rows."""
         if _rows(x) > KERNEL_MAX_ROWS:
-            if self.int8_activations and x.dtype == self.scales.dtype and (lib := native.library()) is not None:
-                return native.int8_matmul(lib, x, self.weight, self.scales, self.bias, gelu_tanh)
-            y = F.linear(x, self.dequantized(), self.bias)
-            return F.gelu(y, approximate="tanh") if gelu_tanh else y
-        if gelu_tanh:
-            return F.gelu(self(x), approximate="tanh")
+            return F.linear(x, self.dequantized(), self.bias)
         if (lib := _gemv_library(x, self.scales.dtype)) is not None:
             return native.linear(lib, native.W_INT8, x, self.weight, self.out_features, self.scales, bias=self.bias)
         y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
