@@ -3,10 +3,10 @@ into a stream of events. Every front door (CLI, server, batch, bench) calls it."
 
 from __future__ import annotations
 
-import fcntl
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from qvl.config import GenerationDefaults, ModelConfig
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, generate_step, new_cache
 from qvl.hub import resolve_model
 from qvl.model.rope import mrope_positions
+from qvl.paths import locked
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage
 from qvl.processing.prompt import load_chat_template
 from qvl.processing.tokenizer import Tokenizer
@@ -62,14 +63,13 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
     if quant is None or prequantised or not use_cache:
         return load_model(path, cfg, dtype, quant)
     cached = quantized_cache_dir(path, quant, dtype)
-    try:
-        cached.mkdir(parents=True, exist_ok=True)
-        lock = open(cached / ".lock", "w")
-    except OSError as exc:  # a read-only home: quantise every time
-        print(f"qvl: cannot keep quantised weights in {cached}: {exc}", file=sys.stderr)
-        return load_model(path, cfg, dtype, quant)
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then loads what the first wrote
+    with ExitStack() as stack:
+        try:
+            cached.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(locked(cached / ".lock"))  # a second process waits, then loads what the first wrote
+        except OSError as exc:  # not even the temporary cache folder can be written: quantise every time
+            print(f"qvl: cannot keep quantised weights in {cached}: {exc}", file=sys.stderr)
+            return load_model(path, cfg, dtype, quant)
         if (cached / "model.safetensors").exists():
             return load_model(cached, cfg, dtype)
         model = load_model(path, cfg, dtype, quant)

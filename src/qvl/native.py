@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from qvl.paths import cache_root
 from qvl.runtime import cpu_flags
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -27,10 +28,6 @@ W_BF16, W_INT8, W_INT4 = 0, 1, 2
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 AVX512, VNNI, BF16_ATTENTION = 1, 2, 4  # bits of qvl_features(): the paths this build has
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("QVL_CACHE_DIR", Path.home() / ".cache" / "qvl"))
 
 
 def compiler() -> str | None:

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from qvl.config import ModelConfig
+from qvl.paths import cache_root
 from qvl.model.qwen3_vl import Qwen3VL
 from qvl.quantize import (
     Int4Linear,
@@ -276,5 +277,5 @@ def quantized_cache_dir(model_dir: Path, spec: QuantSpec, dtype: torch.dtype) ->
     for path in checkpoint_files(model_dir):
         st = path.stat()
         h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    root = Path(os.environ.get("QVL_CACHE_DIR", Path.home() / ".cache" / "qvl")) / "quantized"
+    root = cache_root() / "quantized"
     return root / f"{model_dir.resolve().name}-{spec.weights}-{h.hexdigest()[:16]}"
