@@ -54,9 +54,8 @@ def test_generation_defaults():
 
 
 def test_dtype_follows_cpu_features():
-    assert choose_dtype("auto", frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
-    assert choose_dtype("auto", frozenset({"amx_bf16"})) == torch.bfloat16
-    assert choose_dtype("auto", frozenset({"avx2", "fma"})) == torch.float32
+    assert choose_dtype("auto", native_bf16=True) == torch.bfloat16
+    assert choose_dtype("auto", native_bf16=False) == torch.float32
     assert choose_dtype("fp32") == torch.float32
 
 

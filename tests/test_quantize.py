@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.config import ModelConfig
-from qvl import native
+from qvl import dispatch, native, paths
 from qvl.quantize import (
     Bf16Linear,
     Int4Linear,
@@ -42,8 +42,8 @@ def _module(kind: str, o: int, i: int, dtype, group=64, bias=False):
 def kernels(request, monkeypatch):
     """Each product runs once through qvl's native kernels and once through torch's."""
     if request.param == "torch":
-        monkeypatch.setattr(native, "library", lambda: None)
-    elif native.library() is None:
+        monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(native.select_tier(), None, "test")])
+    elif dispatch.kernels().lib is None:
         pytest.skip("no C compiler: the native kernels are not built here")
     return request.param
 
@@ -83,57 +83,19 @@ def test_int4_group_sizes_and_row_gather(kernels, group):
     torch.testing.assert_close(m(x), ref, atol=3e-2 * ref.abs().max().item(), rtol=0)
 
 
-@pytest.mark.skipif(native.compiler() is None or "x86_64" not in __import__("platform").machine(),
-                    reason="needs a C compiler on x86-64")
-@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
-def test_kernels_built_for_older_cpus_match(tmp_path, march):
-    """What CPUs without AVX-512 (portable loops) or without VNNI (AVX-512 float and
-    maddubs paths) run: the library built for those targets, run here."""
-    flags = native.cpu_flags()
-    if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        pytest.skip("this CPU cannot run AVX-512 code")
-    lib = native.open_library(native.build(tmp_path, march=march))
-    torch.manual_seed(0)  # int4 quantises activations: a rare draw lands just past the tolerance
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(5, 256, dtype=dtype)
-        m8, _ = _module("int8", 64, 256, dtype, bias=True)
-        ref = F.linear(x.float(), m8.dequantized().float(), m8.bias.float())
-        out = native.linear(lib, native.W_INT8, x, m8.weight, 64, m8.scales, bias=m8.bias)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
-        m4, _ = _module("int4", 64, 256, dtype, group=32)
-        ref = F.linear(x.float(), m4.dequantized().float())
-        out = native.linear(lib, native.W_INT4, x, m4.weight, 64, m4.scales, m4.zeros, 32)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
-        deq = native.dequantize(lib, native.W_INT4, m4.weight, m4.scales, m4.zeros, 32, (64, 256))
-        torch.testing.assert_close(deq.float(), m4.dequantized().float(), atol=1e-2, rtol=1e-2)
-    wb = torch.randn(64, 256, dtype=torch.bfloat16)
-    x = torch.randn(3, 256, dtype=torch.bfloat16)
-    ref = x.float() @ wb.float().T
-    out = native.linear(lib, native.W_BF16, x, wb, 64)
-    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    w8, s8 = torch.randint(-127, 128, (80, 256), dtype=torch.int8), (torch.rand(80) / 50).bfloat16()
-    plain = native.int8_matmul(lib, x.repeat(10, 1), w8, s8)
-    fused = native.int8_matmul(lib, x.repeat(10, 1), w8, s8, gelu_tanh=True)  # GELU's scalar / AVX-512 loops
-    torch.testing.assert_close(fused.float(), F.gelu(plain.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)
-    # no AVX512-BF16 in these builds: the one-call decode step declines before touching anything
-    assert lib.qvl_decode_layers(None, 1, None, 1, 64, 2, 1, 64, 128, 1e-6, None, None, None, None,
-                                 0, 0, 0, 0, None, 0, 1) == -2
-
-
 def test_kernel_build_failure_is_reported_and_torch_kernels_take_over(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises((RuntimeError, OSError)):
-        native.build(tmp_path)
-    monkeypatch.setenv("QVL_NATIVE", "0")
-    native.library.cache_clear()
-    try:
-        assert native.library() is None
-        m, _ = _module("int4", 64, 128, torch.float32)
-        x = torch.randn(1, 128)
-        torch.testing.assert_close(m(x), F.linear(x, m.dequantized()))
-    finally:
-        monkeypatch.undo()
-        native.library.cache_clear()
+        native.build(tmp_path, native.select_tier())
+    monkeypatch.setenv("QVL_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(paths, "cache_root", lambda: tmp_path / "empty-cache")
+    monkeypatch.setattr(dispatch, "_chosen", [])
+    chosen = dispatch.kernels()
+    assert chosen.lib is None and "native kernels unavailable" in capsys.readouterr().err
+    assert not chosen.gemv(torch.float32) and "off" in chosen.describe()["tier"]
+    m, _ = _module("int4", 64, 128, torch.float32)
+    x = torch.randn(1, 128)
+    torch.testing.assert_close(m(x), F.linear(x, m.dequantized()))
 
 
 def test_int8_is_symmetric_per_channel():

@@ -236,17 +236,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from qvl import __version__
-    from qvl.native import describe
+    from qvl.dispatch import kernels
+    from qvl.native import tiers
     from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
 
     flags = cpu_flags()
-    wanted = ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
+    wanted = ["asimd", "asimddp", "i8mm", "bf16"] if platform.machine().lower() in ("arm64", "aarch64") else [
+        "avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
+    k = kernels()
     info = {
         "qvl": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},
-        "dtype_auto": str(choose_dtype("auto")).replace("torch.", ""), "threads_default": physical_cores(),
+        "tiers_available": ", ".join(t.name for t in tiers()),
+        "dtype_auto": str(choose_dtype("auto", k.native_bf16)).replace("torch.", ""),
+        "threads_default": physical_cores(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
-        "kernels": describe(),
+        "kernels": k.describe(),
     }
     if args.json:
         print(json.dumps(info))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from qvl import native
+from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, generate_step, new_cache
@@ -115,7 +115,7 @@ class Engine:
             raise ValueError(f"unknown weights format '{weights}' (choose from auto, {', '.join(WEIGHT_FORMATS)})")
         dtype = weights if weights in ("bf16", "fp32") else options.dtype
         runtime = configure(dtype, options.threads, list(options.cpus) if options.cpus else None)
-        native.library()  # built for this CPU on the first start (a few seconds), then loaded from the cache
+        kernels()  # built for this CPU on the first start (a few seconds), then loaded from the cache
         quant = None
         if weights in ("int8", "int4"):
             quant = stored or QuantSpec(weights, options.group_size, options.vision_int8)

@@ -1,65 +1,123 @@
-"""qvl's native kernels (kernels.c): built for this machine's CPU on first use, called
-through ctypes (which releases the GIL while they run).
+"""qvl's native kernels (csrc/*.c): built for this machine's CPU on first use, called through
+ctypes (which releases the GIL while they run).
 
-The library is compiled with the system C compiler (`cc -O3 -march=native -fopenmp`) into
-the qvl cache, keyed by the source, the compiler and the CPU's flags, and reused by later
-starts (a few seconds to build, once). Without a compiler, or with QVL_NATIVE=0, `library()`
-is None and callers use torch's own kernels."""
+Each build targets one instruction-set tier (see Tier): AVX-512 (+VNNI, +BF16), AVX2 + FMA
+(+AVX-VNNI), ARM NEON (+dot products) or portable C. It is compiled with the system C compiler
+into the qvl cache, keyed by the sources, the compiler, the tier's flags and the CPU's feature
+list, and reused by later starts (a few seconds to build, once). OpenMP is used where the
+compiler has it (not Apple's clang): without it the kernels run on one thread. Which build
+runs, and what runs each product, is decided once in qvl.dispatch."""
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qvl.paths import cache_root
 from qvl.runtime import cpu_flags
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")
 W_BF16, W_INT8, W_INT4 = 0, 1, 2
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
-AVX512, VNNI, BF16_ATTENTION = 1, 2, 4  # bits of qvl_features(): the paths this build has
+# bits of qvl_features(): what the build has
+AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP = 1, 2, 4, 8, 16, 32, 64, 128
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+LIBRARY_SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One instruction-set tier: its name (what QVL_ISA takes), the CPU flags it needs, and the
+    compiler flags that select it (on top of the machine's own -march/-mcpu)."""
+
+    name: str
+    needs: frozenset[str]
+    flags: tuple[str, ...]
+    bf16: bool = False  # bf16 products in hardware (AVX512-BF16 / AMX): bf16 compute is the default
+
+
+def tiers(flags: frozenset[str] | None = None, machine: str | None = None) -> list[Tier]:
+    """The tiers this CPU can run, best first. x86: avx512 (as the CPU has it), avx512-nobf16,
+    avx2-vnni, avx2, portable; ARM: neon, neon-nodotprod, portable."""
+    flags = cpu_flags() if flags is None else flags
+    machine = (machine or platform.machine()).lower()
+    if machine in ("arm64", "aarch64"):
+        dot = "asimddp" in flags or sys.platform == "darwin"  # every Apple silicon CPU has dot products
+        found = [Tier("neon", frozenset(), ("-mcpu=native",))] if dot else []
+        return found + [Tier("neon-nodotprod", frozenset(), ("-mcpu=native+nodotprod",) if dot else ("-mcpu=native",)),
+                        Tier("portable", frozenset(), ("-DQVL_PORTABLE",))]
+    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl"})
+    bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
+    x86 = [Tier("avx512", avx512, ("-march=native",), bf16=bf16),
+           Tier("avx512-nobf16", avx512, ("-march=native", "-mno-avx512bf16")),
+           Tier("avx2-vnni", frozenset({"avx2", "fma", "avx_vnni"}), ("-march=native", "-mno-avx512f")),
+           Tier("avx2", frozenset({"avx2", "fma"}), ("-march=native", "-mno-avx512f", "-mno-avxvnni"))]
+    found = [t for t in x86 if t.needs <= flags]
+    if found and found[0].name == "avx512" and not bf16:
+        found = found[1:]  # avx512 without BF16 is avx512-nobf16: one name per kind of build
+    return found + [Tier("portable", frozenset(), ("-march=native", "-DQVL_PORTABLE"))]
+
+
+def select_tier(override: str | None = None) -> Tier:
+    """The best tier for this CPU, or the one QVL_ISA names (it must be one the CPU can run)."""
+    available = tiers()
+    name = override if override is not None else os.environ.get("QVL_ISA", "")
+    if not name or name == "native":
+        return available[0]
+    for tier in available:
+        if tier.name == name:
+            return tier
+    raise ValueError(f"QVL_ISA={name} is not a tier this CPU can run (choose from "
+                     f"{', '.join(t.name for t in available)})")
 
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(out_dir: Path, march: str = "native") -> Path:
-    """Compile kernels.c for `march` into out_dir (atomically) and return the library's path.
-    Raises RuntimeError with the compiler's message when it fails."""
-    cc = compiler()
+def sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
+
+
+def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
+    """Compile the kernels for `tier` into out_dir (atomically) and return the library's path.
+    OpenMP where the compiler has it, else its SIMD pragmas only, else neither. Raises
+    RuntimeError with the compiler's message when no variant compiles."""
+    cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + march.encode() + version.encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources()) + repr(tier).encode() + version.encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    lib = out_dir / f"qvl_kernels-{march}-{key}.so"
+    lib = out_dir / f"qvl_kernels-{tier.name}-{key}{LIBRARY_SUFFIX}"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
+    fd, partial = tempfile.mkstemp(dir=out_dir, suffix=LIBRARY_SUFFIX + ".partial")
     os.close(fd)
+    errors = []
     try:
-        cmd = [cc, "-O3", f"-march={march}", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", str(SOURCE),
-               "-o", partial, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
-        os.replace(partial, lib)  # other processes see the whole library or none
+        for threads in (["-fopenmp"], ["-fopenmp-simd"], []):
+            cmd = [cc, "-O3", *tier.flags, "-fno-math-errno", *threads, "-fPIC", "-shared",
+                   *map(str, sorted(SOURCE_DIR.glob("*.c"))), "-o", partial, "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(partial, lib)  # other processes see the whole library or none
+                return lib
+            errors.append(done.stderr.strip())
+        raise RuntimeError(f"compiling the kernels for {tier.name} failed:\n{errors[0]}")
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    return lib
 
 
 def open_library(path: Path) -> ctypes.CDLL:
@@ -75,14 +133,14 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
-    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
+    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
     lib.qvl_decode_attention.restype = c_int
     lib.qvl_vision_rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     lib.qvl_vision_rope.restype = c_int
-    lib.qvl_rmsnorm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
-    lib.qvl_rmsnorm_bf16.restype = None
-    lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr,
-                                      ptr, i64, i64, i64, i64, ptr, i64, c_int]
+    lib.qvl_rmsnorm.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
+    lib.qvl_rmsnorm.restype = None
+    lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
+                                      ptr, ptr, i64, i64, i64, i64, ptr, i64, c_int]
     lib.qvl_decode_layers.restype = c_int
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
@@ -90,32 +148,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The kernels for this CPU, or None (no compiler, QVL_NATIVE=0, not x86/arm Linux)."""
-    if os.environ.get("QVL_NATIVE", "1") == "0":
-        return None
-    try:
-        return open_library(build(cache_root() / "native"))
-    except (RuntimeError, OSError) as exc:
-        print(f"qvl: native kernels unavailable, using torch's ({exc})", file=sys.stderr)
-        return None
-
-
-def describe() -> dict[str, str]:
-    """What runs each kind of product on this machine (for `qvl info`)."""
-    lib = library()
-    if lib is None:
-        return {"native": "off (QVL_NATIVE=0 or no C compiler)", "decode": "torch weight-only kernels / oneDNN",
-                "attention": "torch SDPA"}
-    f = lib.features
-    return {
-        "native": f"built with {compiler()} -march=native",
-        "decode": "AVX-512" + (" + VNNI" if f & VNNI else "") if f & AVX512 else "portable C (compiler-vectorised)",
-        "attention": "AVX512-BF16 flash / decode kernels (bf16)" if f & BF16_ATTENTION else "torch SDPA",
-        "decode_step": "all layers in one native call (bf16)" if f & BF16_ATTENTION else "per-layer modules",
-        "int8_activations": "torch._int_mm + native quantise/rescale",
-    }
+def load(tier: Tier, cache: Path) -> ctypes.CDLL:
+    """The kernels built for `tier` (compiled into `cache` the first time)."""
+    return open_library(build(cache, tier))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -169,15 +204,13 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: 
 
 def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal_from: int | None = None) -> torch.Tensor | None:
-    """Attention of T queries over S keys: q [T, H, D], k and v [S, H_kv, D] bf16 (any
-    token/head strides, D contiguous) -> [T, H, D] contiguous. causal_from=None: every query
-    sees every key (vision); an int p: query t sits at position p + t and sees keys 0..p+t
-    (prefill over a cache). None when the kernel does not apply (use torch's SDPA)."""
+    """Attention of T queries over S keys (AVX512-BF16 builds): q [T, H, D], k and v
+    [S, H_kv, D] bf16 (any token/head strides, D contiguous) -> [T, H, D] contiguous.
+    causal_from=None: every query sees every key (vision); an int p: query t sits at position
+    p + t and sees keys 0..p+t (prefill over a cache). None when the shapes do not apply."""
     t, h, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
-    if q.dtype != torch.bfloat16 or d not in (64, 128) or h % hkv or not lib.features & BF16_ATTENTION:
-        return None
-    if any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
+    if d not in (64, 128) or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
         return None
     out = torch.empty(t, h, d, dtype=torch.bfloat16)
     status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
@@ -191,20 +224,20 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """One query per row over the cache: q [B, H, 1, D] bf16; keys/values [B, Hkv, L, D]
-    views of the KV cache (positions contiguous); key_mask [B, L] bool (True = attend) or
-    None -> [B, H, 1, D]. None when the kernel does not apply (then use SDPA)."""
+    """One query per row over the cache: q [B, H, 1, D]; keys/values [B, Hkv, L, D] views of
+    the KV cache (positions contiguous), all bf16 or all float32; key_mask [B, L] bool (True =
+    attend) or None -> [B, H, 1, D]. None when the shapes do not apply (then use SDPA)."""
     b, h, _, d = q.shape
     hkv, length = keys.shape[1], keys.shape[2]
-    if q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16 or not lib.features & BF16_ATTENTION:
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
         return None
     if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d:
         return None
     q = q.contiguous()
     mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
-    out = torch.empty(b, h, 1, d, dtype=torch.bfloat16)
-    status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-                                      keys.stride(1), b, h, hkv, length, d, _ptr(mask),
+    out = torch.empty(b, h, 1, d, dtype=q.dtype)
+    status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _DTYPES[q.dtype],
+                                      keys.stride(0), keys.stride(1), b, h, hkv, length, d, _ptr(mask),
                                       0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_decode_attention could not allocate its scores")
@@ -212,11 +245,12 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, valu
 
 
 def vision_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """The vision tower's rotary embedding in one pass: x [N, H, D] bf16 (any row/head
-    strides, D contiguous), cos/sin [N, 1, D] float32 -> [N, H, D] bf16 contiguous, as
-    the reference rounds it (float32 throughout, one rounding). None when it does not apply."""
+    """The vision tower's rotary embedding in one pass (AVX512-BF16 builds): x [N, H, D] bf16
+    (any row/head strides, D contiguous), cos/sin [N, 1, D] float32 -> [N, H, D] bf16
+    contiguous, as the reference rounds it (float32 throughout, one rounding). None when the
+    shapes do not apply."""
     n, h, d = x.shape
-    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or not lib.features & BF16_ATTENTION:
+    if x.dtype != torch.bfloat16 or x.stride(2) != 1:
         return None
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != n * d or sin.numel() != n * d:
         return None
@@ -228,12 +262,12 @@ def vision_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of bf16 x with a bf16 weight, in one call (the reference's
-    seven small ops cost ~19 us per decode-step norm)."""
+    """RMSNorm over the last dim of x (bf16 or float32) with a weight of the same dtype, in one
+    call (the reference's seven small ops cost ~19 us per decode-step norm)."""
     rows = x.contiguous()
     out = torch.empty_like(rows)
-    lib.qvl_rmsnorm_bf16(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.numel() // rows.shape[-1],
-                         rows.shape[-1], eps, torch.get_num_threads())
+    lib.qvl_rmsnorm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), _DTYPES[x.dtype],
+                    rows.numel() // rows.shape[-1], rows.shape[-1], eps, torch.get_num_threads())
     return out
 
 
@@ -249,6 +283,7 @@ class LinearArgs(ctypes.Structure):
            group_size: int = 0, bias=None) -> LinearArgs:
         args = cls(kind, out_features, in_features, group_size, weight.data_ptr(), _ptr(scale), _ptr(zero), _ptr(bias))
         args.tensors = [t for t in (weight, scale, zero, bias) if t is not None]  # the pointers stay valid
+        args.dtype = weight.dtype if kind == W_BF16 else scale.dtype  # the compute dtype it expects
         return args
 
 
@@ -264,10 +299,11 @@ def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: 
                   keys: torch.Tensor, values: torch.Tensor, start: int, key_mask: torch.Tensor | None, *, heads: int,
                   head_dim: int, intermediate: int, eps: float) -> torch.Tensor | None:
     """One decode step through every decoder layer in a single call (the per-op path spends
-    ~8 ms per token in Python and small torch ops on the 2B model). h: [B, 1, D] bf16;
-    cos/sin: [B, 1, 1, hd] bf16; keys/values: the cache [L, B, Hkv, capacity, hd], written
-    at `start`; key_mask: [B, capacity] bool or None. Returns the new hidden states
-    [B, 1, D], or None when the kernel does not apply (nothing written)."""
+    ~8 ms per token in Python and small torch ops on the 2B model). h: [B, 1, D] bf16 or
+    float32, and cos/sin [B, 1, 1, hd], the cache [L, B, Hkv, capacity, hd] and the layers'
+    float tensors of the same dtype; the cache is written at `start`; key_mask: [B, capacity]
+    bool or None. Returns the new hidden states [B, 1, D], or None when the kernel does not
+    apply (nothing written)."""
     b, _, d = h.shape
     if keys.stride(4) != 1 or keys.stride(3) != head_dim or keys.stride() != values.stride():
         return None
@@ -275,9 +311,10 @@ def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: 
     cos, sin = cos.reshape(b, head_dim).contiguous(), sin.reshape(b, head_dim).contiguous()
     mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
     status = lib.qvl_decode_layers(
-        ctypes.byref(layers), len(layers), x.data_ptr(), b, d, heads, keys.shape[2], head_dim, intermediate, eps,
-        cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1),
-        keys.stride(2), start, _ptr(mask), 0 if mask is None else mask.stride(0), torch.get_num_threads())
+        ctypes.byref(layers), len(layers), x.data_ptr(), _DTYPES[h.dtype], b, d, heads, keys.shape[2], head_dim,
+        intermediate, eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+        keys.stride(1), keys.stride(2), start, _ptr(mask), 0 if mask is None else mask.stride(0),
+        torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_decode_layers could not allocate its buffers")
     return x if status == 0 else None

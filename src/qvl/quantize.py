@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qvl import native
+from qvl.dispatch import kernels
 
 WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
 KERNEL_MAX_ROWS = native.GEMV_MAX_ROWS
@@ -83,9 +84,9 @@ def _rows(x: torch.Tensor) -> int:
 
 def _gemv_library(x: torch.Tensor, dtype: torch.dtype):
     """The native library when x is few rows of the layer's float dtype, else None."""
-    if _rows(x) > KERNEL_MAX_ROWS or x.dtype != dtype or dtype not in (torch.bfloat16, torch.float32):
+    if _rows(x) > KERNEL_MAX_ROWS or x.dtype != dtype or not (k := kernels()).gemv(dtype):
         return None
-    return native.library()
+    return k.lib
 
 
 class Bf16Linear(nn.Linear):
@@ -99,7 +100,7 @@ class Bf16Linear(nn.Linear):
         return native.linear(lib, native.W_BF16, x, self.weight, self.out_features, bias=self.bias)
 
     def native_args(self) -> native.LinearArgs | None:
-        """This layer for the one-call decode step (bf16 only)."""
+        """This layer for the one-call decode step (bf16 weights)."""
         if self.weight.dtype != torch.bfloat16:
             return None
         return native.LinearArgs.of(native.W_BF16, self.out_features, self.in_features, self.weight, bias=self.bias)
@@ -122,16 +123,16 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or some of its rows) in the compute dtype."""
-        if rows is None and (lib := native.library()) is not None:
-            return native.dequantize(lib, native.W_INT8, self.weight, self.scales, None, 0, tuple(self.weight.shape))
+        if rows is None and (k := kernels()).dequantize():
+            return native.dequantize(k.lib, native.W_INT8, self.weight, self.scales, None, 0, tuple(self.weight.shape))
         w, s = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
         return w.to(s.dtype) * s[..., None]
 
     def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
         if (_rows(x) > KERNEL_MAX_ROWS and self.int8_activations and x.dtype == self.scales.dtype
-                and (lib := native.library()) is not None):
-            return native.int8_matmul(lib, x, self.weight, self.scales, self.bias, gelu_tanh)
+                and (k := kernels()).int8_gemm()):
+            return native.int8_matmul(k.lib, x, self.weight, self.scales, self.bias, gelu_tanh)
         y = self._product(x)
         return F.gelu(y, approximate="tanh") if gelu_tanh else y
 
@@ -146,7 +147,7 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def native_args(self) -> native.LinearArgs | None:
-        if self.scales.dtype != torch.bfloat16:
+        if self.scales.dtype not in (torch.bfloat16, torch.float32):
             return None
         return native.LinearArgs.of(native.W_INT8, self.out_features, self.in_features, self.weight, self.scales,
                                     bias=self.bias)
@@ -162,8 +163,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=dtype))
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is None and (lib := native.library()) is not None:
-            return native.dequantize(lib, native.W_INT4, self.weight, self.scales, self.zeros, self.group_size,
+        if rows is None and (k := kernels()).dequantize():
+            return native.dequantize(k.lib, native.W_INT4, self.weight, self.scales, self.zeros, self.group_size,
                                      (self.out_features, self.in_features))
         packed, scale, zero = (self.weight, self.scales, self.zeros) if rows is None else \
             (self.weight[rows], self.scales[rows], self.zeros[rows])
@@ -178,7 +179,7 @@ class Int4Linear(nn.Module):
                              self.group_size)
 
     def native_args(self) -> native.LinearArgs | None:
-        if self.scales.dtype != torch.bfloat16:
+        if self.scales.dtype not in (torch.bfloat16, torch.float32):
             return None
         return native.LinearArgs.of(native.W_INT4, self.out_features, self.in_features, self.weight, self.scales,
                                     self.zeros, self.group_size)

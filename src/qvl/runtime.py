@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -13,14 +15,22 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 @lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The flags /proc/cpuinfo lists for the first CPU (empty where it does not exist)."""
+    """The CPU's feature flags: /proc/cpuinfo's `flags` (x86) or `Features` (ARM) line for the
+    first CPU; on macOS, the hw.optional sysctl names that are set. Empty where none is found."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "hw.optional"], capture_output=True, text=True, timeout=5).stdout
+            return frozenset(line.split(":")[0].rsplit(".", 1)[-1] for line in out.splitlines()
+                             if line.rstrip().endswith(": 1"))
+        except (OSError, subprocess.SubprocessError):
+            pass
     return frozenset()
 
 
@@ -35,17 +45,16 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
-    """AVX512-BF16 or AMX-BF16: bf16 matmuls run natively (fp32 is several times slower)."""
-    flags = cpu_flags() if flags is None else flags
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
-
-
-def choose_dtype(name: str = "auto", flags: frozenset[str] | None = None) -> torch.dtype:
-    """'auto' = bf16 where the CPU computes it natively, else fp32 (bf16 emulated on
-    older CPUs is 20-30x slower)."""
+def choose_dtype(name: str = "auto", native_bf16: bool | None = None) -> torch.dtype:
+    """'auto' = bf16 where the CPU computes it natively (AVX512-BF16 or AMX, on the kernel
+    tier in use: see qvl.native.select_tier), else fp32 (bf16 emulated on older CPUs is
+    20-30x slower)."""
     if name == "auto":
-        return torch.bfloat16 if has_native_bf16(flags) else torch.float32
+        if native_bf16 is None:
+            from qvl.native import select_tier
+
+            native_bf16 = select_tier().bf16
+        return torch.bfloat16 if native_bf16 else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype '{name}' (choose auto, bf16 or fp32)")
     return DTYPES[name]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qvl import native
+from qvl.dispatch import kernels
 from qvl.config import TextConfig
 from qvl.kv_cache import KVCache
 from qvl.model.rope import apply_rotary
@@ -20,8 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16 and (lib := native.library()) is not None:
-            return native.rms_norm(lib, x, self.weight, self.eps)
+        if x.dtype == self.weight.dtype and (k := kernels()).rms_norm(x.dtype):
+            return native.rms_norm(k.lib, x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -45,15 +46,15 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
                     mask: torch.Tensor | None) -> torch.Tensor:
     """q: [B, H, T, hd] at positions start..start+T over the cache's keys/values
     [B, H_kv, start+T, hd] (GQA); mask from attention_mask (None = causal). The native
-    kernels run where they apply (bf16): one query (decoding) over the cache, and causal
-    prefill of one row; torch's SDPA spends ~3.5 ms per layer on one query at 2k positions."""
+    kernels run where they apply: one query (decoding) over the cache, and causal prefill of
+    one row (bf16); torch's SDPA spends ~3.5 ms per layer on one query at 2k positions."""
     b, _, t, _ = q.shape
-    lib = native.library()
-    out = None
-    if lib is not None and t == 1:
-        out = native.decode_attention(lib, q, keys, values, None if mask is None else mask[:, 0, 0])
-    elif lib is not None and b == 1 and mask is None:
-        out = native.attention(lib, q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1), start)
+    k, out = kernels(), None
+    if t == 1 and k.decode_attention(q.dtype):
+        out = native.decode_attention(k.lib, q, keys, values, None if mask is None else mask[:, 0, 0])
+    elif b == 1 and mask is None and k.flash_attention(q.dtype):
+        out = native.attention(k.lib, q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1),
+                               start)
         out = None if out is None else out.transpose(0, 1)[None]
     if out is not None:
         return out
@@ -139,8 +140,8 @@ class TextModel(nn.Module):
         visual_mask: [B, T] image positions receiving deepstack[i] ([n_visual, D]) after
         layer i. Returns final-normed hidden states [B, T, D]."""
         out = None
-        if h.shape[1] == 1 and deepstack is None and (lib := native.library()) is not None:
-            out = self.decode_native(lib, h, cos, sin, cache, start, key_mask)
+        if h.shape[1] == 1 and deepstack is None and (k := kernels()).decode_step(h.dtype):
+            out = self.decode_native(k.lib, h, cos, sin, cache, start, key_mask)
         if out is not None:
             cache.length = start + 1
             return self.norm(out)
@@ -154,17 +155,17 @@ class TextModel(nn.Module):
 
     def decode_native(self, lib, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
                       key_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """A decode step (h: [B, 1, D] bf16, B <= the GEMV row limit, so that the per-op path
+        """A decode step (h: [B, 1, D] bf16 or float32, B <= the GEMV row limit, so that the per-op path
         runs the same kernels) through every layer in one native call: the same kernels and
         roundings without the per-op path's ~8 ms of per-token overhead. None when the
         layers, the cache or the inputs are not what the kernel takes (nothing written)."""
         cfg, (b, _, d) = self.cfg, h.shape
         if self._native_layers is None:
-            self._native_layers = self._layer_args() if lib.features & native.BF16_ATTENTION else False
-        if self._native_layers is False or h.dtype != torch.bfloat16 or b > native.GEMV_MAX_ROWS:
+            self._native_layers = self._layer_args()
+        if self._native_layers is False or h.dtype != self._native_layers.dtype or b > native.GEMV_MAX_ROWS:
             return None
         shape = (cfg.num_hidden_layers, b, cfg.num_key_value_heads, cache.capacity, cfg.head_dim)
-        if cache.keys.dtype != torch.bfloat16 or tuple(cache.keys.shape) != shape or cos.dtype != torch.bfloat16:
+        if cache.keys.dtype != h.dtype or tuple(cache.keys.shape) != shape or cos.dtype != h.dtype:
             return None
         if cos.numel() != b * cfg.head_dim or (key_mask is not None and key_mask.shape != (b, cache.capacity)):
             return None
@@ -178,10 +179,11 @@ class TextModel(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def _layer_args(self):
-        """The layers' weights for native.decode_layers, or False (a float32 layer, a plain
-        nn.Linear, shapes other than the config's). Built once: the weights are fixed after
+        """The layers' weights for native.decode_layers, or False (a plain nn.Linear, mixed
+        dtypes, shapes other than the config's). Built once: the weights are fixed after
         loading."""
         cfg = self.cfg
+        dtype = self.norm.weight.dtype
         d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         shapes = [(q_out, d), (kv_out, d), (kv_out, d), (d, q_out), (inter, d), (inter, d), (d, inter)]
@@ -189,16 +191,17 @@ class TextModel(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-            if any(n.weight.dtype != torch.bfloat16 for n in norms):
+            if any(n.weight.dtype != dtype for n in norms):
                 return False
             if [n.weight.numel() for n in norms] != [d, d, hd, hd]:
                 return False
             linears = [getattr(m, "native_args", lambda: None)() for m in
                        (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-            if any(a is None for a in linears) or [(a.n, a.k) for a in linears] != shapes:
+            if any(a is None or a.dtype != dtype for a in linears) or [(a.n, a.k) for a in linears] != shapes:
                 return False
             args.append(native.LayerArgs(*(n.weight.data_ptr() for n in norms), *linears))
             tensors += [n.weight for n in norms] + [t for a in linears for t in a.tensors]
         array = (native.LayerArgs * len(args))(*args)
         array.tensors = tensors  # keeps every pointed-to tensor alive as long as the array
+        array.dtype = dtype
         return array

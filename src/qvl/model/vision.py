@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qvl import native
+from qvl.dispatch import kernels
 from qvl.config import VisionConfig
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
@@ -38,8 +39,7 @@ def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     """Full attention over one image's patches: q, k, v [n, H, hd] -> [n, H, hd]. The native
     AVX512-BF16 flash kernel where it applies (bf16, hd 64/128: ~1.9x torch's), else SDPA
     (4-D: a 3-D call silently takes torch's slow math path)."""
-    lib = native.library()
-    out = native.attention(lib, q, k, v) if lib is not None else None
+    out = native.attention(kernels().lib, q, k, v) if kernels().flash_attention(q.dtype) else None
     if out is None:
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
     return out
@@ -49,8 +49,7 @@ def vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """x: [N, H, hd] (strided view of the fused qkv) rotated in float32 and rounded back to
     x's dtype once; the native pass reads the view and writes the result in one go (the
     reference's float copies and six elementwise ops cost ~1 s per full-budget image)."""
-    lib = native.library()
-    out = native.vision_rope(lib, x, cos, sin) if lib is not None else None
+    out = native.vision_rope(kernels().lib, x, cos, sin) if kernels().vision_rope(x.dtype) else None
     return out if out is not None else apply_rotary(x.float(), cos, sin).to(x.dtype)
 
 

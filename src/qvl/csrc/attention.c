@@ -1,0 +1,433 @@
+/* Attention: flash attention for the vision tower and causal prefill (AVX512-BF16), the
+ * vision tower's RoPE, and one query per row over the KV cache for decoding (AVX512-BF16 for
+ * bf16 caches on CPUs that have it; a portable float kernel, vectorised by the compiler for
+ * the build's tier, for float32 caches and every other CPU). */
+#include "common.h"
+
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+#define QVL_BF16_ATTENTION 1
+#define ABK 64 /* keys per step */
+#define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */
+#define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
+#define NKB (ABK / 16)
+#define MAX_SLACK 8.f /* log2 units */
+
+/* One step of attention_block: query rows t..t+ATQ against keys kb..kb+ABK. `masked` (a
+ * constant after inlining) = some of those keys are hidden from some rows (causal diagonal,
+ * padding past S); most steps have none and skip the masking. */
+static inline __attribute__((always_inline)) void attention_tile(
+    const uint16_t* qb, const uint32_t* kp, const uint32_t* vp, int64_t S, int64_t S_pad, int64_t causal,
+    __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const int D, const int masked) {
+    const int GR = D == 64 ? 4 : 2; /* rows per value-product group: GR x D/16 accumulators */
+    float corr[ATQ];
+    __mmask16 mask[ATQ][NKB];
+    for (int i = 0; i < ATQ; i++) {
+        int64_t seen = causal < 0 ? S : (causal + t + i + 1 < S ? causal + t + i + 1 : S);
+        for (int b = 0; b < NKB; b++) {
+            int64_t left = masked ? seen - kb - 16 * b : 16;
+            mask[i][b] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        }
+    }
+    __m512 sc[ATQ][NKB];
+    for (int i = 0; i < ATQ; i++)
+        for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512bh kv[NKB];
+        for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
+        for (int i = 0; i < ATQ; i++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
+            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
+        }
+    }
+    for (int i = 0; i < ATQ; i++) {
+        const __m512 low = _mm512_set1_ps(-1e30f);
+        __m512 top = low;
+        for (int b = 0; b < NKB; b++) {
+            sc[i][b] = masked ? _mm512_mask_mul_ps(low, mask[i][b], sc[i][b], scale) : _mm512_mul_ps(sc[i][b], scale);
+            top = _mm512_max_ps(top, sc[i][b]);
+        }
+        /* the running max moves only when a score passes it by more than MAX_SLACK (so the
+         * exponentials stay below 2^MAX_SLACK): most tiles skip the reduction and rescale */
+        float prev = mx[t + i];
+        corr[i] = 1.f;
+        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(prev + MAX_SLACK), _CMP_GT_OQ)) {
+            float now = _mm512_reduce_max_ps(top);
+            corr[i] = exp2f(prev - now);
+            mx[t + i] = now;
+            _mm512_store_ps(l + (t + i) * 16, _mm512_mul_ps(_mm512_load_ps(l + (t + i) * 16), _mm512_set1_ps(corr[i])));
+        }
+        __m512 nv = _mm512_set1_ps(mx[t + i]), sum = _mm512_load_ps(l + (t + i) * 16);
+        for (int b = 0; b < NKB; b++) {
+            sc[i][b] = exp2_ps(_mm512_sub_ps(sc[i][b], nv));
+            if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
+            /* summed as rounded to bf16, i.e. as the value product below weighs them */
+            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sc[i][b])));
+        }
+        _mm512_store_ps(l + (t + i) * 16, sum);
+        for (int b = 0; b < NKB; b += 2)
+            _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]));
+    }
+    for (int g = 0; g < ATQ; g += GR) {
+        __m512 acc[4][8];
+        for (int i = 0; i < GR; i++)
+            for (int d = 0; d < D / 16; d++) {
+                __m512 prev = _mm512_loadu_ps(o + (t + g + i) * D + 16 * d);
+                acc[i][d] = corr[g + i] == 1.f ? prev : _mm512_mul_ps(prev, _mm512_set1_ps(corr[g + i]));
+            }
+        for (int jp = 0; jp < ABK / 2; jp++) {
+            const uint32_t* vrow = vp + (kb / 2 + jp) * D;
+            for (int i = 0; i < GR; i++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
+                for (int d = 0; d < D / 16; d++)
+                    acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
+            }
+        }
+        for (int i = 0; i < GR; i++)
+            for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + (t + g + i) * D + 16 * d, acc[i][d]);
+    }
+}
+
+/* Flash attention for the query rows [0, rows) of one head: scores and products in
+ * AVX512-BF16 dot products with float32 accumulation, online softmax in float32.
+ * kp: [D/2][S_pad] key pairs (k[n][2p], k[n][2p+1]); vp: [S_pad/2][D] value pairs
+ * (v[2j][d], v[2j+1][d]); keys >= S are zero and masked. causal >= 0: row r sees keys
+ * j <= causal + r only (causal = the first row's position); -1: every row sees all keys. */
+static inline __attribute__((always_inline)) void attention_block(
+    const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
+    int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const int D) {
+    uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
+    float o[ABQ * 128] __attribute__((aligned(64)));
+    uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
+    float mx[ABQ], l[ABQ * 16] __attribute__((aligned(64))); /* running max; running sums per lane */
+    for (int r = 0; r < ABQ; r++) {
+        if (r < rows)
+            memcpy(qb + r * D, q + r * q_stride, (size_t)D * 2);
+        else
+            memset(qb + r * D, 0, (size_t)D * 2);
+        mx[r] = -1e30f;
+    }
+    memset(o, 0, sizeof(float) * ABQ * D);
+    memset(l, 0, sizeof(l));
+    const __m512 scale = _mm512_set1_ps(scale2);
+    const int64_t key_end = causal < 0 ? S_pad : (causal + rows < S ? causal + rows : S); /* keys any row sees */
+    for (int64_t kb = 0; kb < key_end; kb += ABK) {
+        for (int t = 0; t < ABQ && t < rows; t += ATQ) {
+            int64_t first_seen = causal < 0 ? S : (causal + t + 1 < S ? causal + t + 1 : S);
+            if (kb + ABK <= first_seen)
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 0);
+            else
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 1);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
+        for (int d = 0; d < D; d++) out[r * out_stride + d] = f32_to_bf16(o[r * D + d] * inv);
+    }
+}
+
+/* out = softmax(q k^T / sqrt(D)) v for T queries over S keys, grouped-query (query head h
+ * uses key/value head h / (H / Hkv)). Every tensor is bf16 with D contiguous and strides
+ * in elements: q[t][h] at t*q_tok + h*q_head, likewise k, v (positions j), out.
+ * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
+ * over a cache of S = causal + T); -1: no mask (vision). D = 64 or 128.
+ * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
+int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                  int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
+    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -2;
+    const int64_t S_pad = (S + ABK - 1) / ABK * ABK, G = H / Hkv;
+    uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
+    uint32_t* vp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
+    if (!kp || !vp) {
+        free(kp), free(vp);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < Hkv; h++) {
+        uint32_t* kh = kp + h * (D / 2) * S_pad;
+        uint32_t* vh = vp + h * (S_pad / 2) * D;
+        for (int64_t n = 0; n < S_pad; n++)
+            for (int64_t p = 0; p < D / 2; p++)
+                kh[p * S_pad + n] = n < S ? ((const uint32_t*)(k + n * k_tok + h * k_head))[p] : 0u;
+        for (int64_t j = 0; j < S_pad; j += 2)
+            for (int64_t d = 0; d < D; d++) {
+                uint32_t lo = j < S ? v[j * v_tok + h * v_head + d] : 0u;
+                uint32_t hi = j + 1 < S ? v[(j + 1) * v_tok + h * v_head + d] : 0u;
+                vh[(j / 2) * D + d] = lo | (hi << 16);
+            }
+    }
+    const int64_t blocks = (T + ABQ - 1) / ABQ;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * blocks; item++) {
+        /* head by head (its packed keys and values stay in L2), and within a head the last
+         * (causally longest) blocks first, so the dynamic schedule balances */
+        int64_t h = item / blocks, r0 = (blocks - 1 - item % blocks) * ABQ;
+        int64_t rows = T - r0 < ABQ ? T - r0 : ABQ;
+        const uint16_t* qh = q + r0 * q_tok + h * q_head;
+        uint16_t* oh = out + r0 * o_tok + h * o_head;
+        const uint32_t* kh = kp + (h / G) * (D / 2) * S_pad;
+        const uint32_t* vh = vp + (h / G) * (S_pad / 2) * D;
+        int64_t first = causal < 0 ? -1 : causal + r0;
+        if (D == 64)
+            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 64);
+        else
+            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 128);
+    }
+    free(kp), free(vp);
+    return 0;
+}
+
+/* Rotary embedding of the vision tower's q or k, as the reference computes it: in float32,
+ * x*cos + rotate_half(x)*sin (two products and a sum, each rounded: the explicit-rounding
+ * intrinsics keep the compiler from fusing them into one FMA), rounded once to bf16.
+ * x: bf16, row n head h at n*tok + h*head (D contiguous); cos/sin: [N][D] float32;
+ * out: [N][H][D] bf16. Returns 0, or -2 when D is not a multiple of 32 up to 256. */
+int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
+                    const float* sin, uint16_t* out, int threads) {
+    if (D % 32 != 0 || D > 256) return -2;
+    const int half = (int)(D / 32); /* 16-lane vectors per half */
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t* xr = x + n * tok + h * head;
+            uint16_t* o = out + (n * H + h) * D;
+            __m512 v[16];
+            for (int j = 0; j < 2 * half; j++) v[j] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(xr + 16 * j)));
+            for (int j = 0; j < 2 * half; j++) {
+                __m512 rot = j < half ? _mm512_sub_ps(_mm512_setzero_ps(), v[j + half]) : v[j - half];
+                __m512 y = _mm512_add_round_ps(_mm512_mul_round_ps(v[j], _mm512_loadu_ps(c + 16 * j), rn),
+                                               _mm512_mul_round_ps(rot, _mm512_loadu_ps(s + 16 * j), rn), rn);
+                _mm256_storeu_si256((__m256i*)(o + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
+            }
+        }
+    }
+    return 0;
+}
+
+/* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
+ * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
+ * b, head h, position j at b*row_stride + h*head_stride + j*D; mask: [B][mask_stride] bytes
+ * (nonzero = attend) or NULL; out: [B][H][D]. Scores and softmax in float32. */
+static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
+                                 int64_t row_stride, int64_t head_stride, int64_t B, int64_t H, int64_t Hkv,
+                                 int64_t L, int64_t D, const uint8_t* mask, int64_t mask_stride, uint16_t* out,
+                                 int threads) {
+    const int64_t G = H / Hkv;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < B * Hkv; item++) {
+        const int64_t b = item / Hkv, h = item % Hkv;
+        const uint16_t* kh = keys + b * row_stride + h * head_stride;
+        const uint16_t* vh = values + b * row_stride + h * head_stride;
+        const uint8_t* mrow = mask ? mask + b * mask_stride : NULL;
+        float* sc = malloc((size_t)(G * L) * sizeof(float));
+        if (!sc) {
+            failed = 1;
+            continue;
+        }
+        const int nq = (int)(D / 32);
+        for (int64_t g = 0; g < G; g++) {
+            const uint16_t* qg = q + (b * H + h * G + g) * D;
+            __m512bh qv[8];
+            for (int c = 0; c < nq; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+            float* sg = sc + g * L;
+            float top = -1e30f;
+            for (int64_t j = 0; j < L; j++) {
+                if (mrow && !mrow[j]) {
+                    sg[j] = -1e30f;
+                    continue;
+                }
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < nq; c++)
+                    acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kh + j * D + 32 * c));
+                float v = _mm512_reduce_add_ps(acc) * scale2;
+                sg[j] = v;
+                top = v > top ? v : top;
+            }
+            float sum = 0.f;
+            int64_t j = 0;
+            const __m512 tv = _mm512_set1_ps(top);
+            __m512 vsum = _mm512_setzero_ps();
+            for (; j + 16 <= L; j += 16) {
+                __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + j), tv));
+                e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(_mm512_loadu_ps(sg + j), _mm512_set1_ps(-1e29f), _CMP_LT_OQ),
+                                       _mm512_setzero_ps());
+                _mm512_storeu_ps(sg + j, e);
+                vsum = _mm512_add_ps(vsum, e);
+            }
+            sum = _mm512_reduce_add_ps(vsum);
+            for (; j < L; j++) {
+                float e = sg[j] < -1e29f ? 0.f : exp2f(sg[j] - top);
+                sg[j] = e;
+                sum += e;
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (j = 0; j < L; j++) sg[j] *= inv;
+        }
+        /* out[g] = sum_j p[g][j] v[j]: each value row converted once for all G heads */
+        __m512 acc[16][8];
+        for (int64_t g = 0; g < G; g++)
+            for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            if (mrow && !mrow[j]) continue;
+            __m512 vr[8];
+            for (int c = 0; c < 2 * nq; c++) vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c)));
+            for (int64_t g = 0; g < G; g++) {
+                __m512 pj = _mm512_set1_ps(sc[g * L + j]);
+                for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_fmadd_ps(pj, vr[c], acc[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            uint16_t* og = out + (b * H + h * G + g) * D;
+            for (int c = 0; c < 2 * nq; c++) {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, acc[g][c]);
+                for (int i = 0; i < 16; i++) og[16 * c + i] = f32_to_bf16(tmp[i]);
+            }
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
+#else
+int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                  int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head,
+        (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)causal, (void)threads;
+    return -2;
+}
+
+int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
+                    const float* sin, uint16_t* out, int threads) {
+    (void)x, (void)tok, (void)head, (void)N, (void)H, (void)D, (void)cos, (void)sin, (void)out, (void)threads;
+    return -2;
+}
+#endif
+
+
+/* 2^x for x <= 0 in plain C that the compiler vectorises (relative error ~2e-6). */
+static inline float exp2_poly(float x) {
+    x = x < -126.f ? -126.f : x;
+    const int32_t n = round_int(x);
+    const float f = x - (float)n;
+    float p = 1.3534167e-3f;
+    p = p * f + 9.6588929e-3f;
+    p = p * f + 5.5503406e-2f;
+    p = p * f + 2.4022217e-1f;
+    p = p * f + 6.9314699e-1f;
+    p = p * f + 1.f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += n * (1 << 23);
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+/* The float kernel for one (row, key/value head): its G query heads over L cached positions,
+ * keys and values of dtype dt (constant after inlining, so both loops vectorise). */
+static inline __attribute__((always_inline)) void decode_head_float(
+    const float* qf, const void* kh, const void* vh, int64_t G, int64_t L, int64_t D, const uint8_t* mrow,
+    float scale2, float* sc, float* acc, const int dt) {
+    for (int64_t g = 0; g < G; g++) {
+        const float* qg = qf + g * D;
+        float* sg = sc + g * L;
+        float top = -1e30f;
+        for (int64_t j = 0; j < L; j++) {
+            if (mrow && !mrow[j]) {
+                sg[j] = -1e30f;
+                continue;
+            }
+            float s = 0.f;
+            if (dt == BF16) {
+                const uint16_t* kr = (const uint16_t*)kh + j * D;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += qg[d] * bf16_to_f32(kr[d]);
+            } else {
+                const float* kr = (const float*)kh + j * D;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += qg[d] * kr[d];
+            }
+            sg[j] = s * scale2;
+            top = sg[j] > top ? sg[j] : top;
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < L; j++) {
+            float e = sg[j] < -1e29f ? 0.f : exp2_poly(sg[j] - top);
+            sg[j] = e;
+            sum += e;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t j = 0; j < L; j++) sg[j] *= inv;
+    }
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t j = 0; j < L; j++) {
+        if (mrow && !mrow[j]) continue;
+        for (int64_t g = 0; g < G; g++) {
+            const float p = sc[g * L + j];
+            float* ag = acc + g * D;
+            if (dt == BF16) {
+                const uint16_t* vr = (const uint16_t*)vh + j * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += p * bf16_to_f32(vr[d]);
+            } else {
+                const float* vr = (const float*)vh + j * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += p * vr[d];
+            }
+        }
+    }
+}
+
+static int decode_attention_float(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
+                                  int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
+                                  const uint8_t* mask, int64_t mask_stride, void* out, int threads) {
+    const int64_t G = H / Hkv;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D);
+    const size_t esize = dt == BF16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < B * Hkv; item++) {
+        const int64_t b = item / Hkv, h = item % Hkv;
+        const char* kh = (const char*)keys + (b * row_stride + h * head_stride) * esize;
+        const char* vh = (const char*)values + (b * row_stride + h * head_stride) * esize;
+        float* buf = malloc((size_t)(G * L + 2 * G * D) * sizeof(float));
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
+        float *sc = buf, *qf = buf + G * L, *acc = qf + G * D;
+        for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, dt, (b * H + h * G) * D + i);
+        const uint8_t* mrow = mask ? mask + b * mask_stride : NULL;
+        if (dt == BF16)
+            decode_head_float(qf, kh, vh, G, L, D, mrow, scale2, sc, acc, BF16);
+        else
+            decode_head_float(qf, kh, vh, G, L, D, mrow, scale2, sc, acc, F32);
+        for (int64_t i = 0; i < G * D; i++) put(out, dt, (b * H + h * G) * D + i, acc[i]);
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
+ * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
+ * b, head h, position j at b*row_stride + h*head_stride + j*D (elements); mask:
+ * [B][mask_stride] bytes (nonzero = attend) or NULL; out: [B][H][D]; all of dtype dt.
+ * Scores and softmax in float32. Returns 0, -1 when out of memory, -2 for unsupported shapes. */
+int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
+                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
+                         const uint8_t* mask, int64_t mask_stride, void* out, int threads) {
+    if (D % 32 != 0 || D > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -2;
+#ifdef QVL_BF16_ATTENTION
+    if (dt == BF16)
+        return decode_attention_bf16(q, keys, values, row_stride, head_stride, B, H, Hkv, L, D, mask, mask_stride, out,
+                                     threads);
+#endif
+    return decode_attention_float(q, keys, values, dt, row_stride, head_stride, B, H, Hkv, L, D, mask, mask_stride,
+                                  out, threads);
+}

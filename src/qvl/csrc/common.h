@@ -1,0 +1,122 @@
+/* Shared by qvl's kernel files: the instruction-set tier this build targets, bf16 <-> float32,
+ * dtype-generic element access and small vector helpers.
+ *
+ * The tier is fixed at compile time by the -march/-mcpu flags native.py passes:
+ *   QVL_AVX512  AVX-512 F/BW/VL (+ __AVX512VNNI__, __AVX512BF16__ where the flags include them)
+ *   QVL_AVX2    AVX2 + FMA, no AVX-512 (+ __AVXVNNI__ on Alder Lake and later)
+ *   QVL_NEON    AArch64 Advanced SIMD (+ __ARM_FEATURE_DOTPROD, __ARM_FEATURE_MATMUL_INT8)
+ *   none        portable C, vectorised by the compiler for whatever the flags allow (also
+ *               with -DQVL_PORTABLE, which tests and QVL_ISA=portable use to force it) */
+#ifndef QVL_COMMON_H
+#define QVL_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(QVL_PORTABLE)
+/* portable C only: the compiler vectorises it for the flags it was given */
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QVL_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QVL_AVX2 1
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define QVL_NEON 1
+#include <arm_neon.h>
+#endif
+
+enum { F32 = 0, BF16 = 1 };
+enum { W_BF16 = 0, W_INT8 = 1, W_INT4 = 2 };
+#define TILE 4     /* activation rows sharing one pass over a weight row */
+#define CHUNK 128  /* columns per activation scale of the integer products */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+static inline float get(const void* p, int dt, int64_t i) {
+    return dt == BF16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void put(void* p, int dt, int64_t i, float v) {
+    if (dt == BF16)
+        ((uint16_t*)p)[i] = f32_to_bf16(v);
+    else
+        ((float*)p)[i] = v;
+}
+
+/* Round to nearest (ties away from zero); unlike lrintf, loops over it vectorise. */
+static inline int32_t round_int(float v) { return (int32_t)(v + (v >= 0.f ? 0.5f : -0.5f)); }
+
+/* max |x[i]| over n values: what a symmetric quantisation scale is made from. */
+static inline float absmax(const float* x, int64_t n) {
+    float m = 0.f;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+#ifdef QVL_AVX512
+static inline __m512 bf16x16_to_ps(__m256i h) { /* 16 bf16 -> 16 float32, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, degree 5) */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3534167e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6588929e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022217e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314699e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 div_one_plus_exp2(__m512 x, __m512 t) { /* x / (1 + 2^t): SiLU and tanh-GELU */
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(t)));
+}
+#endif
+
+#ifdef QVL_AVX2
+static inline __m256 bf16x8_to_ps(__m128i h) { /* 8 bf16 -> 8 float32, exactly */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* Entry points shared between the files (each defined once). */
+int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+               const void* zero, int64_t gs, const void* bias, void* y, int threads);
+int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
+                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
+                         const uint8_t* mask, int64_t mask_stride, void* out, int threads);
+void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
+int qvl_features(void);
+
+#endif

@@ -1,0 +1,187 @@
+/* RMSNorm, and a whole decode step through every decoder layer in one call, in bf16 or
+ * float32, with the same kernels and roundings as the per-layer modules. */
+#include "common.h"
+
+/* What this build has, as bits: 1 AVX-512, 2 AVX-512 VNNI, 4 AVX512-BF16 (flash attention),
+ * 8 AVX2+FMA, 16 AVX-VNNI, 32 NEON, 64 NEON dot products, 128 OpenMP. */
+int qvl_features(void) {
+    int f = 0;
+#ifdef QVL_AVX512
+    f |= 1 | 8;
+#ifdef __AVX512VNNI__
+    f |= 2;
+#endif
+#ifdef __AVX512BF16__
+    f |= 4;
+#endif
+#endif
+#ifdef QVL_AVX2
+    f |= 8;
+#ifdef __AVXVNNI__
+    f |= 16;
+#endif
+#endif
+#ifdef QVL_NEON
+    f |= 32;
+#ifdef __ARM_FEATURE_DOTPROD
+    f |= 64;
+#endif
+#endif
+#ifdef _OPENMP
+    f |= 128;
+#endif
+    return f;
+}
+
+/* RMSNorm of rows as the reference computes it: float32 mean of squares, x * rsqrt(mean +
+ * eps) rounded to dt, times the weight, rounded again. x, w, out: dtype dt; x [rows][dim]. */
+void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
+                 int threads) {
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float ss = 0.f;
+        if (dt == BF16) {
+            const uint16_t* xr = (const uint16_t*)x + r * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
+            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+            const uint16_t* wr = (const uint16_t*)w;
+            uint16_t* o = (uint16_t*)out + r * dim;
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = f32_to_bf16(bf16_to_f32(wr[i]) * round_bf(bf16_to_f32(xr[i]) * inv));
+        } else {
+            const float* xr = (const float*)x + r * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+            const float* wr = (const float*)w;
+            float* o = (float*)out + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) o[i] = wr[i] * (xr[i] * inv);
+        }
+    }
+}
+
+/* ---- a whole decode step through the decoder layers ---- */
+
+/* One linear of a decoder layer, as qvl_linear takes it. */
+typedef struct {
+    int64_t kind, n, k, group_size;
+    const void *w, *scale, *zero, *bias;
+} QvlLinear;
+
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
+    QvlLinear q, k, v, o, gate, up, down;
+} QvlLayer;
+
+static int layer_linear(const QvlLinear* l, const void* x, int dt, int64_t M, void* y, int threads) {
+    return qvl_linear((int)l->kind, x, dt, M, l->k, l->n, l->w, l->scale, l->zero, l->group_size, l->bias, y, threads);
+}
+
+/* Rotary embedding of `heads` rows of D in place: x*cos + rotate_half(x)*sin, in bf16 with
+ * each product and the sum rounded as the reference does, in float32 exactly as written. */
+static void text_rope(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin) {
+    const int64_t half = D / 2;
+    float t[256];
+    for (int64_t r = 0; r < heads; r++) {
+        for (int64_t i = 0; i < D; i++) t[i] = get(x, dt, r * D + i);
+        for (int64_t i = 0; i < D; i++) {
+            float rot = i < half ? -t[i + half] : t[i - half];
+            float a = t[i] * get(cos, dt, i), b = rot * get(sin, dt, i);
+            put(x, dt, r * D + i, dt == BF16 ? round_bf(a) + round_bf(b) : a + b);
+        }
+    }
+}
+
+/* g <- silu(g) * u, rounded (in bf16) after silu and after the product. */
+static void silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        int64_t end = i0 + 16 < n ? i0 + 16 : n;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+        if (dt == BF16 && end - i0 == 16) {
+            uint16_t* gb = (uint16_t*)g;
+            const uint16_t* ub = (const uint16_t*)u;
+            __m512 x = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(gb + i0)));
+            __m512 s = div_one_plus_exp2(x, _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
+            float sv[16];
+            _mm512_storeu_ps(sv, s);
+            for (int j = 0; j < 16; j++) gb[i0 + j] = f32_to_bf16(round_bf(sv[j]) * bf16_to_f32(ub[i0 + j]));
+            continue;
+        }
+#endif
+        for (int64_t i = i0; i < end; i++) {
+            float x = get(g, dt, i), s = x / (1.f + expf(-x));
+            put(g, dt, i, (dt == BF16 ? round_bf(s) : s) * get(u, dt, i));
+        }
+    }
+}
+
+static void add_into(void* x, const void* a, int dt, int64_t n) {
+    for (int64_t i = 0; i < n; i++) put(x, dt, i, get(x, dt, i) + get(a, dt, i));
+}
+
+/* One decode step (one new token per row) through all decoder layers, in place on the
+ * hidden states x [B][D] of dtype dt (bf16 or float32; weights' scales, norms, cos/sin and
+ * the cache share it): per layer RMSNorm, q/k/v, per-head q/k norms, RoPE (cos/sin [B][hd]),
+ * the new keys/values written at position `pos` of the cache (layer l, row b, head h,
+ * position j at l*layer_stride + b*row_stride + h*head_stride + j*hd elements), attention over
+ * positions 0..pos (mask [B][mask_stride] bytes or NULL), o_proj + residual, RMSNorm, SwiGLU
+ * MLP + residual. Returns 0, -1 when out of memory, -2 for shapes the decode attention does
+ * not take (before anything is written). */
+int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
+                      int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
+                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride, int64_t pos,
+                      const uint8_t* mask, int64_t mask_stride, int threads) {
+    if (hd % 32 != 0 || hd > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -2;
+    const size_t es = dt == BF16 ? 2 : 4;
+    const int64_t qn = B * H * hd, kn = B * Hkv * hd;
+    char* buf = malloc((size_t)(2 * B * D + 2 * qn + 2 * kn + 2 * B * I) * es);
+    if (!buf) return -1;
+    char *xn = buf, *a = xn + B * D * es, *q = a + B * D * es, *att = q + qn * es, *k = att + qn * es,
+         *v = k + kn * es, *g = v + kn * es, *u = g + B * I * es;
+    int status = 0;
+    for (int64_t l = 0; l < n_layers && status == 0; l++) {
+        const QvlLayer* L = layers + l;
+        char *kc = (char*)keys + l * layer_stride * es, *vc = (char*)values + l * layer_stride * es;
+        qvl_rmsnorm(x, L->input_norm, xn, dt, B, D, eps, threads);
+        if (layer_linear(&L->q, xn, dt, B, q, threads) || layer_linear(&L->k, xn, dt, B, k, threads) ||
+            layer_linear(&L->v, xn, dt, B, v, threads)) {
+            status = -1;
+            break;
+        }
+        qvl_rmsnorm(q, L->q_norm, q, dt, B * H, hd, eps, threads);
+        qvl_rmsnorm(k, L->k_norm, k, dt, B * Hkv, hd, eps, threads);
+        for (int64_t b = 0; b < B; b++) {
+            text_rope(q + b * H * hd * es, dt, H, hd, (const char*)cos + b * hd * es, (const char*)sin + b * hd * es);
+            text_rope(k + b * Hkv * hd * es, dt, Hkv, hd, (const char*)cos + b * hd * es,
+                      (const char*)sin + b * hd * es);
+            for (int64_t h = 0; h < Hkv; h++) {
+                int64_t at = (b * row_stride + h * head_stride + pos * hd) * es;
+                memcpy(kc + at, k + (b * Hkv + h) * hd * es, (size_t)hd * es);
+                memcpy(vc + at, v + (b * Hkv + h) * hd * es, (size_t)hd * es);
+            }
+        }
+        status = qvl_decode_attention(q, kc, vc, dt, row_stride, head_stride, B, H, Hkv, pos + 1, hd, mask,
+                                      mask_stride, att, threads);
+        if (status || layer_linear(&L->o, att, dt, B, a, threads)) {
+            status = status ? status : -1;
+            break;
+        }
+        add_into(x, a, dt, B * D);
+        qvl_rmsnorm(x, L->post_norm, xn, dt, B, D, eps, threads);
+        if (layer_linear(&L->gate, xn, dt, B, g, threads) || layer_linear(&L->up, xn, dt, B, u, threads)) {
+            status = -1;
+            break;
+        }
+        silu_mul(g, u, dt, B * I, threads);
+        if (layer_linear(&L->down, g, dt, B, a, threads)) {
+            status = -1;
+            break;
+        }
+        add_into(x, a, dt, B * D);
+    }
+    free(buf);
+    return status;
+}

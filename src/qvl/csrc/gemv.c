@@ -1,0 +1,663 @@
+/* Matrix products of a few activation rows (decoding) against bf16, int8 or int4 weights,
+ * and one-pass dequantisation (prefill multiplies the dequantised matrix with oneDNN).
+ *
+ * Layouts (row-major, one row per output channel n):
+ *   bf16 weights  w[N][K] uint16
+ *   int8 weights  w[N][K] int8, scale[N]                       w = q * scale
+ *   int4 weights  w[N][K/2] uint8 (column 2i in the low nibble of byte i, 2i+1 in the high),
+ *                 scale[N][K/g], zero[N][K/g]                  w = (q - 8) * scale + zero
+ * Activations x[M][K] and outputs y[M][N] are float32 (dt 0) or bfloat16 (dt 1); scales,
+ * zeros and bias use the same dtype.
+ *
+ * Integer products on every tier, with the same quantised activations (when K is a
+ * multiple of 128), so that tiers differ only in the order of float sums:
+ *   int8: activations rounded to 16 bits per 128 columns (finer than bf16); AVX-512 VNNI
+ *         splits them into two exact bytes, AVX2 and NEON multiply int16 pairs (vpmaddwd,
+ *         AVX-VNNI vpdpwssd, smlal), portable C sums int32 products.
+ *   int4: activations rounded to int8 per 128 columns, as llama.cpp does for its 4-bit
+ *         formats (VNNI / vpmaddubsw / NEON sdot / portable int32 sums).
+ * bf16 weights, and shapes the integer paths do not take, accumulate exact float products. */
+#include "common.h"
+
+/* Activations for int8 products: x / scale rounded to int16 per 128-column chunk. */
+typedef struct {
+    int16_t* q;    /* [M][K] */
+    float* scale;  /* [M][K/CHUNK] */
+} Q16;
+
+static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx) {
+    const int64_t C = K / CHUNK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < C; c++) {
+            const float* xc = x + m * K + c * CHUNK;
+            float amax = absmax(xc, CHUNK);
+            float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
+            int16_t* q = qx->q + m * K + c * CHUNK;
+#pragma omp simd
+            for (int j = 0; j < CHUNK; j++) q[j] = (int16_t)round_int(xc[j] * inv);
+            qx->scale[m * C + c] = scale;
+        }
+}
+
+/* Activations prepared for int4 products: per row, per 128-column chunk, 64 int8 values of
+ * the even columns then 64 of the odd ones (matching the nibbles of 64 weight bytes), the
+ * chunk's scale, and the exact float sum of x over each weight group (for the zeros). */
+typedef struct {
+    int8_t* q;     /* [M][K] */
+    float* scale;  /* [M][K/CHUNK] */
+    float* sum;    /* [M][K/gs] */
+} QuantX;
+
+static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t gs, QuantX* qx) {
+    const int64_t C = K / CHUNK, G = K / gs;
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        for (int64_t c = 0; c < C; c++) {
+            const float* xc = xr + c * CHUNK;
+            float amax = absmax(xc, CHUNK);
+            float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+            int8_t* q = qx->q + m * K + c * CHUNK;
+            for (int i = 0; i < CHUNK / 2; i++) {
+                q[i] = (int8_t)round_int(xc[2 * i] * inv);
+                q[CHUNK / 2 + i] = (int8_t)round_int(xc[2 * i + 1] * inv);
+            }
+            qx->scale[m * C + c] = scale;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += xr[k];
+            qx->sum[m * G + g] = s;
+        }
+    }
+}
+
+/* ---- portable row products ----------------------------------------------------------------- */
+
+static float dot_bf16(const float* x, const uint16_t* w, int64_t K) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; k++) s += bf16_to_f32(w[k]) * x[k];
+    return s;
+}
+
+static float dot_int8_float(const float* x, const int8_t* w, int64_t K) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; k++) s += (float)w[k] * x[k];
+    return s;
+}
+
+static inline float int4_at(const uint8_t* row, int64_t k) {
+    uint8_t b = row[k >> 1];
+    return (float)((k & 1) ? (b >> 4) : (b & 0x0F));
+}
+
+static float dot_int4_float(const float* x, const uint8_t* w, const void* sc, const void* zr, int dt, int64_t K,
+                            int64_t gs) {
+    float total = 0.f;
+    for (int64_t g = 0; g < K / gs; g++) {
+        float s = get(sc, dt, g), z = get(zr, dt, g), part = 0.f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) part += ((int4_at(w, k) - 8.f) * s + z) * x[k];
+        total += part;
+    }
+    return total;
+}
+
+/* int8 weights . 16-bit activations, summed exactly per chunk. */
+static inline float dot_int8_q16(const Q16* qx, int64_t m, int64_t K, const int8_t* w) {
+    const int64_t C = K / CHUNK;
+    float total = 0.f;
+    for (int64_t c = 0; c < C; c++) {
+        const int16_t* xq = qx->q + m * K + c * CHUNK;
+        const int8_t* wc = w + c * CHUNK;
+        int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int j = 0; j < CHUNK; j++) s += (int32_t)wc[j] * (int32_t)xq[j];
+        total += (float)s * qx->scale[m * C + c];
+    }
+    return total;
+}
+
+/* int4 weights . int8 activations: per 128-column chunk and weight group, an exact integer
+ * sum (low nibble of byte i <-> even column 2i <-> xq[i], high <-> odd <-> xq[64 + i]). */
+static inline float dot_int4_q8(const QuantX* qx, int64_t m, int64_t K, int64_t gs, const uint8_t* w, const void* sc,
+                         const void* zr, int dt) {
+    const int64_t C = K / CHUNK, G = K / gs, span = gs < CHUNK ? gs : CHUNK; /* columns per (chunk, group) */
+    float total = 0.f;
+    for (int64_t c = 0; c < C; c++) {
+        const int8_t* xq = qx->q + m * K + c * CHUNK;
+        const uint8_t* wc = w + c * (CHUNK / 2);
+        const float xs = qx->scale[m * C + c];
+        for (int64_t b0 = 0; b0 < CHUNK / 2; b0 += span / 2) {
+            int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = b0; i < b0 + span / 2; i++)
+                s += (int32_t)(wc[i] & 0x0F) * xq[i] + (int32_t)(wc[i] >> 4) * xq[CHUNK / 2 + i];
+            total += (float)s * xs * get(sc, dt, (c * CHUNK + 2 * b0) / gs);
+        }
+    }
+    const float* xsum = qx->sum + m * G;
+    for (int64_t g = 0; g < G; g++) total += (get(zr, dt, g) - 8.f * get(sc, dt, g)) * xsum[g];
+    return total;
+}
+
+/* ---- AVX-512 row products ---------------------------------------------------------------- */
+#ifdef QVL_AVX512
+
+static inline __m512 load16_weights(const void* w, int64_t k, const int kind) {
+    if (kind == W_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)w + k))));
+    return bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + k)));
+}
+
+/* out[m] = sum_k w[k] * x[m][k] for mt <= TILE rows; four accumulators per row hide the
+ * FMA latency. Inlined with constant kind and mt, so the loops unroll into registers. */
+static inline __attribute__((always_inline)) void dot_float_tile(const float* x, int64_t K, const void* w,
+                                                                 float* out, const int kind, const int mt) {
+    __m512 acc[TILE][4];
+    for (int m = 0; m < mt; m++)
+        for (int u = 0; u < 4; u++) acc[m][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        for (int u = 0; u < 4; u++) {
+            __m512 wv = load16_weights(w, k + 16 * u, kind);
+            for (int m = 0; m < mt; m++)
+                acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        __m512 a = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+        float s = _mm512_reduce_add_ps(a);
+        for (int64_t j = k; j < K; j++)
+            s += (kind == W_INT8 ? (float)((const int8_t*)w)[j] : bf16_to_f32(((const uint16_t*)w)[j])) * x[m * K + j];
+        out[m] = s;
+    }
+}
+
+static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+static inline __m512 load_scales(const void* p, int dt, int64_t at, __mmask16 mask) {
+    if (dt == BF16) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p + at));
+    return _mm512_maskz_loadu_ps(mask, (const float*)p + at);
+}
+
+#ifdef __AVX512VNNI__
+/* Activations for int8 products: per 128-column chunk, x / scale rounded to 16 bits and
+ * offset by 32768 into two unsigned bytes (hi, lo), so that integer dot products with the
+ * int8 weights are exact: sum w*xq = 256 sum w*hi + sum w*lo - 32768 sum w. The rounding
+ * error (1/65534 of the chunk's largest value) is below bf16's. */
+typedef struct {
+    uint8_t* hi;   /* [M][K] */
+    uint8_t* lo;   /* [M][K] */
+    float* scale;  /* [M][K/CHUNK] */
+} SplitX;
+
+static void split_activations(const float* x, int64_t M, int64_t K, SplitX* sx) {
+    const int64_t C = K / CHUNK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < C; c++) {
+            const float* xc = x + m * K + c * CHUNK;
+            float amax = absmax(xc, CHUNK);
+            float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
+            for (int j = 0; j < CHUNK; j++) {
+                uint32_t u = (uint32_t)(round_int(xc[j] * inv) + 32768);
+                sx->hi[m * K + c * CHUNK + j] = (uint8_t)(u >> 8);
+                sx->lo[m * K + c * CHUNK + j] = (uint8_t)(u & 0xFF);
+            }
+            sx->scale[m * C + c] = scale;
+        }
+}
+
+static inline __attribute__((always_inline)) void dot_int8_tile(const SplitX* sx, int64_t m0, int64_t K,
+                                                                const int8_t* w, float* out, const int mt) {
+    const int64_t C = K / CHUNK;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m512i w0 = _mm512_loadu_si512(w + c * CHUNK), w1 = _mm512_loadu_si512(w + c * CHUNK + 64);
+        __m512i wsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0), ones, w1);
+        __m512i offset = _mm512_slli_epi32(wsum, 15);
+        for (int m = 0; m < mt; m++) {
+            const uint8_t* hi = sx->hi + (m0 + m) * K + c * CHUNK;
+            const uint8_t* lo = sx->lo + (m0 + m) * K + c * CHUNK;
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(hi), w0);
+            a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(hi + 64), w1);
+            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(lo), w0);
+            b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(lo + 64), w1);
+            __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b), offset);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx->scale[(m0 + m) * C + c]), acc[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+/* Lane j of a chunk's integer dot product covers columns 8j..8j+7, so its weight scale is
+ * that of group (c * 128 + 8j) / gs: loaded per chunk and spread by `spread`. */
+static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
+                                                                const uint8_t* w, const void* sc, const void* zr,
+                                                                int dt, float* out, const int mt) {
+    const int64_t C = K / CHUNK, G = K / gs;
+    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
+    const __mmask16 mask = (__mmask16)((1u << per_chunk) - 1);
+    int idx[16];
+    for (int j = 0; j < 16; j++) idx[j] = gs >= CHUNK ? 0 : (int)(8 * j / gs);
+    const __m512i spread = _mm512_loadu_si512(idx);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m512i v = _mm512_loadu_si512(w + c * (CHUNK / 2));
+        __m512i lo = _mm512_and_si512(v, nibble);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512 s = _mm512_permutexvar_ps(spread, load_scales(sc, dt, c * CHUNK / gs, mask));
+        for (int m = 0; m < mt; m++) {
+            const int8_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
+            __m512i d = dot_u8s8(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+            d = dot_u8s8(d, hi, _mm512_loadu_si512(xq + CHUNK / 2));
+            __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(qx->scale[(m0 + m) * C + c]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx, acc[m]);
+        }
+    }
+    /* + sum_g (zero_g - 8 scale_g) * sum(x over g) */
+    for (int m = 0; m < mt; m++) {
+        const float* xs = qx->sum + (m0 + m) * G;
+        __m512 off = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g += 16) {
+            __mmask16 gm = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            __m512 z = load_scales(zr, dt, g, gm), s8 = _mm512_mul_ps(load_scales(sc, dt, g, gm), _mm512_set1_ps(8.f));
+            off = _mm512_fmadd_ps(_mm512_sub_ps(z, s8), _mm512_maskz_loadu_ps(gm, xs + g), off);
+        }
+        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], off));
+    }
+}
+#endif /* QVL_AVX512 */
+
+/* ---- AVX2 row products ------------------------------------------------------------------------ */
+#ifdef QVL_AVX2
+
+static inline __m256 load8_weights(const void* w, int64_t k, const int kind) {
+    if (kind == W_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)w + k))));
+    return bf16x8_to_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + k)));
+}
+
+/* out[m] = sum_k w[k] * x[m][k] for mt <= TILE rows (float products), four accumulators per row. */
+static inline __attribute__((always_inline)) void dot_float_tile(const float* x, int64_t K, const void* w,
+                                                                 float* out, const int kind, const int mt) {
+    __m256 acc[TILE][4];
+    for (int m = 0; m < mt; m++)
+        for (int u = 0; u < 4; u++) acc[m][u] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        for (int u = 0; u < 4; u++) {
+            __m256 wv = load8_weights(w, k + 8 * u, kind);
+            for (int m = 0; m < mt; m++)
+                acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[m][u]);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        float s = hsum256(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+        for (int64_t j = k; j < K; j++)
+            s += (kind == W_INT8 ? (float)((const int8_t*)w)[j] : bf16_to_f32(((const uint16_t*)w)[j])) * x[m * K + j];
+        out[m] = s;
+    }
+}
+
+static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairwise int16 products */
+#ifdef __AVXVNNI__
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+static inline __m256i dot_u8s8_256(__m256i acc, __m256i u, __m256i s) { /* acc + 4-byte dot products */
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
+                                                                const int8_t* w, float* out, const int mt) {
+    const int64_t C = K / CHUNK;
+    __m256 acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m256i ia[TILE];
+        for (int m = 0; m < mt; m++) ia[m] = _mm256_setzero_si256();
+        for (int j = 0; j < CHUNK; j += 16) {
+            __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + c * CHUNK + j)));
+            for (int m = 0; m < mt; m++)
+                ia[m] = madd16(ia[m], w16, _mm256_loadu_si256((const __m256i*)(qx->q + (m0 + m) * K + c * CHUNK + j)));
+        }
+        for (int m = 0; m < mt; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), _mm256_set1_ps(qx->scale[(m0 + m) * C + c]), acc[m]);
+    }
+    for (int m = 0; m < mt; m++) out[m] = hsum256(acc[m]);
+}
+
+/* Lane j of the dot products over weight bytes 32h..32h+31 of a chunk covers columns
+ * 64h+8j..64h+8j+7, so its weight scale is that of group (c*128 + 64h + 8j) / gs. */
+static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
+                                                                const uint8_t* w, const void* sc, const void* zr,
+                                                                int dt, float* out, const int mt) {
+    const int64_t C = K / CHUNK, G = K / gs;
+    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
+    int idx0[8], idx1[8];
+    for (int j = 0; j < 8; j++) {
+        idx0[j] = gs >= CHUNK ? 0 : (int)(8 * j / gs);
+        idx1[j] = gs >= CHUNK ? 0 : (int)((64 + 8 * j) / gs);
+    }
+    const __m256i spread0 = _mm256_loadu_si256((const __m256i*)idx0), spread1 = _mm256_loadu_si256((const __m256i*)idx1);
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        float s8[8] = {0};
+        const int64_t g0 = c * CHUNK / gs;
+        for (int i = 0; i < per_chunk; i++) s8[i] = get(sc, dt, g0 + i);
+        const __m256 sv = _mm256_loadu_ps(s8);
+        const __m256 s0 = _mm256_permutevar8x32_ps(sv, spread0), s1 = _mm256_permutevar8x32_ps(sv, spread1);
+        __m256i v0 = _mm256_loadu_si256((const __m256i*)(w + c * (CHUNK / 2)));
+        __m256i v1 = _mm256_loadu_si256((const __m256i*)(w + c * (CHUNK / 2) + 32));
+        __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        for (int m = 0; m < mt; m++) {
+            const int8_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
+            __m256i d0 = dot_u8s8_256(_mm256_setzero_si256(), lo0, _mm256_loadu_si256((const __m256i*)xq));
+            d0 = dot_u8s8_256(d0, hi0, _mm256_loadu_si256((const __m256i*)(xq + 64)));
+            __m256i d1 = dot_u8s8_256(_mm256_setzero_si256(), lo1, _mm256_loadu_si256((const __m256i*)(xq + 32)));
+            d1 = dot_u8s8_256(d1, hi1, _mm256_loadu_si256((const __m256i*)(xq + 96)));
+            const __m256 xs = _mm256_set1_ps(qx->scale[(m0 + m) * C + c]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xs), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xs), acc[m]);
+        }
+    }
+    for (int m = 0; m < mt; m++) { /* + sum_g (zero_g - 8 scale_g) * sum(x over g) */
+        const float* xs = qx->sum + (m0 + m) * G;
+        float off = 0.f;
+        for (int64_t g = 0; g < G; g++) off += (get(zr, dt, g) - 8.f * get(sc, dt, g)) * xs[g];
+        out[m] = hsum256(acc[m]) + off;
+    }
+}
+#endif /* QVL_AVX2 */
+
+/* ---- NEON row products ------------------------------------------------------------------------ */
+#ifdef QVL_NEON
+
+static inline float32x4_t load4_weights(const void* w, int64_t k, const int kind) {
+    if (kind == W_INT8) {
+        int16x4_t h = vget_low_s16(vmovl_s8(vld1_s8((const int8_t*)w + k)));
+        return vcvtq_f32_s32(vmovl_s16(h));
+    }
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)w + k), 16));
+}
+
+static inline __attribute__((always_inline)) void dot_float_tile(const float* x, int64_t K, const void* w,
+                                                                 float* out, const int kind, const int mt) {
+    float32x4_t acc[TILE][4];
+    for (int m = 0; m < mt; m++)
+        for (int u = 0; u < 4; u++) acc[m][u] = vdupq_n_f32(0.f);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        for (int u = 0; u < 4; u++) {
+            float32x4_t wv = load4_weights(w, k + 4 * u, kind);
+            for (int m = 0; m < mt; m++) acc[m][u] = vfmaq_f32(acc[m][u], wv, vld1q_f32(x + m * K + k + 4 * u));
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        float s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[m][0], acc[m][1]), vaddq_f32(acc[m][2], acc[m][3])));
+        for (int64_t j = k; j < K; j++)
+            s += (kind == W_INT8 ? (float)((const int8_t*)w)[j] : bf16_to_f32(((const uint16_t*)w)[j])) * x[m * K + j];
+        out[m] = s;
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
+                                                                const int8_t* w, float* out, const int mt) {
+    const int64_t C = K / CHUNK;
+    float32x4_t acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = vdupq_n_f32(0.f);
+    for (int64_t c = 0; c < C; c++) {
+        int32x4_t ia[TILE];
+        for (int m = 0; m < mt; m++) ia[m] = vdupq_n_s32(0);
+        for (int j = 0; j < CHUNK; j += 16) {
+            int8x16_t wv = vld1q_s8(w + c * CHUNK + j);
+            int16x8_t wl = vmovl_s8(vget_low_s8(wv)), wh = vmovl_high_s8(wv);
+            for (int m = 0; m < mt; m++) {
+                const int16_t* xr = qx->q + (m0 + m) * K + c * CHUNK + j;
+                int16x8_t xl = vld1q_s16(xr), xh = vld1q_s16(xr + 8);
+                ia[m] = vmlal_s16(ia[m], vget_low_s16(wl), vget_low_s16(xl));
+                ia[m] = vmlal_high_s16(ia[m], wl, xl);
+                ia[m] = vmlal_s16(ia[m], vget_low_s16(wh), vget_low_s16(xh));
+                ia[m] = vmlal_high_s16(ia[m], wh, xh);
+            }
+        }
+        for (int m = 0; m < mt; m++) acc[m] = vfmaq_n_f32(acc[m], vcvtq_f32_s32(ia[m]), qx->scale[(m0 + m) * C + c]);
+    }
+    for (int m = 0; m < mt; m++) out[m] = vaddvq_f32(acc[m]);
+}
+
+#ifdef __ARM_FEATURE_DOTPROD
+/* Byte quarter i (16 bytes) of a chunk: lane j covers columns 32i+8j..32i+8j+7 (low nibbles
+ * with xq[16i..], high with xq[64+16i..]), so its scale is that of group (c*128+32i+8j)/gs. */
+static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
+                                                                const uint8_t* w, const void* sc, const void* zr,
+                                                                int dt, float* out, const int mt) {
+    const int64_t C = K / CHUNK, G = K / gs;
+    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
+    int lane_group[16];
+    for (int l = 0; l < 16; l++) lane_group[l] = gs >= CHUNK ? 0 : (int)(8 * l / gs);
+    float32x4_t acc[TILE];
+    for (int m = 0; m < mt; m++) acc[m] = vdupq_n_f32(0.f);
+    for (int64_t c = 0; c < C; c++) {
+        float s4[4], lanes[16];
+        const int64_t g0 = c * CHUNK / gs;
+        for (int i = 0; i < per_chunk; i++) s4[i] = get(sc, dt, g0 + i);
+        for (int l = 0; l < 16; l++) lanes[l] = s4[lane_group[l]];
+        uint8x16_t lo[4], hi[4];
+        for (int i = 0; i < 4; i++) {
+            uint8x16_t v = vld1q_u8(w + c * (CHUNK / 2) + 16 * i);
+            lo[i] = vandq_u8(v, vdupq_n_u8(0x0F));
+            hi[i] = vshrq_n_u8(v, 4);
+        }
+        for (int m = 0; m < mt; m++) {
+            const int8_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
+            const float xs = qx->scale[(m0 + m) * C + c];
+            for (int i = 0; i < 4; i++) {
+                int32x4_t d = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(lo[i]), vld1q_s8(xq + 16 * i));
+                d = vdotq_s32(d, vreinterpretq_s8_u8(hi[i]), vld1q_s8(xq + 64 + 16 * i));
+                acc[m] = vfmaq_f32(acc[m], vcvtq_f32_s32(d), vmulq_n_f32(vld1q_f32(lanes + 4 * i), xs));
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        const float* xs = qx->sum + (m0 + m) * G;
+        float off = 0.f;
+        for (int64_t g = 0; g < G; g++) off += (get(zr, dt, g) - 8.f * get(sc, dt, g)) * xs[g];
+        out[m] = vaddvq_f32(acc[m]) + off;
+    }
+}
+#define QVL_NEON_INT4 1
+#endif
+#endif /* QVL_NEON */
+
+/* ---- choosing the row product ----------------------------------------------------------------- */
+
+/* Call F(..., mt) with mt a compile-time constant, so the always-inline tiles unroll. */
+#define TILED(mt, F, ...)                      \
+    switch (mt) {                              \
+        case 4: F(__VA_ARGS__, 4); return;     \
+        case 3: F(__VA_ARGS__, 3); return;     \
+        case 2: F(__VA_ARGS__, 2); return;     \
+        default: F(__VA_ARGS__, 1); return;    \
+    }
+
+typedef struct { /* the activations of one qvl_linear call, in the forms its tier's products read */
+    const float* xf;  /* [M][K] float32 */
+    const Q16* q16;   /* int8 weights, where the integer path applies */
+    const void* split; /* int8 weights, AVX-512 VNNI */
+    const QuantX* q8; /* int4 weights, where the integer path applies */
+} Acts;
+
+/* out[m] = row n of W . x[m0 + m] for the rows of one tile. */
+static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_t K, int64_t gs, const void* w,
+                         const void* sc, const void* zr, int dt, int64_t n, float* out) {
+    const int64_t G = kind == W_INT4 ? K / gs : 0;
+    const size_t esize = dt == BF16 ? 2 : 4;
+    const void* wrow = kind == W_INT4   ? (const void*)((const uint8_t*)w + n * (K / 2))
+                       : kind == W_INT8 ? (const void*)((const int8_t*)w + n * K)
+                                        : (const void*)((const uint16_t*)w + n * K);
+    const void* srow = kind == W_INT4 ? (const char*)sc + n * G * esize : NULL;
+    const void* zrow = kind == W_INT4 ? (const char*)zr + n * G * esize : NULL;
+    if (kind == W_INT4 && a->q8) {
+#if defined(QVL_AVX512) || defined(QVL_AVX2) || defined(QVL_NEON_INT4)
+        TILED(mt, dot_int4_tile, a->q8, m0, K, gs, wrow, srow, zrow, dt, out)
+#else
+        for (int64_t m = 0; m < mt; m++) out[m] = dot_int4_q8(a->q8, m0 + m, K, gs, wrow, srow, zrow, dt);
+        return;
+#endif
+    }
+#if defined(QVL_AVX512) && defined(__AVX512VNNI__)
+    if (kind == W_INT8 && a->split) TILED(mt, dot_int8_tile, (const SplitX*)a->split, m0, K, wrow, out)
+#endif
+    if (kind == W_INT8 && a->q16) {
+#if defined(QVL_AVX2) || defined(QVL_NEON)
+        TILED(mt, dot_int8_tile, a->q16, m0, K, wrow, out)
+#else
+        for (int64_t m = 0; m < mt; m++) out[m] = dot_int8_q16(a->q16, m0 + m, K, wrow);
+        return;
+#endif
+    }
+#if defined(QVL_AVX512) || defined(QVL_AVX2) || defined(QVL_NEON)
+    if (kind == W_INT8) TILED(mt, dot_float_tile, a->xf + m0 * K, K, wrow, out, W_INT8)
+    if (kind == W_BF16) TILED(mt, dot_float_tile, a->xf + m0 * K, K, wrow, out, W_BF16)
+#endif
+    for (int64_t m = 0; m < mt; m++) {
+        const float* xr = a->xf + (m0 + m) * K;
+        out[m] = kind == W_INT4   ? dot_int4_float(xr, wrow, srow, zrow, dt, K, gs)
+                 : kind == W_INT8 ? dot_int8_float(xr, wrow, K)
+                                  : dot_bf16(xr, wrow, K);
+    }
+}
+
+/* y[M][N] = x[M][K] . W^T (+ bias), W in one of the layouts above. Returns 0, or -1 when
+ * out of memory. */
+int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+               const void* zero, int64_t gs, const void* bias, void* y, int threads) {
+    float* xf = malloc((size_t)(M * K) * sizeof(float));
+    int16_t* q16 = NULL;
+    int8_t* q8 = NULL;
+    uint8_t *hi = NULL, *lo = NULL;
+    float *scales = NULL, *sums = NULL;
+    QuantX x8;
+    Acts a = {xf, NULL, NULL, NULL};
+    int failed = !xf;
+    if (!failed) {
+        for (int64_t i = 0; i < M * K; i++) xf[i] = get(x, dt, i);
+    }
+    const int integer = K % CHUNK == 0 && !failed;
+#if defined(QVL_AVX512) && defined(__AVX512VNNI__)
+    SplitX sx;
+    if (integer && kind == W_INT8) {
+        hi = malloc((size_t)(M * K)), lo = malloc((size_t)(M * K));
+        scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
+        failed = !hi || !lo || !scales;
+        if (!failed) {
+            sx = (SplitX){hi, lo, scales};
+            split_activations(xf, M, K, &sx);
+            a.split = &sx;
+        }
+    }
+#else
+    Q16 x16;
+    if (integer && kind == W_INT8) {
+        q16 = malloc((size_t)(M * K) * sizeof(int16_t));
+        scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
+        failed = !q16 || !scales;
+        if (!failed) {
+            x16 = (Q16){q16, scales};
+            quantize16(xf, M, K, &x16);
+            a.q16 = &x16;
+        }
+    }
+#endif
+    if (integer && kind == W_INT4 && gs % 32 == 0) {
+        q8 = malloc((size_t)(M * K));
+        scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
+        sums = malloc((size_t)(M * (K / gs)) * sizeof(float));
+        failed = !q8 || !scales || !sums;
+        if (!failed) {
+            x8 = (QuantX){q8, scales, sums};
+            quantize_activations(xf, M, K, gs, &x8);
+            a.q8 = &x8;
+        }
+    }
+    if (!failed) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            float out[TILE];
+            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+                int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+                row_products(kind, &a, m0, mt, K, gs, w, scale, zero, dt, n, out);
+                for (int64_t m = 0; m < mt; m++) {
+                    float v = out[m];
+                    if (kind == W_INT8) v *= get(scale, dt, n);
+                    if (bias) v += get(bias, dt, n);
+                    put(y, dt, (m0 + m) * N + n, v);
+                }
+            }
+        }
+    }
+    free(xf), free(q16), free(q8), free(hi), free(lo), free(scales), free(sums);
+    return failed ? -1 : 0;
+}
+
+/* out[N][K] (dtype dt) = the int8 or int4 weight, dequantised in one pass. */
+void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
+                    int dt, void* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        if (kind == W_INT8) {
+            const int8_t* row = (const int8_t*)w + n * K;
+            float s = get(scale, dt, n);
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)out + n * K;
+                for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16((float)row[k] * s);
+            } else {
+                float* o = (float*)out + n * K;
+                for (int64_t k = 0; k < K; k++) o[k] = (float)row[k] * s;
+            }
+            continue;
+        }
+        const uint8_t* row = (const uint8_t*)w + n * (K / 2);
+        const int64_t G = K / gs;
+        for (int64_t g = 0; g < G; g++) {
+            float s = get(scale, dt, n * G + g), z = get(zero, dt, n * G + g) - 8.f * s;
+            const uint8_t* b = row + g * gs / 2;
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)out + n * K + g * gs;
+                for (int64_t i = 0; i < gs / 2; i++) {
+                    o[2 * i] = f32_to_bf16((float)(b[i] & 0x0F) * s + z);
+                    o[2 * i + 1] = f32_to_bf16((float)(b[i] >> 4) * s + z);
+                }
+            } else {
+                float* o = (float*)out + n * K + g * gs;
+                for (int64_t i = 0; i < gs / 2; i++) {
+                    o[2 * i] = (float)(b[i] & 0x0F) * s + z;
+                    o[2 * i + 1] = (float)(b[i] >> 4) * s + z;
+                }
+            }
+        }
+    }
+}

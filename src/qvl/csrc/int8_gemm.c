@@ -1,0 +1,88 @@
+/* The passes around torch._int_mm for int8 x int8 GEMMs (many rows): activations quantised
+ * per row, and the rescale back to float (tanh-GELU fused into it). */
+#include "common.h"
+
+/* xq[M][K] int8 and scale[M] = x quantised symmetrically per row (x ~= xq * scale).
+ * Returns 0, or -1 when out of memory. */
+int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, float* scale, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float* row = malloc((size_t)K * sizeof(float));
+        if (!row) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!row) continue;
+            if (dt == BF16) {
+                const uint16_t* xr = (const uint16_t*)x + m * K;
+#pragma omp simd
+                for (int64_t k = 0; k < K; k++) row[k] = bf16_to_f32(xr[k]);
+            } else {
+                memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
+            }
+            float amax = absmax(row, K);
+            float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+            int8_t* q = xq + m * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) q[k] = (int8_t)round_int(row[k] * inv);
+            scale[m] = s;
+        }
+        free(row);
+    }
+    return failed ? -1 : 0;
+}
+
+/* v[n] <- tanh-GELU(v[n]) = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3), in float32. */
+static void gelu_tanh(float* v, int64_t n) {
+    int64_t i = 0;
+#ifdef QVL_AVX512
+    const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(v + i);
+        __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x), c1);
+        _mm512_storeu_ps(v + i, div_one_plus_exp2(x, u));
+    }
+#endif
+    for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+}
+
+/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]), then tanh-GELU when
+ * `gelu` (applied before the one rounding to bf16). Returns 0, or -1 when out of memory. */
+int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scale, const void* bias, int dt,
+                int64_t M, int64_t N, int gelu, void* y, int threads) {
+    float* cs = malloc((size_t)N * sizeof(float));
+    float* b = malloc((size_t)N * sizeof(float));
+    if (!cs || !b) {
+        free(cs), free(b);
+        return -1;
+    }
+    for (int64_t n = 0; n < N; n++) {
+        cs[n] = get(col_scale, dt, n);
+        b[n] = bias ? get(bias, dt, n) : 0.f;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float* row = malloc((size_t)N * sizeof(float));
+        if (!row) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!row) continue;
+            const int32_t* a = acc + m * N;
+            float rs = row_scale[m];
+#pragma omp simd
+            for (int64_t n = 0; n < N; n++) row[n] = (float)a[n] * rs * cs[n] + b[n];
+            if (gelu) gelu_tanh(row, N);
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)y + m * N;
+#pragma omp simd
+                for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(row[n]);
+            } else {
+                memcpy((float*)y + m * N, row, (size_t)N * sizeof(float));
+            }
+        }
+        free(row);
+    }
+    free(cs), free(b);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,121 @@
+"""Which kernel runs each product: decided once, at load, from the CPU (or QVL_ISA).
+
+Model and quantisation code ask `kernels()` (for example `kernels().flash_attention(dtype)`)
+and never probe the CPU or the build themselves. `qvl info` prints `kernels().describe()`.
+
+QVL_ISA=avx512|avx512-nobf16|avx2-vnni|avx2|neon|neon-nodotprod|portable forces a tier this
+CPU can run (tests and benchmarks use it, with torch's ATEN_CPU_CAPABILITY and
+ONEDNN_MAX_CPU_ISA, to emulate an older CPU); QVL_NATIVE=0 turns the native kernels off."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from qvl import native, paths
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The chosen tier, its library (None: torch's kernels everywhere) and what it runs."""
+
+    tier: native.Tier
+    lib: ctypes.CDLL | None
+    reason: str = ""  # why lib is None
+
+    @property
+    def features(self) -> int:
+        return self.lib.features if self.lib is not None else 0
+
+    def has(self, bit: int) -> bool:
+        return bool(self.features & bit)
+
+    # -- what runs each product -------------------------------------------------------------
+    def gemv(self, dtype: torch.dtype) -> bool:
+        """Products of up to native.GEMV_MAX_ROWS rows with bf16/int8/int4 weights (decoding)."""
+        return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
+
+    def dequantize(self) -> bool:
+        return self.lib is not None
+
+    def int8_gemm(self) -> bool:
+        """Quantise/rescale passes around torch._int_mm (--int8-activations)."""
+        return self.lib is not None
+
+    def decode_attention(self, dtype: torch.dtype) -> bool:
+        return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
+
+    def flash_attention(self, dtype: torch.dtype) -> bool:
+        """Vision and causal prefill attention (AVX512-BF16 dot products; elsewhere torch's
+        SDPA, which runs its own flash kernel vectorised for the CPU)."""
+        return self.lib is not None and dtype == torch.bfloat16 and self.has(native.BF16)
+
+    def vision_rope(self, dtype: torch.dtype) -> bool:
+        return self.flash_attention(dtype)
+
+    def rms_norm(self, dtype: torch.dtype) -> bool:
+        return self.lib is not None and dtype == torch.bfloat16  # float32: torch's is as fast
+
+    def decode_step(self, dtype: torch.dtype) -> bool:
+        """All decoder layers of a decode step in one native call."""
+        return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 products run in hardware on this tier: bf16 is the default compute dtype."""
+        return self.tier.bf16
+
+    def describe(self) -> dict[str, str]:
+        """What runs each kind of product (for `qvl info`)."""
+        if self.lib is None:
+            return {"tier": f"{self.tier.name} (native kernels off: {self.reason})",
+                    "decode": "torch weight-only kernels / oneDNN", "attention": "torch SDPA",
+                    "decode_step": "per-layer modules"}
+        f, name = self.features, self.tier.name
+        extras = [n for bit, n in ((native.VNNI, "VNNI"), (native.BF16, "BF16"), (native.AVX_VNNI, "AVX-VNNI"),
+                                   (native.DOTPROD, "dot products")) if f & bit]
+        integer = {"avx512": "AVX-512" + (" VNNI" if f & native.VNNI else " (16-bit pairs)"),
+                   "avx2": "AVX2 " + ("AVX-VNNI" if f & native.AVX_VNNI else "vpmaddwd / vpmaddubsw"),
+                   "neon": "NEON smlal" + (" / sdot" if f & native.DOTPROD else "")}
+        family = name.split("-")[0]
+        products = integer.get(family, "portable C (compiler-vectorised)")
+        return {
+            "tier": name + (f" (+{', +'.join(extras)})" if extras else ""),
+            "build": f"{native.compiler()} {' '.join(self.tier.flags)}" + ("" if f & native.OPENMP else
+                                                                             " (no OpenMP: one thread)"),
+            "gemv_int8": f"{products}, activations in 16 bits per 128 columns",
+            "gemv_int4": f"{products if family != 'neon' or f & native.DOTPROD else 'portable C'}, "
+                         "activations in int8 per 128 columns",
+            "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),
+            "decode_attention": "AVX512-BF16 (bf16 cache), float kernel (float32 cache)" if f & native.BF16
+                                else "float kernel (compiler-vectorised)",
+            "flash_attention": "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
+            "decode_step": "all layers in one native call (bf16 and float32)",
+            "rms_norm": "native (bf16), torch (float32)",
+            "int8_activations": "torch._int_mm + native quantise/rescale",
+        }
+
+
+def _load() -> Kernels:
+    tier = native.select_tier()
+    if os.environ.get("QVL_NATIVE", "1") == "0":
+        return Kernels(tier, None, "QVL_NATIVE=0")
+    try:
+        return Kernels(tier, native.load(tier, paths.cache_root() / "native"))
+    except (RuntimeError, OSError) as exc:
+        print(f"qvl: native kernels unavailable, using torch's ({exc})", file=sys.stderr)
+        return Kernels(tier, None, str(exc).splitlines()[0])
+
+
+_chosen: list[Kernels] = []  # the one choice of this process, made on first use
+
+
+def kernels() -> Kernels:
+    """The kernels for this process: chosen and built (or loaded from the cache) on first use."""
+    if not _chosen:
+        _chosen.append(_load())
+    return _chosen[0]

@@ -1,0 +1,262 @@
+/* The kernels against plain float references, as a standalone program: tests/test_tiers.py
+ * cross-compiles it with the kernel sources for aarch64 and runs it under qemu-user, where
+ * Python and torch are not available. Prints "features N", one line per failed check, and
+ * exits 1 when any fails. */
+#include <stdio.h>
+
+#include "common.h"
+
+void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
+                    int dt, void* out, int threads);
+typedef struct {
+    int64_t kind, n, k, group_size;
+    const void *w, *scale, *zero, *bias;
+} QvlLinear;
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
+    QvlLinear q, k, v, o, gate, up, down;
+} QvlLayer;
+int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
+                      int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
+                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride, int64_t pos,
+                      const uint8_t* mask, int64_t mask_stride, int threads);
+
+static int failures = 0;
+static uint32_t seed = 12345;
+
+static float frand(void) { /* uniform in [-1, 1) */
+    seed = seed * 1664525u + 1013904223u;
+    return (float)(seed >> 8) / 8388608.f - 1.f;
+}
+
+static void check(const char* what, const float* out, const float* ref, int64_t n, float tol) {
+    float worst = 0.f, top = 1e-6f;
+    for (int64_t i = 0; i < n; i++) {
+        float e = fabsf(out[i] - ref[i]);
+        worst = e > worst ? e : worst;
+        top = fabsf(ref[i]) > top ? fabsf(ref[i]) : top;
+    }
+    if (!(worst <= tol * top)) {
+        printf("FAIL %s: max error %g of %g\n", what, worst, top);
+        failures++;
+    }
+}
+
+static void int8_weights(const float* w, int64_t N, int64_t K, int8_t* q, float* scale) {
+    for (int64_t n = 0; n < N; n++) {
+        float m = 1e-12f;
+        for (int64_t k = 0; k < K; k++) m = fabsf(w[n * K + k]) > m ? fabsf(w[n * K + k]) : m;
+        scale[n] = m / 127.f;
+        for (int64_t k = 0; k < K; k++) q[n * K + k] = (int8_t)round_int(w[n * K + k] / scale[n]);
+    }
+}
+
+static void test_linear(void) {
+    enum { K = 512, N = 48 };
+    static float w[N * K], x[5 * K], y[5 * N], ref[5 * N], deq[N * K], sc4[N * (K / 32)], zr4[N * (K / 32)];
+    static int8_t q8[N * K];
+    static uint8_t q4[N * K / 2];
+    static float s8[N];
+    static uint16_t wb[N * K];
+    for (int i = 0; i < N * K; i++) w[i] = frand();
+    for (int i = 0; i < 5 * K; i++) x[i] = frand();
+    int8_weights(w, N, K, q8, s8);
+    for (int m = 1; m <= 5; m++) {
+        for (int n = 0; n < N; n++)
+            for (int r = 0; r < m; r++) {
+                double s = 0;
+                for (int k = 0; k < K; k++) s += (double)q8[n * K + k] * s8[n] * x[r * K + k];
+                ref[r * N + n] = (float)s;
+            }
+        qvl_linear(W_INT8, x, F32, m, K, N, q8, s8, NULL, 0, NULL, y, 2);
+        check("int8 gemv", y, ref, m * N, 2e-4f);
+    }
+    for (int gs = 32; gs <= 256; gs *= 2) {
+        const int G = K / gs;
+        for (int n = 0; n < N; n++)
+            for (int g = 0; g < G; g++) {
+                float lo = 1e30f, hi = -1e30f;
+                for (int k = g * gs; k < (g + 1) * gs; k++) {
+                    lo = w[n * K + k] < lo ? w[n * K + k] : lo;
+                    hi = w[n * K + k] > hi ? w[n * K + k] : hi;
+                }
+                float s = (hi - lo) / 15.f;
+                sc4[n * G + g] = s, zr4[n * G + g] = lo + 8 * s;
+                for (int k = g * gs; k < (g + 1) * gs; k++) {
+                    int c = round_int((w[n * K + k] - lo) / s);
+                    c = c < 0 ? 0 : c > 15 ? 15 : c;
+                    if (k % 2 == 0)
+                        q4[(n * K + k) / 2] = (uint8_t)c;
+                    else
+                        q4[(n * K + k) / 2] |= (uint8_t)(c << 4);
+                    deq[n * K + k] = (c - 8) * s + zr4[n * G + g];
+                }
+            }
+        for (int m = 1; m <= 5; m += 2) {
+            for (int n = 0; n < N; n++)
+                for (int r = 0; r < m; r++) {
+                    double s = 0;
+                    for (int k = 0; k < K; k++) s += (double)deq[n * K + k] * x[r * K + k];
+                    ref[r * N + n] = (float)s;
+                }
+            qvl_linear(W_INT4, x, F32, m, K, N, q4, sc4, zr4, gs, NULL, y, 2);
+            check("int4 gemv", y, ref, m * N, 3e-2f);
+        }
+        static float back[N * K];
+        qvl_dequantize(W_INT4, q4, sc4, zr4, gs, N, K, F32, back, 2);
+        check("int4 dequantize", back, deq, N * K, 1e-5f);
+    }
+    for (int i = 0; i < N * K; i++) wb[i] = f32_to_bf16(w[i]);
+    for (int m = 1; m <= 4; m++) {
+        for (int n = 0; n < N; n++)
+            for (int r = 0; r < m; r++) {
+                double s = 0;
+                for (int k = 0; k < K; k++) s += (double)bf16_to_f32(wb[n * K + k]) * x[r * K + k];
+                ref[r * N + n] = (float)s;
+            }
+        qvl_linear(W_BF16, x, F32, m, K, N, wb, NULL, NULL, 0, NULL, y, 2);
+        check("bf16 gemv", y, ref, m * N, 1e-5f);
+    }
+}
+
+static void reference_attention(const float* q, const float* keys, const float* values, int64_t H, int64_t Hkv,
+                                int64_t L, int64_t cap, int64_t D, const uint8_t* mask, float* out) {
+    float p[256];
+    for (int64_t h = 0; h < H; h++) {
+        const float* kh = keys + (h / (H / Hkv)) * cap * D;
+        const float* vh = values + (h / (H / Hkv)) * cap * D;
+        double top = -1e30, sum = 0;
+        for (int64_t j = 0; j < L; j++) {
+            double s = 0;
+            for (int64_t d = 0; d < D; d++) s += (double)q[h * D + d] * kh[j * D + d];
+            p[j] = (float)(s / sqrt((double)D));
+            if ((!mask || mask[j]) && p[j] > top) top = p[j];
+        }
+        for (int64_t j = 0; j < L; j++) sum += p[j] = (!mask || mask[j]) ? (float)exp(p[j] - top) : 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            double o = 0;
+            for (int64_t j = 0; j < L; j++) o += p[j] / sum * vh[j * D + d];
+            out[h * D + d] = (float)o;
+        }
+    }
+}
+
+static void test_decode_attention(void) {
+    enum { H = 8, HKV = 2, D = 64, CAP = 40, L = 37 };
+    static float q[H * D], keys[HKV * CAP * D], values[HKV * CAP * D], out[H * D], ref[H * D];
+    static uint16_t qb[H * D], kb[HKV * CAP * D], vb[HKV * CAP * D], ob[H * D];
+    uint8_t mask[CAP];
+    for (int i = 0; i < H * D; i++) qb[i] = f32_to_bf16(q[i] = frand() * 2);
+    for (int i = 0; i < HKV * CAP * D; i++) {
+        kb[i] = f32_to_bf16(keys[i] = frand() * 2);
+        vb[i] = f32_to_bf16(values[i] = frand());
+    }
+    for (int j = 0; j < CAP; j++) mask[j] = j % 3 != 1;
+    for (int masked = 0; masked < 2; masked++) {
+        reference_attention(q, keys, values, H, HKV, L, CAP, D, masked ? mask : NULL, ref);
+        qvl_decode_attention(q, keys, values, F32, HKV * CAP * D, CAP * D, 1, H, HKV, L, D, masked ? mask : NULL, CAP,
+                             out, 2);
+        check("decode attention f32", out, ref, H * D, 1e-4f);
+        for (int i = 0; i < HKV * CAP * D; i++) keys[i] = bf16_to_f32(kb[i]), values[i] = bf16_to_f32(vb[i]);
+        for (int i = 0; i < H * D; i++) q[i] = bf16_to_f32(qb[i]);
+        reference_attention(q, keys, values, H, HKV, L, CAP, D, masked ? mask : NULL, ref);
+        qvl_decode_attention(qb, kb, vb, BF16, HKV * CAP * D, CAP * D, 1, H, HKV, L, D, masked ? mask : NULL, CAP, ob,
+                             2);
+        for (int i = 0; i < H * D; i++) out[i] = bf16_to_f32(ob[i]);
+        check("decode attention bf16", out, ref, H * D, 2e-2f);
+    }
+}
+
+/* A two-layer decode step in float32 with int8 weights against a float reference. */
+enum { DD = 128, DH = 4, DKV = 2, DHD = 32, DI = 256, DCAP = 8, DPOS = 5, DL = 2 };
+static float dw[DL][7][DI * DD], dscale[DL][7][DI];
+static int8_t dq[DL][7][DI * DD];
+static float dnorm[DL][4][DD];
+
+static void ref_norm(const float* x, const float* w, float* out, int n) {
+    double ss = 0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float inv = (float)(1.0 / sqrt(ss / n + 1e-6));
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static void ref_linear(int l, int which, const float* x, int n, int k, float* y) {
+    for (int o = 0; o < n; o++) {
+        double s = 0;
+        for (int i = 0; i < k; i++) s += (double)dq[l][which][o * k + i] * dscale[l][which][o] * x[i];
+        y[o] = (float)s;
+    }
+}
+
+static void ref_rope(float* x, int heads, const float* cos, const float* sin) {
+    for (int h = 0; h < heads; h++) {
+        float t[DHD];
+        memcpy(t, x + h * DHD, sizeof t);
+        for (int i = 0; i < DHD; i++)
+            x[h * DHD + i] = t[i] * cos[i] + (i < DHD / 2 ? -t[i + DHD / 2] : t[i - DHD / 2]) * sin[i];
+    }
+}
+
+static void test_decode_layers(void) {
+    static const int outs[7] = {DH * DHD, DKV * DHD, DKV * DHD, DD, DI, DI, DD};
+    static const int ins[7] = {DD, DD, DD, DH * DHD, DD, DD, DI};
+    static float keys[DL][DKV][DCAP][DHD], values[DL][DKV][DCAP][DHD], rk[DL][DKV][DCAP][DHD], rv[DL][DKV][DCAP][DHD];
+    float x[DD], rx[DD], cos[DHD], sin[DHD];
+    QvlLayer layers[DL];
+    for (int l = 0; l < DL; l++) {
+        for (int j = 0; j < 7; j++) {
+            for (int i = 0; i < outs[j] * ins[j]; i++) dw[l][j][i] = frand() * 0.2f;
+            int8_weights(dw[l][j], outs[j], ins[j], dq[l][j], dscale[l][j]);
+        }
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < DD; i++) dnorm[l][j][i] = 1.f + 0.2f * frand();
+        QvlLinear lin[7];
+        for (int j = 0; j < 7; j++) lin[j] = (QvlLinear){W_INT8, outs[j], ins[j], 0, dq[l][j], dscale[l][j], NULL, NULL};
+        layers[l] = (QvlLayer){dnorm[l][0], dnorm[l][1], dnorm[l][2], dnorm[l][3],
+                               lin[0], lin[1], lin[2], lin[3], lin[4], lin[5], lin[6]};
+    }
+    for (int i = 0; i < (int)(sizeof keys / sizeof(float)); i++) {
+        ((float*)keys)[i] = ((float*)rk)[i] = frand();
+        ((float*)values)[i] = ((float*)rv)[i] = frand();
+    }
+    for (int i = 0; i < DD; i++) x[i] = rx[i] = frand();
+    for (int i = 0; i < DHD; i++) cos[i] = cosf(0.3f * i), sin[i] = sinf(0.3f * i);
+    int status = qvl_decode_layers(layers, DL, x, F32, 1, DD, DH, DKV, DHD, DI, 1e-6f, cos, sin, keys, values,
+                                   DKV * DCAP * DHD, DKV * DCAP * DHD, DCAP * DHD, DPOS, NULL, 0, 2);
+    if (status != 0) {
+        printf("FAIL decode layers returned %d\n", status);
+        failures++;
+        return;
+    }
+    for (int l = 0; l < DL; l++) {
+        float xn[DD], q[DH * DHD], k[DKV * DHD], v[DKV * DHD], att[DH * DHD], a[DD], g[DI], u[DI];
+        ref_norm(rx, dnorm[l][0], xn, DD);
+        ref_linear(l, 0, xn, DH * DHD, DD, q), ref_linear(l, 1, xn, DKV * DHD, DD, k), ref_linear(l, 2, xn, DKV * DHD, DD, v);
+        for (int h = 0; h < DH; h++) ref_norm(q + h * DHD, dnorm[l][2], q + h * DHD, DHD);
+        for (int h = 0; h < DKV; h++) ref_norm(k + h * DHD, dnorm[l][3], k + h * DHD, DHD);
+        ref_rope(q, DH, cos, sin), ref_rope(k, DKV, cos, sin);
+        for (int h = 0; h < DKV; h++) {
+            memcpy(rk[l][h][DPOS], k + h * DHD, DHD * sizeof(float));
+            memcpy(rv[l][h][DPOS], v + h * DHD, DHD * sizeof(float));
+        }
+        reference_attention(q, &rk[l][0][0][0], &rv[l][0][0][0], DH, DKV, DPOS + 1, DCAP, DHD, NULL, att);
+        ref_linear(l, 3, att, DD, DH * DHD, a);
+        for (int i = 0; i < DD; i++) rx[i] += a[i];
+        ref_norm(rx, dnorm[l][1], xn, DD);
+        ref_linear(l, 4, xn, DI, DD, g), ref_linear(l, 5, xn, DI, DD, u);
+        for (int i = 0; i < DI; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        ref_linear(l, 6, g, DD, DI, a);
+        for (int i = 0; i < DD; i++) rx[i] += a[i];
+    }
+    check("decode layers f32 (hidden states)", x, rx, DD, 2e-3f);
+    check("decode layers f32 (keys written)", &keys[0][0][0][0], &rk[0][0][0][0], DL * DKV * DCAP * DHD, 2e-3f);
+}
+
+int main(void) {
+    printf("features %d\n", qvl_features());
+    test_linear();
+    test_decode_attention();
+    test_decode_layers();
+    printf(failures ? "%d checks failed\n" : "all checks passed\n", failures);
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,221 @@
+"""Every kernel tier this machine can run (AVX-512, AVX-512 without BF16, AVX2 with and
+without AVX-VNNI, portable C), each built as its own library, against float references; the
+dispatch object's choices per tier; the cache folder's fallback; importing without fcntl."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qvl import native, paths
+from qvl.dispatch import Kernels
+from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
+
+TIERS = native.tiers() if native.compiler() else []
+pytestmark = pytest.mark.skipif(not TIERS, reason="no C compiler")
+
+
+@pytest.fixture(scope="module", params=[t.name for t in TIERS])
+def tier_lib(request, tmp_path_factory):
+    tier = next(t for t in TIERS if t.name == request.param)
+    return tier, native.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_every_format(tier_lib, dtype):
+    """int8 keeps 16 bits per activation (error far below bf16's); int4 quantises
+    activations to int8 per 128 columns (a few % of the largest output); bf16 weights are
+    exact float products. Rows 1..5 cover every tile size; K=320 the non-integer fallback."""
+    tier, lib = tier_lib
+    torch.manual_seed(0)
+    bound = 2e-4 if dtype == torch.float32 else 8e-3  # bf16 outputs are rounded to bf16
+    for m in (1, 2, 3, 4, 5):
+        x, w = torch.randn(m, 512).to(dtype), torch.randn(96, 512)
+        q, s = quantize_int8(w)
+        ref = F.linear(x.float(), q.float() * s.to(dtype).float()[:, None])
+        assert _rel_err(native.linear(lib, native.W_INT8, x, q, 96, s.to(dtype)), ref) < bound, (tier, m)
+        for gs in (32, 64, 128, 256):
+            q4, s4, z4 = quantize_int4(w, gs)
+            s4, z4 = s4.to(dtype), z4.to(dtype)
+            deq = ((q4.float() - 8).view(96, -1, gs) * s4.float()[..., None] + z4.float()[..., None]).view(96, 512)
+            out, ref = native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 96, s4, z4, gs), F.linear(x.float(), deq)
+            assert _rel_err(out, ref) < 5e-2 and F.cosine_similarity(out.float().flatten(), ref.flatten(), 0) > 0.999
+
+            back = native.dequantize(lib, native.W_INT4, pack_nibbles(q4), s4, z4, gs, (96, 512))
+            torch.testing.assert_close(back.float(), deq, atol=2e-2, rtol=1e-2)
+        wb, bias = w.bfloat16(), torch.randn(96).to(dtype)
+        ref = F.linear(x.float(), wb.float(), bias.float())
+        assert _rel_err(native.linear(lib, native.W_BF16, x, wb, 96, bias=bias), ref) < bound, (tier, m)
+    x, w = torch.randn(3, 320).to(dtype), torch.randn(40, 320)  # K not a multiple of 128: float products
+    q, s = quantize_int8(w)
+    ref = F.linear(x.float(), q.float() * s.to(dtype).float()[:, None])
+    assert _rel_err(native.linear(lib, native.W_INT8, x, q, 40, s.to(dtype)), ref) < bound
+
+
+def test_integer_products_agree_across_tiers(tmp_path_factory):
+    """The tiers quantise activations the same way: they differ only in the order of float sums."""
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 1024), torch.randn(64, 1024)
+    q, s = quantize_int8(w)
+    q4, s4, z4 = quantize_int4(w, 64)
+    outs = []
+    for tier in TIERS:
+        lib = native.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+        outs.append((tier.name, native.linear(lib, native.W_INT8, x, q, 64, s),
+                     native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 64, s4, z4, 64)))
+    for name, o8, o4 in outs[1:]:
+        torch.testing.assert_close(o8, outs[0][1], atol=1e-4, rtol=1e-5, msg=name)
+        torch.testing.assert_close(o4, outs[0][2], atol=1e-4, rtol=1e-5, msg=name)
+
+
+def _reference_decode_attention(q, keys, values, mask):
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), keys.float().repeat_interleave(q.shape[1] // keys.shape[1], 1))
+    scores = scores / q.shape[-1] ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    p = scores.softmax(-1)
+    return torch.einsum("bhl,bhld->bhd", p, values.float().repeat_interleave(q.shape[1] // keys.shape[1], 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention(tier_lib, dtype):
+    tier, lib = tier_lib
+    torch.manual_seed(2)
+    b, h, hkv, d, cap, length = 2, 8, 2, 128, 40, 33
+    q = torch.randn(b, h, 1, d).to(dtype)
+    cache_k, cache_v = torch.randn(b, hkv, cap, d).to(dtype), torch.randn(b, hkv, cap, d).to(dtype)
+    mask = torch.rand(b, length) > 0.3
+    mask[:, -1] = True
+    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]  # views of the cache, as the model passes them
+    for m in (None, mask):
+        out = native.decode_attention(lib, q, keys, values, m)
+        ref = _reference_decode_attention(q[:, :, 0], keys, values, m)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[:, :, 0].float(), ref, atol=tol, rtol=tol, msg=tier.name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(tier_lib, dtype):
+    tier, lib = tier_lib
+    x, w = torch.randn(70, 256).to(dtype), torch.rand(256).to(dtype) + 0.5
+    h = x.float()
+    ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(native.rms_norm(lib, x, w, 1e-6), ref, atol=1e-5 if dtype == torch.float32 else 1e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_dispatch_choices_per_tier(tier_lib):
+    tier, lib = tier_lib
+    k = Kernels(tier, lib)
+    bf16_hw = tier.name == "avx512" and tier.bf16
+    assert k.flash_attention(torch.bfloat16) == bf16_hw and not k.flash_attention(torch.float32)
+    assert k.vision_rope(torch.bfloat16) == bf16_hw
+    for dtype in (torch.float32, torch.bfloat16):
+        assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)
+    assert k.native_bf16 == bf16_hw
+    described = k.describe()
+    assert described["tier"].startswith(tier.name)
+    assert ("AVX512-BF16" in described["flash_attention"]) == bf16_hw
+    family = {"avx512": native.AVX512, "avx2": native.AVX2}.get(tier.name.split("-")[0], 0)
+    assert bool(lib.features & native.AVX512) == (family == native.AVX512)
+    assert bool(lib.features & native.AVX2) == (family in (native.AVX512, native.AVX2))
+    assert bool(lib.features & native.AVX_VNNI) == (tier.name == "avx2-vnni")
+    off = Kernels(tier, None, "QVL_NATIVE=0")
+    assert not off.gemv(torch.float32) and not off.decode_step(torch.bfloat16)
+    assert "off" in off.describe()["tier"]
+
+
+def test_tier_override_is_checked(monkeypatch):
+    monkeypatch.setenv("QVL_ISA", "portable")
+    assert native.select_tier().name == "portable"
+    monkeypatch.setenv("QVL_ISA", "sse9")
+    with pytest.raises(ValueError, match="QVL_ISA=sse9"):
+        native.select_tier()
+
+
+def test_tier_lists_per_cpu():
+    zen3 = frozenset({"avx2", "fma"})
+    assert [t.name for t in native.tiers(zen3, "x86_64")] == ["avx2", "portable"]
+    alder = zen3 | {"avx_vnni"}
+    assert [t.name for t in native.tiers(alder, "x86_64")] == ["avx2-vnni", "avx2", "portable"]
+    icelake = alder - {"avx_vnni"} | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    names = [t.name for t in native.tiers(icelake, "x86_64")]
+    assert names[0] == "avx512-nobf16" and "avx512" not in names and not native.tiers(icelake, "x86_64")[0].bf16
+    sapphire = icelake | {"avx512_bf16", "avx_vnni", "amx_bf16"}
+    assert native.tiers(sapphire, "x86_64")[0].name == "avx512" and native.tiers(sapphire, "x86_64")[0].bf16
+    graviton = frozenset({"asimd", "asimddp", "i8mm"})
+    assert [t.name for t in native.tiers(graviton, "aarch64")] == ["neon", "neon-nodotprod", "portable"]
+    assert [t.name for t in native.tiers(frozenset({"asimd"}), "aarch64")] == ["neon-nodotprod", "portable"]
+
+
+def test_build_cache_key_covers_tier_and_cpu(monkeypatch, tmp_path):
+    avx2, portable = (next(t for t in TIERS if t.name == n) for n in ("avx2", "portable"))
+    a, b = native.build(tmp_path, avx2), native.build(tmp_path, portable)
+    assert a != b and a.name.startswith("qvl_kernels-avx2-")
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"asimd", "asimddp"}))  # another CPU, same home
+    assert native.build(tmp_path, avx2) != a
+
+
+def test_unwritable_cache_folder_falls_back_with_one_warning(monkeypatch, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("QVL_CACHE_DIR", str(blocker / "qvl"))  # cannot be created, even by root
+    paths.cache_root.cache_clear()
+    try:
+        root = paths.cache_root()
+        assert root != blocker / "qvl" and root.is_dir()
+        assert paths.cache_root() == root  # chosen once
+        assert capsys.readouterr().err.count("cannot write the cache folder") == 1
+        monkeypatch.delenv("QVL_CACHE_DIR")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        paths.cache_root.cache_clear()
+        assert paths.cache_root() == tmp_path / "xdg" / "qvl"
+    finally:
+        monkeypatch.undo()
+        paths.cache_root.cache_clear()
+
+
+def test_file_lock_serialises(tmp_path):
+    with paths.locked(tmp_path / "x.lock"):
+        assert (tmp_path / "x.lock").exists()
+    with paths.locked(tmp_path / "x.lock"):  # released: taken again
+        pass
+
+
+def test_imports_without_fcntl():
+    """Windows has no fcntl: every module a user can start must import without it."""
+    code = ("import sys; sys.modules['fcntl'] = None\n"
+            "import qvl.cli, qvl.engine, qvl.server.app, qvl.batch.runner, qvl.batch.output, qvl.dispatch\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_aarch64_kernels_under_qemu(tmp_path):
+    """The NEON kernels (with and without dot products) and the portable C, cross-compiled for
+    aarch64 and run under qemu-user by tests/native_check.c."""
+    cc, qemu = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+    if subprocess.run(["which", cc, qemu], capture_output=True).returncode != 0:
+        pytest.skip("no aarch64 cross compiler / qemu-user (test.sh installs them as root)")
+    check = Path(__file__).with_name("native_check.c")
+    for name, flags in (("neon-dotprod", ["-march=armv8.2-a+dotprod"]), ("neon", ["-march=armv8-a"]),
+                        ("portable", ["-march=armv8-a", "-DQVL_PORTABLE"])):
+        exe = tmp_path / f"check-{name}"
+        cmd = [cc, "-O2", *flags, "-fopenmp", "-I", str(native.SOURCE_DIR), str(check),
+               *map(str, sorted(native.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm", "-static"]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr
+        ran = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, f"{name}:\n{ran.stdout}\n{ran.stderr}"
+        features = int(ran.stdout.split("features ")[1].split()[0])
+        assert bool(features & native.NEON) == (name != "portable")
+        assert bool(features & native.DOTPROD) == (name == "neon-dotprod")
