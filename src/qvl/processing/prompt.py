@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+import secrets
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -228,6 +230,7 @@ def tokenize_chat(
 
     Same ids as transformers' Qwen3VLProcessor, which expands the pad tokens in the text
     before encoding: the pad is an added token, so expanding ids after encoding is equal.
+    Only the template makes special tokens: one written in the messages is encoded as text.
     """
     counts = tuple(int(c) for c in image_token_counts)
     n_parts = count_image_parts(messages)
@@ -235,11 +238,13 @@ def tokenize_chat(
         raise ValueError(f"the messages hold {n_parts} image(s) but {len(counts)} image token count(s) were given")
     if any(c < 0 for c in counts):
         raise ValueError(f"image token counts must be non-negative, got {list(counts)}")
+    guard = _MessageText(tokenizer.special_added_tokens)
     text = render_chat(
-        template, messages, add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map
+        template, guard.protect(messages), add_generation_prompt=add_generation_prompt,
+        **tokenizer.special_tokens_map,
     )
     pad_id = tokenizer.token_id(image_pad_token)
-    ids = tokenizer.encode(text)
+    ids = guard.encode(tokenizer, text)
     n_pads = ids.count(pad_id)
     if n_pads != len(counts):
         raise ValueError(
@@ -255,3 +260,69 @@ def tokenize_chat(
         else:
             expanded.append(token)
     return PromptTokens(ids=expanded, image_token_counts=counts)
+
+
+class _MessageText:
+    """Keeps the text of the messages from producing special tokens.
+
+    Before rendering, every special token written in a message string (and a string's start
+    or end that could join the template's text or the next part into one) is swapped for a
+    placeholder of private-use characters with a per-call nonce. In the rendered prompt, the
+    special tokens left are the template's own; the text between them gets its placeholders
+    back and is encoded with special tokens off. The tokenizer splits at added tokens before
+    anything else, so encoding the pieces one by one gives the ids of the whole string, and
+    prompts without such text keep transformers' ids exactly.
+    """
+
+    def __init__(self, specials: dict[str, int]):
+        self.specials = specials
+        self.nonce = secrets.token_hex(8)
+        self.literals: list[str] = []
+        longest_first = sorted(specials, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
+        self.pattern = re.compile("|".join(map(re.escape, longest_first))) if specials else None
+        self.placeholder = re.compile(f"\ue000{self.nonce}(\\d+)\ue001")
+
+    def _hide(self, literal: str) -> str:
+        self.literals.append(literal)
+        return f"\ue000{self.nonce}{len(self.literals) - 1}\ue001"
+
+    def _protect_text(self, text: str) -> str:
+        if self.pattern is None:
+            return text
+        text = self.pattern.sub(lambda m: self._hide(m.group()), text)
+        # A string may end with the start of a special token and the next piece of the
+        # prompt finish it (or begin with the end of one): hide those edges too.
+        head = max((n for t in self.specials for n in range(1, len(t)) if text.startswith(t[-n:])), default=0)
+        tail = max((n for t in self.specials for n in range(1, len(t)) if text.endswith(t[:n])), default=0)
+        if head + tail > len(text):
+            return self._hide(text)
+        end = len(text) - tail
+        return (self._hide(text[:head]) if head else "") + text[head:end] + (self._hide(text[end:]) if tail else "")
+
+    def protect(self, value: Any) -> Any:
+        """`value` with every string in it protected (dict keys and non-strings left alone)."""
+        if isinstance(value, str):
+            return self._protect_text(value)
+        if isinstance(value, Mapping):
+            return {k: self.protect(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.protect(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.protect(v) for v in value)
+        return value
+
+    def encode(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        """Ids of the rendered prompt: its special tokens as such, the text between them as text."""
+        ids: list[int] = []
+        start = 0
+        for match in self.pattern.finditer(text) if self.pattern else ():
+            ids += self._encode_text(tokenizer, text[start:match.start()])
+            ids.append(self.specials[match.group()])
+            start = match.end()
+        return ids + self._encode_text(tokenizer, text[start:])
+
+    def _encode_text(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        if not text:
+            return []
+        return tokenizer.encode(self.placeholder.sub(lambda m: self.literals[int(m.group(1))], text),
+                                special_tokens=False)

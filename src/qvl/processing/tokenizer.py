@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -260,6 +261,7 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: _HFTokenizer, special_tokens: dict[str, str | None] | None = None):
         self._tok = hf_tokenizer
+        self._encode_lock = threading.Lock()  # `encode(special_tokens=False)` flips a flag of the shared tokenizer
         # bos/eos/unk/pad token strings from tokenizer_config.json (None when unset)
         self.special_tokens = {name: (special_tokens or {}).get(name) for name in _SPECIAL_TOKEN_NAMES}
 
@@ -274,9 +276,22 @@ class Tokenizer:
         special = {name: _token_content(config.get(name)) for name in _SPECIAL_TOKEN_NAMES}
         return cls(_HFTokenizer.from_file(str(path)), special)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognised."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. With special_tokens, special tokens written in the text become
+        those tokens; without, they are encoded as the text they are (transformers'
+        `split_special_tokens=True`). Added tokens that are not special (`<think>`) count as
+        text either way."""
+        with self._encode_lock:
+            self._tok.encode_special_tokens = not special_tokens
+            try:
+                return self._tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self._tok.encode_special_tokens = False
+
+    @property
+    def special_added_tokens(self) -> dict[str, int]:
+        """content -> id of every added token marked special (`<|im_start|>`, `<|image_pad|>`, ...)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
