@@ -219,3 +219,17 @@ def test_aarch64_kernels_under_qemu(tmp_path):
         features = int(ran.stdout.split("features ")[1].split()[0])
         assert bool(features & native.NEON) == (name != "portable")
         assert bool(features & native.DOTPROD) == (name == "neon-dotprod")
+
+
+def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):
+    """CPUs without bf16 products compute in float32; the int8 model's vision tower stays bf16
+    in memory (as on the AVX-512 tier) and gives what float32 copies of the same weights give."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.quantize import Bf16StoredLinear
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="fp32", threads=1))
+    layers = [m for m in engine.model.visual.modules() if isinstance(m, Bf16StoredLinear)]
+    assert layers and all(m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.float32 for m in layers)
+    fc = layers[0]
+    x = torch.randn(7, fc.in_features)
+    torch.testing.assert_close(fc(x), F.linear(x, fc.weight.float(), fc.bias), atol=0, rtol=0)

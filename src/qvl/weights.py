@@ -24,6 +24,7 @@ from qvl.quantize import (
     Int8Linear,
     QuantSpec,
     TiedQuantEmbedding,
+    keep_bf16_storage,
     portable_state,
     quantized_state,
     state_from_portable,
@@ -115,10 +116,12 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
         model = Qwen3VL(cfg)
         quantized = set(swap_modules(model, spec, dtype)) if spec else set()
         use_decode_kernels(model)
+        # float32 compute of a quantised model (CPUs without bf16 products): its float vision tower stays bf16
+        kept_bf16 = keep_bf16_storage(model) if spec and dtype == torch.float32 else set()
         tied_quant = cfg.tie_word_embeddings and "lm_head" in quantized
         if tied_quant:
             model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
-    source = _TensorSource(model, quantized, tied_quant, dtype, from_portable=stored is not None)
+    source = _TensorSource(model, quantized, tied_quant, dtype, from_portable=stored is not None, kept_bf16=kept_bf16)
     for name, tensor in iter_tensors(files):
         source.add(name, tensor)
     expected = set(model.state_dict())
@@ -140,8 +143,8 @@ class _TensorSource:
     """Turns checkpoint tensors into module state: renamed, converted, quantised."""
 
     def __init__(self, model: Qwen3VL, quantized: set[str], tied_quant: bool, dtype: torch.dtype,
-                 from_portable: bool):
-        self.model, self.quantized, self.tied_quant = model, quantized, tied_quant
+                 from_portable: bool, kept_bf16: set[str]):
+        self.model, self.quantized, self.tied_quant, self.kept_bf16 = model, quantized, tied_quant, kept_bf16
         self.dtype, self.from_portable = dtype, from_portable
         self.state: dict[str, torch.Tensor] = {}
         self.unexpected: list[str] = []
@@ -158,7 +161,10 @@ class _TensorSource:
         if module_name not in self.quantized:
             if target == "lm_head.weight" and self.model.cfg.tie_word_embeddings:
                 return  # a tied checkpoint may still carry the duplicate
-            self.state[target] = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            if tensor.is_floating_point():
+                keep = target in self.kept_bf16 and tensor.dtype == torch.bfloat16
+                tensor = tensor.to(torch.bfloat16 if keep else self.dtype)
+            self.state[target] = tensor
             return
         module = self.model.get_submodule(module_name)
         if not self.from_portable:
