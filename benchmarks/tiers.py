@@ -1,0 +1,225 @@
+"""qvl on each kernel tier of this machine, emulating older CPUs, side by side with llama.cpp
+built for the same tier, and the vision tower against transformers with torch held to the tier.
+
+    python benchmarks/tiers.py --model /work/ckpt/qvl-2b --gguf /work/ckpt/gguf \
+        --llama avx2=/work/llama/build-avx2/bin --llama avx512-nobf16=/work/llama/build-avx512nobf16/bin \
+        --llama avx512=/work/llama/build-native/bin --rounds 3 --out docs/tiers-results.json
+
+A tier is emulated with QVL_ISA (qvl's kernels) plus torch's own switches: ATEN_CPU_CAPABILITY
+and ONEDNN_MAX_CPU_ISA, so that every product torch runs (prefill GEMMs, SDPA) is held to the
+tier too, and --dtype auto picks float32 where the tier has no bf16 products.
+
+Each measurement runs in its own process (peak RSS is per process); the sides alternate
+within each round and the tables give medians with the spread (min-max) over the rounds.
+Workload: a 1920x1080 photo at the default budget (256 image tokens), the bench prompt, then
+32 decoded tokens; llama.cpp: llama-bench -n 32 for decoding, llama-mtmd-cli -n 1 on the same
+photo for the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# tier -> torch's switches that hold it to the same instruction set
+TORCH_ENV = {
+    "avx512": {},
+    "avx512-nobf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
+}
+GGUF = {"int8": "qvl-2b-Q8_0.gguf", "int4": "qvl-2b-Q4_0.gguf"}
+PROMPT = "Describe this image in detail."
+
+
+def tier_env(tier: str) -> dict[str, str]:
+    return {**os.environ, "QVL_ISA": tier, **TORCH_ENV.get(tier, {})}
+
+
+def run_qvl(args, tier: str, weights: str) -> dict:
+    cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--weights", weights, "--threads",
+           str(args.threads), "--image", "1920x1080", "--new-tokens", "32", "--repeat", "2", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=tier_env(tier), timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"qvl bench ({tier}, {weights}) failed:\n{done.stderr[-2000:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"decode_ms": r["decode_ms_per_token"], "ttft_ms": r["ttft_ms"], "vision_ms": r["vision_ms"],
+            "prefill_ms": r["prefill_ms"], "rss_mb": r["peak_rss_mb"], "image_tokens": r["image_tokens"],
+            "dtype": r["dtype"]}
+
+
+def run_llama_decode(args, bin_dir: str, weights: str) -> float:
+    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", os.path.join(args.gguf, GGUF[weights]), "-p", "0", "-n", "32",
+           "-t", str(args.threads), "-r", "2", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed:\n{done.stderr[-2000:]}")
+    rows = json.loads(done.stdout)
+    return 1000.0 / rows[0]["avg_ts"]
+
+
+def run_llama_ttft(args, bin_dir: str, weights: str) -> dict:
+    """Time to first token of llama-mtmd-cli on the photo: image encode + image and text
+    prefill + one token, read from its own timing lines (model loading excluded)."""
+    cmd = [os.path.join(bin_dir, "llama-mtmd-cli"), "-m", os.path.join(args.gguf, GGUF[weights]), "--mmproj",
+           os.path.join(args.gguf, args.mmproj), "-c", "4096", "-n", "1", "-t", str(args.threads), "--temp", "0",
+           "--image", args.photo, "-p", PROMPT]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-mtmd-cli failed:\n{done.stderr[-2000:]}")
+    log = done.stdout + done.stderr
+    encode = sum(float(x) for x in re.findall(r"image slice encoded in (\d+) ms", log))
+    decoded = sum(float(x) for x in re.findall(r"image decoded \(batch \d+/\d+\) in (\d+) ms", log))
+    prompt = re.search(r"prompt eval time =\s+([\d.]+) ms", log)
+    tokens = re.findall(r"(\d+) tokens", " ".join(re.findall(r"image_tokens.*|n_tokens.*", log)))
+    return {"ttft_ms": encode + decoded + (float(prompt.group(1)) if prompt else 0.0), "vision_ms": encode,
+            "wall_ms": wall * 1000, "log_tokens": tokens[:3]}
+
+
+def vision_worker(args) -> None:
+    """In a process held to one tier: transformers' vision tower (float32, as a CPU without
+    bf16 products runs it) and qvl's (int8 model: bf16-stored vision weights, float32 compute)
+    on the photo at the default budget, alternating; prints JSON."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from qvl.bench import synthetic_image
+    from qvl.engine import Engine, EngineOptions
+    from qvl.processing.image import max_pixels_for_tokens, preprocess
+
+    torch.set_num_threads(args.threads)
+    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads))
+    dtype = engine.model.dtype
+    reference = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=dtype).eval()
+    config = json.load(open(os.path.join(args.model, "preprocessor_config.json")))
+    max_pixels = max_pixels_for_tokens(256, engine.image_cfg)
+    proc = Qwen2VLImageProcessorPil(**{**config, "size": {"shortest_edge": 65536, "longest_edge": max_pixels}})
+    image = synthetic_image(1920, 1080)
+    pixels = proc(images=[image], return_tensors="pt")
+    processed = preprocess(image, engine.image_cfg, max_pixels=max_pixels)
+    assert tuple(pixels["image_grid_thw"][0].tolist()) == processed.grid_thw, "both sides must see the same grid"
+    runs = {"transformers": lambda: reference.model.get_image_features(pixels["pixel_values"].to(dtype),
+                                                                       pixels["image_grid_thw"]),
+            "qvl": lambda: engine.model.encode_images(processed.pixel_values, [processed.grid_thw])}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    with torch.inference_mode():
+        for fn in runs.values():
+            fn()  # warm-up
+        for _ in range(args.rounds):
+            for name, fn in runs.items():
+                started = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - started)
+    print(json.dumps({"dtype": str(dtype), "patches": int(pixels["image_grid_thw"].prod()), "times": times}))
+
+
+def spread(values: list[float], fmt: str = "{:.0f}") -> str:
+    med = statistics.median(values)
+    return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--gguf", help="folder with qvl-2b-Q8_0.gguf, qvl-2b-Q4_0.gguf and the mmproj")
+    p.add_argument("--mmproj", default="mmproj-qvl-2b-f16.gguf")
+    p.add_argument("--photo", default="/work/ckpt/photo-1920x1080.jpg")
+    p.add_argument("--llama", action="append", default=[], help="TIER=BIN_DIR of a llama.cpp build (repeatable)")
+    p.add_argument("--tiers", default="avx512,avx512-nobf16,avx2")
+    p.add_argument("--weights", default="int8,int4")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-vision", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--vision-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.vision_worker:
+        return vision_worker(args)
+    tiers, weights = args.tiers.split(","), args.weights.split(",")
+    llama = dict(item.split("=", 1) for item in args.llama)
+    results: dict[str, list] = {}
+
+    def record(key: str, value) -> None:
+        results.setdefault(key, []).append(value)
+        print(f"  {key}: {value}", flush=True)
+
+    for tier in tiers:  # the first start of a tier's dtype quantises and keeps the weights: not measured
+        for w in weights:
+            run_qvl(argparse.Namespace(**{**vars(args), "threads": args.threads}), tier, w)
+    for rnd in range(args.rounds):
+        print(f"round {rnd + 1}", flush=True)
+        order = tiers if rnd % 2 == 0 else tiers[::-1]
+        for tier in order:
+            for w in weights:
+                record(f"qvl|{tier}|{w}", run_qvl(args, tier, w))
+                if tier in llama and args.gguf:
+                    record(f"llama|{tier}|{w}|decode", run_llama_decode(args, llama[tier], w))
+                    if w == "int8":
+                        record(f"llama|{tier}|{w}|ttft", run_llama_ttft(args, llama[tier], w))
+    if not args.skip_vision:
+        for tier in tiers:
+            if tier == "avx512":
+                continue
+            cmd = [sys.executable, __file__, "--vision-worker", "--model", args.model, "--rounds", str(args.rounds),
+                   "--threads", str(args.threads)]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=tier_env(tier), timeout=3600)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr[-2000:])
+            record(f"vision|{tier}", json.loads(done.stdout.strip().splitlines()[-1]))
+    report(results, tiers, weights, llama, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def report(results, tiers, weights, llama, args) -> None:
+    print(f"\n{args.threads} threads, {args.rounds} alternating rounds; medians (min-max)\n")
+    print("| tier | weights | compute | decode ms/token | first token ms (vision + prefill) | peak RSS MB |"
+          " decode vs avx512 tier | llama.cpp decode ms/token | qvl vs llama.cpp decode |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = {w: statistics.median(r["decode_ms"] for r in results.get(f"qvl|avx512|{w}", [{"decode_ms": 0}]))
+            for w in weights}
+    for tier in tiers:
+        for w in weights:
+            rows = results[f"qvl|{tier}|{w}"]
+            dec = [r["decode_ms"] for r in rows]
+            ttft = [r["ttft_ms"] for r in rows]
+            vis, pre = statistics.median(r["vision_ms"] for r in rows), statistics.median(r["prefill_ms"] for r in rows)
+            lla = results.get(f"llama|{tier}|{w}|decode")
+            cells = [tier, w, rows[0]["dtype"], spread(dec, "{:.1f}"), f"{spread(ttft)} ({vis:.0f} + {pre:.0f})",
+                     spread([r["rss_mb"] for r in rows]),
+                     f"{statistics.median(dec) / base[w]:.2f}×" if base[w] else "—",
+                     spread(lla, "{:.1f}") if lla else "—",
+                     f"{statistics.median(lla) / statistics.median(dec):.2f}× faster" if lla else "—"]
+            print("| " + " | ".join(cells) + " |")
+    print("\n| tier | qvl first token ms (int8) | llama.cpp first token ms (Q8_0; its encode) | qvl vs llama.cpp |")
+    print("|---|---|---|---|")
+    for tier in tiers:
+        lla = results.get(f"llama|{tier}|int8|ttft")
+        if not lla or f"qvl|{tier}|int8" not in results:
+            continue
+        ours = [r["ttft_ms"] for r in results[f"qvl|{tier}|int8"]]
+        theirs = [r["ttft_ms"] for r in lla]
+        print(f"| {tier} | {spread(ours)} | {spread(theirs)} ({statistics.median(r['vision_ms'] for r in lla):.0f}) | "
+              f"{statistics.median(theirs) / statistics.median(ours):.2f}× faster |")
+    vis = [(t, results[f"vision|{t}"][0]) for t in tiers if f"vision|{t}" in results]
+    if vis:
+        print("\n| tier | patches | transformers vision s | qvl vision s | speed-up |\n|---|---|---|---|---|")
+        for tier, r in vis:
+            tr, qv = r["times"]["transformers"], r["times"]["qvl"]
+            print(f"| {tier} ({r['dtype']}) | {r['patches']} | {spread(tr, '{:.2f}')} | {spread(qv, '{:.2f}')} | "
+                  f"{statistics.median(tr) / statistics.median(qv):.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
