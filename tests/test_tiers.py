@@ -192,9 +192,11 @@ def test_file_lock_serialises(tmp_path):
 
 
 def test_imports_without_fcntl():
-    """Windows has no fcntl: every module a user can start must import without it."""
-    code = ("import sys; sys.modules['fcntl'] = None\n"
+    """Windows has no fcntl (nor resource): every module a user can start must import without
+    them, and the peak-memory figure comes from psutil there."""
+    code = ("import sys; sys.modules['fcntl'] = None; sys.modules['resource'] = None\n"
             "import qvl.cli, qvl.engine, qvl.server.app, qvl.batch.runner, qvl.batch.output, qvl.dispatch\n"
+            "from qvl.bench import peak_rss_mb; assert peak_rss_mb() > 10\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -3,8 +3,8 @@ vision, prefill, time to first token and decode speed."""
 
 from __future__ import annotations
 
-import resource
 import statistics
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -33,7 +33,16 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    """This process's peak resident memory in MB (Linux and macOS: getrusage; Windows: psutil)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        import psutil
+
+        info = psutil.Process().memory_info()
+        return getattr(info, "peak_wset", info.rss) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # macOS reports bytes, Linux KiB
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         from qvl.runtime import parse_cpu_list
 
         try:
+            if not hasattr(os, "sched_setaffinity"):
+                raise OSError(f"pinning is not supported on {sys.platform}; use --threads")
             os.sched_setaffinity(0, parse_cpu_list(args.cpus))
         except (ValueError, OSError) as exc:
             print(f"qvl {args.command}: error: --cpus {args.cpus}: {exc}", file=sys.stderr)

@@ -102,6 +102,8 @@ class RuntimeInfo:
 def configure(dtype: str = "auto", threads: int | None = None, cpus: list[int] | None = None) -> RuntimeInfo:
     """Pin the process (no root needed) and set torch's thread count."""
     if cpus:
+        if not hasattr(os, "sched_setaffinity"):
+            raise OSError(f"pinning to CPUs is not supported on {sys.platform}; use threads instead")
         os.sched_setaffinity(0, cpus)
     n = threads or (len(cpus) if cpus else physical_cores())
     if n < 1:
