@@ -52,6 +52,10 @@ def test_header_check_refuses_before_decoding():
     ("255.255.255.255", False), ("::1", False), ("fe80::1", False), ("fc00::1", False), ("::", False),
     ("::ffff:127.0.0.1", False), ("::ffff:10.0.0.1", False), ("ff02::1", False),
     ("8.8.8.8", True), ("2606:4700:4700::1111", True), ("::ffff:8.8.8.8", True),
+    # IPv6 forms that embed an IPv4 address reach it (NAT64, 6to4, IPv4-compatible): judged by it
+    ("64:ff9b::7f00:1", False), ("64:ff9b::a9fe:a9fe", False), ("64:ff9b::a00:1", False),
+    ("2002:a9fe:a9fe::", False), ("2002:7f00:1::1", False), ("::a9fe:a9fe", False), ("::7f00:1", False),
+    ("64:ff9b:1::a9fe:a9fe", False), ("64:ff9b::808:808", True), ("2002:808:808::1", True),
 ])
 def test_public_addresses(address, public):
     assert images.is_public(ipaddress.ip_address(address)) is public
@@ -145,3 +149,49 @@ def test_local_folder(tmp_path):
             read_local(escape, policy)
     with pytest.raises(ImageError, match="not found"):
         read_local("missing.png", policy)
+
+
+def test_schemes_are_case_insensitive():
+    encoded = base64.b64encode(PNG).decode()
+    assert load_image_bytes(f"DATA:image/png;BASE64,{encoded}", ImagePolicy()) == PNG
+    assert load_image_bytes(f"Data:image/png;base64,{encoded}", ImagePolicy()) == PNG
+    with pytest.raises(ImageError, match="http\\(s\\) image URLs are off"):  # seen as a URL, not as a path
+        load_image_bytes("HTTP://example.com/cat.png", ImagePolicy())
+    with pytest.raises(ImageError, match="not in this server's allowed hosts"):
+        load_image_bytes("HttpS://evil.org/cat.png", ImagePolicy(url_hosts=("example.com",)))
+
+
+@pytest.fixture
+def dribbling_host(monkeypatch):
+    """A host that answers one header byte every 0.2 s, for up to 10 s."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 50:
+                    if stop.wait(0.2):
+                        return
+                    conn.sendall(bytes([byte]))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    monkeypatch.setattr(images, "is_public", lambda ip: True)
+    yield f"http://localhost:{listener.getsockname()[1]}"
+    stop.set()
+    listener.close()
+    thread.join(5)
+
+
+def test_one_deadline_covers_headers_sent_slowly(dribbling_host):
+    """Each byte arrives well within the per-read timeout; the fetch still ends at its deadline."""
+    policy = ImagePolicy(url_hosts=("localhost",), url_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(ImageError, match="timed out after 1 s"):
+        load_image_bytes(f"{dribbling_host}/cat.png", policy)
+    assert time.monotonic() - started < 2.0

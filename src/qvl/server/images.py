@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import http.client
 import io
 import ipaddress
 import os
 import socket
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -30,9 +32,10 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders we ex
 
 def load_image_bytes(url: str, policy: ImagePolicy) -> bytes:
     """The bytes of one image_url, with its header checked; raises ImageError."""
-    if url.startswith("data:"):
+    scheme = url.partition(":")[0].lower()  # schemes are case-insensitive (RFC 3986)
+    if scheme == "data":
         data = decode_data_uri(url, policy.max_bytes)
-    elif url.startswith(("http://", "https://")):
+    elif scheme in ("http", "https") and url[len(scheme) + 1:].startswith("//"):
         data = fetch(url, policy)
     elif policy.local_dir is not None:
         data = read_local(url, policy)
@@ -45,7 +48,7 @@ def load_image_bytes(url: str, policy: ImagePolicy) -> bytes:
 
 def decode_data_uri(url: str, max_bytes: int) -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
-    if not comma or "base64" not in header.split(";")[1:]:
+    if not comma or "base64" not in [p.strip().lower() for p in header.split(";")[1:]]:
         raise ImageError("data: URI must be base64-encoded: data:image/png;base64,...")
     payload = "".join(payload.split())
     if len(payload) // 4 * 3 > max_bytes + 2:
@@ -80,10 +83,30 @@ def host_allowed(host: str, patterns: tuple[str, ...]) -> bool:
     return any(p == "*" or host == p or (p.startswith("*.") and host.endswith(p[1:])) for p in patterns)
 
 
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # well-known NAT64 prefix: the IPv4 address is the last 32 bits
+LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # local-use NAT64 (RFC 8215): never public
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries and reaches (mapped, NAT64, 6to4, IPv4-compatible)."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in NAT64 or ip in IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """False for private, loopback, link-local, multicast, reserved and unspecified addresses."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    """False for private, loopback, link-local, multicast, reserved and unspecified addresses,
+    also when written as an IPv6 address that embeds one (NAT64, 6to4, mapped, compatible)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in LOCAL_NAT64:
+            return False
+        if (v4 := embedded_ipv4(ip)) is not None:
+            return is_public(v4)
     return ip.is_global and not ip.is_multicast
 
 
@@ -116,13 +139,20 @@ def fetch(url: str, policy: ImagePolicy) -> bytes:
         port = parts.port or (443 if https else 80)
     except ValueError:
         raise ImageError("image URL has an invalid port") from None
+    deadline = time.monotonic() + policy.url_timeout_s  # one deadline: connect, headers, body
     address = public_address(host, port)
+    watchdog = Watchdog(deadline)
+
+    def connect(_address, timeout, source=None) -> socket.socket:
+        # Connect to the address we checked, not to whatever a second DNS lookup returns
+        # (TLS still verifies the certificate against `host`).
+        sock = socket.create_connection((address, port), max(0.001, deadline - time.monotonic()), source)
+        watchdog.watch(sock)
+        return sock
+
     conn = (http.client.HTTPSConnection if https else http.client.HTTPConnection)(
         host, port, timeout=policy.url_timeout_s)
-    # Connect to the address we checked, not to whatever a second DNS lookup returns
-    # (TLS still verifies the certificate against `host`).
-    conn._create_connection = lambda _addr, timeout, source=None: socket.create_connection(
-        (address, port), timeout, source)
+    conn._create_connection = connect
     try:
         conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
                      headers={"User-Agent": "qvl", "Accept": "image/*"})
@@ -130,11 +160,55 @@ def fetch(url: str, policy: ImagePolicy) -> bytes:
         if response.status != 200:
             hint = " (redirects are not followed)" if 300 <= response.status < 400 else ""
             raise ImageError(f"fetching the image from '{host}' failed: HTTP {response.status}{hint}")
-        return read_capped(response, policy.max_bytes, time.monotonic() + policy.url_timeout_s)
+        data = read_capped(response, policy.max_bytes, deadline)
+        if watchdog.fired:  # the connection was cut: what arrived is not the whole image
+            raise TimeoutError
+        return data
     except (OSError, http.client.HTTPException) as e:
+        if watchdog.fired or time.monotonic() >= deadline or isinstance(e, TimeoutError):
+            raise ImageError(f"fetching the image from '{host}' timed out after {policy.url_timeout_s:g} s "
+                             "(--image-url-timeout)") from None
         raise ImageError(f"fetching the image from '{host}' failed: {e or type(e).__name__}") from None
     finally:
+        watchdog.stop()
         conn.close()
+
+
+class Watchdog:
+    """Cuts a connection at its deadline, whatever it is waiting for (the connection, the TLS
+    handshake, a header sent one byte at a time): per-read socket timeouts cannot, because
+    every byte restarts them."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.guard: socket.socket | None = None
+        self.timer: threading.Timer | None = None
+        self.fired = False
+
+    def watch(self, sock: socket.socket) -> None:
+        with self.lock:
+            # A descriptor of our own: closing the connection's cannot hand its number to
+            # another socket that the timer would then cut.
+            self.guard = sock.dup()
+            self.timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), self._fire)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _fire(self) -> None:
+        with self.lock:
+            if self.guard is not None:
+                self.fired = True
+                with contextlib.suppress(OSError):
+                    self.guard.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.guard is not None:
+                self.guard.close()
+                self.guard = None
 
 
 def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: float) -> bytes:
@@ -147,7 +221,7 @@ def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: fl
         if size > max_bytes:
             raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
         if time.monotonic() > deadline:
-            raise ImageError("fetching the image took too long")
+            raise TimeoutError
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -156,7 +230,7 @@ def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: fl
 
 
 def read_local(url: str, policy: ImagePolicy) -> bytes:
-    if url.startswith("file:"):
+    if url[:5].lower() == "file:":
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise ImageError("file: URLs must name a local path")
