@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from qvl.batch.inputs import UsageError
 from qvl.batch.output import ResultsFile, repair
 
 GOOD = [{"id": "a", "text": "x"}, {"id": "b", "error": "not an image"}, {"id": "c", "text": "中文\n2"}]
@@ -73,6 +74,6 @@ def test_drop_errors_keeps_good_lines_byte_for_byte(tmp_path):
 def test_a_second_writer_is_refused(tmp_path):
     path = tmp_path / "results.jsonl"
     with ResultsFile(path):
-        with pytest.raises(RuntimeError, match="another qvl batch is writing"):
+        with pytest.raises(UsageError, match="another qvl batch is writing"):
             ResultsFile(path)
     ResultsFile(path).close()  # free again once the first one closed

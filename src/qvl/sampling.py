@@ -75,6 +75,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        drop[..., 0] = False  # and always the most likely one: a top_p below float32's range rounds to 0
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits

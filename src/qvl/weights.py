@@ -278,10 +278,23 @@ def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
 
 def quantized_cache_dir(model_dir: Path, spec: QuantSpec, dtype: torch.dtype) -> Path:
     """Where the int8/int4 version of a bf16 checkpoint is kept after the first load, so
-    later starts skip quantising. Keyed by the files' identity and the format."""
+    later starts skip quantising. Keyed by the format and by each file's content and change
+    time: its size, safetensors header (names, shapes, offsets) and 32 evenly spread 4 KiB
+    samples plus the last 4 KiB (a few milliseconds to read), and its ctime, which the
+    kernel sets on every write and no one can set back (unlike the mtime)."""
+    samples, sample_bytes = 32, 4096
     h = hashlib.sha256(f"{spec!r}|{dtype}|{QUANT_LAYOUT_VERSION}".encode())  # scales are stored in dtype
     for path in checkpoint_files(model_dir):
-        st = path.stat()
-        h.update(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            h.update(f"{st.st_size}|{st.st_ctime_ns}|".encode())
+            head = f.read(8)
+            if len(head) == 8:
+                h.update(f.read(min(struct.unpack("<Q", head)[0], st.st_size)))
+            for i in range(samples):
+                f.seek(st.st_size * i // samples)
+                h.update(f.read(sample_bytes))
+            f.seek(max(0, st.st_size - sample_bytes))
+            h.update(f.read())
     root = cache_root() / "quantized"
     return root / f"{model_dir.resolve().name}-{spec.weights}-{h.hexdigest()[:16]}"

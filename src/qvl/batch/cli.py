@@ -47,10 +47,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
     try:
         job, backend = build_job(args)
+        return run(job, backend)  # an --out that cannot be opened is a UsageError too
     except UsageError as exc:
         print(f"qvl batch: error: {exc}", file=sys.stderr)
         return 2
-    return run(job, backend)
 
 
 def build_job(args: argparse.Namespace):
@@ -63,6 +63,7 @@ def build_job(args: argparse.Namespace):
     if args.batch_size < 1 or args.ray_actors < 1:
         raise UsageError("--batch-size and --ray-actors must be at least 1")
     items = read_items(args.input)
+    check_output(Path(args.out), args.input, items)
     prompt = prompt_text(args) if args.prompt or args.task else None
     missing = [item.id for item in items if item.prompt is None]
     if prompt is None and missing:
@@ -80,3 +81,19 @@ def build_job(args: argparse.Namespace):
     spec = WorkSpec(options, args, prompt, args.batch_size)  # workers read the sampling flags
     return BatchJob(items, Path(args.out), spec, args.retry_errors, args.progress_every), backend
 
+
+
+def check_output(out: Path, source: str, items) -> None:
+    """--out must not be the input file or one of the images: appending results to it would
+    corrupt it, and a JSONL input's rows would be taken for finished results."""
+    inputs = [Path(source)] + [Path(item.image) for item in items]
+    if not out.exists():
+        return
+    for path in inputs:
+        try:
+            same = path.is_file() and out.samefile(path)
+        except OSError:
+            continue
+        if same:
+            what = "the input" if path == inputs[0] else f"the input image {path}"
+            raise UsageError(f"--out {out} is {what}: write the results to another file")

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qvl.batch.inputs import UsageError
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no lock against a second writer
@@ -73,14 +75,19 @@ class ResultsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(f"cannot write the results file {self.path}: {exc.strerror or exc}") from None
         try:
             self._lock()
             self.repaired_bytes = repair(self.path)
             self.scan = scan(self.path)
-        except BaseException:
+        except BaseException as exc:
             os.close(self.fd)
+            if isinstance(exc, OSError):
+                raise UsageError(f"cannot read the results file {self.path}: {exc.strerror or exc}") from None
             raise
 
     def _lock(self) -> None:
@@ -89,7 +96,7 @@ class ResultsFile:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"another qvl batch is writing to {self.path}") from None
+            raise UsageError(f"another qvl batch is writing to {self.path}") from None
 
     @property
     def done(self) -> dict[str, bool]:
