@@ -14,8 +14,7 @@ from qvl.model.vision import image_attention
 
 lib = dispatch.kernels().lib
 needs_native = pytest.mark.skipif(lib is None, reason="native kernels not built (no C compiler)")
-needs_attention = pytest.mark.skipif(not dispatch.kernels().flash_attention(torch.bfloat16),
-                                     reason="no AVX512-BF16 kernel")
+needs_attention = pytest.mark.skipif(lib is None or not lib.features & native.BF16, reason="no AVX512-BF16 kernels")
 
 
 def _reference_attention(q, k, v):
@@ -171,7 +170,7 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
     from qvl.engine import Engine, EngineOptions
     from qvl.generate import decode_step, new_cache
 
-    if dtype == "bf16" and not dispatch.kernels().flash_attention(torch.bfloat16):
+    if dtype == "bf16" and (lib is None or not lib.features & native.BF16):
         pytest.skip("bf16 compute is the default only with AVX512-BF16")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights=weights, dtype=dtype, threads=2))
     model, text = engine.model, engine.model.language_model

@@ -117,14 +117,14 @@ def test_dispatch_choices_per_tier(tier_lib):
     tier, lib = tier_lib
     k = Kernels(tier, lib)
     bf16_hw = tier.name == "avx512" and tier.bf16
-    assert k.flash_attention(torch.bfloat16) == bf16_hw and not k.flash_attention(torch.float32)
+    assert k.flash_attention(torch.bfloat16) == (bf16_hw and not tier.amx) and not k.flash_attention(torch.float32)
     assert k.vision_rope(torch.bfloat16) == bf16_hw
     for dtype in (torch.float32, torch.bfloat16):
         assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)
     assert k.native_bf16 == bf16_hw
     described = k.describe()
     assert described["tier"].startswith(tier.name)
-    assert ("AVX512-BF16" in described["flash_attention"]) == bf16_hw
+    assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tier.amx)
     family = {"avx512": native.AVX512, "avx2": native.AVX2}.get(tier.name.split("-")[0], 0)
     assert bool(lib.features & native.AVX512) == (family == native.AVX512)
     assert bool(lib.features & native.AVX2) == (family in (native.AVX512, native.AVX2))
@@ -151,7 +151,10 @@ def test_tier_lists_per_cpu():
     names = [t.name for t in native.tiers(icelake, "x86_64")]
     assert names[0] == "avx512-nobf16" and "avx512" not in names and not native.tiers(icelake, "x86_64")[0].bf16
     sapphire = icelake | {"avx512_bf16", "avx_vnni", "amx_bf16"}
-    assert native.tiers(sapphire, "x86_64")[0].name == "avx512" and native.tiers(sapphire, "x86_64")[0].bf16
+    best = native.tiers(sapphire, "x86_64")[0]
+    assert best.name == "avx512" and best.bf16 and best.amx
+    zen4 = sapphire - {"amx_bf16"}
+    assert not native.tiers(zen4, "x86_64")[0].amx and native.tiers(zen4, "x86_64")[0].bf16
     graviton = frozenset({"asimd", "asimddp", "i8mm"})
     assert [t.name for t in native.tiers(graviton, "aarch64")] == ["neon", "neon-nodotprod", "portable"]
     assert [t.name for t in native.tiers(frozenset({"asimd"}), "aarch64")] == ["neon-nodotprod", "portable"]

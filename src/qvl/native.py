@@ -43,6 +43,7 @@ class Tier:
     needs: frozenset[str]
     flags: tuple[str, ...]
     bf16: bool = False  # bf16 products in hardware (AVX512-BF16 / AMX): bf16 compute is the default
+    amx: bool = False  # AMX tiles: torch's oneDNN GEMMs and SDPA use them (faster than qvl's flash kernel)
 
 
 def tiers(flags: frozenset[str] | None = None, machine: str | None = None) -> list[Tier]:
@@ -57,7 +58,7 @@ def tiers(flags: frozenset[str] | None = None, machine: str | None = None) -> li
                         Tier("portable", frozenset(), ("-DQVL_PORTABLE",))]
     avx512 = frozenset({"avx512f", "avx512bw", "avx512vl"})
     bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
-    x86 = [Tier("avx512", avx512, ("-march=native",), bf16=bf16),
+    x86 = [Tier("avx512", avx512, ("-march=native",), bf16=bf16, amx="amx_bf16" in flags),
            Tier("avx512-nobf16", avx512, ("-march=native", "-mno-avx512bf16")),
            Tier("avx2-vnni", frozenset({"avx2", "fma", "avx_vnni"}), ("-march=native", "-mno-avx512f")),
            Tier("avx2", frozenset({"avx2", "fma"}), ("-march=native", "-mno-avx512f", "-mno-avxvnni"))]
