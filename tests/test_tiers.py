@@ -113,6 +113,32 @@ def test_rms_norm(tier_lib, dtype):
                                rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_int8_activation_matmul(tier_lib):
+    """--int8-activations: activations quantised per row around torch._int_mm, GELU fused."""
+    tier, lib = tier_lib
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(40, 256).to(dtype), torch.randint(-127, 128, (96, 256), dtype=torch.int8)
+        scale, bias = (torch.rand(96) / 50).to(dtype), torch.randn(96).to(dtype)
+        ref = F.linear(x.float(), w.float() * scale.float()[:, None], bias.float())
+        out = native.int8_matmul(lib, x, w, scale, bias)
+        assert F.cosine_similarity(out.float().flatten(), ref.flatten(), 0) > 0.999, tier.name
+        fused = native.int8_matmul(lib, x, w, scale, bias, gelu_tanh=True)
+        torch.testing.assert_close(fused.float(), F.gelu(out.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)
+
+
+def test_check_program_on_every_tier(tier_lib, tmp_path):
+    """tests/native_check.c (a float32 decode step through two int8 layers, the GEMVs, decode
+    attention) built with the tier's own flags: what the aarch64 run checks, on x86."""
+    tier, lib = tier_lib
+    check, exe = Path(__file__).with_name("native_check.c"), tmp_path / "check"
+    cmd = [native.compiler(), "-O2", *tier.flags, "-fopenmp", "-I", str(native.SOURCE_DIR), str(check),
+           *map(str, sorted(native.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm"]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and f"features {lib.features}" in ran.stdout, ran.stdout
+
+
 def test_dispatch_choices_per_tier(tier_lib):
     tier, lib = tier_lib
     k = Kernels(tier, lib)

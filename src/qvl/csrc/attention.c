@@ -333,16 +333,15 @@ static inline float exp2_poly(float x) {
 static inline __attribute__((always_inline)) void decode_head_float(
     const float* qf, const void* kh, const void* vh, int64_t G, int64_t L, int64_t D, const uint8_t* mrow,
     float scale2, float* sc, float* acc, const int dt) {
-    for (int64_t g = 0; g < G; g++) {
-        const float* qg = qf + g * D;
-        float* sg = sc + g * L;
-        float top = -1e30f;
-        for (int64_t j = 0; j < L; j++) {
-            if (mrow && !mrow[j]) {
-                sg[j] = -1e30f;
+    for (int64_t j = 0; j < L; j++) { /* each key row is read once for the G query heads */
+        const int hidden = mrow && !mrow[j];
+        for (int64_t g = 0; g < G; g++) {
+            const float* qg = qf + g * D;
+            float s = 0.f;
+            if (hidden) {
+                sc[g * L + j] = -1e30f;
                 continue;
             }
-            float s = 0.f;
             if (dt == BF16) {
                 const uint16_t* kr = (const uint16_t*)kh + j * D;
 #pragma omp simd reduction(+ : s)
@@ -352,9 +351,13 @@ static inline __attribute__((always_inline)) void decode_head_float(
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < D; d++) s += qg[d] * kr[d];
             }
-            sg[j] = s * scale2;
-            top = sg[j] > top ? sg[j] : top;
+            sc[g * L + j] = s * scale2;
         }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float* sg = sc + g * L;
+        float top = -1e30f;
+        for (int64_t j = 0; j < L; j++) top = sg[j] > top ? sg[j] : top;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < L; j++) {
