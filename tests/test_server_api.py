@@ -20,6 +20,7 @@ from qvl.server.settings import MB, ImagePolicy, ServerSettings
 from qvl.tasks import TASKS
 
 URL = "/v1/chat/completions"
+JSON_BODY = {"Content-Type": "application/json"}
 HELLO = [{"role": "user", "content": "hello"}]
 
 
@@ -103,7 +104,7 @@ BAD_REQUESTS = [  # (name, body, status, param, code)
     ("over the pixel cap", with_image(data_uri(png_header_only(2000, 1000))), 400, IMAGE_URL, "invalid_image"),
     ("decompression bomb", with_image(data_uri(png_header_only(100_000, 100_000))), 400, IMAGE_URL,
      "invalid_image"),
-    ("corrupt pixel data", with_image(data_uri(corrupt_png())), 400, None, "invalid_image"),
+    ("corrupt pixel data", with_image(data_uri(corrupt_png())), 400, IMAGE_URL, "invalid_image"),  # found decoding
     ("image over the byte cap", with_image(data_uri(bytes(MB + 10))), 400, IMAGE_URL, "invalid_image"),
     ("http url while fetching is off", with_image("http://example.com/cat.png"), 400, IMAGE_URL, "invalid_image"),
     ("local path while off", with_image("/etc/passwd"), 400, IMAGE_URL, "invalid_image"),
@@ -119,13 +120,13 @@ BAD_REQUESTS = [  # (name, body, status, param, code)
 @pytest.mark.parametrize("name,body,status,param,code", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
 def test_bad_request_gets_status_and_error_shape(client, name, body, status, param, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = client.post(URL, content=content, headers={"Content-Type": "application/json"})
+    response = client.post(URL, content=content, headers=JSON_BODY)
     assert_error(response, status, param, code)
 
 
 def test_oversized_body_is_413(client):
     big = json.dumps({"messages": [{"role": "user", "content": "x" * (3 * MB)}]})
-    assert_error(client.post(URL, content=big), 413, code="body_too_large")
+    assert_error(client.post(URL, content=big, headers=JSON_BODY), 413, code="body_too_large")
 
 
 def test_unknown_route_and_method_use_the_error_shape(client):
@@ -135,7 +136,7 @@ def test_unknown_route_and_method_use_the_error_shape(client):
 
 def test_good_request_succeeds_after_the_bad_ones(client):
     for _, body, *_ in BAD_REQUESTS:  # the whole corpus again, then a good request
-        client.post(URL, content=body if isinstance(body, bytes) else json.dumps(body))
+        client.post(URL, content=body if isinstance(body, bytes) else json.dumps(body), headers=JSON_BODY)
     response = client.post(URL, json={"messages": [image_message("what colour?", png_bytes())], "max_tokens": 4})
     assert response.status_code == 200, response.text
     body = response.json()
@@ -236,7 +237,7 @@ def test_answer_cache_hit_skips_the_queue(tiny_engine, monkeypatch):
 
 def test_metrics_in_prometheus_format(client):
     client.post(URL, json={"messages": HELLO, "max_tokens": 2})
-    client.post(URL, content=b"{")
+    client.post(URL, content=b"{", headers=JSON_BODY)
     text = client.get("/metrics").text
     assert 'qvl_requests_total{path="/v1/chat/completions",status="200"}' in text
     assert 'qvl_requests_total{path="/v1/chat/completions",status="400"}' in text
@@ -318,7 +319,7 @@ def test_arbitrary_json_is_answered_400_or_200_never_500(client, body, messages)
         if isinstance(body.get(key), int) and body[key] > 2:
             body[key] = 2
     body.setdefault("max_tokens", 2)
-    response = client.post(URL, content=json.dumps(body))  # NaN and Infinity included
+    response = client.post(URL, content=json.dumps(body), headers=JSON_BODY)  # NaN and Infinity included
     assert response.status_code in (200, 400), response.text
     if response.status_code == 400:
         assert_error(response, 400)

@@ -86,7 +86,9 @@ def test_upload_preset_stream_stop_follow_up(server, page, tmp_path):
     page.wait_for_selector("#preview:visible")
     messages = sent_messages(page, lambda: page.click("#presets button[data-task=describe]"))
     assert messages[0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
-    page.wait_for_function("document.querySelector('.msg.assistant.streaming')?.textContent.length > 5")
+    # Polled from here: wait_for_function evaluates a string in the page, which its CSP forbids
+    wait_until(lambda: page.evaluate("document.querySelector('.msg.assistant.streaming')?.textContent.length > 5"),
+               timeout_s=30)
     page.click("#stop")
     page.wait_for_selector(".msg.assistant.stopped")
     assert page.is_disabled("#stop") and page.is_enabled("#ask")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qvl.processing.image import (
+    ImageError,
     ImageProcessorConfig,
     ProcessedImage,
     load_image,
@@ -72,17 +73,20 @@ def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Li
         raise RequestError(f"an image budget of {tokens} tokens ({max_pixels} pixels) is over this server's cap "
                            f"of {limits.image_tokens_cap} tokens", "max_pixels")
     messages, images = [], []
-    for message in request.messages:
+    for i, message in enumerate(request.messages):
         content = message.get("content")
         if isinstance(content, list):
             parts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if part.get("type") != "image":
                     parts.append(part)
                     continue
                 if len(images) >= limits.max_images:
                     raise RequestError(f"too many images: at most {limits.max_images} per request", "messages")
-                images.append(preprocess(load_image(part["image"]), image_cfg, max_pixels=max_pixels))
+                try:
+                    images.append(preprocess(load_image(part["image"]), image_cfg, max_pixels=max_pixels))
+                except ImageError as exc:  # named by its place, as a client wrote it
+                    raise RequestError(str(exc), f"messages[{i}].content[{j}]", "invalid_image") from exc
                 parts.append({"type": "image"})
             content = parts
         messages.append({**message, "content": content})
@@ -92,7 +96,7 @@ def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Li
 def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
                   limits: Limits) -> ParsedRequest:
     """Decode images, render and tokenize the conversation, check the context budget.
-    Raises RequestError / ImageError for anything unusable."""
+    Raises RequestError for anything unusable (an image that cannot be decoded names its part)."""
     if not request.messages:
         raise RequestError("messages must not be empty", "messages")
     messages, images = _decode_images(request, image_cfg, limits)

@@ -17,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from qvl.engine import Engine
 from qvl.server import errors
 from qvl.server.errors import APIError
+from qvl.server.guard import BrowserGuard
 from qvl.server.metrics import StatusCounter
 from qvl.server.openai import ChatCompletions
 from qvl.server.schemas import ModelCard, ModelList
@@ -60,7 +61,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     app = FastAPI(title="qvl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.qvl = state
     errors.install(app)
-    app.add_middleware(StatusCounter, metrics=state.metrics)
+    app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
+    app.add_middleware(StatusCounter, metrics=state.metrics)  # outermost: counts the guard's refusals too
     api = APIRouter(dependencies=[Depends(bearer_auth(settings.api_key))] if settings.api_key else [])
 
     @api.post("/v1/chat/completions")
@@ -76,12 +78,12 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     async def metrics():
         return PlainTextResponse(state.metrics.render(state.gauges(), state.cache_stats()), media_type="text/plain; version=0.0.4")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         status, body = state.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     async def index():
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 

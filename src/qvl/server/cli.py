@@ -11,19 +11,24 @@ from dataclasses import replace
 from pathlib import Path
 
 from qvl.cli import add_engine_args, engine_options
-from qvl.server.settings import MB, ImagePolicy, ServerSettings
+from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
 
-DEFAULT_MAX_CONNECTIONS = 64
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # and every other loopback address
 
 
 def register(sub: argparse._SubParsersAction, commands: dict) -> None:
-    s, im = ServerSettings(), ImagePolicy()
+    s, im, cl = ServerSettings(), ImagePolicy(), ConnectionLimits()
     p = sub.add_parser("serve", help="OpenAI-compatible API and web page over one loaded model",
                        description="Serve /v1/chat/completions, /v1/models, /health, /metrics and a web page at /.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("QVL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $QVL_API_KEY)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated names this server may be reached by (Host header; example.com, "
+                        "*.example.com) and whose web pages may call the API (Origin). Loopback binds "
+                        "always answer localhost and loopback addresses; other binds answer any host "
+                        "unless this is given (default: none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="skip the small request the worker runs once the model is loaded (it saves the first "
@@ -40,8 +45,16 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--max-images", type=int, help="images per request (default: the engine's, 8)")
     g.add_argument("--max-image-pixels", type=int, default=im.max_pixels,
                    help="largest source image, width x height, checked before decoding (default: %(default)s)")
-    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="open connections; more get 503 from uvicorn (default: %(default)s)")
+    g.add_argument("--max-connections", type=int, default=cl.max_connections,
+                   help="open connections; past it the longest-idle one without a request is closed, "
+                        "or the new one gets 503 when all carry requests (default: %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=cl.header_timeout_s,
+                   help="seconds a client has to send a complete request head, from connecting or "
+                        "from the previous answer; then 408 and closed (default: %(default)g)")
+    g.add_argument("--body-timeout", type=float, default=cl.body_timeout_s,
+                   help="seconds a client has to send the whole body after the head (default: %(default)g)")
+    g.add_argument("--keep-alive-timeout", type=float, default=cl.keep_alive_s,
+                   help="seconds an idle connection stays open between requests (default: %(default)g)")
     g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
@@ -59,9 +72,17 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     hosts = tuple(h.strip().lower() for h in args.image_url_hosts.split(",") if h.strip())
     images = ImagePolicy(max_bytes=max_bytes, max_pixels=args.max_image_pixels, url_hosts=hosts,
                          url_timeout_s=args.image_url_timeout, local_dir=args.image_dir)
+    connections = ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                                   body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive_timeout)
+    named = tuple(h.strip().lower().rstrip(".") for h in args.allowed_hosts.split(",") if h.strip())
+    if is_loopback(args.host):  # a page on another site must not reach us through DNS rebinding
+        allowed: tuple[str, ...] | None = LOOPBACK_HOSTS + named
+    else:
+        allowed = named or None
     return ServerSettings(queue_size=args.queue_size, max_body_bytes=max_bytes, time_limit_s=args.request_timeout,
                           shutdown_grace_s=args.shutdown_timeout, api_key=args.api_key or None, images=images,
-                          warm_up=args.warm_up)
+                          warm_up=args.warm_up, connections=connections, allowed_hosts=allowed,
+                          allowed_origins=named)
 
 
 def is_loopback(host: str) -> bool:
@@ -88,4 +109,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.port} can use this model; {risk}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     app = create_app(config, lambda: Engine.load(options))
-    return run(app, args.host, args.port, args.log_level, args.max_connections)
+    return run(app, args.host, args.port, args.log_level)

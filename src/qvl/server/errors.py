@@ -14,8 +14,9 @@ from qvl.processing.image import ImageError
 
 log = logging.getLogger("qvl.server")
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         421: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class APIError(Exception):

@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from qvl.engine import Engine, ParsedRequest, Request
+from qvl.engine import Engine, ParsedRequest, Request, RequestError
 from qvl.processing.image import ImageError
 from qvl.sampling import SamplingParams
 from qvl.server.errors import APIError, bad_request, from_exception
@@ -47,6 +47,7 @@ class ChatCompletions:
         self.slots = asyncio.Semaphore(state.settings.parse_slots)
 
     async def __call__(self, http: HTTPRequest) -> Response:
+        require_json(http)
         body = await read_body(http, self.state.settings.max_body_bytes)
         engine, worker = self.state.ready()
         try:
@@ -76,9 +77,24 @@ class ChatCompletions:
         if name := req.unsupported():
             raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
         messages = engine_messages(req, self.state.settings.images, engine.options.max_images)
-        parsed = engine.parse(Request(messages, sampling(req, engine), image_tokens(req, engine)))
+        try:
+            parsed = engine.parse(Request(messages, sampling(req, engine), image_tokens(req, engine)))
+        except RequestError as exc:
+            if exc.code == "invalid_image" and exc.param and exc.param.endswith("]"):  # the part -> its url
+                exc.param += ".image_url.url"
+            raise
         lookup = getattr(engine, "cached_answer", None)
         return req, parsed, lookup(parsed) if lookup else None
+
+
+def require_json(http: HTTPRequest) -> None:
+    """API bodies must say they are JSON: a browser may send text/plain or a form to any site
+    without asking first, never application/json."""
+    media_type = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"'{media_type}'" if media_type else "none"
+        raise APIError(415, f"the body must be sent with 'Content-Type: application/json' (got {shown})",
+                       code="unsupported_media_type")
 
 
 async def read_body(http: HTTPRequest, limit: int) -> bytes:

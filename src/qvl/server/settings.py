@@ -19,6 +19,23 @@ class ImagePolicy:
 
 
 @dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a client may take to send its request, and how many connections stay open."""
+
+    max_connections: int = 64  # past it, the longest-idle connection without a request is closed
+    header_timeout_s: float = 10.0  # a request head must be complete this long after the connection
+    # opened (or the previous answer ended)
+    body_timeout_s: float = 60.0  # the body must be complete this long after its head
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+
+    def __post_init__(self):
+        if self.max_connections < 1:
+            raise ValueError("--max-connections must be >= 1")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
+            raise ValueError("the header, body and keep-alive timeouts must be > 0")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     queue_size: int = 8  # requests waiting behind the one being generated
     max_body_bytes: int = 20 * MB
@@ -28,6 +45,11 @@ class ServerSettings:
     parse_slots: int = 2  # requests decoding images / tokenizing at once (bounds memory)
     warm_up: bool = True  # run Engine.warm_up in the worker once loaded, before the first request
     images: ImagePolicy = field(default_factory=ImagePolicy)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # Host header values answered ("name", "*.name", "*"; ports ignored); None: any. The CLI
+    # sets the loopback names for a loopback bind, plus --allowed-hosts.
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()  # hosts of other browser origins that may call the API
 
     def __post_init__(self):
         checks = [(self.queue_size >= 0, "the queue size must be >= 0"),

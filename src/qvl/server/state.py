@@ -84,6 +84,11 @@ class ServerState:
         if self.worker:
             self.worker.close(self.settings.shutdown_grace_s)
 
+    def drained(self) -> bool:
+        """Nothing running or waiting (after begin_shutdown: nothing will be)."""
+        worker = self.worker
+        return worker is None or worker.idle
+
     def stop(self) -> None:
         if self.worker:
             self.worker.stop()

@@ -90,6 +90,11 @@ class Worker:
     def busy(self) -> bool:
         return self.running is not None
 
+    @property
+    def idle(self) -> bool:
+        with self.cond:
+            return self.running is None and not self.waiting
+
     def start(self) -> None:
         self.thread.start()
 
