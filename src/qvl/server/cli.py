@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
                         "*.example.com, or * for any public host (default: none, fetching off)")
-    g.add_argument("--image-url-timeout", type=float, default=im.url_timeout_s, help="(default: %(default)g s)")
+    g.add_argument("--image-url-timeout", type=float, default=im.url_timeout_s,
+                   help="seconds for one image fetch, from connecting to the last byte (default: %(default)g)")
     g.add_argument("--image-dir", type=Path, help="allow file: URLs and paths under this folder (default: none)")
     add_engine_args(p)
     commands["serve"] = cmd_serve
