@@ -284,23 +284,31 @@ def test_room_is_made_from_idle_connections_only(tiny_engine):
     a request, the newcomer gets 503."""
     limits = ConnectionLimits(max_connections=3, header_timeout_s=30, body_timeout_s=30)
     with live(tiny_engine, limits) as srv:
-        url, port = srv.url, srv.port
-        idle = Client(port)
-        time.sleep(0.1)
-        busy = [Client(port, head=head(port, 100) + b"\r\n{") for _ in range(2)]
-        time.sleep(0.2)
-        newcomer = Client(port)  # the 4th: the idle one makes room
-        time.sleep(0.3)
-        for c in [idle, newcomer, *busy]:
+        connections = srv.server.server_state.connections
+
+        def until(condition) -> None:
+            deadline = time.monotonic() + 10
+            while not condition():
+                assert time.monotonic() < deadline, "timed out"
+                time.sleep(0.02)
+
+        def in_request() -> int:
+            return sum(c.in_request for c in list(connections))
+
+        idle = Client(srv.port)
+        until(lambda: len(connections) == 1)
+        busy = [Client(srv.port, head=head(srv.port, 100) + b"\r\n{") for _ in range(2)]
+        until(lambda: in_request() == 2)
+        newcomer = Client(srv.port)  # the 4th: the idle one makes room
+        until(lambda: (idle.tick(), idle.closed_after)[1] is not None)
+        for c in [newcomer, *busy]:
             c.tick()
-        assert idle.closed_after is not None and newcomer.closed_after is None
-        assert all(c.closed_after is None for c in busy)
-        newcomer.sock.sendall(head(port, 100) + b"\r\n{")  # now all three carry requests
-        time.sleep(0.3)
-        refused = Client(port)
-        time.sleep(0.3)
-        refused.tick()
-        assert refused.received.startswith(b"HTTP/1.1 503") and refused.closed_after is not None
+            assert c.closed_after is None
+        newcomer.sock.sendall(head(srv.port, 100) + b"\r\n{")  # now all three carry requests
+        until(lambda: in_request() == 3)
+        refused = Client(srv.port)
+        until(lambda: (refused.tick(), refused.closed_after)[1] is not None)
+        assert refused.received.startswith(b"HTTP/1.1 503")
         for c in [idle, newcomer, refused, *busy]:
             c.sock.close()
 
