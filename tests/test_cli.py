@@ -73,7 +73,9 @@ def test_info_reports_features_dtype_threads():
     info = json.loads(r.stdout)
     assert info["dtype_auto"] in ("bfloat16", "float32")
     assert info["threads_default"] >= 1 and "avx512_bf16" in info["cpu_features"]
-    assert {"native", "decode", "attention"} <= info["kernels"].keys()  # which kernels this CPU runs
+    # which kernels this CPU runs, per product, and the tiers it could run
+    assert {"tier", "gemv_int8", "gemv_int4", "decode_attention", "flash_attention", "decode_step"} <= info["kernels"].keys()
+    assert info["kernels"]["tier"].split()[0] in info["tiers_available"].split(", ")
 
 
 def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):
