@@ -212,8 +212,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from qvl.synth import write_checkpoint
 
-    out = write_checkpoint(args.out, args.preset, args.seed)
-    print(f"wrote a random-weight '{args.preset}' checkpoint to {out}")
+    out = write_checkpoint(args.out, args.preset, args.seed, outliers=args.outliers)
+    kind = "an outlier stress" if args.outliers else "a random-weight"
+    print(f"wrote {kind} '{args.preset}' checkpoint to {out}")
     return 0
 
 
@@ -297,6 +298,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p.add_argument("out")
     p.add_argument("--preset", default="tiny", choices=["tiny", "2b"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--outliers", action="store_true",
+                   help="a stress checkpoint for int8 activations: plant trained-model-like outliers, 6 hidden "
+                        "channels per tower (chosen by the seed) scaled 30-100x in every norm feeding a linear "
+                        "(text input/post-attention RMSNorms, vision norm1/norm2 weight and bias), and 'massive "
+                        "activations' (50, ~100x a residual entry) in 2 embedding dims of <|im_start|>, \\n and "
+                        "<|vision_start|>; same layout and config.json, what was planted recorded in the "
+                        "safetensors metadata (qvl_outliers)")
     commands["synth"] = cmd_synth
 
     p = sub.add_parser("quantize", help="write a pre-quantised int8/int4 checkpoint that loads without re-quantising")

@@ -4,6 +4,7 @@ Qwen3-VL checkpoints, for offline tests, demos and benchmarks (`qvl synth`)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 from importlib import resources
@@ -115,8 +116,69 @@ def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, changes: dict | None = None) -> Path:
-    """Write a complete checkpoint folder (config, weights, tokenizer, template, preprocessor)."""
+# -- a stress checkpoint: trained-model-like outliers --------------------------------------
+
+OUTLIER_CHANNELS = 6  # hidden channels per tower whose norm weights are scaled up
+OUTLIER_SCALE = (30.0, 100.0)  # range of the per-channel factors
+MASSIVE_TOKENS = (151644, 198, 151652)  # <|im_start|>, "\n", <|vision_start|>
+MASSIVE_DIMS = 2
+MASSIVE_VALUE = 50.0  # ~100x a residual-stream entry (rms ~0.5)
+# each norm feeding linears -> the linears it feeds
+TEXT_NORMS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+VISION_NORMS = {"norm1": ("attn.qkv",), "norm2": ("mlp.linear_fc1",)}
+
+
+def plant_outliers(state: dict[str, torch.Tensor], cfg: ModelConfig, seed: int) -> dict[str, list]:
+    """Make random weights look like a trained model's to an int8-activation scheme (in place):
+    (a) OUTLIER_CHANNELS hidden channels per tower (fixed for the checkpoint, as trained models'
+    outlier features are) get their norm weights (LayerNorm: weight and bias) scaled by 30-100x
+    in every norm feeding a linear. The fed linears' input columns stay flat, as trained weights
+    are where activations have outliers (SmoothQuant's observation), so the outlier channels
+    carry much of each product; their output rows are divided by the growth this causes, so
+    products, attention logits and the residual stream keep their scale (a row scale is
+    invisible to per-row weight and per-token activation quantisation).
+    (b) "massive activations": MASSIVE_DIMS embedding dims of a few frequent/special tokens are
+    set to MASSIVE_VALUE, carried by the residual stream through every layer; the final norm
+    damps those dims, so the tied lm_head does not favour those tokens.
+    Returns what was planted (channels, dims, tokens)."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    planted: dict[str, list] = {}
+    towers = (("text", "model.language_model.layers", cfg.text.num_hidden_layers, cfg.text.hidden_size, TEXT_NORMS),
+              ("vision", "model.visual.blocks", cfg.vision.depth, cfg.vision.hidden_size, VISION_NORMS))
+    for tower, prefix, depth, width, norms in towers:
+        channels = torch.randperm(width, generator=gen)[:OUTLIER_CHANNELS]
+        lo, hi = OUTLIER_SCALE
+        factors = lo + (hi - lo) * torch.rand(OUTLIER_CHANNELS, generator=gen)
+        growth = ((width - OUTLIER_CHANNELS + factors.pow(2).sum()) / width).sqrt().item()  # rms of a fed product
+        planted[f"{tower}_channels"] = channels.tolist()
+        for layer, (norm, linears) in itertools.product(range(depth), norms.items()):
+            for name in _present(state, f"{prefix}.{layer}.{norm}"):
+                t = state[name]
+                t[channels] = (t[channels].float() * factors).to(t.dtype)
+            for linear in linears:
+                for name in _present(state, f"{prefix}.{layer}.{linear}"):
+                    state[name] = (state[name].float() / growth).to(state[name].dtype)
+    embed = state["model.language_model.embed_tokens.weight"]
+    free = torch.tensor([c for c in range(embed.shape[1]) if c not in planted["text_channels"]])
+    dims = free[torch.randperm(len(free), generator=gen)[:MASSIVE_DIMS]]
+    signs = torch.randint(0, 2, (len(MASSIVE_TOKENS), MASSIVE_DIMS), generator=gen) * 2 - 1
+    rows = torch.tensor(MASSIVE_TOKENS)
+    embed[rows[:, None], dims[None, :]] = (MASSIVE_VALUE * signs).to(embed.dtype)
+    state["model.language_model.norm.weight"][dims] = 0.01
+    planted.update(massive_dims=dims.tolist(), massive_tokens=list(MASSIVE_TOKENS))
+    return planted
+
+
+def _present(state: dict[str, torch.Tensor], module: str) -> list[str]:
+    return [name for leaf in ("weight", "bias") if (name := f"{module}.{leaf}") in state]
+
+
+def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, changes: dict | None = None,
+                     outliers: bool = False) -> Path:
+    """Write a complete checkpoint folder (config, weights, tokenizer, template, preprocessor);
+    `outliers` plants trained-model-like outliers (see plant_outliers) and records them in
+    the safetensors metadata under "qvl_outliers"."""
     from qvl.processing.tokenizer import write_tokenizer_files
 
     out = Path(out)
@@ -130,5 +192,8 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
     with resources.as_file(template) as path:
         shutil.copyfile(path, out / "chat_template.jinja")
     write_tokenizer_files(out)
-    save_file(random_state(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    state, metadata = random_state(cfg, seed), {"format": "pt"}
+    if outliers:
+        metadata["qvl_outliers"] = json.dumps(plant_outliers(state, cfg, seed))
+    save_file(state, str(out / "model.safetensors"), metadata=metadata)
     return out

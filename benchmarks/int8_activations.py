@@ -1,0 +1,231 @@
+"""How far int8 activations move image features and prompt logits from bf16, per scheme, on
+an outlier stress checkpoint (`qvl synth --outliers`) and on a plain random one.
+
+Schemes, all with int8 weights (per output channel) and bf16 compute:
+  int8 weights        the default production path: Engine.load(weights="int8", dtype="bf16")
+                      (float products, vision tower in bf16)
+  + vision int8       the vision tower's linears int8 too (--vision-int8), float products
+  int8 act            + vision int8 and int8 x int8 products (activations per row)
+  + smooth data-free  SmoothQuant scales from the norms' weights (qvl.smoothing), then as above
+  + smooth calibrated scales from activation absmax over calibration images (not the evaluated ones)
+  + fp outliers       no smoothing; the input channels whose calibrated absmax is above 8x the
+                      median channel's computed in float beside the int8 product (LLM.int8()-style)
+Each is measured against bf16 weights: mean per-token cosine of the image features
+(encode_images: merged + DeepStack), mean per-position cosine of the prompt logits, top-1
+agreement of the next-token logits over the prompt positions; and top-1 agreement with int8
+weights. Prints a markdown table.
+
+    python benchmarks/int8_activations.py                       # tiny stress + tiny plain
+    python benchmarks/int8_activations.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qvl.bench import synthetic_image
+from qvl.engine import Engine, EngineOptions, Request
+from qvl.generate import new_cache
+from qvl.quantize import Int8Linear, QuantSpec, TiedQuantEmbedding, quantize_int8, quantized_linear_names
+from qvl.smoothing import calibrate, outlier_channels, smooth, smooth_groups
+from qvl.stream import Timings
+from qvl.synth import write_checkpoint
+
+PROMPTS = ("Describe this image in detail.", "What colours are in the picture? Answer in one word.",
+           "Is there any text in this image?\nList it.")
+EVAL_SIZES = ((448, 336), (320, 480), (512, 512))
+CALIBRATION_SIZES = ((384, 384), (640, 360))
+CALIBRATION_PROMPT = "Write a short caption for this picture, then list the three most visible things."
+FP_OUTLIER_RATIO = 8.0
+
+
+@dataclass
+class Output:
+    features: list[torch.Tensor]  # per sample: [n, D] float32 (merged and DeepStack rows stacked)
+    logits: list[torch.Tensor]  # per sample: [T, V] float32
+
+
+def samples(sizes, prompts, seed: int, max_image_tokens: int) -> list[Request]:
+    return [Request([{"role": "user", "content": [{"type": "image", "image": synthetic_image(w, h, seed + i)},
+                                                  {"type": "text", "text": prompts[i % len(prompts)]}]}],
+                    max_image_tokens=max_image_tokens)
+            for i, (w, h) in enumerate(sizes)]
+
+
+@torch.inference_mode()
+def run(engine: Engine, requests: list[Request]) -> Output:
+    """Image features and the logits at every prompt position, through the engine's own
+    parsing, vision and M-RoPE layout (no caches)."""
+    model, out = engine.model, Output([], [])
+    for request in requests:
+        parsed = engine.parse(request)
+        prompt = engine.prepare(parsed, Timings(), use_cache=False)
+        out.features.append(torch.cat([prompt.image_embeds, *prompt.deepstack]).float())
+        ids = prompt.ids[None]
+        h = model.embed(ids, prompt.image_embeds)
+        cos, sin = model.rope(prompt.positions[:, None])
+        cache = new_cache(model, 1, ids.shape[1])
+        vis = ids == model.cfg.image_token_id
+        h = model.language_model(h, cos, sin, cache, 0, None, vis, prompt.deepstack)
+        out.logits.append(model.logits(h)[0].float())
+    return out
+
+
+def row_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean, min) per-row cosine over all samples."""
+    c = torch.cat([F.cosine_similarity(x, y, dim=-1) for x, y in zip(a, b)])
+    return c.mean().item(), c.min().item()
+
+
+def top1(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return torch.cat([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b)]).float().mean().item()
+
+
+# -- building the variants ----------------------------------------------------------------
+
+class FloatOutlierLinear(Int8Linear):
+    """Int8Linear whose listed input channels are computed in float beside the int8 product
+    (their int8 weight columns zeroed): y = int8(x without them) + x[:, ch] @ W[:, ch].T."""
+
+    channels: torch.Tensor
+    float_columns: torch.Tensor  # [O, len(channels)] in the compute dtype
+
+    def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+        x_rest = x.clone()
+        x_rest[..., self.channels] = 0
+        y = super().forward(x_rest) + x[..., self.channels] @ self.float_columns.T
+        return F.gelu(y, approximate="tanh") if gelu_tanh else y
+
+
+def quantize_in_place(model, int8_activations: bool, float_channels: dict[str, torch.Tensor] | None = None):
+    """What weights.load_model does for --weights int8 --vision-int8 (every text and vision
+    linear -> Int8Linear, tied embeddings read from the quantised head), on an already loaded
+    float model, so smoothing can be folded in first."""
+    dtype = model.dtype
+    for name in quantized_linear_names(model, QuantSpec("int8", vision=True)):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        w = old.weight.detach().float()
+        channels = (float_channels or {}).get(name)
+        cls = FloatOutlierLinear if channels is not None and len(channels) else Int8Linear
+        new = cls(old.in_features, old.out_features, old.bias is not None, dtype)
+        if cls is FloatOutlierLinear:
+            new.channels, new.float_columns = channels, w[:, channels].to(dtype)
+            w = w.clone()
+            w[:, channels] = 0
+        new.weight, scales = quantize_int8(w)
+        new.scales = scales.to(dtype)
+        if old.bias is not None:
+            new.bias = old.bias.detach().to(dtype)
+        new.int8_activations = int8_activations
+        setattr(parent, attr, new)
+    if model.cfg.tie_word_embeddings:
+        model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
+    model.language_model._native_layers = None
+    return model
+
+
+def variant(engine: Engine, model) -> Engine:
+    """The engine's tokenizer, template and processor over another model."""
+    other = copy.copy(engine)
+    other.model = model
+    return other
+
+
+# -- one checkpoint -----------------------------------------------------------------------
+
+def measure(path: Path, args) -> list[tuple[str, dict]]:
+    common = dict(model=str(path), threads=args.threads, quant_cache=False)
+    evaluation = samples(EVAL_SIZES[: args.images], PROMPTS, 0, args.max_image_tokens)
+    calibration = samples(CALIBRATION_SIZES, (CALIBRATION_PROMPT,), 1000, args.max_image_tokens)
+    rows = []
+
+    started = time.perf_counter()
+    bf16 = Engine.load(EngineOptions(**common, weights="bf16"))
+    ref = run(bf16, evaluation)
+    print(f"  bf16 reference: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    def record(name: str, out: Output, note: str = "") -> None:
+        feat, feat_min = row_cosine(out.features, ref.features)
+        logit, _ = row_cosine(out.logits, ref.logits)
+        rows.append((name, {"feat": feat, "feat_min": feat_min, "logits": logit, "top1": top1(out.logits, ref.logits),
+                            "top1_w8": top1(out.logits, base.logits) if base else 1.0, "note": note}))
+        print(f"  {name}: {rows[-1][1]} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+
+    base = None
+    engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16"))
+    base = run(engine, evaluation)
+    del engine
+    record("int8 weights (default)", base)
+
+    stats = calibrate(bf16.model, lambda: run(bf16, calibration))
+    model = quantize_in_place(copy.deepcopy(bf16.model), False)
+    record("int8 weights + vision int8", run(variant(bf16, model), evaluation))
+    del model
+    builds = [
+        ("int8 act", lambda m: None),
+        ("int8 act + smooth data-free", lambda m: smooth(m, alpha=args.alpha)),
+        ("int8 act + smooth calibrated", lambda m: smooth(m, stats, alpha=args.alpha)),
+    ]
+    for name, prepare in builds:
+        model = copy.deepcopy(bf16.model)
+        prepare(model)
+        record(name, run(variant(bf16, quantize_in_place(model, True)), evaluation))
+        del model
+        gc.collect()
+    if args.fp_outliers:
+        consumers = {g.key: g.consumers for g in smooth_groups(bf16.model)}
+        keep = {linear: c for key, c in outlier_channels(stats, FP_OUTLIER_RATIO).items() if len(c)
+                for linear in consumers[key]}
+        note = f"{sum(len(c) for c in keep.values())} channels over {len(keep)} linears"
+        model = quantize_in_place(copy.deepcopy(bf16.model), True, keep)
+        record("int8 act + fp outliers", run(variant(bf16, model), evaluation), note)
+    return rows
+
+
+def table(results: dict[str, list[tuple[str, dict]]]) -> str:
+    lines = ["| checkpoint | scheme | image features cos (mean / min) | prompt logits cos | top-1 vs bf16 "
+             "| top-1 vs int8 weights |", "|---|---|---|---|---|---|"]
+    for ckpt, rows in results.items():
+        for name, r in rows:
+            lines.append(f"| {ckpt} | {name}{' (' + r['note'] + ')' if r['note'] else ''} | {r['feat']:.5f} / "
+                         f"{r['feat_min']:.4f} | {r['logits']:.5f} | {r['top1']:.3f} | {r['top1_w8']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", help="checkpoint folder(s) (default: tiny stress + tiny plain, "
+                        "written to a temporary folder)")
+    parser.add_argument("--max-image-tokens", type=int, default=256)
+    parser.add_argument("--images", type=int, default=3, help="evaluation images (1-3)")
+    parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    parser.add_argument("--fp-outliers", action="store_true", help="also the LLM.int8()-style scheme")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="qvl-int8act-") as tmp:
+        paths = [Path(p) for p in args.model] if args.model else [
+            write_checkpoint(Path(tmp) / "tiny-outliers", "tiny", seed=0, outliers=True),
+            write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)]
+        results = {}
+        for path in paths:
+            print(f"{path}:", file=sys.stderr)
+            results[path.name] = measure(path, args)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
