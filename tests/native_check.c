@@ -6,21 +6,6 @@
 
 #include "common.h"
 
-void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
-                    int dt, void* out, int threads);
-typedef struct {
-    int64_t kind, n, k, group_size;
-    const void *w, *scale, *zero, *bias;
-} QvlLinear;
-typedef struct {
-    const void *input_norm, *post_norm, *q_norm, *k_norm;
-    QvlLinear q, k, v, o, gate, up, down;
-} QvlLayer;
-int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
-                      int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
-                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride, int64_t pos,
-                      const uint8_t* mask, int64_t mask_stride, int threads);
-
 static int failures = 0;
 static uint32_t seed = 12345;
 

@@ -110,6 +110,18 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
+/* One linear of a decoder layer, as qvl_linear takes it, and one decoder layer's weights
+ * (QvlLinear / QvlLayer mirror native.LinearArgs / native.LayerArgs). */
+typedef struct {
+    int64_t kind, n, k, group_size;
+    const void *w, *scale, *zero, *bias;
+} QvlLinear;
+
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
+    QvlLinear q, k, v, o, gate, up, down;
+} QvlLayer;
+
 /* Entry points shared between the files (each defined once). */
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                const void* zero, int64_t gs, const void* bias, void* y, int threads);
@@ -118,5 +130,11 @@ int qvl_decode_attention(const void* q, const void* keys, const void* values, in
                          const uint8_t* mask, int64_t mask_stride, void* out, int threads);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 int qvl_features(void);
+void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
+                    int dt, void* out, int threads);
+int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
+                      int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
+                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride, int64_t pos,
+                      const uint8_t* mask, int64_t mask_stride, int threads);
 
 #endif

@@ -64,17 +64,6 @@ void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, 
 
 /* ---- a whole decode step through the decoder layers ---- */
 
-/* One linear of a decoder layer, as qvl_linear takes it. */
-typedef struct {
-    int64_t kind, n, k, group_size;
-    const void *w, *scale, *zero, *bias;
-} QvlLinear;
-
-typedef struct {
-    const void *input_norm, *post_norm, *q_norm, *k_norm;
-    QvlLinear q, k, v, o, gate, up, down;
-} QvlLayer;
-
 static int layer_linear(const QvlLinear* l, const void* x, int dt, int64_t M, void* y, int threads) {
     return qvl_linear((int)l->kind, x, dt, M, l->k, l->n, l->w, l->scale, l->zero, l->group_size, l->bias, y, threads);
 }
