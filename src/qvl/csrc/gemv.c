@@ -347,27 +347,32 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
 }
 
 /* Lane j of the dot products over weight bytes 32h..32h+31 of a chunk covers columns
- * 64h+8j..64h+8j+7, so its weight scale is that of group (c*128 + 64h + 8j) / gs. */
+ * 64h+8j..64h+8j+7, so its weight scale is that of group (c*128 + 64h + 8j) / gs. The scale
+ * vectors are built in registers: filling a small array and loading it whole stalls on store
+ * forwarding (it made this kernel compute-bound at the int8 kernel's speed). */
+static inline __attribute__((always_inline)) void int4_scales_avx2(const void* sc, int dt, int64_t g0, int64_t gs,
+                                                                   __m256* s0, __m256* s1) {
+    if (gs >= 128) {
+        *s0 = *s1 = _mm256_set1_ps(get(sc, dt, g0));
+    } else if (gs == 64) {
+        *s0 = _mm256_set1_ps(get(sc, dt, g0));
+        *s1 = _mm256_set1_ps(get(sc, dt, g0 + 1));
+    } else { /* gs == 32: lanes 0-3 and 4-7 of each half belong to consecutive groups */
+        *s0 = _mm256_set_m128(_mm_set1_ps(get(sc, dt, g0 + 1)), _mm_set1_ps(get(sc, dt, g0)));
+        *s1 = _mm256_set_m128(_mm_set1_ps(get(sc, dt, g0 + 3)), _mm_set1_ps(get(sc, dt, g0 + 2)));
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
                                                                 const uint8_t* w, const void* sc, const void* zr,
                                                                 int dt, float* out, const int mt) {
     const int64_t C = K / CHUNK, G = K / gs;
-    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
-    int idx0[8], idx1[8];
-    for (int j = 0; j < 8; j++) {
-        idx0[j] = gs >= CHUNK ? 0 : (int)(8 * j / gs);
-        idx1[j] = gs >= CHUNK ? 0 : (int)((64 + 8 * j) / gs);
-    }
-    const __m256i spread0 = _mm256_loadu_si256((const __m256i*)idx0), spread1 = _mm256_loadu_si256((const __m256i*)idx1);
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256 acc[TILE];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
-        float s8[8] = {0};
-        const int64_t g0 = c * CHUNK / gs;
-        for (int i = 0; i < per_chunk; i++) s8[i] = get(sc, dt, g0 + i);
-        const __m256 sv = _mm256_loadu_ps(s8);
-        const __m256 s0 = _mm256_permutevar8x32_ps(sv, spread0), s1 = _mm256_permutevar8x32_ps(sv, spread1);
+        __m256 s0, s1;
+        int4_scales_avx2(sc, dt, c * CHUNK / gs, gs, &s0, &s1);
         __m256i v0 = _mm256_loadu_si256((const __m256i*)(w + c * (CHUNK / 2)));
         __m256i v1 = _mm256_loadu_si256((const __m256i*)(w + c * (CHUNK / 2) + 32));
         __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
@@ -449,22 +454,17 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
 }
 
 #ifdef __ARM_FEATURE_DOTPROD
-/* Byte quarter i (16 bytes) of a chunk: lane j covers columns 32i+8j..32i+8j+7 (low nibbles
- * with xq[16i..], high with xq[64+16i..]), so its scale is that of group (c*128+32i+8j)/gs. */
+/* Byte quarter i (16 bytes) of a chunk covers columns 32i..32i+31 (low nibbles with xq[16i..],
+ * high with xq[64+16i..]): with groups of >= 32 columns, one weight scale per quarter. */
 static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
                                                                 const uint8_t* w, const void* sc, const void* zr,
                                                                 int dt, float* out, const int mt) {
     const int64_t C = K / CHUNK, G = K / gs;
-    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
-    int lane_group[16];
-    for (int l = 0; l < 16; l++) lane_group[l] = gs >= CHUNK ? 0 : (int)(8 * l / gs);
     float32x4_t acc[TILE];
     for (int m = 0; m < mt; m++) acc[m] = vdupq_n_f32(0.f);
     for (int64_t c = 0; c < C; c++) {
-        float s4[4], lanes[16];
-        const int64_t g0 = c * CHUNK / gs;
-        for (int i = 0; i < per_chunk; i++) s4[i] = get(sc, dt, g0 + i);
-        for (int l = 0; l < 16; l++) lanes[l] = s4[lane_group[l]];
+        float quarter_scale[4];
+        for (int i = 0; i < 4; i++) quarter_scale[i] = get(sc, dt, (c * CHUNK + 32 * i) / gs);
         uint8x16_t lo[4], hi[4];
         for (int i = 0; i < 4; i++) {
             uint8x16_t v = vld1q_u8(w + c * (CHUNK / 2) + 16 * i);
@@ -477,7 +477,7 @@ static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx
             for (int i = 0; i < 4; i++) {
                 int32x4_t d = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(lo[i]), vld1q_s8(xq + 16 * i));
                 d = vdotq_s32(d, vreinterpretq_s8_u8(hi[i]), vld1q_s8(xq + 64 + 16 * i));
-                acc[m] = vfmaq_f32(acc[m], vcvtq_f32_s32(d), vmulq_n_f32(vld1q_f32(lanes + 4 * i), xs));
+                acc[m] = vfmaq_n_f32(acc[m], vcvtq_f32_s32(d), quarter_scale[i] * xs);
             }
         }
     }
