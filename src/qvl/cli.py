@@ -330,12 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "cpus", None):  # pin here, in the main thread, so every thread started later inherits it
-        from qvl.runtime import parse_cpu_list
+        from qvl.runtime import parse_cpu_list, pin
 
         try:
-            if not hasattr(os, "sched_setaffinity"):
-                raise OSError(f"pinning is not supported on {sys.platform}; use --threads")
-            os.sched_setaffinity(0, parse_cpu_list(args.cpus))
+            pin(parse_cpu_list(args.cpus))
         except (ValueError, OSError) as exc:
             print(f"qvl {args.command}: error: --cpus {args.cpus}: {exc}", file=sys.stderr)
             return 2

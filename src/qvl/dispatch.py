@@ -53,9 +53,13 @@ class Kernels:
         """Vision and causal prefill attention: qvl's AVX512-BF16 flash kernel; elsewhere, and
         where the CPU has AMX (whose tiles torch's oneDNN-backed SDPA uses, ~3x faster than
         vdpbf16ps), torch's SDPA, which runs its own flash kernel vectorised for the CPU."""
-        return self.lib is not None and dtype == torch.bfloat16 and self.has(native.BF16) and not self.tier.amx
+        return self._bf16_products(dtype) and not self.tier.amx
 
     def vision_rope(self, dtype: torch.dtype) -> bool:
+        return self._bf16_products(dtype)
+
+    def _bf16_products(self, dtype: torch.dtype) -> bool:
+        """bf16 data and a build with AVX512-BF16 dot products."""
         return self.lib is not None and dtype == torch.bfloat16 and self.has(native.BF16)
 
     def rms_norm(self, dtype: torch.dtype) -> bool:

@@ -92,6 +92,13 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
+def pin(cpus: list[int]) -> None:
+    """Run this process (and the threads it starts later) on these CPUs; no root needed."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError(f"pinning to CPUs is not supported on {sys.platform}; use threads instead")
+    os.sched_setaffinity(0, cpus)
+
+
 @dataclass(frozen=True)
 class RuntimeInfo:
     dtype: torch.dtype
@@ -102,9 +109,7 @@ class RuntimeInfo:
 def configure(dtype: str = "auto", threads: int | None = None, cpus: list[int] | None = None) -> RuntimeInfo:
     """Pin the process (no root needed) and set torch's thread count."""
     if cpus:
-        if not hasattr(os, "sched_setaffinity"):
-            raise OSError(f"pinning to CPUs is not supported on {sys.platform}; use threads instead")
-        os.sched_setaffinity(0, cpus)
+        pin(cpus)
     n = threads or (len(cpus) if cpus else physical_cores())
     if n < 1:
         raise ValueError("threads must be >= 1")
