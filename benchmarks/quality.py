@@ -28,7 +28,7 @@ PROMPTS = [
 
 FORMATS = {  # every prompt position runs through prefill: int8 activations apply to all of them
     "int8": {"weights": "int8"},
-    "int8 --vision-int8 --int8-activations": {"weights": "int8", "vision_int8": True, "int8_activations": True},
+    "int8 --vision-int8 --int8-activations": {"weights": "int8", "vision_int8": True, "int8_activations": "all"},
     "int4 (group 128)": {"weights": "int4"},
     "int4 --vision-int8": {"weights": "int4", "vision_int8": True},
 }

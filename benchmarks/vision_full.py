@@ -22,7 +22,7 @@ from qvl.processing.image import max_pixels_for_tokens, preprocess
 CONFIGS = {
     "qvl bf16": {"weights": "bf16"},
     "qvl int8-fast (--vision-int8 --int8-activations)": {"weights": "int8", "vision_int8": True,
-                                                         "int8_activations": True},
+                                                         "int8_activations": "all"},
 }
 
 

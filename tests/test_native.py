@@ -60,9 +60,10 @@ def test_engine_option_switches_int8_layers_to_int8_activations(tiny_checkpoint)
     from qvl.engine import Engine, EngineOptions
     from qvl.quantize import Int8Linear
 
-    plain = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", vision_int8=True, threads=1))
+    plain = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", vision_int8=True, threads=1,
+                                      int8_activations="off"))
     fast = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", vision_int8=True, threads=1,
-                                     int8_activations=True))
+                                     int8_activations="all"))
     layers = [m for m in fast.model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.int8_activations for m in layers)
     assert plain.model_id != fast.model_id  # cached answers of one never serve the other

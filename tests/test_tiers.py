@@ -148,6 +148,9 @@ def test_dispatch_choices_per_tier(tier_lib):
     for dtype in (torch.float32, torch.bfloat16):
         assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)
     assert k.native_bf16 == bf16_hw
+    # the vision tower's default int8 x int8 products: only where they beat the float GEMM
+    assert k.int8_activations() == (tier.name.startswith("avx512") and bool(lib.features & native.VNNI)
+                                    and not tier.amx)
     described = k.describe()
     assert described["tier"].startswith(tier.name)
     assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tier.amx)
@@ -262,12 +265,14 @@ def test_aarch64_kernels_under_qemu(tmp_path):
 
 
 def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):
-    """CPUs without bf16 products compute in float32; the int8 model's vision tower stays bf16
-    in memory (as on the AVX-512 tier) and gives what float32 copies of the same weights give."""
+    """CPUs without bf16 products compute in float32; asked to keep a float vision tower (its
+    default there is int8), the int8 model keeps it bf16 in memory (as on the AVX-512 tier) and
+    gives what float32 copies of the same weights give."""
     from qvl.engine import Engine, EngineOptions
     from qvl.quantize import Bf16StoredLinear
 
-    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="fp32", threads=1))
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="fp32", threads=1,
+                                       vision_int8=False))
     layers = [m for m in engine.model.visual.modules() if isinstance(m, Bf16StoredLinear)]
     assert layers and all(m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.float32 for m in layers)
     fc = layers[0]

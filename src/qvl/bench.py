@@ -63,7 +63,7 @@ def run_bench(engine: Engine, image, new_tokens: int, repeat: int, max_image_tok
     prefill_ms = median("prefill_ms")
     return {
         "model": str(engine.path), "weights": engine.weights, "dtype": str(engine.model.dtype).replace("torch.", ""),
-        "int8_activations": engine.options.int8_activations,
+        "int8_activations": engine.int8_activations, "model_id": engine.model_id,
         "threads": engine.runtime.threads, "load_s": round(engine.load_s, 3), "peak_rss_mb": round(peak_rss_mb(), 1),
         "image_tokens": runs[0].usage.image_tokens, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "repeat": repeat, "vision_ms": round(median("vision_ms"), 1), "prefill_ms": round(prefill_ms, 1),

@@ -28,10 +28,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
                    help="weight format; auto = a pre-quantised checkpoint's own, else int8 (quantised at load)")
     g.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
-    g.add_argument("--vision-int8", action="store_true", help="also quantise the vision tower to int8")
-    g.add_argument("--int8-activations", action="store_true",
-                   help="prefill and vision matmuls of int8 layers run int8 x int8 (activations quantised per "
-                        "token): a faster first token, slightly less exact")
+    g.add_argument("--vision-int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="quantise the vision tower to int8 too (default: where compute is float32 or its "
+                        "products run int8 x int8; see `qvl info`)")
+    g.add_argument("--int8-activations", nargs="?", const="all", default="auto",
+                   choices=["auto", "off", "vision", "all"],
+                   help="which int8 layers run their many-row products int8 x int8 (activations quantised "
+                        "per token): auto = the vision tower where that is faster than the float GEMM "
+                        "(AVX-512 VNNI without AMX), else off; all (the bare flag) adds prefill: a faster "
+                        "first token, slightly less exact")
     g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
     g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
@@ -225,7 +230,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qvl.quantize import QuantSpec
     from qvl.weights import save_quantized
 
-    spec = QuantSpec(args.weights, args.group_size, args.vision_int8)
+    spec = QuantSpec(args.weights, args.group_size, bool(args.vision_int8))
     out = save_quantized(resolve_model(args.input), Path(args.output), spec)
     print(f"wrote {spec.weights} weights to {out}")
     return 0

@@ -43,8 +43,16 @@ class Kernels:
         return self.lib is not None
 
     def int8_gemm(self) -> bool:
-        """Quantise/rescale passes around torch._int_mm (--int8-activations)."""
+        """Quantise/rescale passes around torch._int_mm (int8 activations)."""
         return self.lib is not None
+
+    def int8_activations(self) -> bool:
+        """Many-row int8 x int8 products beat the tier's float GEMM, so the vision tower runs
+        them by default: AVX-512 VNNI without AMX (oneDNN's int8 GEMM behind torch._int_mm:
+        3.1x float32 on the avx512-nobf16 tier, ~1.6x bf16 on Zen 4). Not with AMX (oneDNN's
+        bf16 tiles are faster), nor on AVX2, with or without AVX-VNNI, where that int8 GEMM is
+        slower than float32 (docs/benchmarks.md, sections 10 and 12); NEON is unmeasured."""
+        return self.int8_gemm() and self.has(native.VNNI) and not self.tier.amx  # VNNI: AVX-512's
 
     def decode_attention(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
@@ -102,7 +110,9 @@ class Kernels:
                                "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
             "decode_step": "all layers in one native call (bf16 and float32)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": "torch._int_mm + native quantise/rescale",
+            "int8_activations": "torch._int_mm + native quantise/rescale" + (
+                ", vision by default (faster than the float GEMM here)" if self.int8_activations() else
+                ", off by default (not faster than the float GEMM here)"),
         }
 
 

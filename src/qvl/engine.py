@@ -42,8 +42,8 @@ class EngineOptions:
     dtype: str = "auto"  # compute dtype of int8/int4 models; bf16/fp32 weights compute in their own
     weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (auto: a pre-quantised file's format, else int8)
     group_size: int = 128  # int4 group size
-    vision_int8: bool = False
-    int8_activations: bool = False  # int8 layers' many-row matmuls as int8 x int8 (see Int8Linear)
+    vision_int8: bool | None = None  # None: the tier decides (see int8_plan)
+    int8_activations: str = "auto"  # auto | off | vision | all: which int8 layers run many rows int8 x int8
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
     max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS
@@ -80,6 +80,35 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
         return model
 
 
+INT8_ACTIVATIONS = ("auto", "off", "vision", "all")
+
+
+def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | None) -> tuple[bool, str]:
+    """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
+
+    auto: the vision tower's products run int8 x int8 where the tier's integer products beat
+    its float ones (dispatch: AVX-512 VNNI without AMX), and its weights are int8 there and
+    wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
+    bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill stays in
+    the compute dtype unless asked ("all"): int8 activations there lose top-1 agreement on
+    outlier channels (docs/benchmarks.md, section 11)."""
+    if options.int8_activations not in INT8_ACTIVATIONS:
+        raise ValueError(f"int8 activations must be one of {', '.join(INT8_ACTIVATIONS)}, "
+                         f"not '{options.int8_activations}'")
+    acts = options.int8_activations
+    if acts == "auto":
+        acts = "vision" if kernels().int8_activations() else "off"
+    vision = stored.vision if stored else options.vision_int8
+    if vision is None:
+        vision = acts != "off" or dtype == torch.float32
+    if not vision and acts == "vision":
+        if options.int8_activations == "vision":
+            raise ValueError("int8 activations in the vision tower need its int8 weights: drop --no-vision-int8"
+                             + (" (this pre-quantised checkpoint has a bf16 vision tower)" if stored else ""))
+        acts = "off"
+    return vision, acts
+
+
 def _weights_name(model) -> str:
     head = model.lm_head
     if isinstance(head, Int4Linear):
@@ -90,8 +119,9 @@ def _weights_name(model) -> str:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
                  defaults: GenerationDefaults, options: EngineOptions, runtime: RuntimeInfo, path: Path,
-                 load_s: float):
+                 load_s: float, int8_activations: str = "off"):
         self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.int8_activations = int8_activations  # off | vision | all, as int8_plan decided
         self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
         self.path, self.load_s = path, load_s
         self.weights = _weights_name(model)
@@ -116,20 +146,21 @@ class Engine:
         dtype = weights if weights in ("bf16", "fp32") else options.dtype
         runtime = configure(dtype, options.threads, list(options.cpus) if options.cpus else None)
         kernels()  # built for this CPU on the first start (a few seconds), then loaded from the cache
-        quant = None
+        quant, activations = None, "off"
         if weights in ("int8", "int4"):
-            quant = stored or QuantSpec(weights, options.group_size, options.vision_int8)
+            vision_int8, activations = int8_plan(options, runtime.dtype, stored)
+            quant = stored or QuantSpec(weights, options.group_size, vision_int8)
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, Int8Linear):
-                module.int8_activations = options.int8_activations
+                module.int8_activations = activations == "all" or (activations == "vision" and name.startswith("visual."))
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)
         return cls(model, tokenizer, template, image_cfg, defaults, options, runtime, path,
-                   time.perf_counter() - started)
+                   time.perf_counter() - started, activations)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -144,8 +175,9 @@ class Engine:
     @property
     def model_id(self) -> str:
         """Identifies what computes the answers: checkpoint, weight format, dtype."""
-        activations = "|int8-activations" if self.options.int8_activations else ""
-        return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{activations}"
+        vision = "|vision-int8" if isinstance(self.model.visual.blocks[0].attn.qkv, Int8Linear) else ""
+        activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
+        return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 
     def sampling_defaults(self, **overrides) -> SamplingParams:
         """The checkpoint's generation_config defaults, with explicit overrides (None = keep)."""

@@ -23,27 +23,38 @@ WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
 KERNEL_MAX_ROWS = native.GEMV_MAX_ROWS
 
 
+SMOOTHING = ("none", "data-free")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     weights: str  # "int8" | "int4"
     group_size: int = 128
     vision: bool = False  # also int8 for the vision tower
+    # the vision tower's int8 inputs smoothed before quantising (qvl.smoothing): "data-free"
+    # (from the norms) for every new int8 vision tower; "none" in files written before it
+    smoothing: str = "data-free"
 
     def __post_init__(self):
         if self.weights not in ("int8", "int4"):
             raise ValueError(f"quantised weights must be int8 or int4, not '{self.weights}'")
         if self.group_size not in (32, 64, 128, 256):
             raise ValueError("group size must be 32, 64, 128 or 256")
+        if self.smoothing not in SMOOTHING:
+            raise ValueError(f"smoothing must be one of {', '.join(SMOOTHING)}, not '{self.smoothing}'")
+        if not self.vision:
+            object.__setattr__(self, "smoothing", "none")  # only the int8 vision tower is smoothed
 
     def metadata(self) -> dict[str, str]:
         return {"qvl_weights": self.weights, "qvl_group_size": str(self.group_size),
-                "qvl_vision_int8": str(self.vision).lower()}
+                "qvl_vision_int8": str(self.vision).lower(), "qvl_smoothing": self.smoothing}
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> QuantSpec | None:
         if meta.get("qvl_weights") not in ("int8", "int4"):
             return None
-        return cls(meta["qvl_weights"], int(meta["qvl_group_size"]), meta.get("qvl_vision_int8") == "true")
+        return cls(meta["qvl_weights"], int(meta["qvl_group_size"]), meta.get("qvl_vision_int8") == "true",
+                   meta.get("qvl_smoothing", "none"))
 
 
 # -- the arithmetic -----------------------------------------------------------------------
@@ -168,6 +179,26 @@ class Int8Linear(nn.Module):
             return None
         return native.LinearArgs.of(native.W_INT8, self.out_features, self.in_features, self.weight, self.scales,
                                     bias=self.bias)
+
+
+def int8_linear(linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
+    """A loaded float linear quantised to an Int8Linear with scales (and bias) in `dtype`."""
+    new = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, dtype)
+    new.weight, scale = quantize_int8(linear.weight.detach())
+    new.scales = scale.to(dtype)
+    if linear.bias is not None:
+        new.bias = linear.bias.detach().to(dtype)
+    return new
+
+
+def quantize_vision(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Replace the vision tower's loaded float linears by Int8Linear (after smoothing); returns their names."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.startswith("visual.")]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, int8_linear(getattr(parent, attr), dtype))
+    return names
 
 
 class Int4Linear(nn.Module):

@@ -11,11 +11,13 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from qvl import smoothing
 from qvl.config import ModelConfig
 from qvl.paths import cache_root
 from qvl.model.qwen3_vl import Qwen3VL
@@ -26,6 +28,7 @@ from qvl.quantize import (
     TiedQuantEmbedding,
     keep_bf16_storage,
     portable_state,
+    quantize_vision,
     quantized_state,
     state_from_portable,
     swap_modules,
@@ -112,9 +115,12 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
             f"{model_dir} holds pre-quantised {stored.weights} weights; load it with --weights {stored.weights} "
             f"or quantise the original bf16 checkpoint instead")
     spec = stored or quant
+    # a new int8 vision tower is loaded in float, smoothed, then quantised (files hold it done)
+    smooth_vision = stored is None and spec is not None and spec.vision and spec.smoothing != "none"
     with torch.device("meta"), skipped_init():
         model = Qwen3VL(cfg)
-        quantized = set(swap_modules(model, spec, dtype)) if spec else set()
+        quantized = set(swap_modules(model, replace(spec, vision=False) if smooth_vision else spec, dtype)) \
+            if spec else set()
         use_decode_kernels(model)
         # float32 compute of a quantised model (CPUs without bf16 products): its float vision tower stays bf16
         kept_bf16 = keep_bf16_storage(model) if spec and dtype == torch.float32 else set()
@@ -133,6 +139,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
         raise CheckpointError(_mismatch_message(missing, unexpected))
     _check_shapes(model, source.state)
     model.load_state_dict(source.state, strict=False, assign=True)
+    if smooth_vision:
+        smoothing.smooth(model, text=False, vision=True)
+        quantize_vision(model, dtype)
     model.init_buffers()
     if not tied_quant:
         model.tie_weights()
@@ -233,7 +242,7 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
             continue
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
-        state[to_checkpoint_name(name)] = tensor.to(torch.bfloat16).contiguous()
+        state[to_checkpoint_name(name)] = _stored(tensor).contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in model_dir.iterdir():
         if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
@@ -247,6 +256,16 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
         if os.path.exists(partial):
             os.unlink(partial)
     return out_dir
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor as a file keeps it: bf16 (the checkpoint's own dtype), unless that would
+    round it (float32 norms divided by smoothing scales stay float32, so a model loaded from
+    the file computes exactly as the one that wrote it)."""
+    if t.dtype != torch.float32:
+        return t.to(torch.bfloat16)
+    b = t.to(torch.bfloat16)
+    return b if torch.equal(b.float(), t) else t
 
 
 SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",

@@ -1,0 +1,130 @@
+"""The int8 vision tower: chosen per tier by default, smoothed before quantising (data-free, from
+its norms), kept in the quantised-weights cache exactly as computed, and close to float."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qvl import dispatch, native
+from qvl.quantize import Int8Linear, QuantSpec
+
+TIERS = {t.name: t for t in native.tiers()} if native.compiler() else {}
+
+
+@pytest.fixture(scope="module")
+def tier_kernels(tmp_path_factory):
+    """name -> Kernels built for that tier (only tiers this CPU can run)."""
+    built: dict[str, dispatch.Kernels] = {}
+
+    def get(name: str) -> dispatch.Kernels:
+        if name not in TIERS:
+            pytest.skip(f"this CPU cannot run the {name} tier")
+        if name not in built:
+            built[name] = dispatch.Kernels(TIERS[name], native.load(TIERS[name], tmp_path_factory.mktemp(name)))
+        return built[name]
+
+    return get
+
+
+def load_on(monkeypatch, kernels: dispatch.Kernels, checkpoint, **options):
+    from qvl.engine import Engine, EngineOptions
+
+    monkeypatch.setenv("QVL_ISA", kernels.tier.name)  # the compute dtype follows the tier too
+    monkeypatch.setattr(dispatch, "_chosen", [kernels])
+    return Engine.load(EngineOptions(model=str(checkpoint), threads=1, **options))
+
+
+def vision_layers(engine) -> list[Int8Linear]:
+    return [m for n, m in engine.model.named_modules() if n.startswith("visual.") and isinstance(m, Int8Linear)]
+
+
+def text_layers(engine) -> list[Int8Linear]:
+    return [m for n, m in engine.model.named_modules() if n.startswith("language_model.") and isinstance(m, Int8Linear)]
+
+
+def features(engine, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    patches = torch.randn(64, engine.cfg.vision.patch_dim)
+    with torch.inference_mode():
+        embeds, _ = engine.model.encode_images(patches.to(engine.model.dtype), [(1, 8, 8)])
+    return embeds.float()
+
+
+def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
+    """AVX-512 VNNI without BF16: float32 compute, the vision tower int8 and int8 x int8 (3x the
+    float32 GEMM there); AVX2: int8 vision weights (memory), float products; prefill's layers
+    keep float activations everywhere unless asked."""
+    vnni = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8")
+    assert vnni.model.dtype == torch.float32 and vnni.int8_activations == "vision"
+    assert vision_layers(vnni) and all(m.int8_activations for m in vision_layers(vnni))
+    assert not any(m.int8_activations for m in text_layers(vnni))
+    assert "vision-int8" in vnni.model_id and "int8-activations-vision" in vnni.model_id
+    assert "vision by default" in dispatch.kernels().describe()["int8_activations"]
+
+    avx2 = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int4")
+    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "off"
+    assert vision_layers(avx2) and not any(m.int8_activations for m in vision_layers(avx2))
+
+    every = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", int8_activations="all")
+    assert all(m.int8_activations for m in vision_layers(every) + text_layers(every))
+
+
+def test_bf16_tier_keeps_a_bf16_vision_tower_without_vnni_gain(monkeypatch, tiny_checkpoint, tier_kernels):
+    avx2 = tier_kernels("avx2")
+    bf16_tier = dispatch.Kernels(native.Tier("avx512", avx2.tier.needs, avx2.tier.flags, bf16=True, amx=True),
+                                 avx2.lib)  # AMX: oneDNN's bf16 tiles beat int8 x int8
+    monkeypatch.setattr(native, "select_tier", lambda: bf16_tier.tier)
+    monkeypatch.setattr(dispatch, "_chosen", [bf16_tier])
+    from qvl.engine import Engine, EngineOptions
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=1, weights="int8"))
+    assert engine.model.dtype == torch.bfloat16 and not vision_layers(engine) and engine.int8_activations == "off"
+
+
+def test_contradictory_options_are_refused(monkeypatch, tiny_checkpoint, tier_kernels):
+    with pytest.raises(ValueError, match="need its int8 weights"):
+        load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", vision_int8=False,
+                int8_activations="vision")
+    with pytest.raises(ValueError, match="int8 activations must be one of"):
+        load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", int8_activations="yes")
+    # auto with the vision tower kept float: nothing to run int8 x int8 there
+    engine = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8", vision_int8=False)
+    assert not vision_layers(engine) and engine.int8_activations == "off"
+
+
+def test_smoothed_int8_vision_stays_close_to_float_and_reloads_identically(monkeypatch, tiny_checkpoint,
+                                                                          tier_kernels):
+    """Image features of the int8 vision tower (smoothed, int8 x int8 products) against the
+    float tower, cosine > 0.999; the second start loads the quantised-weights cache (norms
+    divided by the smoothing scales kept in float32) and computes bit-identical features."""
+    k = tier_kernels("avx512-nobf16")
+    reference = features(load_on(monkeypatch, k, tiny_checkpoint, weights="int8", vision_int8=False))
+    first = load_on(monkeypatch, k, tiny_checkpoint, weights="int8")
+    second = load_on(monkeypatch, k, tiny_checkpoint, weights="int8")  # from the cache this time
+    a, b = features(first), features(second)
+    assert F.cosine_similarity(a.flatten(), reference.flatten(), 0) > 0.999
+    assert torch.equal(a, b)
+    norm = second.model.visual.blocks[0].norm1.weight
+    assert norm.dtype == torch.float32 and not torch.equal(norm, norm.bfloat16().float())  # smoothed, unrounded
+
+
+def test_smoothing_is_recorded_and_old_files_load_unsmoothed(tmp_path, tiny_checkpoint):
+    from qvl.config import ModelConfig
+    from qvl.weights import checkpoint_quantization, load_model, save_quantized
+
+    spec = QuantSpec("int8", vision=True)
+    assert spec.smoothing == "data-free" and QuantSpec("int8").smoothing == "none"
+    out = save_quantized(tiny_checkpoint, tmp_path / "q", spec)
+    assert checkpoint_quantization(out) == spec
+    old = {"qvl_weights": "int8", "qvl_group_size": "128", "qvl_vision_int8": "true"}  # before smoothing existed
+    assert QuantSpec.from_metadata(old).smoothing == "none"
+    cfg = ModelConfig.from_file(tiny_checkpoint / "config.json")
+    plain = load_model(tiny_checkpoint, cfg, torch.bfloat16, QuantSpec("int8", vision=True, smoothing="none"))
+    smoothed = load_model(out, cfg, torch.bfloat16)
+    assert torch.equal(plain.visual.blocks[0].norm1.weight, load_model(tiny_checkpoint, cfg, torch.bfloat16)
+                       .visual.blocks[0].norm1.weight)  # "none": the norms as the checkpoint has them
+    assert not torch.equal(plain.visual.blocks[0].norm1.weight, smoothed.visual.blocks[0].norm1.weight)
+    with pytest.raises(ValueError, match="smoothing must be one of"):
+        QuantSpec("int8", vision=True, smoothing="magic")
