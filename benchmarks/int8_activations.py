@@ -5,6 +5,8 @@ Schemes, all with int8 weights (per output channel) and bf16 compute:
   int8 weights        the default production path: Engine.load(weights="int8", dtype="bf16")
                       (float products, vision tower in bf16)
   + vision int8       the vision tower's linears int8 too (--vision-int8), float products
+  vision ..., smoothed the defaults of the float32 tiers (Engine.load: the vision tower smoothed
+                      data-free at load, then int8; float products, or int8 x int8 for it alone)
   int8 act            + vision int8 and int8 x int8 products (activations per row)
   + smooth data-free  SmoothQuant scales from the norms' weights (qvl.smoothing), then as above
   + smooth calibrated scales from activation absmax over calibration images (not the evaluated ones)
@@ -168,6 +170,13 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
     base = run(engine, evaluation)
     del engine
     record("int8 weights (default)", base)
+
+    for name, acts in (("vision int8 weights, smoothed (default: float32 tiers)", "off"),
+                       ("vision int8 x int8, smoothed (default: AVX-512 VNNI without AMX)", "vision")):
+        engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
+                                           int8_activations=acts))  # the loading path's own smoothing
+        record(name, run(engine, evaluation))
+        del engine
 
     stats = calibrate(bf16.model, lambda: run(bf16, calibration))
     model = quantize_in_place(copy.deepcopy(bf16.model), False)

@@ -128,3 +128,45 @@ def test_smoothing_is_recorded_and_old_files_load_unsmoothed(tmp_path, tiny_chec
     assert not torch.equal(plain.visual.blocks[0].norm1.weight, smoothed.visual.blocks[0].norm1.weight)
     with pytest.raises(ValueError, match="smoothing must be one of"):
         QuantSpec("int8", vision=True, smoothing="magic")
+
+
+def test_calibrated_smoothing_through_qvl_quantize(tmp_path, tiny_checkpoint, capsys):
+    """`qvl quantize --vision-int8 --calibrate DIR`: the vision tower smoothed from the images'
+    activations, recorded as such; the file loads as it is and stays close to float."""
+    from qvl.bench import synthetic_image
+    from qvl.cli import main
+    from qvl.config import ModelConfig
+    from qvl.weights import CheckpointError, checkpoint_quantization, load_model
+
+    images = tmp_path / "calibration"
+    images.mkdir()
+    for i, size in enumerate(((96, 64), (64, 96), (80, 80))):
+        synthetic_image(*size, seed=i).save(images / f"{i}.png")
+    (images / "notes.txt").write_text("not an image")
+    out = tmp_path / "calibrated"
+    assert main(["quantize", str(tiny_checkpoint), str(out), "--weights", "int8", "--vision-int8",
+                 "--calibrate", str(images)]) == 0
+    assert "smoothed from 3 images" in capsys.readouterr().out
+    spec = checkpoint_quantization(out)
+    assert spec.vision and spec.smoothing == "calibrated"
+    cfg = ModelConfig.from_file(tiny_checkpoint / "config.json")
+    calibrated, data_free, reference = (load_model(out, cfg, torch.float32),
+                                        load_model(tiny_checkpoint, cfg, torch.float32, QuantSpec("int8", vision=True)),
+                                        load_model(tiny_checkpoint, cfg, torch.float32))
+    assert not torch.allclose(calibrated.visual.blocks[0].norm1.weight, data_free.visual.blocks[0].norm1.weight)
+    torch.manual_seed(0)
+    patches = torch.randn(64, cfg.vision.patch_dim)
+    with torch.inference_mode():
+        got, want = (m.encode_images(patches, [(1, 8, 8)])[0] for m in (calibrated, reference))
+    assert F.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.999
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "x"), "--weights", "int8", "--vision-int8",
+                 "--calibrate", str(empty)]) != 0
+    assert "no images there" in capsys.readouterr().err
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "y"), "--weights", "int8",
+                 "--calibrate", str(images)]) != 0
+    assert "--vision-int8" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="needs images"):
+        load_model(tiny_checkpoint, cfg, torch.float32, QuantSpec("int8", vision=True, smoothing="calibrated"))

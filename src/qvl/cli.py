@@ -230,10 +230,29 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from qvl.quantize import QuantSpec
     from qvl.weights import save_quantized
 
+    path = resolve_model(args.input)
     spec = QuantSpec(args.weights, args.group_size, bool(args.vision_int8))
-    out = save_quantized(resolve_model(args.input), Path(args.output), spec)
-    print(f"wrote {spec.weights} weights to {out}")
+    calibration = calibration_images(path, Path(args.calibrate), args.calibrate_images) if args.calibrate else None
+    out = save_quantized(path, Path(args.output), spec, calibration)
+    smoothed = f", vision tower smoothed from {len(calibration)} images" if calibration else ""
+    print(f"wrote {spec.weights} weights to {out}{smoothed}")
     return 0
+
+
+def calibration_images(model_dir, folder, limit: int):
+    """The first `limit` images of a folder (sorted), preprocessed at the default budget."""
+    from qvl.batch.inputs import IMAGE_EXTENSIONS
+    from qvl.engine import DEFAULT_MAX_IMAGE_TOKENS
+    from qvl.processing.image import ImageProcessorConfig, load_image, max_pixels_for_tokens, preprocess
+
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)[:limit] \
+        if folder.is_dir() else []
+    if not files:
+        raise ValueError(f"--calibrate {folder}: no images there (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    cfg = ImageProcessorConfig.from_file(model_dir / "preprocessor_config.json")
+    max_pixels = max_pixels_for_tokens(DEFAULT_MAX_IMAGE_TOKENS, cfg)
+    images = [preprocess(load_image(f), cfg, max_pixels=max_pixels) for f in files]
+    return [(image.pixel_values, image.grid_thw) for image in images]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -317,7 +336,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p.add_argument("output")
     p.add_argument("--weights", required=True, choices=["int8", "int4"])
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--vision-int8", action="store_true")
+    p.add_argument("--vision-int8", action="store_true", help="quantise the vision tower too (smoothed first)")
+    p.add_argument("--calibrate", metavar="DIR", help="smooth the int8 vision tower from these images' activations "
+                   "(SmoothQuant) instead of from its norms (data-free); needs --vision-int8")
+    p.add_argument("--calibrate-images", type=int, default=16, help="how many of DIR's images (default 16)")
     commands["quantize"] = cmd_quantize
 
     p = sub.add_parser("info", help="CPU features, chosen dtype and threads, versions")

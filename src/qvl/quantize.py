@@ -23,7 +23,7 @@ WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
 KERNEL_MAX_ROWS = native.GEMV_MAX_ROWS
 
 
-SMOOTHING = ("none", "data-free")
+SMOOTHING = ("none", "data-free", "calibrated")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class QuantSpec:
     group_size: int = 128
     vision: bool = False  # also int8 for the vision tower
     # the vision tower's int8 inputs smoothed before quantising (qvl.smoothing): "data-free"
-    # (from the norms) for every new int8 vision tower; "none" in files written before it
+    # (from the norms) by default, "calibrated" (from images: `qvl quantize --calibrate`, files
+    # only), "none" in files written before smoothing existed
     smoothing: str = "data-free"
 
     def __post_init__(self):

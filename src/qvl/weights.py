@@ -117,6 +117,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
     spec = stored or quant
     # a new int8 vision tower is loaded in float, smoothed, then quantised (files hold it done)
     smooth_vision = stored is None and spec is not None and spec.vision and spec.smoothing != "none"
+    if smooth_vision and spec.smoothing != "data-free":
+        raise CheckpointError(f"{spec.smoothing} smoothing needs images: write the checkpoint with "
+                              "`qvl quantize --calibrate DIR`")
     with torch.device("meta"), skipped_init():
         model = Qwen3VL(cfg)
         quantized = set(swap_modules(model, replace(spec, vision=False) if smooth_vision else spec, dtype)) \
@@ -219,12 +222,29 @@ def to_checkpoint_name(module_name: str) -> str:
     raise ValueError(f"no checkpoint name for {module_name}")
 
 
-def save_quantized(model_dir: Path, out_dir: Path, spec: QuantSpec) -> Path:
-    """Quantise a bf16 checkpoint and write it (see write_quantized)."""
+def save_quantized(model_dir: Path, out_dir: Path, spec: QuantSpec,
+                   calibration: list[tuple[torch.Tensor, tuple[int, int, int]]] | None = None) -> Path:
+    """Quantise a bf16 checkpoint and write it (see write_quantized). With `calibration`
+    (preprocessed images: patches [N, C*T*P*P] and grid), the int8 vision tower is smoothed
+    from those images' activations instead of from its norms."""
     cfg = ModelConfig.from_file(model_dir / "config.json")
     if QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir))) is not None:
         raise CheckpointError(f"{model_dir} is already quantised; quantise the original bf16 checkpoint")
-    return write_quantized(load_model(model_dir, cfg, torch.bfloat16, spec), spec, model_dir, out_dir)
+    if not calibration:
+        return write_quantized(load_model(model_dir, cfg, torch.bfloat16, spec), spec, model_dir, out_dir)
+    if not spec.vision:
+        raise CheckpointError("calibration smooths the int8 vision tower: quantise it too (--vision-int8)")
+    spec = replace(spec, smoothing="calibrated")
+    model = load_model(model_dir, cfg, torch.bfloat16, replace(spec, vision=False))  # vision stays float
+
+    def run() -> None:
+        with torch.inference_mode():
+            for patches, grid in calibration:
+                model.encode_images(patches.to(torch.bfloat16), [grid])
+
+    smoothing.smooth(model, smoothing.calibrate(model, run), text=False, vision=True)
+    quantize_vision(model, torch.bfloat16)
+    return write_quantized(model, spec, model_dir, out_dir)
 
 
 def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: Path) -> Path:
