@@ -30,6 +30,37 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _int4_reference(x: torch.Tensor, q4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gs: int,
+                    bias: torch.Tensor) -> torch.Tensor:
+    """The integer int4 scheme in float64: x [M, K] rounded to int8 per 128 columns (ties away
+    from zero), integer sums per group, w = (q - 8) * scale + zero."""
+    m, k = x.shape
+    chunks = x.view(m, -1, 128)
+    step = chunks.abs().amax(-1, keepdim=True) / 127
+    v = chunks * (1 / step)
+    unit = min(gs, 128)  # the columns of one integer sum: a group within one activation chunk
+    xq = (v.sign() * (v.abs() + 0.5).floor()).view(m, -1, unit).double()
+    dots = torch.einsum("mui,nui->mnu", xq, q4.double().view(q4.shape[0], -1, unit))
+    act = step.double().view(m, -1).repeat_interleave(128 // unit, 1)
+    ints = (dots * act[:, None, :] * scale.double().repeat_interleave(gs // unit, 1)[None]).sum(-1)
+    zeros = (x.double().view(m, -1, gs).sum(-1)[:, None, :] * (zero.double() - 8 * scale.double())[None]).sum(-1)
+    return ints + zeros + bias.double()
+
+
+def test_int4_gemv_exact_scheme(tier_lib):
+    """int4 with the integer path: the same quantised activations on every tier (only float
+    sums in another order), weight rows not a multiple of the kernels' four, and a bias."""
+    tier, lib = tier_lib
+    torch.manual_seed(0)
+    for m in (1, 2, 5):
+        x, w, bias = torch.randn(m, 512), torch.randn(7, 512), torch.randn(7)
+        for gs in (32, 64, 128, 256):
+            q4, s4, z4 = quantize_int4(w, gs)
+            out = native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 7, s4, z4, gs, bias)
+            ref = _int4_reference(x, q4, s4, z4, gs, bias)
+            torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=1e-4, msg=f"{tier.name} m={m} gs={gs}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_every_format(tier_lib, dtype):
     """int8 keeps 16 bits per activation (error far below bf16's); int4 quantises

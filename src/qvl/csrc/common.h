@@ -98,7 +98,7 @@ static inline __m512 div_one_plus_exp2(__m512 x, __m512 t) { /* x / (1 + 2^t): S
 }
 #endif
 
-#ifdef QVL_AVX2
+#if defined(QVL_AVX2) || defined(QVL_AVX512) /* the AVX-512 tier has AVX2 too */
 static inline __m256 bf16x8_to_ps(__m128i h) { /* 8 bf16 -> 8 float32, exactly */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }

@@ -41,11 +41,12 @@ static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx) {
 
 /* Activations prepared for int4 products: per row, per 128-column chunk, 64 int8 values of
  * the even columns then 64 of the odd ones (matching the nibbles of 64 weight bytes), the
- * chunk's scale, and the exact float sum of x over each weight group (for the zeros). */
+ * chunk's scale, and the float sum of x over each weight group (for the zeros). */
 typedef struct {
     int8_t* q;     /* [M][K] */
     float* scale;  /* [M][K/CHUNK] */
     float* sum;    /* [M][K/gs] */
+    float* unit;   /* [M][K/gs] when gs < CHUNK: each group's activation scale (its chunk's) */
 } QuantX;
 
 static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t gs, QuantX* qx) {
@@ -57,6 +58,7 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
             float amax = absmax(xc, CHUNK);
             float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
             int8_t* q = qx->q + m * K + c * CHUNK;
+#pragma omp simd
             for (int i = 0; i < CHUNK / 2; i++) {
                 q[i] = (int8_t)round_int(xc[2 * i] * inv);
                 q[CHUNK / 2 + i] = (int8_t)round_int(xc[2 * i + 1] * inv);
@@ -65,8 +67,10 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
         }
         for (int64_t g = 0; g < G; g++) {
             float s = 0.f;
+#pragma omp simd reduction(+ : s)
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += xr[k];
             qx->sum[m * G + g] = s;
+            if (qx->unit) qx->unit[m * G + g] = qx->scale[m * C + g * gs / CHUNK];
         }
     }
 }
@@ -174,19 +178,6 @@ static inline __attribute__((always_inline)) void dot_float_tile(const float* x,
     }
 }
 
-static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpbusd_epi32(acc, u, s);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
-}
-
-static inline __m512 load_scales(const void* p, int dt, int64_t at, __mmask16 mask) {
-    if (dt == BF16) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t*)p + at));
-    return _mm512_maskz_loadu_ps(mask, (const float*)p + at);
-}
-
 #ifdef __AVX512VNNI__
 /* Activations for int8 products: per 128-column chunk, x / scale rounded to 16 bits and
  * offset by 32768 into two unsigned bytes (hi, lo), so that integer dot products with the
@@ -239,44 +230,45 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const SplitX* sx
 }
 #endif
 
-/* Lane j of a chunk's integer dot product covers columns 8j..8j+7, so its weight scale is
- * that of group (c * 128 + 8j) / gs: loaded per chunk and spread by `spread`. */
-static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
-                                                                const uint8_t* w, const void* sc, const void* zr,
-                                                                int dt, float* out, const int mt) {
-    const int64_t C = K / CHUNK, G = K / gs;
-    const int per_chunk = gs >= CHUNK ? 1 : (int)(CHUNK / gs);
-    const __mmask16 mask = (__mmask16)((1u << per_chunk) - 1);
-    int idx[16];
-    for (int j = 0; j < 16; j++) idx[j] = gs >= CHUNK ? 0 : (int)(8 * j / gs);
-    const __m512i spread = _mm512_loadu_si512(idx);
+/* Integer parts of the int4 products (see int4_rows): out[r * mt + m] = sum over units u of
+ * comb[(r * mt + m) * stride + u] * (codes of weight row r . xq of activation row m over the
+ * `unit` columns of u), for nr weight rows (K / 2 bytes apart) and mt activation rows. Lane j
+ * of a chunk's dot product covers columns 8j..8j+7, so it belongs to unit 8j / unit. With
+ * several weight rows the activation loads are shared and their chains interleave. */
+static inline __attribute__((always_inline)) void int4_tile(const int8_t* xq, int64_t K, const uint8_t* w,
+                                                            const float* comb, int64_t stride, float* out,
+                                                            const int unit, const int mt, const int nr) {
+    const int64_t C = K / CHUNK;
+    const int per_chunk = CHUNK / unit;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i spread = unit == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                      : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc[TILE];
-    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    for (int i = 0; i < mt * nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
-        __m512i v = _mm512_loadu_si512(w + c * (CHUNK / 2));
-        __m512i lo = _mm512_and_si512(v, nibble);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        __m512 s = _mm512_permutexvar_ps(spread, load_scales(sc, dt, c * CHUNK / gs, mask));
-        for (int m = 0; m < mt; m++) {
-            const int8_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
-            __m512i d = dot_u8s8(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
-            d = dot_u8s8(d, hi, _mm512_loadu_si512(xq + CHUNK / 2));
-            __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(qx->scale[(m0 + m) * C + c]));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sx, acc[m]);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t* wc = w + r * (K / 2) + c * (CHUNK / 2);
+            _mm_prefetch((const char*)(wc + 2 * nr * (K / 2)), _MM_HINT_T0); /* two row blocks ahead */
+            __m512i v = _mm512_loadu_si512(wc);
+            __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            for (int m = 0; m < mt; m++) {
+                const int8_t* x = xq + m * K + c * CHUNK;
+#ifdef __AVX512VNNI__
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+                d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x + CHUNK / 2));
+#else /* pair sums below 2 * 15 * 127: two of them fit in int16 */
+                __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(x)),
+                                             _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + CHUNK / 2)));
+                __m512i d = _mm512_madd_epi16(p, _mm512_set1_epi16(1));
+#endif
+                const float* s = comb + (r * mt + m) * stride + c * per_chunk;
+                __m512 sv = unit == CHUNK ? _mm512_set1_ps(*s)
+                                          : _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s)));
+                acc[r * mt + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[r * mt + m]);
+            }
         }
     }
-    /* + sum_g (zero_g - 8 scale_g) * sum(x over g) */
-    for (int m = 0; m < mt; m++) {
-        const float* xs = qx->sum + (m0 + m) * G;
-        __m512 off = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; g += 16) {
-            __mmask16 gm = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-            __m512 z = load_scales(zr, dt, g, gm), s8 = _mm512_mul_ps(load_scales(sc, dt, g, gm), _mm512_set1_ps(8.f));
-            off = _mm512_fmadd_ps(_mm512_sub_ps(z, s8), _mm512_maskz_loadu_ps(gm, xs + g), off);
-        }
-        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], off));
-    }
+    for (int i = 0; i < mt * nr; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 #endif /* QVL_AVX512 */
 
@@ -319,14 +311,6 @@ static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairw
 #endif
 }
 
-static inline __m256i dot_u8s8_256(__m256i acc, __m256i u, __m256i s) { /* acc + 4-byte dot products */
-#ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, const int mt) {
     const int64_t C = K / CHUNK;
@@ -346,54 +330,68 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
     for (int m = 0; m < mt; m++) out[m] = hsum256(acc[m]);
 }
 
-/* Lane j of the dot products over weight bytes 32h..32h+31 of a chunk covers columns
- * 64h+8j..64h+8j+7, so its weight scale is that of group (c*128 + 64h + 8j) / gs. The scale
- * vectors are built in registers: filling a small array and loading it whole stalls on store
- * forwarding (it made this kernel compute-bound at the int8 kernel's speed). */
-static inline __attribute__((always_inline)) void int4_scales_avx2(const void* sc, int dt, int64_t g0, int64_t gs,
-                                                                   __m256* s0, __m256* s1) {
-    if (gs >= 128) {
-        *s0 = *s1 = _mm256_set1_ps(get(sc, dt, g0));
-    } else if (gs == 64) {
-        *s0 = _mm256_set1_ps(get(sc, dt, g0));
-        *s1 = _mm256_set1_ps(get(sc, dt, g0 + 1));
-    } else { /* gs == 32: lanes 0-3 and 4-7 of each half belong to consecutive groups */
-        *s0 = _mm256_set_m128(_mm_set1_ps(get(sc, dt, g0 + 1)), _mm_set1_ps(get(sc, dt, g0)));
-        *s1 = _mm256_set_m128(_mm_set1_ps(get(sc, dt, g0 + 3)), _mm_set1_ps(get(sc, dt, g0 + 2)));
-    }
-}
-
-static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx, int64_t m0, int64_t K, int64_t gs,
-                                                                const uint8_t* w, const void* sc, const void* zr,
-                                                                int dt, float* out, const int mt) {
-    const int64_t C = K / CHUNK, G = K / gs;
+/* Integer parts of the int4 products (see int4_rows), as the AVX-512 int4_tile: here the
+ * dot products over weight bytes 32h..32h+31 of a chunk cover columns 64h..64h+63, lane j
+ * columns 64h+8j..64h+8j+7 (unit (64h + 8j) / unit). Without VNNI the vpmaddubsw pair sums
+ * (below 2 * 15 * 127) of a unit are added in int16 (four fit) before one vpmaddwd. */
+static inline __attribute__((always_inline)) void int4_tile(const int8_t* xq, int64_t K, const uint8_t* w,
+                                                            const float* comb, int64_t stride, float* out,
+                                                            const int unit, const int mt, const int nr) {
+    const int64_t C = K / CHUNK;
+    const int per_chunk = CHUNK / unit;
     const __m256i nibble = _mm256_set1_epi8(0x0F);
-    __m256 acc[TILE], acc2[TILE]; /* two chains per row: the FMA latency, not the loads, bounded one */
-    for (int m = 0; m < mt; m++) acc[m] = acc2[m] = _mm256_setzero_ps();
+    const __m256i pick0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), pick1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m256 acc[TILE], acc2[TILE]; /* acc2: the second half-chunk's units, when they differ */
+    for (int i = 0; i < mt * nr; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
-        __m256 s0, s1;
-        int4_scales_avx2(sc, dt, c * CHUNK / gs, gs, &s0, &s1);
-        __m256i v0 = _mm256_loadu_si256((const __m256i*)(w + c * (CHUNK / 2)));
-        __m256i v1 = _mm256_loadu_si256((const __m256i*)(w + c * (CHUNK / 2) + 32));
-        __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
-        __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
-        for (int m = 0; m < mt; m++) {
-            const int8_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
-            __m256i d0 = dot_u8s8_256(_mm256_setzero_si256(), lo0, _mm256_loadu_si256((const __m256i*)xq));
-            d0 = dot_u8s8_256(d0, hi0, _mm256_loadu_si256((const __m256i*)(xq + 64)));
-            __m256i d1 = dot_u8s8_256(_mm256_setzero_si256(), lo1, _mm256_loadu_si256((const __m256i*)(xq + 32)));
-            d1 = dot_u8s8_256(d1, hi1, _mm256_loadu_si256((const __m256i*)(xq + 96)));
-            const __m256 xs = _mm256_set1_ps(qx->scale[(m0 + m) * C + c]);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xs), acc[m]);
-            acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xs), acc2[m]);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t* wc = w + r * (K / 2) + c * (CHUNK / 2);
+            _mm_prefetch((const char*)(wc + 2 * nr * (K / 2)), _MM_HINT_T0); /* two row blocks ahead */
+            __m256i v0 = _mm256_loadu_si256((const __m256i*)wc), v1 = _mm256_loadu_si256((const __m256i*)(wc + 32));
+            __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+            __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+            for (int m = 0; m < mt; m++) {
+                const int8_t* x = xq + m * K + c * CHUNK;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i*)x),
+                              x1 = _mm256_loadu_si256((const __m256i*)(x + 32)),
+                              x2 = _mm256_loadu_si256((const __m256i*)(x + 64)),
+                              x3 = _mm256_loadu_si256((const __m256i*)(x + 96));
+                const float* s = comb + (r * mt + m) * stride + c * per_chunk;
+                const int i = r * mt + m;
+#ifdef __AVXVNNI__
+                __m256i d0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo0, x0);
+                d0 = _mm256_dpbusd_avx_epi32(d0, hi0, x2);
+                __m256i d1 = unit == CHUNK ? d0 : _mm256_setzero_si256();
+                d1 = _mm256_dpbusd_avx_epi32(d1, lo1, x1);
+                d1 = _mm256_dpbusd_avx_epi32(d1, hi1, x3);
+                if (unit == CHUNK) {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_broadcast_ss(s), acc[i]);
+                    continue;
+                }
+#else
+                const __m256i ones = _mm256_set1_epi16(1);
+                __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x2));
+                __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x1), _mm256_maddubs_epi16(hi1, x3));
+                if (unit == CHUNK) {
+                    __m256i d = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(s), acc[i]);
+                    continue;
+                }
+                __m256i d0 = _mm256_madd_epi16(p0, ones), d1 = _mm256_madd_epi16(p1, ones);
+#endif
+                __m256 s0, s1;
+                if (unit == 64) {
+                    s0 = _mm256_broadcast_ss(s), s1 = _mm256_broadcast_ss(s + 1);
+                } else { /* 32: lanes 0-3 and 4-7 of each half belong to consecutive units */
+                    __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(s));
+                    s0 = _mm256_permutevar8x32_ps(four, pick0), s1 = _mm256_permutevar8x32_ps(four, pick1);
+                }
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, acc[i]);
+                acc2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, acc2[i]);
+            }
         }
     }
-    for (int m = 0; m < mt; m++) { /* + sum_g (zero_g - 8 scale_g) * sum(x over g) */
-        const float* xs = qx->sum + (m0 + m) * G;
-        float off = 0.f;
-        for (int64_t g = 0; g < G; g++) off += (get(zr, dt, g) - 8.f * get(sc, dt, g)) * xs[g];
-        out[m] = hsum256(_mm256_add_ps(acc[m], acc2[m])) + off;
-    }
+    for (int i = 0; i < mt * nr; i++) out[i] = hsum256(_mm256_add_ps(acc[i], acc2[i]));
 }
 #endif /* QVL_AVX2 */
 
@@ -492,6 +490,97 @@ static inline __attribute__((always_inline)) void dot_int4_tile(const QuantX* qx
 #endif
 #endif /* QVL_NEON */
 
+/* ---- int4 weights on x86: four weight rows per pass ----------------------------------------- */
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
+#define INT4_ROWS 4 /* weight rows sharing one pass over an activation row (decoding: M = 1) */
+
+static inline __m256 load8_dt(const void* p, const int dt, int64_t i) { /* 8 float32 or bf16 values as float32 */
+    if (dt == BF16) return bf16x8_to_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
+    return _mm256_loadu_ps((const float*)p + i);
+}
+
+/* For one weight row (its scales sc and zeros zr over K / gs groups) and activation row m:
+ * comb[u] = weight scale x activation scale of each unit of min(gs, 128) columns (what one
+ * integer dot product of int4_tile spans), and the returned zero term
+ * sum_g (zero_g - 8 scale_g) * sum(x over group g). dt is a constant where it is inlined. */
+static inline __attribute__((always_inline)) float int4_prep_dt(const QuantX* qx, int64_t m, int64_t K, int64_t gs,
+                                                                const void* sc, const void* zr, float* comb,
+                                                                const int dt) {
+    const int64_t G = K / gs, C = K / CHUNK;
+    const float *xsum = qx->sum + m * G, *xs = qx->scale + m * C;
+    const float* xu = gs < CHUNK ? qx->unit + m * G : xs; /* per group, when groups are units */
+    __m256 off = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        __m256 s = load8_dt(sc, dt, g), z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load8_dt(zr, dt, g));
+        off = _mm256_fmadd_ps(z, _mm256_loadu_ps(xsum + g), off);
+        if (gs <= CHUNK) _mm256_storeu_ps(comb + g, _mm256_mul_ps(s, _mm256_loadu_ps(xu + g)));
+    }
+    float rest = 0.f;
+    for (; g < G; g++) {
+        rest += (get(zr, dt, g) - 8.f * get(sc, dt, g)) * xsum[g];
+        if (gs <= CHUNK) comb[g] = get(sc, dt, g) * xu[g];
+    }
+    if (gs > CHUNK)
+        for (int64_t c = 0; c < C; c++) comb[c] = get(sc, dt, c / (gs / CHUNK)) * xs[c];
+    return hsum256(off) + rest;
+}
+
+static float int4_prep(const QuantX* qx, int64_t m, int64_t K, int64_t gs, const void* sc, const void* zr, int dt,
+                       float* comb) {
+    return dt == BF16 ? int4_prep_dt(qx, m, K, gs, sc, zr, comb, BF16) : int4_prep_dt(qx, m, K, gs, sc, zr, comb, F32);
+}
+
+/* Call int4_tile with unit, mt and nr compile-time constants (mt > 1 only with nr = 1). */
+#define INT4_TILE(unit, ...)                                                             \
+    switch (mt * 8 + nr) {                                                               \
+        case 8 + 4: int4_tile(__VA_ARGS__, unit, 1, 4); break;                          \
+        case 8 + 3: int4_tile(__VA_ARGS__, unit, 1, 3); break;                          \
+        case 8 + 2: int4_tile(__VA_ARGS__, unit, 1, 2); break;                          \
+        case 16 + 1: int4_tile(__VA_ARGS__, unit, 2, 1); break;                         \
+        case 24 + 1: int4_tile(__VA_ARGS__, unit, 3, 1); break;                         \
+        case 32 + 1: int4_tile(__VA_ARGS__, unit, 4, 1); break;                         \
+        default: int4_tile(__VA_ARGS__, unit, 1, 1); break;                             \
+    }
+
+static void int4_tiles(const int8_t* xq, int64_t K, const uint8_t* w, const float* comb, int64_t stride, float* out,
+                       int64_t unit, int mt, int nr) {
+    if (unit == 32) {
+        INT4_TILE(32, xq, K, w, comb, stride, out)
+    } else if (unit == 64) {
+        INT4_TILE(64, xq, K, w, comb, stride, out)
+    } else {
+        INT4_TILE(CHUNK, xq, K, w, comb, stride, out)
+    }
+}
+
+/* int4 weight rows n0..n0+nr-1 (nr <= INT4_ROWS) . every activation row: out[r * M + m]. One
+ * activation row (decoding) takes the rows together; more take them one by one, in tiles of
+ * TILE activation rows. */
+static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const uint8_t* w, const void* sc,
+                      const void* zr, int dt, int64_t n0, int nr, float* out) {
+    const int64_t G = K / gs, unit = gs < CHUNK ? gs : CHUNK, stride = K / unit + 4; /* 4: _mm_loadu_ps past the end */
+    const size_t es = dt == BF16 ? 2 : 4;
+    enum { MOST = INT4_ROWS > TILE ? INT4_ROWS : TILE }; /* products per int4_tile call */
+    float comb[MOST * stride], off[MOST], part[MOST];
+    const int rows = M == 1 ? nr : 1;
+    for (int64_t r0 = 0; r0 < nr; r0 += rows) {
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
+            for (int r = 0; r < rows; r++)
+                for (int m = 0; m < mt; m++) {
+                    const int64_t n = n0 + r0 + r;
+                    off[r * mt + m] = int4_prep(qx, m0 + m, K, gs, (const char*)sc + n * G * es,
+                                                (const char*)zr + n * G * es, dt, comb + (r * mt + m) * stride);
+                }
+            int4_tiles(qx->q + m0 * K, K, w + (n0 + r0) * (K / 2), comb, stride, part, unit, mt, rows);
+            for (int r = 0; r < rows; r++)
+                for (int m = 0; m < mt; m++) out[(r0 + r) * M + m0 + m] = part[r * mt + m] + off[r * mt + m];
+        }
+    }
+}
+#endif
+
 /* ---- choosing the row product ----------------------------------------------------------------- */
 
 /* Call F(..., mt) with mt a compile-time constant, so the always-inline tiles unroll. */
@@ -520,8 +609,8 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
                                         : (const void*)((const uint16_t*)w + n * K);
     const void* srow = kind == W_INT4 ? (const char*)sc + n * G * esize : NULL;
     const void* zrow = kind == W_INT4 ? (const char*)zr + n * G * esize : NULL;
-    if (kind == W_INT4 && a->q8) {
-#if defined(QVL_AVX512) || defined(QVL_AVX2) || defined(QVL_NEON_INT4)
+    if (kind == W_INT4 && a->q8) { /* x86 takes int4_rows instead */
+#if defined(QVL_NEON_INT4)
         TILED(mt, dot_int4_tile, a->q8, m0, K, gs, wrow, srow, zrow, dt, out)
 #else
         for (int64_t m = 0; m < mt; m++) out[m] = dot_int4_q8(a->q8, m0 + m, K, gs, wrow, srow, zrow, dt);
@@ -559,12 +648,15 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     int16_t* q16 = NULL;
     int8_t* q8 = NULL;
     uint8_t *hi = NULL, *lo = NULL;
-    float *scales = NULL, *sums = NULL;
+    float *scales = NULL, *sums = NULL, *units = NULL;
     QuantX x8;
     Acts a = {xf, NULL, NULL, NULL};
-    int failed = !xf;
-    if (!failed) {
-        for (int64_t i = 0; i < M * K; i++) xf[i] = get(x, dt, i);
+    int failed = !xf, done = 0;
+    if (!failed && dt == BF16) {
+#pragma omp simd
+        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
+    } else if (!failed) {
+        memcpy(xf, x, (size_t)(M * K) * sizeof(float));
     }
     const int integer = K % CHUNK == 0 && !failed;
 #if defined(QVL_AVX512) && defined(__AVX512VNNI__)
@@ -592,18 +684,34 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         }
     }
 #endif
-    if (integer && kind == W_INT4 && gs % 32 == 0) {
+    if (integer && kind == W_INT4 && (gs == 32 || gs == 64 || gs % CHUNK == 0)) {
         q8 = malloc((size_t)(M * K));
         scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
         sums = malloc((size_t)(M * (K / gs)) * sizeof(float));
-        failed = !q8 || !scales || !sums;
+        units = gs < CHUNK ? malloc((size_t)(M * (K / gs)) * sizeof(float)) : NULL;
+        failed = !q8 || !scales || !sums || (gs < CHUNK && !units);
         if (!failed) {
-            x8 = (QuantX){q8, scales, sums};
+            x8 = (QuantX){q8, scales, sums, units};
             quantize_activations(xf, M, K, gs, &x8);
             a.q8 = &x8;
         }
     }
-    if (!failed) {
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
+    if (!failed && a.q8) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < (N + INT4_ROWS - 1) / INT4_ROWS; b++) {
+            const int64_t n0 = b * INT4_ROWS;
+            const int nr = N - n0 < INT4_ROWS ? (int)(N - n0) : INT4_ROWS;
+            float out[INT4_ROWS * M];
+            int4_rows(a.q8, M, K, gs, w, scale, zero, dt, n0, nr, out);
+            for (int r = 0; r < nr; r++)
+                for (int64_t m = 0; m < M; m++)
+                    put(y, dt, m * N + n0 + r, bias ? out[r * M + m] + get(bias, dt, n0 + r) : out[r * M + m]);
+        }
+        done = 1;
+    }
+#endif
+    if (!failed && !done) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n = 0; n < N; n++) {
             float out[TILE];
@@ -619,7 +727,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
             }
         }
     }
-    free(xf), free(q16), free(q8), free(hi), free(lo), free(scales), free(sums);
+    free(xf), free(q16), free(q8), free(hi), free(lo), free(scales), free(sums), free(units);
     return failed ? -1 : 0;
 }
 
