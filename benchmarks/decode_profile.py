@@ -39,14 +39,13 @@ def main() -> None:
     model, layers, head = engine.model, [0.0], [0.0]
     native.decode_layers = timed(native.decode_layers, layers)  # text.py and quantize.py call them
     native.linear = timed(native.linear, head)  # through the module: the lm_head is the only GEMV left
-    cache, token, position = new_cache(model, 1, 512), torch.tensor([100]), torch.tensor([300])
+    cache, token, slot = new_cache(model, 1, 512), torch.tensor([100]), torch.tensor([300])
     steps = []
     for i in range(args.steps + 3):
-        cache.length = 300
         if i == 3:
             layers[0] = head[0] = 0.0
         started = time.perf_counter()
-        decode_step(model, cache, token, position)
+        decode_step(model, cache, token, slot, slot)  # at slot 300 (earlier slots: whatever they hold)
         if i >= 3:
             steps.append(time.perf_counter() - started)
     step, in_layers, in_head = statistics.median(steps), layers[0] / args.steps, head[0] / args.steps

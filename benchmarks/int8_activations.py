@@ -78,7 +78,7 @@ def run(engine: Engine, requests: list[Request]) -> Output:
         cos, sin = model.rope(prompt.positions[:, None])
         cache = new_cache(model, 1, ids.shape[1])
         vis = ids == model.cfg.image_token_id
-        h = model.language_model(h, cos, sin, cache, 0, None, vis, prompt.deepstack)
+        h = model.language_model(h, cos, sin, cache, 0, vis, prompt.deepstack)
         out.logits.append(model.logits(h)[0].float())
     return out
 

@@ -53,7 +53,8 @@ def run_qvl(args, tier: str, weights: str) -> dict:
     r = json.loads(done.stdout.strip().splitlines()[-1])
     return {"decode_ms": r["decode_ms_per_token"], "ttft_ms": r["ttft_ms"], "vision_ms": r["vision_ms"],
             "prefill_ms": r["prefill_ms"], "rss_mb": r["peak_rss_mb"], "image_tokens": r["image_tokens"],
-            "dtype": r["dtype"]}
+            "dtype": r["dtype"], "vision": "int8" if "vision-int8" in r["model_id"] else "bf16",
+            "int8_activations": r["int8_activations"]}
 
 
 def run_llama_decode(args, bin_dir: str, weights: str) -> float:
@@ -87,8 +88,9 @@ def run_llama_ttft(args, bin_dir: str, weights: str) -> dict:
 
 def vision_worker(args) -> None:
     """In a process held to one tier: transformers' vision tower (float32, as a CPU without
-    bf16 products runs it) and qvl's (int8 model: bf16-stored vision weights, float32 compute)
-    on the photo at the default budget, alternating; prints JSON."""
+    bf16 products runs it) and qvl's as its defaults run it there (int8 model: int8 vision
+    weights, int8 x int8 products where the tier's integer products are faster) on the photo
+    at the default budget, alternating; prints JSON."""
     import torch
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -196,7 +198,9 @@ def report(results, tiers, weights, llama, args) -> None:
             ttft = [r["ttft_ms"] for r in rows]
             vis, pre = statistics.median(r["vision_ms"] for r in rows), statistics.median(r["prefill_ms"] for r in rows)
             lla = results.get(f"llama|{tier}|{w}|decode")
-            cells = [tier, w, rows[0]["dtype"], spread(dec, "{:.1f}"), f"{spread(ttft)} ({vis:.0f} + {pre:.0f})",
+            compute = rows[0]["dtype"] + f", vision {rows[0].get('vision', 'bf16')}" + (
+                f" (int8 act.: {rows[0]['int8_activations']})" if rows[0].get("int8_activations", "off") != "off" else "")
+            cells = [tier, w, compute, spread(dec, "{:.1f}"), f"{spread(ttft)} ({vis:.0f} + {pre:.0f})",
                      spread([r["rss_mb"] for r in rows]),
                      f"{statistics.median(dec) / base[w]:.2f}×" if base[w] else "—",
                      spread(lla, "{:.1f}") if lla else "—",

@@ -105,7 +105,7 @@ static void test_linear(void) {
 }
 
 static void reference_attention(const float* q, const float* keys, const float* values, int64_t H, int64_t Hkv,
-                                int64_t L, int64_t cap, int64_t D, const uint8_t* mask, float* out) {
+                                int64_t L, int64_t cap, int64_t D, float* out) {
     float p[256];
     for (int64_t h = 0; h < H; h++) {
         const float* kh = keys + (h / (H / Hkv)) * cap * D;
@@ -115,9 +115,9 @@ static void reference_attention(const float* q, const float* keys, const float* 
             double s = 0;
             for (int64_t d = 0; d < D; d++) s += (double)q[h * D + d] * kh[j * D + d];
             p[j] = (float)(s / sqrt((double)D));
-            if ((!mask || mask[j]) && p[j] > top) top = p[j];
+            if (p[j] > top) top = p[j];
         }
-        for (int64_t j = 0; j < L; j++) sum += p[j] = (!mask || mask[j]) ? (float)exp(p[j] - top) : 0.f;
+        for (int64_t j = 0; j < L; j++) sum += p[j] = (float)exp(p[j] - top);
         for (int64_t d = 0; d < D; d++) {
             double o = 0;
             for (int64_t j = 0; j < L; j++) o += p[j] / sum * vh[j * D + d];
@@ -127,26 +127,24 @@ static void reference_attention(const float* q, const float* keys, const float* 
 }
 
 static void test_decode_attention(void) {
-    enum { H = 8, HKV = 2, D = 64, CAP = 40, L = 37 };
+    enum { H = 8, HKV = 2, D = 64, CAP = 40 };
     static float q[H * D], keys[HKV * CAP * D], values[HKV * CAP * D], out[H * D], ref[H * D];
     static uint16_t qb[H * D], kb[HKV * CAP * D], vb[HKV * CAP * D], ob[H * D];
-    uint8_t mask[CAP];
     for (int i = 0; i < H * D; i++) qb[i] = f32_to_bf16(q[i] = frand() * 2);
     for (int i = 0; i < HKV * CAP * D; i++) {
         kb[i] = f32_to_bf16(keys[i] = frand() * 2);
         vb[i] = f32_to_bf16(values[i] = frand());
     }
-    for (int j = 0; j < CAP; j++) mask[j] = j % 3 != 1;
-    for (int masked = 0; masked < 2; masked++) {
-        reference_attention(q, keys, values, H, HKV, L, CAP, D, masked ? mask : NULL, ref);
-        qvl_decode_attention(q, keys, values, F32, HKV * CAP * D, CAP * D, 1, H, HKV, L, D, masked ? mask : NULL, CAP,
-                             out, 2);
+    const int64_t row = 0;
+    for (int64_t L = 37; L > 0; L -= 18) { /* a row attends to its own first L positions */
+        reference_attention(q, keys, values, H, HKV, (int)L, CAP, D, ref);
+        qvl_decode_attention(q, keys, values, F32, HKV * CAP * D, CAP * D, 1, H, HKV, &row, &L, D, out, 2);
         check("decode attention f32", out, ref, H * D, 1e-4f);
-        for (int i = 0; i < HKV * CAP * D; i++) keys[i] = bf16_to_f32(kb[i]), values[i] = bf16_to_f32(vb[i]);
-        for (int i = 0; i < H * D; i++) q[i] = bf16_to_f32(qb[i]);
-        reference_attention(q, keys, values, H, HKV, L, CAP, D, masked ? mask : NULL, ref);
-        qvl_decode_attention(qb, kb, vb, BF16, HKV * CAP * D, CAP * D, 1, H, HKV, L, D, masked ? mask : NULL, CAP, ob,
-                             2);
+        float kf[HKV * CAP * D], vf[HKV * CAP * D], qf[H * D];
+        for (int i = 0; i < HKV * CAP * D; i++) kf[i] = bf16_to_f32(kb[i]), vf[i] = bf16_to_f32(vb[i]);
+        for (int i = 0; i < H * D; i++) qf[i] = bf16_to_f32(qb[i]);
+        reference_attention(qf, kf, vf, H, HKV, (int)L, CAP, D, ref);
+        qvl_decode_attention(qb, kb, vb, BF16, HKV * CAP * D, CAP * D, 1, H, HKV, &row, &L, D, ob, 2);
         for (int i = 0; i < H * D; i++) out[i] = bf16_to_f32(ob[i]);
         check("decode attention bf16", out, ref, H * D, 2e-2f);
     }
@@ -206,8 +204,9 @@ static void test_decode_layers(void) {
     }
     for (int i = 0; i < DD; i++) x[i] = rx[i] = frand();
     for (int i = 0; i < DHD; i++) cos[i] = cosf(0.3f * i), sin[i] = sinf(0.3f * i);
+    const int64_t row = 0, slot = DPOS;
     int status = qvl_decode_layers(layers, DL, x, F32, 1, DD, DH, DKV, DHD, DI, 1e-6f, cos, sin, keys, values,
-                                   DKV * DCAP * DHD, DKV * DCAP * DHD, DCAP * DHD, DPOS, NULL, 0, 2);
+                                   DKV * DCAP * DHD, DKV * DCAP * DHD, DCAP * DHD, &row, &slot, 2);
     if (status != 0) {
         printf("FAIL decode layers returned %d\n", status);
         failures++;
@@ -224,7 +223,7 @@ static void test_decode_layers(void) {
             memcpy(rk[l][h][DPOS], k + h * DHD, DHD * sizeof(float));
             memcpy(rv[l][h][DPOS], v + h * DHD, DHD * sizeof(float));
         }
-        reference_attention(q, &rk[l][0][0][0], &rv[l][0][0][0], DH, DKV, DPOS + 1, DCAP, DHD, NULL, att);
+        reference_attention(q, &rk[l][0][0][0], &rv[l][0][0][0], DH, DKV, DPOS + 1, DCAP, DHD, att);
         ref_linear(l, 3, att, DD, DH * DHD, a);
         for (int i = 0; i < DD; i++) rx[i] += a[i];
         ref_norm(rx, dnorm[l][1], xn, DD);

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from qvl.engine import Request
 from qvl.sampling import SamplingParams, apply_penalties, filter_top_k_top_p, sample
-from qvl.stream import Delta, Done, StopStrings, Timings, Usage, stream_text
+from qvl.stream import Done, StopStrings, TextStream, Timings, Usage
 
 
 @given(st.integers(1, 50), st.floats(0.05, 1.0), st.integers(0, 2**31 - 1))
@@ -86,9 +86,14 @@ def test_stop_strings_hold_back_partial_matches():
 
 
 def run_stream(tokenizer, ids, stops=(), eos=(151645,)):
-    usage, timings = Usage(), Timings()
-    events = list(stream_text(iter(ids), tokenizer, stops, eos, usage, timings, 0.0))
-    return [e for e in events if isinstance(e, Delta)], events[-1]
+    """Push ids into a TextStream as the scheduler does: until it finishes, then close it."""
+    text, deltas = TextStream(tokenizer, stops, eos, Usage(), Timings(), 0.0), []
+    for token in ids:
+        deltas.append(text.push(token))
+        if text.finished:
+            break
+    tail, done = text.close()
+    return [d for d in [*deltas, tail] if d is not None], done
 
 
 @given(st.text(min_size=1, max_size=40))

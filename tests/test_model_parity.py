@@ -9,7 +9,6 @@ import torch
 from PIL import Image
 
 from qvl.engine import Engine, EngineOptions, Request
-from qvl.generate import generate_step
 from qvl.sampling import SamplingParams
 from tests.reference import load_reference, reference_inputs
 
@@ -94,7 +93,7 @@ def test_greedy_continuation_identical(pair):
 def test_greedy_identical_with_and_without_kv_cache(tiny_engine):
     """Decoding with the cache gives exactly the tokens of re-running the whole
     sequence from scratch at every step."""
-    from qvl.generate import PreparedPrompt, new_cache, prefill
+    from qvl.generate import PreparedPrompt, decode_step, new_cache, prefill
     from qvl.stream import Timings
 
     engine = tiny_engine
@@ -103,7 +102,12 @@ def test_greedy_identical_with_and_without_kv_cache(tiny_engine):
                       SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
     parsed = engine.parse(request)
     prompt = engine.prepare(parsed, Timings())
-    cached = [row[0] for row in generate_step(engine.model, [prompt], parsed.sampling, ())]
+    cache, cached = new_cache(engine.model, 1, len(prompt) + 12), []
+    logits = prefill(engine.model, cache, prompt)
+    for step in range(12):
+        cached.append(int(logits.argmax(-1)))
+        logits = decode_step(engine.model, cache, torch.tensor(cached[-1:]), torch.tensor([len(prompt) + step]),
+                             torch.tensor([prompt.next_position + step]))
     ids, uncached = prompt.ids, []
     for step in range(12):
         extra = torch.arange(step).expand(3, -1) + prompt.next_position

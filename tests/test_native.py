@@ -75,22 +75,28 @@ def test_engine_option_switches_int8_layers_to_int8_activations(tiny_checkpoint)
 @needs_attention
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
-       length=st.integers(1, 300), d=st.sampled_from([32, 64, 128]), masked=st.booleans())
-def test_decode_attention_matches_sdpa_over_cache_views(b, kv_heads, group, length, d, masked):
+       length=st.integers(1, 300), d=st.sampled_from([32, 64, 128]), ragged=st.booleans())
+def test_decode_attention_matches_sdpa_over_cache_views(b, kv_heads, group, length, d, ragged):
+    """Rows of different lengths (as continuous batching leaves them) each attend to their own
+    positions only; what lies past a row's length (NaN here) is never read."""
     capacity = length + 7  # the cache is larger than what is filled: keys are strided views
     cache_k = torch.randn(b, kv_heads, capacity, d).bfloat16()
     cache_v = torch.randn(b, kv_heads, capacity, d).bfloat16()
     keys, values = cache_k[:, :, :length], cache_v[:, :, :length]
     q = (torch.randn(b, kv_heads * group, 1, d) * 2).bfloat16()
-    mask = None
-    if masked:  # left padding of batched rows, as generate_step builds it
-        mask = torch.ones(b, length, dtype=torch.bool)
-        for r in range(b):
-            mask[r, : torch.randint(0, length, ()).item()] = False
-    out = native.decode_attention(lib, q, keys, values, mask)
-    ref = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), enable_gqa=True,
-                                         attn_mask=None if mask is None else mask[:, None, None, :])
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    lengths = torch.full((b,), length)
+    if ragged:
+        lengths = torch.randint(1, length + 1, (b,))
+        for r, n in enumerate(lengths.tolist()):
+            cache_k[r, :, n:], cache_v[r, :, n:] = float("nan"), float("nan")
+    rows = torch.arange(b)
+    out = native.decode_attention(lib, q, keys, values, rows, lengths)
+    for r, n in enumerate(lengths.tolist()):
+        ref = F.scaled_dot_product_attention(q[r : r + 1].float(), keys[r : r + 1, :, :n].float(),
+                                             values[r : r + 1, :, :n].float(), enable_gqa=True)
+        torch.testing.assert_close(out[r : r + 1].float(), ref, atol=2e-2, rtol=2e-2)
+        alone = native.decode_attention(lib, q[r : r + 1], keys, values, rows[r : r + 1], lengths[r : r + 1])
+        assert torch.equal(alone, out[r : r + 1])  # a row's result does not depend on the others
 
 
 @needs_attention
@@ -112,7 +118,8 @@ def test_bf16_model_with_native_kernels_matches_torch_kernels(tiny_checkpoint, m
             logits = [model.logits(h)[:, -1]]
             for step in range(4):
                 token = logits[-1].argmax(-1)
-                logits.append(decode_step(model, cache, token, torch.tensor([len(ids) + step])))
+                logits.append(decode_step(model, cache, token, torch.tensor([len(ids) + step]),
+                                          torch.tensor([len(ids) + step])))
         return torch.cat(logits).float()
 
     native_logits = run()
@@ -164,7 +171,7 @@ def test_rms_norm_matches_the_reference_formula(shape):
                                            ("int4", "fp32")])
 def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, dtype, monkeypatch):
     """The whole-step kernel (every layer in one native call) against the per-layer modules
-    running the same kernels: same logits and same cache, for two rows with padding masked.
+    running the same kernels: same logits and same cache, for two rows of different lengths.
     bf16: the same roundings, keys bit for bit; float32 (CPUs without BF16): RMSNorm and RoPE
     sum in another order than torch's, so within float32 rounding (and the 16-bit activation
     roundings that it can move)."""
@@ -182,16 +189,18 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         cache = new_cache(model, 2, 32)
-        mask = torch.ones(2, 32, dtype=torch.bool)
-        mask[1, :3] = False  # row 1's first three slots are padding
-        cos, sin = model.rope(torch.arange(len(ids)).view(1, 1, -1).expand(3, 2, -1))
+        lengths = torch.tensor([len(ids), len(ids) - 3])  # row 1 holds a shorter prompt
         with torch.inference_mode():
-            logits = model.logits(text(model.embed(ids[None].expand(2, -1)), cos, sin, cache, 0, mask))[:, -1]
-            steps = []
+            logits = []
+            for r, n in enumerate(lengths.tolist()):
+                cos, sin = model.rope(torch.arange(n).view(1, 1, -1).expand(3, 1, -1))
+                logits.append(model.logits(text(model.embed(ids[None, :n]), cos, sin, cache.row(r), 0))[:, -1])
+            logits, steps = torch.cat(logits), []
             for step in range(5):
-                logits = decode_step(model, cache, logits.argmax(-1), torch.tensor([len(ids) + step] * 2), mask)
+                logits = decode_step(model, cache, logits.argmax(-1), lengths + step, lengths + step)
                 steps.append(logits)
-        return torch.stack(steps), cache.keys[:, :, :, : len(ids) + 5]
+        return torch.stack(steps), torch.cat([cache.keys[:, r : r + 1, :, : n + 5] for r, n in enumerate(lengths.tolist())],
+                                             dim=3)
 
     text._native_layers = None
     logits, keys = run()
@@ -261,10 +270,9 @@ def test_one_call_decode_step_refuses_a_full_cache(tiny_checkpoint):
 
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="bf16", threads=1))
     cache = new_cache(engine.model, 1, 4)
-    cache.length = 4
     before = cache.keys.view(torch.int16).clone()  # bit patterns: an unwritten cache may hold NaNs
     with pytest.raises(ValueError, match="KV cache overflow"), torch.inference_mode():
-        decode_step(engine.model, cache, torch.tensor([5]), torch.tensor([4]))
+        decode_step(engine.model, cache, torch.tensor([5]), torch.tensor([4]), torch.tensor([4]))
     assert torch.equal(cache.keys.view(torch.int16), before)
 
 
@@ -285,16 +293,15 @@ def test_one_call_decode_step_leaves_what_it_does_not_cover_to_the_layers(tiny_c
     cos, sin = model.rope(torch.full((3, 1, 1), 7))
     deepstack = [torch.randn(1, d).bfloat16() for _ in model.cfg.vision.deepstack_visual_indexes]
     with torch.inference_mode():
-        out = text(h, cos, sin, new_cache(model, 1, 8), 0, None, torch.tensor([[True]]), deepstack)
+        out = text(h, cos, sin, new_cache(model, 1, 8), 0, torch.tensor([[True]]), deepstack)
         text._native_layers = False
-        ref = text(h, cos, sin, new_cache(model, 1, 8), 0, None, torch.tensor([[True]]), deepstack)
+        ref = text(h, cos, sin, new_cache(model, 1, 8), 0, torch.tensor([[True]]), deepstack)
         text._native_layers = None
         assert not calls
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
         rows = native.GEMV_MAX_ROWS + 1
         cache = new_cache(model, rows, 8)
-        cache.length = 3
-        decode_step(model, cache, torch.full((rows,), 5), torch.full((rows,), 3))
+        decode_step(model, cache, torch.full((rows,), 5), torch.full((rows,), 3), torch.full((rows,), 3))
         assert not calls
-        decode_step(model, new_cache(model, 2, 8), torch.full((2,), 5), torch.full((2,), 0))
+        decode_step(model, new_cache(model, 2, 8), torch.full((2,), 5), torch.full((2,), 0), torch.full((2,), 0))
         assert len(calls) == 1

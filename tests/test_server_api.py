@@ -287,15 +287,15 @@ def test_serve_arguments():
 
 
 def test_engine_failure_is_a_500_and_the_worker_carries_on(tiny_engine, monkeypatch):
-    real_stream = tiny_engine.stream
+    real_prepare = tiny_engine.prepare_from_prefix
     failures = iter([MemoryError("out of memory")])
 
-    def flaky_stream(parsed, cancel=None):
+    def flaky_prepare(*args, **kwargs):  # what the scheduler runs when it admits a request
         if (exc := next(failures, None)) is not None:
             raise exc
-        return real_stream(parsed, cancel=cancel)
+        return real_prepare(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_engine, "stream", flaky_stream)
+    monkeypatch.setattr(tiny_engine, "prepare_from_prefix", flaky_prepare)
     with TestClient(make_app(tiny_engine)) as c:
         wait_ready(c)
         assert_error(c.post(URL, json={"messages": HELLO, "max_tokens": 2}), 500, code="internal_error")

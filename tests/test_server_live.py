@@ -23,7 +23,8 @@ LONG = {"max_tokens": 2000, "temperature": 0}  # greedy "hello" on the tiny mode
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    with live_server(tiny_checkpoint, "--queue-size", "2", "--request-timeout", "120") as s:
+    # one row at a time, so that requests queue (the scheduler's batching has its own tests)
+    with live_server(tiny_checkpoint, "--queue-size", "2", "--max-batch", "1", "--request-timeout", "120") as s:
         yield s
 
 

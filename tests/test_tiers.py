@@ -108,30 +108,28 @@ def test_integer_products_agree_across_tiers(tmp_path_factory):
         torch.testing.assert_close(o4, outs[0][2], atol=1e-4, rtol=1e-5, msg=name)
 
 
-def _reference_decode_attention(q, keys, values, mask):
-    scores = torch.einsum("bhd,bhld->bhl", q.float(), keys.float().repeat_interleave(q.shape[1] // keys.shape[1], 1))
-    scores = scores / q.shape[-1] ** 0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    p = scores.softmax(-1)
-    return torch.einsum("bhl,bhld->bhd", p, values.float().repeat_interleave(q.shape[1] // keys.shape[1], 1))
+def _reference_decode_attention(q, keys, values, length):
+    """q [B, H, D] over the first `length` of keys/values [B, Hkv, L, D] (GQA), in float."""
+    keys, values = keys[:, :, :length].float(), values[:, :, :length].float()
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), keys.repeat_interleave(q.shape[1] // keys.shape[1], 1))
+    p = (scores / q.shape[-1] ** 0.5).softmax(-1)
+    return torch.einsum("bhl,bhld->bhd", p, values.repeat_interleave(q.shape[1] // keys.shape[1], 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention(tier_lib, dtype):
+    """Rows of different lengths, read through a row table (the scheduler's rows in any order)."""
     tier, lib = tier_lib
     torch.manual_seed(2)
-    b, h, hkv, d, cap, length = 2, 8, 2, 128, 40, 33
+    b, h, hkv, d, cap = 2, 8, 2, 128, 40
     q = torch.randn(b, h, 1, d).to(dtype)
-    cache_k, cache_v = torch.randn(b, hkv, cap, d).to(dtype), torch.randn(b, hkv, cap, d).to(dtype)
-    mask = torch.rand(b, length) > 0.3
-    mask[:, -1] = True
-    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]  # views of the cache, as the model passes them
-    for m in (None, mask):
-        out = native.decode_attention(lib, q, keys, values, m)
-        ref = _reference_decode_attention(q[:, :, 0], keys, values, m)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[:, :, 0].float(), ref, atol=tol, rtol=tol, msg=tier.name)
+    cache_k, cache_v = torch.randn(3, hkv, cap, d).to(dtype), torch.randn(3, hkv, cap, d).to(dtype)
+    rows, lengths = torch.tensor([2, 0]), torch.tensor([33, 7])
+    out = native.decode_attention(lib, q, cache_k, cache_v, rows, lengths)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
+        ref = _reference_decode_attention(q[i : i + 1, :, 0], cache_k[r : r + 1], cache_v[r : r + 1], n)
+        torch.testing.assert_close(out[i : i + 1, :, 0].float(), ref, atol=tol, rtol=tol, msg=tier.name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

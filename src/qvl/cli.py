@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
     g.add_argument("--prefix-cache-mb", type=float, default=512, help="prefix KV cache budget (0 disables)")
     g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
+    g.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together, each with its own sampling (serve, batch); more wait")
     g.add_argument("--image-tokens-cap", type=int, default=4096,
                    help="the largest image budget a request may ask for (default 4096 tokens, 4 megapixels)")
     budget = g.add_mutually_exclusive_group()
@@ -77,7 +79,7 @@ def engine_options(args: argparse.Namespace):
         cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
         max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,
         vision_cache_mb=args.vision_cache_mb,
-        prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache,
+        prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
     )
 
 

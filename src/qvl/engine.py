@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ import torch
 from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
-from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, generate_step, new_cache
+from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
 from qvl.hub import resolve_model
 from qvl.model.rope import mrope_positions
 from qvl.paths import locked
@@ -26,7 +27,8 @@ from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
 from qvl.requests import Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
-from qvl.stream import Delta, Done, Timings, Usage, stream_text
+from qvl.scheduler import DEFAULT_MAX_BATCH, Scheduler, Sequence
+from qvl.stream import Delta, Done, Timings
 from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir, write_quantized
 
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
@@ -54,6 +56,7 @@ class EngineOptions:
     prefix_cache_mb: float = 512
     answer_cache_entries: int = 256
     quant_cache: bool = True  # keep int8/int4 weights quantised at load for the next start
+    max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together (the scheduler's rows)
 
 
 def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
@@ -130,6 +133,7 @@ class Engine:
         self.vision_cache = VisionCache(options.vision_cache_mb)
         self.prefix_cache = PrefixCache(options.prefix_cache_mb)
         self.answer_cache = AnswerCache(options.answer_cache_entries)
+        self.scheduler = Scheduler(self, options.max_batch)
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
@@ -241,11 +245,12 @@ class Engine:
 
         started = time.perf_counter()
         parsed = self.parse(Request([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
-                                                                  {"type": "text", "text": "Hi"}]}],
-                                    SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)))
+                                                                  {"type": "text", "text": "Hi"}]}]))
         prompt = self.prepare(parsed, Timings(), use_cache=False)
-        for _ in generate_step(self.model, [prompt], parsed.sampling, ()):
-            pass
+        cache = new_cache(self.model, 1, len(prompt) + 1)
+        logits = prefill(self.model, cache, prompt)
+        decode_step(self.model, cache, logits.argmax(-1), torch.tensor([len(prompt)]),
+                    torch.tensor([prompt.next_position]))
         return time.perf_counter() - started
 
     # -- generation ----------------------------------------------------------------------
@@ -270,9 +275,10 @@ class Engine:
         return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings)
 
     def stream(self, request: Request | ParsedRequest, cancel: CancelCheck | None = None) -> Iterator[Delta | Done]:
-        """Events for one request: Delta pieces of text, then Done. Closing the iterator
-        stops before the next decode step; so does `cancel()` turning true (it is checked
-        between images, prefill chunks and decode steps, and raises Cancelled)."""
+        """Events for one request: Delta pieces of text, then Done. The caller's thread drives
+        the scheduler (and with it whatever else it runs). Closing the iterator stops the
+        request before its next step; so does `cancel()` turning true (checked between images,
+        prefill slices and decode steps; raises Cancelled)."""
         started = time.perf_counter()
         parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
         if (hit := self.cached_answer(parsed)) is not None:
@@ -281,42 +287,42 @@ class Engine:
                 yield Delta(hit.text, hit.token_ids)
             yield hit
             return
-        timings = Timings()
-        spans = self.spans(parsed)
-        prompt, prefix = self._prepare_from_prefix(parsed, spans, timings, cancel)
-        params = parsed.sampling
-        eos = self.eos_ids(params)
-        cache = new_cache(self.model, 1, len(prompt) + params.max_new_tokens)
-        steps = (row[0] for row in generate_step(self.model, [prompt], params, eos, cache=cache, prefixes=[prefix],
-                                                 cancel=cancel))
-        usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens)
-        done = None
-        for event in stream_text(steps, self.tokenizer, params.stop, eos, usage, timings, started):
-            if isinstance(event, Done):
-                done = event
-                break
-            yield event
-        self._remember(parsed, spans, cache, done)
-        yield done
+        events: deque = deque()
+        seq = Sequence(parsed, events.append, cancel, started)
+        self.scheduler.submit(seq)
+        try:
+            while True:
+                while not events:
+                    self.scheduler.step()
+                event = events.popleft()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, Done):
+                    return
+        finally:
+            if not seq.done:  # closed early: take it out now, nobody may step again
+                self.scheduler.stop(seq)
+                self.scheduler.step()
 
-    def _prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings,
-                             cancel: CancelCheck | None = None) -> tuple[PreparedPrompt, tuple | None]:
-        """The longest cached prefix of the prompt (as (kv, tokens) for generate_step, or
-        None) and the prompt prepared for the rest."""
+    def prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings,
+                            cancel: CancelCheck | None = None) -> tuple[PreparedPrompt, tuple | None]:
+        """The longest cached prefix of the prompt (as (kv, tokens), or None) and the prompt
+        prepared for the rest."""
         entry, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
         timings.cached["prefix"], timings.reused_tokens = reused > 0, reused
         prompt = self.prepare(parsed, timings, skip=reused, cancel=cancel, spans=spans)
         return prompt, ((entry.kv, reused) if entry else None)
 
-    def _remember(self, parsed: ParsedRequest, spans, cache, done: Done, row: int = 0, slot: int = 0) -> None:
-        """Keep one row's KV state (its prompt, from `slot`, and the answer tokens fed back
-        into the cache) for prefix reuse, and the answer for exact repeats."""
-        fed = min(len(done.token_ids), cache.length - slot - len(parsed.ids))
-        length = len(parsed.ids) + fed
+    def remember(self, parsed: ParsedRequest, spans, row_cache, filled: int, done: Done) -> None:
+        """Keep a finished request's KV state (a B=1 cache view whose first `filled` slots hold
+        its prompt and the answer tokens fed back) for prefix reuse, and the answer for exact
+        repeats."""
+        fed = filled - len(parsed.ids)
         # an entry over the whole budget would be dropped anyway: do not copy it
-        if self.prefix_cache.enabled and fed >= 0 and length * cache.bytes_per_position <= self.prefix_cache.max_bytes:
+        if self.prefix_cache.enabled and fed >= 0 and filled * row_cache.bytes_per_position <= self.prefix_cache.max_bytes:
             ids = torch.cat([parsed.ids, torch.tensor(done.token_ids[:fed], dtype=torch.long)])
-            self.prefix_cache.add(PrefixEntry(ids, spans, cache.clone_row(row, slot, length)))
+            self.prefix_cache.add(PrefixEntry(ids, spans, row_cache.clone_row(0, filled)))
         key = self._answer_key(parsed)
         if key:
             self.answer_cache.put(key, done)
@@ -328,50 +334,21 @@ class Engine:
                 return event
         raise RuntimeError("generation ended without a final event")
 
-    def generate_batch(self, requests: list[Request | ParsedRequest]) -> list[Done]:
-        """Answer several requests with one batched decode: exact repeats from the answer
-        cache, images through the vision cache, each prompt prefilled on its own (from a
-        cached prefix where there is one), then all rows decoded together (a decode step
-        reads the weights once for every row). Sampling must be shared."""
+    def generate_batch(self, requests: list[Request | ParsedRequest]) -> list[Done | Exception]:
+        """Answer several requests together: exact repeats from the answer cache, the rest
+        through the scheduler at once (each with its own sampling; rows decoded together and
+        retired as each finishes). A request that fails gets its exception in its place."""
         parsed = [r if isinstance(r, ParsedRequest) else self.parse(r) for r in requests]
-        params = parsed[0].sampling
-        if any(p.sampling != params for p in parsed):
-            raise ValueError("a batch needs the same sampling parameters for every request")
-        results: list[Done | None] = [self.cached_answer(p) for p in parsed]
-        todo = [i for i, r in enumerate(results) if r is None]
-        if todo:
-            for i, done in zip(todo, self._decode_together([parsed[i] for i in todo], params)):
-                results[i] = done
-        return results
+        results: list[Done | Exception | None] = [self.cached_answer(p) for p in parsed]
+        finished: dict[int, Done | Exception] = {}
+        for i, p in enumerate(parsed):
+            if results[i] is None:
+                self.scheduler.submit(Sequence(p, lambda e, i=i: self._collect(finished, i, e)))
+        while len(finished) < sum(r is None for r in results):
+            self.scheduler.step()
+        return [finished[i] if r is None else r for i, r in enumerate(results)]
 
-    def _decode_together(self, parsed: list[ParsedRequest], params: SamplingParams) -> list[Done]:
-        started = time.perf_counter()
-        timings = [Timings() for _ in parsed]
-        spans = [self.spans(p) for p in parsed]
-        prompts, prefixes = zip(*(self._prepare_from_prefix(p, s, t) for p, s, t in zip(parsed, spans, timings)))
-        prompts, prefixes = list(prompts), list(prefixes)
-        eos = self.eos_ids(params)
-        width = max(len(p) for p in prompts)
-        cache = new_cache(self.model, len(prompts), width + params.max_new_tokens)
-        rows: list[list[int]] = [[] for _ in parsed]
-        step_ms, last = [], started
-        for step in generate_step(self.model, prompts, params, eos, cache=cache, prefixes=prefixes):
-            now = time.perf_counter()
-            step_ms.append((now - last) * 1000)
-            last = now
-            for row, token in zip(rows, step):
-                if token is not None:
-                    row.append(token)
-        vision_ms = sum(t.vision_ms for t in timings)
-        results = []
-        for r, (p, t, row, s) in enumerate(zip(parsed, timings, rows, spans)):
-            usage = Usage(prompt_tokens=len(p.ids), image_tokens=p.image_tokens)
-            *_, done = stream_text(iter(row), self.tokenizer, params.stop, eos, usage, t, started)
-            # stream_text timed a replay; the batch's own clock is what happened
-            done.timings.ttft_ms = step_ms[0]
-            done.timings.prefill_ms = max(0.0, step_ms[0] - vision_ms) / len(parsed)
-            done.timings.decode_ms = step_ms[1 : len(row)]
-            done.timings.decode_ms_per_token = sum(done.timings.decode_ms) / max(1, len(done.timings.decode_ms))
-            self._remember(p, s, cache, done, row=r, slot=width - len(p.ids))
-            results.append(done)
-        return results
+    @staticmethod
+    def _collect(finished: dict, i: int, event) -> None:
+        if isinstance(event, (Done, BaseException)):
+            finished[i] = event

@@ -8,17 +8,16 @@ import torch
 class KVCache:
     """Keys and values of every decoder layer for B rows and up to `capacity` positions.
 
-    keys, values: [L, B, H_kv, capacity, head_dim]. `length` counts the positions
-    filled; layers write at `start` through `update` and read everything before it.
+    keys, values: [L, B, H_kv, capacity, head_dim]. Every row starts at slot 0 and holds only
+    its own positions; how many each row has filled is the generation loop's to track (the
+    cache does not count), and layers write where they are told through `update`.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 zeroed: bool = False):
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
         shape = (layers, batch, kv_heads, capacity, head_dim)
-        alloc = torch.zeros if zeroed else torch.empty  # empty: pages become resident only when written
-        self.keys = alloc(shape, dtype=dtype)
-        self.values = alloc(shape, dtype=dtype)
-        self.length = 0
+        # empty: pages become resident only when written, and no row reads a slot it has not written
+        self.keys = torch.empty(shape, dtype=dtype)
+        self.values = torch.empty(shape, dtype=dtype)
 
     @property
     def capacity(self) -> int:
@@ -33,13 +32,24 @@ class KVCache:
         """Keys and values of one position of one row, all layers."""
         return self.nbytes // (self.keys.shape[1] * self.capacity)
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [B, H_kv, T, hd] written at positions start..start+T.
-        Returns the layer's keys and values for positions 0..start+T: [B, H_kv, start+T, hd]."""
-        end = start + k.shape[2]
-        self.check_room(end)
-        self.keys[layer, :, :, start:end] = k
-        self.values[layer, :, :, start:end] = v
+    def update(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, H_kv, T, hd]. start an int: the cache's B rows write positions
+        start..start+T; returns the layer's keys and values [B, H_kv, start+T, hd]. start [B]
+        slots (one token per row, T = 1): batch row b writes cache row rows[b] (default b) at
+        start[b]; returns every cache row's [R, H_kv, max(start)+1, hd], of which batch row b
+        may read only row rows[b]'s first start[b]+1 positions."""
+        if isinstance(start, int):
+            end = start + k.shape[2]
+            self.check_room(end)
+            self.keys[layer, :, :, start:end] = k
+            self.values[layer, :, :, start:end] = v
+        else:
+            end = int(start.max()) + 1
+            self.check_room(end)
+            rows = torch.arange(k.shape[0]) if rows is None else rows
+            self.keys[layer, rows, :, start] = k[:, :, 0]
+            self.values[layer, rows, :, start] = v[:, :, 0]
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
     def check_room(self, end: int) -> None:
@@ -47,17 +57,16 @@ class KVCache:
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
 
-    def write_prefix(self, other: KVCache, length: int, slot: int = 0) -> None:
-        """Copy the first `length` positions of a B=1 cache into slots slot..slot+length."""
-        self.keys[:, :, :, slot : slot + length] = other.keys[:, :1, :, :length]
-        self.values[:, :, :, slot : slot + length] = other.values[:, :1, :, :length]
+    def write_prefix(self, other: KVCache, length: int) -> None:
+        """Copy the first `length` positions of a B=1 cache into this cache's first positions."""
+        self.keys[:, :, :, :length] = other.keys[:, :1, :, :length]
+        self.values[:, :, :, :length] = other.values[:, :1, :, :length]
 
-    def clone_row(self, row: int, slot: int, length: int) -> KVCache:
-        """A compact B=1 copy of positions slot..slot+length of one row."""
+    def clone_row(self, row: int, length: int) -> KVCache:
+        """A compact B=1 copy of the first `length` positions of one row."""
         new = KVCache.__new__(KVCache)
-        new.keys = self.keys[:, row : row + 1, :, slot : slot + length].clone()
-        new.values = self.values[:, row : row + 1, :, slot : slot + length].clone()
-        new.length = length
+        new.keys = self.keys[:, row : row + 1, :, :length].clone()
+        new.values = self.values[:, row : row + 1, :, :length].clone()
         return new
 
     def row(self, r: int) -> KVCache:
@@ -65,5 +74,4 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view.keys = self.keys[:, r : r + 1]
         view.values = self.values[:, r : r + 1]
-        view.length = self.length
         return view

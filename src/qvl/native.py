@@ -134,14 +134,14 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
-    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, c_int]
+    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.qvl_decode_attention.restype = c_int
     lib.qvl_vision_rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     lib.qvl_vision_rope.restype = c_int
     lib.qvl_rmsnorm.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
     lib.qvl_rmsnorm.restype = None
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
-                                      ptr, ptr, i64, i64, i64, i64, ptr, i64, c_int]
+                                      ptr, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
@@ -224,22 +224,25 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """One query per row over the cache: q [B, H, 1, D]; keys/values [B, Hkv, L, D] views of
-    the KV cache (positions contiguous), all bf16 or all float32; key_mask [B, L] bool (True =
-    attend) or None -> [B, H, 1, D]. None when the shapes do not apply (then use SDPA)."""
+                     rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+    """One query per row over the cache: q [B, H, 1, D]; keys/values [R, Hkv, S, D] views of
+    the KV cache (positions contiguous), all bf16 or all float32; batch row b reads cache row
+    rows[b] ([B] int64), its first lengths[b] positions ([B] int64, 1 <= lengths[b] <= S)
+    -> [B, H, 1, D]. None when the shapes do not apply (then use SDPA)."""
     b, h, _, d = q.shape
-    hkv, length = keys.shape[1], keys.shape[2]
+    hkv = keys.shape[1]
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
         return None
     if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d:
         return None
     q = q.contiguous()
-    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    if int(rows.min()) < 0 or int(rows.max()) >= keys.shape[0] or int(lengths.max()) > keys.shape[2]:
+        raise IndexError("decode attention: a row or a length outside the cache")
+    rows, lengths = rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     out = torch.empty(b, h, 1, d, dtype=q.dtype)
     status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _DTYPES[q.dtype],
-                                      keys.stride(0), keys.stride(1), b, h, hkv, length, d, _ptr(mask),
-                                      0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
+                                      keys.stride(0), keys.stride(1), b, h, hkv, rows.data_ptr(), lengths.data_ptr(), d,
+                                      out.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_decode_attention could not allocate its scores")
     return out if status == 0 else None
@@ -297,25 +300,24 @@ class LayerArgs(ctypes.Structure):
 
 
 def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, start: int, key_mask: torch.Tensor | None, *, heads: int,
+                  keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, *, heads: int,
                   head_dim: int, intermediate: int, eps: float) -> torch.Tensor | None:
     """One decode step through every decoder layer in a single call (the per-op path spends
     ~8 ms per token in Python and small torch ops on the 2B model). h: [B, 1, D] bf16 or
     float32, and cos/sin [B, 1, 1, hd], the cache [L, B, Hkv, capacity, hd] and the layers'
-    float tensors of the same dtype; the cache is written at `start`; key_mask: [B, capacity]
-    bool or None. Returns the new hidden states [B, 1, D], or None when the kernel does not
-    apply (nothing written)."""
+    float tensors of the same dtype; batch row b is written into cache row rows[b] at slots[b]
+    ([B] int64 each, checked by the caller) and attends to its positions 0..slots[b]. Returns
+    the new hidden states [B, 1, D], or None when the kernel does not apply (nothing written)."""
     b, _, d = h.shape
     if keys.stride(4) != 1 or keys.stride(3) != head_dim or keys.stride() != values.stride():
         return None
     x = h.clone(memory_format=torch.contiguous_format)
     cos, sin = cos.reshape(b, head_dim).contiguous(), sin.reshape(b, head_dim).contiguous()
-    mask = None if key_mask is None else key_mask.to(torch.uint8).contiguous()
+    rows, slots = rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
     status = lib.qvl_decode_layers(
         ctypes.byref(layers), len(layers), x.data_ptr(), _DTYPES[h.dtype], b, d, heads, keys.shape[2], head_dim,
         intermediate, eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-        keys.stride(1), keys.stride(2), start, _ptr(mask), 0 if mask is None else mask.stride(0),
-        torch.get_num_threads())
+        keys.stride(1), keys.stride(2), rows.data_ptr(), slots.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_decode_layers could not allocate its buffers")
     return x if status == 0 else None

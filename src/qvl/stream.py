@@ -4,7 +4,6 @@ Every front door consumes these events."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from qvl.processing.tokenizer import StreamDecoder, Tokenizer
@@ -93,45 +92,55 @@ class StopStrings:
         return out
 
 
-def stream_text(
-    token_steps: Iterator[int], tokenizer: Tokenizer, stops: tuple[str, ...], eos_ids: tuple[int, ...],
-    usage: Usage, timings: Timings, started: float,
-) -> Iterator[Delta | Done]:
-    """Turn one row's token ids into Delta events and a final Done.
+class TextStream:
+    """One row's token ids -> Delta events and a final Done, pushed one token at a time:
+    incremental detokenising, EOS and stop strings, usage and timings. `started` is the
+    perf_counter at which the request began (for time to first token); timings.vision_ms is
+    expected filled in already."""
 
-    `started` is the perf_counter at which the request began (for time to first token);
-    timings.vision_ms is expected filled in already."""
-    decoder, stopper = StreamDecoder(tokenizer), StopStrings(stops)
-    ids: list[int] = []
-    text_parts: list[str] = []
-    finish, hit_stop_string, last = "length", False, None
-    for token in token_steps:
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], eos_ids: tuple[int, ...], usage: Usage,
+                 timings: Timings, started: float):
+        self.decoder, self.stopper, self.eos_ids = StreamDecoder(tokenizer), StopStrings(stops), eos_ids
+        self.usage, self.timings, self.started = usage, timings, started
+        self.ids: list[int] = []
+        self.parts: list[str] = []
+        self.finish_reason, self.hit_stop_string, self.last = "length", False, None
+        self.finished = False
+
+    def push(self, token: int) -> Delta | None:
+        """Take the next token; returns the text it completes, if any. After EOS or a stop
+        string `finished` is true and the row must stop (take no more tokens)."""
         now = time.perf_counter()
-        if last is None:
-            timings.ttft_ms = (now - started) * 1000
-            timings.prefill_ms = max(0.0, timings.ttft_ms - timings.vision_ms)
+        if self.last is None:
+            self.timings.ttft_ms = (now - self.started) * 1000
+            self.timings.prefill_ms = max(0.0, self.timings.ttft_ms - self.timings.vision_ms)
         else:
-            timings.decode_ms.append((now - last) * 1000)
-        last = now
-        ids.append(token)
-        if token in eos_ids:
-            finish = "stop"
-            break
-        text, hit_stop_string = stopper.push(decoder.push(token))
+            self.timings.decode_ms.append((now - self.last) * 1000)
+        self.last = now
+        self.ids.append(token)
+        if token in self.eos_ids:
+            self.finish_reason, self.finished = "stop", True
+            return None
+        text, self.hit_stop_string = self.stopper.push(self.decoder.push(token))
+        if self.hit_stop_string:
+            self.finish_reason, self.finished = "stop", True
         if text:
-            text_parts.append(text)
-            yield Delta(text, [token])
-        if hit_stop_string:
-            finish = "stop"
-            break
-    if not hit_stop_string:
-        tail, hit_stop_string = stopper.push(decoder.flush())
-        tail += "" if hit_stop_string else stopper.flush()
-        finish = "stop" if hit_stop_string else finish
-        if tail:
-            text_parts.append(tail)
-            yield Delta(tail, [])
-    usage.completion_tokens = len(ids)
-    if timings.decode_ms:
-        timings.decode_ms_per_token = sum(timings.decode_ms) / len(timings.decode_ms)
-    yield Done("".join(text_parts), ids, finish, usage, timings)
+            self.parts.append(text)
+            return Delta(text, [token])
+        return None
+
+    def close(self) -> tuple[Delta | None, Done]:
+        """No more tokens: the held-back tail (unless a stop string ended it) and the Done."""
+        tail = None
+        if not self.hit_stop_string:
+            text, self.hit_stop_string = self.stopper.push(self.decoder.flush())
+            text += "" if self.hit_stop_string else self.stopper.flush()
+            self.finish_reason = "stop" if self.hit_stop_string else self.finish_reason
+            if text:
+                self.parts.append(text)
+                tail = Delta(text, [])
+        self.finished = True
+        self.usage.completion_tokens = len(self.ids)
+        if self.timings.decode_ms:
+            self.timings.decode_ms_per_token = sum(self.timings.decode_ms) / len(self.timings.decode_ms)
+        return tail, Done("".join(self.parts), self.ids, self.finish_reason, self.usage, self.timings)

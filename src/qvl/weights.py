@@ -196,7 +196,7 @@ class _TensorSource:
 
 def _check_shapes(model: Qwen3VL, state: dict[str, torch.Tensor]) -> None:
     wrong = [
-        f"{k}: checkpoint {tuple(v.shape)} vs config {tuple(p.shape)}"
+        f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(p.shape)}"
         for k, p in model.state_dict().items()
         if k in state and tuple(state[k].shape) != tuple(p.shape)
     ]

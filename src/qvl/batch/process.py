@@ -1,6 +1,7 @@
 """Items -> result rows with one engine. Each item is parsed on its own, so a broken image
 becomes that item's error row and never reaches a batch; the good ones are decoded together
-in groups of `batch_size` (`Engine.generate_batch`). Shared by the local and the Ray runner."""
+in groups of `batch_size` (`Engine.generate_batch`, through the scheduler). Shared by the
+local and the Ray runner."""
 
 from __future__ import annotations
 
@@ -65,16 +66,13 @@ class Worker:
             yield from self._answer(good)
 
     def _answer(self, good: list[tuple[Item, ParsedRequest]]) -> list[dict]:
-        """Decode a group together; if that fails, one by one, so only the culprit errs."""
-        try:
-            dones = self.engine.generate_batch([parsed for _, parsed in good])
-        except Exception as exc:
-            if len(good) == 1:
-                item = good[0][0]
-                return [error_row(item, self.prompt_for(item), exc)]
-            return [row for pair in good for row in self._answer([pair])]
+        """Decode a group together (the scheduler retires each row as it finishes); a row
+        that fails becomes its own error row."""
         rows = []
-        for (item, _), done in zip(good, dones):
+        for (item, _), done in zip(good, self.engine.generate_batch([parsed for _, parsed in good])):
+            if isinstance(done, Exception):
+                rows.append(error_row(item, self.prompt_for(item), done))
+                continue
             answer = done.to_dict()
             answer.pop("token_ids")
             rows.append({"id": item.id, "image": item.image, "prompt": self.prompt_for(item), **answer})

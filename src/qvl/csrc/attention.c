@@ -209,11 +209,11 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
 
 /* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
  * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
- * b, head h, position j at b*row_stride + h*head_stride + j*D; mask: [B][mask_stride] bytes
- * (nonzero = attend) or NULL; out: [B][H][D]. Scores and softmax in float32. */
+ * rows[b], head h, position j at rows[b]*row_stride + h*head_stride + j*D; it attends to its
+ * first lengths[b] positions; out: [B][H][D]. Scores and softmax in float32. */
 static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
                                  int64_t row_stride, int64_t head_stride, int64_t B, int64_t H, int64_t Hkv,
-                                 int64_t L, int64_t D, const uint8_t* mask, int64_t mask_stride, uint16_t* out,
+                                 const int64_t* rows, const int64_t* lengths, int64_t D, uint16_t* out,
                                  int threads) {
     const int64_t G = H / Hkv;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D);
@@ -221,9 +221,9 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, h = item % Hkv;
-        const uint16_t* kh = keys + b * row_stride + h * head_stride;
-        const uint16_t* vh = values + b * row_stride + h * head_stride;
-        const uint8_t* mrow = mask ? mask + b * mask_stride : NULL;
+        const uint16_t* kh = keys + rows[b] * row_stride + h * head_stride;
+        const uint16_t* vh = values + rows[b] * row_stride + h * head_stride;
+        const int64_t L = lengths[b];
         float* sc = malloc((size_t)(G * L) * sizeof(float));
         if (!sc) {
             failed = 1;
@@ -237,10 +237,6 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
             float* sg = sc + g * L;
             float top = -1e30f;
             for (int64_t j = 0; j < L; j++) {
-                if (mrow && !mrow[j]) {
-                    sg[j] = -1e30f;
-                    continue;
-                }
                 __m512 acc = _mm512_setzero_ps();
                 for (int c = 0; c < nq; c++)
                     acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kh + j * D + 32 * c));
@@ -254,14 +250,12 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
             __m512 vsum = _mm512_setzero_ps();
             for (; j + 16 <= L; j += 16) {
                 __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + j), tv));
-                e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(_mm512_loadu_ps(sg + j), _mm512_set1_ps(-1e29f), _CMP_LT_OQ),
-                                       _mm512_setzero_ps());
                 _mm512_storeu_ps(sg + j, e);
                 vsum = _mm512_add_ps(vsum, e);
             }
             sum = _mm512_reduce_add_ps(vsum);
             for (; j < L; j++) {
-                float e = sg[j] < -1e29f ? 0.f : exp2f(sg[j] - top);
+                float e = exp2f(sg[j] - top);
                 sg[j] = e;
                 sum += e;
             }
@@ -273,7 +267,6 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
         for (int64_t g = 0; g < G; g++)
             for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < L; j++) {
-            if (mrow && !mrow[j]) continue;
             __m512 vr[8];
             for (int c = 0; c < 2 * nq; c++) vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c)));
             for (int64_t g = 0; g < G; g++) {
@@ -331,17 +324,12 @@ static inline float exp2_poly(float x) {
 /* The float kernel for one (row, key/value head): its G query heads over L cached positions,
  * keys and values of dtype dt (constant after inlining, so both loops vectorise). */
 static inline __attribute__((always_inline)) void decode_head_float(
-    const float* qf, const void* kh, const void* vh, int64_t G, int64_t L, int64_t D, const uint8_t* mrow,
-    float scale2, float* sc, float* acc, const int dt) {
+    const float* qf, const void* kh, const void* vh, int64_t G, int64_t L, int64_t D, float scale2, float* sc,
+    float* acc, const int dt) {
     for (int64_t j = 0; j < L; j++) { /* each key row is read once for the G query heads */
-        const int hidden = mrow && !mrow[j];
         for (int64_t g = 0; g < G; g++) {
             const float* qg = qf + g * D;
             float s = 0.f;
-            if (hidden) {
-                sc[g * L + j] = -1e30f;
-                continue;
-            }
             if (dt == BF16) {
                 const uint16_t* kr = (const uint16_t*)kh + j * D;
 #pragma omp simd reduction(+ : s)
@@ -361,7 +349,7 @@ static inline __attribute__((always_inline)) void decode_head_float(
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < L; j++) {
-            float e = sg[j] < -1e29f ? 0.f : exp2_poly(sg[j] - top);
+            float e = exp2_poly(sg[j] - top);
             sg[j] = e;
             sum += e;
         }
@@ -370,7 +358,6 @@ static inline __attribute__((always_inline)) void decode_head_float(
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
     for (int64_t j = 0; j < L; j++) {
-        if (mrow && !mrow[j]) continue;
         for (int64_t g = 0; g < G; g++) {
             const float p = sc[g * L + j];
             float* ag = acc + g * D;
@@ -388,8 +375,8 @@ static inline __attribute__((always_inline)) void decode_head_float(
 }
 
 static int decode_attention_float(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
-                                  int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
-                                  const uint8_t* mask, int64_t mask_stride, void* out, int threads) {
+                                  int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
+                                  const int64_t* lengths, int64_t D, void* out, int threads) {
     const int64_t G = H / Hkv;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D);
     const size_t esize = dt == BF16 ? 2 : 4;
@@ -397,8 +384,9 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, h = item % Hkv;
-        const char* kh = (const char*)keys + (b * row_stride + h * head_stride) * esize;
-        const char* vh = (const char*)values + (b * row_stride + h * head_stride) * esize;
+        const char* kh = (const char*)keys + (rows[b] * row_stride + h * head_stride) * esize;
+        const char* vh = (const char*)values + (rows[b] * row_stride + h * head_stride) * esize;
+        const int64_t L = lengths[b];
         float* buf = malloc((size_t)(G * L + 2 * G * D) * sizeof(float));
         if (!buf) {
             failed = 1;
@@ -406,11 +394,10 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
         }
         float *sc = buf, *qf = buf + G * L, *acc = qf + G * D;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, dt, (b * H + h * G) * D + i);
-        const uint8_t* mrow = mask ? mask + b * mask_stride : NULL;
         if (dt == BF16)
-            decode_head_float(qf, kh, vh, G, L, D, mrow, scale2, sc, acc, BF16);
+            decode_head_float(qf, kh, vh, G, L, D, scale2, sc, acc, BF16);
         else
-            decode_head_float(qf, kh, vh, G, L, D, mrow, scale2, sc, acc, F32);
+            decode_head_float(qf, kh, vh, G, L, D, scale2, sc, acc, F32);
         for (int64_t i = 0; i < G * D; i++) put(out, dt, (b * H + h * G) * D + i, acc[i]);
         free(buf);
     }
@@ -418,19 +405,22 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
 }
 
 /* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
- * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
- * b, head h, position j at b*row_stride + h*head_stride + j*D (elements); mask:
- * [B][mask_stride] bytes (nonzero = attend) or NULL; out: [B][H][D]; all of dtype dt.
- * Scores and softmax in float32. Returns 0, -1 when out of memory, -2 for unsupported shapes. */
+ * heads of a key/value head read its keys and values once. q: [B][H][D]; batch row b reads
+ * cache row rows[b]: head h, position j at rows[b]*row_stride + h*head_stride + j*D (elements),
+ * its first lengths[b] >= 1 positions only (a row's result does not depend on the other rows);
+ * out: [B][H][D]; all of dtype dt. Scores and softmax in float32. Returns 0, -1 when out of
+ * memory, -2 for unsupported shapes. */
 int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
-                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
-                         const uint8_t* mask, int64_t mask_stride, void* out, int threads) {
+                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
+                         const int64_t* lengths, int64_t D, void* out, int threads) {
     if (D % 32 != 0 || D > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -2;
+    for (int64_t b = 0; b < B; b++)
+        if (lengths[b] < 1) return -2;
 #ifdef QVL_BF16_ATTENTION
     if (dt == BF16)
-        return decode_attention_bf16(q, keys, values, row_stride, head_stride, B, H, Hkv, L, D, mask, mask_stride, out,
+        return decode_attention_bf16(q, keys, values, row_stride, head_stride, B, H, Hkv, rows, lengths, D, out,
                                      threads);
 #endif
-    return decode_attention_float(q, keys, values, dt, row_stride, head_stride, B, H, Hkv, L, D, mask, mask_stride,
-                                  out, threads);
+    return decode_attention_float(q, keys, values, dt, row_stride, head_stride, B, H, Hkv, rows, lengths, D, out,
+                                  threads);
 }

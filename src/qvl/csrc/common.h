@@ -126,15 +126,15 @@ typedef struct {
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                const void* zero, int64_t gs, const void* bias, void* y, int threads);
 int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
-                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t D,
-                         const uint8_t* mask, int64_t mask_stride, void* out, int threads);
+                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
+                         const int64_t* lengths, int64_t D, void* out, int threads);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 int qvl_features(void);
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads);
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
                       int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
-                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride, int64_t pos,
-                      const uint8_t* mask, int64_t mask_stride, int threads);
+                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride,
+                      const int64_t* rows, const int64_t* slots, int threads);
 
 #endif

@@ -28,40 +28,38 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def attention_mask(start: int, length: int, key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean mask [B, 1, T, start+T] (True = attend) for T new queries at positions
-    start..start+T over all keys so far, hiding the key_mask's padding slots ([B, S] False);
-    None without a key_mask: plain causal attention, which cache_attention applies itself."""
-    if key_mask is None:
-        return None
-    return causal_mask(start, length) & key_mask[:, None, None, : start + length]
-
-
 def causal_mask(start: int, length: int) -> torch.Tensor:
     q = torch.arange(start, start + length)[:, None]
     return (torch.arange(start + length)[None, :] <= q)[None, None]
 
 
-def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                    mask: torch.Tensor | None) -> torch.Tensor:
-    """q: [B, H, T, hd] at positions start..start+T over the cache's keys/values
-    [B, H_kv, start+T, hd] (GQA); mask from attention_mask (None = causal). The native
-    kernels run where they apply: one query (decoding) over the cache, and causal prefill of
-    one row (bf16); torch's SDPA spends ~3.5 ms per layer on one query at 2k positions."""
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int | torch.Tensor,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of new queries over the cache (GQA). start an int: q [B, H, T, hd] at
+    positions start..start+T over keys/values [B, H_kv, start+T, hd]. start [B] slots (one
+    query per row, T = 1) over keys/values [R, H_kv, S, hd]: batch row b attends to the first
+    start[b]+1 keys of cache row rows[b] (default b) only, so its result is the same whatever
+    the other rows hold. The native kernels run where they apply: one query per row
+    (decoding) over the cache, and causal prefill of one row (bf16); torch's SDPA spends
+    ~3.5 ms per layer on one query at 2k positions."""
     b, _, t, _ = q.shape
     k, out = kernels(), None
+    lengths = start + 1 if isinstance(start, torch.Tensor) else torch.full((b,), start + 1)
+    rows = torch.arange(b) if rows is None else rows
     if t == 1 and k.decode_attention(q.dtype):
-        out = native.decode_attention(k.lib, q, keys, values, None if mask is None else mask[:, 0, 0])
-    elif b == 1 and mask is None and k.flash_attention(q.dtype):
+        out = native.decode_attention(k.lib, q, keys, values, rows, lengths)
+    elif b == 1 and t > 1 and k.flash_attention(q.dtype):
         out = native.attention(k.lib, q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1),
                                start)
         out = None if out is None else out.transpose(0, 1)[None]
     if out is not None:
         return out
-    if mask is None and t > 1 and start > 0:  # SDPA's is_causal aligns the diagonal top-left
-        mask = causal_mask(start, t)
-    causal = mask is None and t > 1
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    if t == 1:  # row by row over its own keys: nothing of another row enters its sums
+        return torch.cat([F.scaled_dot_product_attention(q[i : i + 1], keys[r : r + 1, :, :n], values[r : r + 1, :, :n],
+                                                         enable_gqa=True)
+                          for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist()))])
+    mask = causal_mask(start, t) if start > 0 else None  # SDPA's is_causal aligns the diagonal top-left
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -78,17 +76,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-        mask: torch.Tensor | None,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int | torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [B, T, D]; cos/sin: [B, 1, T, hd]
+        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] slots of cache rows `rows` (T = 1)
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.update(self.layer, start, k, v)
-        out = cache_attention(q, keys, values, start, mask)
+        keys, values = cache.update(self.layer, start, k, v, rows)
+        out = cache_attention(q, keys, values, start, rows)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -111,8 +109,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start, mask)
+    def forward(self, x, cos, sin, cache, start, rows=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,46 +129,49 @@ class TextModel(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
-        start: int,
-        key_mask: torch.Tensor | None = None,
+        start: int | torch.Tensor,
         visual_mask: torch.Tensor | None = None,
         deepstack: list[torch.Tensor] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """h: [B, T, D] embeddings of positions start..start+T; cos/sin: [B, 1, T, hd];
-        visual_mask: [B, T] image positions receiving deepstack[i] ([n_visual, D]) after
-        layer i. Returns final-normed hidden states [B, T, D]."""
-        out = None
+        """h: [B, T, D] embeddings written at slots start..start+T of the cache's B rows
+        (start an int), or one token per row (T = 1) at slots start[b] of cache rows rows[b]
+        ([B] long each; rows default to 0..B-1: rows of different lengths, any subset of the
+        cache's rows); cos/sin: [B, 1, T, hd]; visual_mask: [B, T] image positions receiving
+        deepstack[i] ([n_visual, D]) after layer i. Returns final-normed hidden states
+        [B, T, D]. The caller owns the rows' lengths: nothing here counts them."""
         if h.shape[1] == 1 and deepstack is None and (k := kernels()).decode_step(h.dtype):
-            out = self.decode_native(k.lib, h, cos, sin, cache, start, key_mask)
-        if out is not None:
-            cache.length = start + 1
-            return self.norm(out)
-        mask = attention_mask(start, h.shape[1], key_mask)
+            b = h.shape[0]
+            slots = start if isinstance(start, torch.Tensor) else torch.full((b,), start)
+            out = self.decode_native(k.lib, h, cos, sin, cache, torch.arange(b) if rows is None else rows, slots)
+            if out is not None:
+                return self.norm(out)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, start, mask)
+            h = layer(h, cos, sin, cache, start, rows)
             if deepstack is not None and i < len(deepstack):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
-        cache.length = start + h.shape[1]
         return self.norm(h)
 
-    def decode_native(self, lib, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                      key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    def decode_native(self, lib, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                      rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
         """A decode step (h: [B, 1, D] bf16 or float32, B <= the GEMV row limit, so that the per-op path
         runs the same kernels) through every layer in one native call: the same kernels and
         roundings without the per-op path's ~8 ms of per-token overhead. None when the
         layers, the cache or the inputs are not what the kernel takes (nothing written)."""
-        cfg, (b, _, d) = self.cfg, h.shape
+        cfg, b = self.cfg, h.shape[0]
         if self._native_layers is None:
             self._native_layers = self._layer_args()
         if self._native_layers is False or h.dtype != self._native_layers.dtype or b > native.GEMV_MAX_ROWS:
             return None
-        shape = (cfg.num_hidden_layers, b, cfg.num_key_value_heads, cache.capacity, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, cache.keys.shape[1], cfg.num_key_value_heads, cache.capacity, cfg.head_dim)
         if cache.keys.dtype != h.dtype or tuple(cache.keys.shape) != shape or cos.dtype != h.dtype:
             return None
-        if cos.numel() != b * cfg.head_dim or (key_mask is not None and key_mask.shape != (b, cache.capacity)):
+        if cos.numel() != b * cfg.head_dim or slots.shape != (b,) or rows.shape != (b,):
             return None
-        cache.check_room(start + 1)  # the kernel writes position `start` unchecked
-        return native.decode_layers(lib, self._native_layers, h, cos, sin, cache.keys, cache.values, start, key_mask,
+        cache.check_room(int(slots.max()) + 1)  # the kernel writes at the slots unchecked
+        if int(rows.min()) < 0 or int(rows.max()) >= cache.keys.shape[1]:
+            raise IndexError(f"decode step: cache rows {rows.tolist()} outside 0..{cache.keys.shape[1] - 1}")
+        return native.decode_layers(lib, self._native_layers, h, cos, sin, cache.keys, cache.values, rows, slots,
                                     heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                     intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps)
 

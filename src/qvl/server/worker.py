@@ -1,11 +1,11 @@
-"""The one engine worker: a thread that runs `engine.stream` for one request at a time, a
-bounded queue in front of it, cancellation and time limits. `engine.stream` is not
-thread-safe, so nothing else ever calls it.
+"""The one engine worker: a thread that drives the engine's scheduler, which decodes every
+running request together (up to --max-batch of them) and admits waiting ones between decode
+steps; a bounded queue in front of it, cancellation and time limits. Nothing else ever
+drives the scheduler.
 
 A job's events cross from the worker thread to the event loop through an asyncio.Queue
 (`loop.call_soon_threadsafe`). Whoever gives up on a job (client gone, time limit,
-shutdown) marks it cancelled; the worker checks the mark between events and closes the
-engine's generator, which stops generation before the next decode step.
+shutdown) marks it cancelled; the scheduler drops it before its next step.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import closing
 
 from qvl.engine import Cancelled, Engine, ParsedRequest
+from qvl.scheduler import Sequence
 from qvl.server.errors import APIError, internal
 from qvl.server.metrics import Metrics
 from qvl.stream import Delta, Done
@@ -36,7 +35,8 @@ class Job:
         self.loop = asyncio.get_running_loop()
         self.inbox: asyncio.Queue[Delta | Done | APIError] = asyncio.Queue()
         self.reason: str | None = None  # why it was cancelled
-        self.finished = False
+        self.started = self.finished = False
+        self.seq = Sequence(parsed, self.on_event, cancel=self.should_stop, on_start=self.on_start)
 
     def put(self, item: Delta | Done | APIError) -> None:
         """Deliver to the consumer; callable from any thread."""
@@ -44,6 +44,36 @@ class Job:
             self.loop.call_soon_threadsafe(self.inbox.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def should_stop(self) -> bool:
+        if self.reason is None and time.monotonic() > self.deadline:
+            self.worker.cancel(self, TIMEOUT)
+        return self.reason is not None
+
+    def on_start(self) -> None:
+        self.started = True
+        self.worker.metrics.observe_wait(time.monotonic() - self.submitted)
+
+    def on_event(self, event) -> None:
+        """The scheduler's events for this job (on the worker thread)."""
+        if isinstance(event, Done):
+            with self.worker.cond:
+                self.finished = True
+            self.worker.finished(self, event)
+            self.put(event)
+        elif isinstance(event, Cancelled):  # stopped between two steps (disconnect, time limit, shutdown)
+            if self.reason is None:
+                self.worker.cancel(self, TIMEOUT)
+            if self.started:  # a job cancelled while waiting was answered by `cancel`
+                self.put(self.failure())
+        elif isinstance(event, BaseException):  # a failing request must not take the others down
+            with self.worker.cond:
+                self.finished = True  # answered (with an error): not a cancellation
+                if self in self.worker.jobs:
+                    self.worker.jobs.remove(self)
+            self.put(internal(event))
+        elif self.reason is None:
+            self.put(event)
 
     def failure(self) -> APIError:
         if self.reason == TIMEOUT:
@@ -75,8 +105,8 @@ class Job:
 class Worker:
     def __init__(self, engine: Engine, queue_size: int, metrics: Metrics, warm_up: bool = False):
         self.engine, self.capacity, self.metrics, self.warm_up = engine, queue_size, metrics, warm_up
-        self.waiting: deque[Job] = deque()
-        self.running: Job | None = None
+        self.scheduler = engine.scheduler
+        self.jobs: list[Job] = []  # submitted, not yet answered or cancelled
         self.cond = threading.Condition()
         self.closing = self.stopped = False
         self.avg_job_s = 1.0  # moving average, for Retry-After
@@ -84,16 +114,23 @@ class Worker:
 
     @property
     def depth(self) -> int:
-        return len(self.waiting)
+        """Requests waiting to be admitted."""
+        with self.cond:
+            return sum(not j.started for j in self.jobs)
+
+    @property
+    def running(self) -> int:
+        with self.cond:
+            return sum(j.started for j in self.jobs)
 
     @property
     def busy(self) -> bool:
-        return self.running is not None
+        return self.running > 0
 
     @property
     def idle(self) -> bool:
         with self.cond:
-            return self.running is None and not self.waiting
+            return not self.jobs
 
     def start(self) -> None:
         self.thread.start()
@@ -103,25 +140,38 @@ class Worker:
         with self.cond:
             if self.closing:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
-            if len(self.waiting) + (self.running is not None) > self.capacity:  # capacity: may wait behind one
+            waiting = sum(not j.started for j in self.jobs)
+            free_rows = self.scheduler.max_batch - sum(j.started for j in self.jobs)
+            if waiting - max(0, free_rows) >= self.capacity:  # capacity: may wait behind the running ones
                 retry = str(max(1, min(60, math.ceil(self.avg_job_s))))
                 raise APIError(429, f"the server is busy: {self.capacity} requests are already waiting; "
                                f"retry in {retry} s", code="queue_full", headers={"Retry-After": retry})
             job = Job(self, parsed, time_limit_s)
-            self.waiting.append(job)
+            self.jobs.append(job)
+            self.scheduler.submit(job.seq)
             self.cond.notify()
         return job
 
     def cancel(self, job: Job, reason: str) -> None:
-        """Stop a job: a waiting one leaves the queue now, a running one before its next step."""
+        """Stop a job: the scheduler drops it before its next step (a waiting one included)."""
         with self.cond:
             if job.finished or job.reason is not None:
                 return
             job.reason = reason
+            if job in self.jobs:
+                self.jobs.remove(job)
             self.metrics.count_cancel(reason)
-            if job in self.waiting:
-                self.waiting.remove(job)
-                job.put(job.failure())
+            self.scheduler.stop(job.seq, reason)
+            self.cond.notify()
+        if not job.started:  # not admitted yet: answer now, not after the running step
+            job.put(job.failure())
+
+    def finished(self, job: Job, done: Done) -> None:
+        self.metrics.record(done)
+        with self.cond:
+            if job in self.jobs:
+                self.jobs.remove(job)
+            self.avg_job_s = 0.8 * self.avg_job_s + 0.2 * (time.monotonic() - job.submitted)
 
     def close(self, grace_s: float) -> None:
         """Shutdown, step 1: refuse new work; cancel whatever is left after `grace_s`."""
@@ -133,7 +183,7 @@ class Worker:
 
     def cancel_all(self) -> None:
         with self.cond:
-            jobs = list(self.waiting) + ([self.running] if self.running else [])
+            jobs = list(self.jobs)
         for job in jobs:
             self.cancel(job, SHUTDOWN)
 
@@ -155,43 +205,13 @@ class Worker:
                 log.info("warm-up done in %.1f s", self.engine.warm_up())
             except Exception:  # only a lost optimisation: serve anyway
                 log.exception("warm-up failed")
-        while (job := self._next()) is not None:
-            started = time.monotonic()
-            self._run(job)
+        while True:
             with self.cond:
-                self.running = None
-                self.avg_job_s = 0.8 * self.avg_job_s + 0.2 * (time.monotonic() - started)
-
-    def _next(self) -> Job | None:
-        with self.cond:
-            while not self.waiting and not self.stopped:
-                self.cond.wait()
-            if self.stopped:
-                return None
-            self.running = self.waiting.popleft()
-        self.metrics.observe_wait(time.monotonic() - self.running.submitted)
-        return self.running
-
-    def _run(self, job: Job) -> None:
-        try:
-            stop = lambda: job.reason is not None or time.monotonic() > job.deadline  # noqa: E731
-            with closing(self.engine.stream(job.parsed, cancel=stop)) as events:
-                for event in events:
-                    if time.monotonic() > job.deadline:
-                        self.cancel(job, TIMEOUT)
-                    if job.reason is not None:
-                        job.put(job.failure())
-                        return
-                    if isinstance(event, Done):
-                        with self.cond:
-                            job.finished = True
-                        self.metrics.record(event)
-                    job.put(event)
-        except Cancelled:  # the engine stopped between two steps (disconnect, time limit, shutdown)
-            if job.reason is None:
-                self.cancel(job, TIMEOUT)
-            job.put(job.failure())
-        except Exception as exc:  # a failing request must not take the worker down
-            with self.cond:
-                job.finished = True  # answered (with a 500): not a cancellation
-            job.put(internal(exc))
+                while self.scheduler.idle and not self.stopped:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+            try:
+                self.scheduler.step()
+            except Exception:  # the scheduler answers each request's own failures; this is its own
+                log.exception("scheduler step failed")

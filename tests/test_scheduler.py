@@ -1,0 +1,157 @@
+"""The scheduler: rows admitted while others decode, each with its own sampling, retired the
+moment they finish, and answers that do not depend on what else runs, in float32 and on the
+default production path (int8 weights, bf16 compute, the one-call native decode step)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from qvl import dispatch
+from qvl.engine import Cancelled, Engine, EngineOptions, Request
+from qvl.sampling import SamplingParams
+from qvl.scheduler import Sequence
+from qvl.stream import Delta, Done
+from tests.test_server_support import live_server
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+def requests() -> list[Request]:
+    """Prompts of different lengths, with and without an image, with different sampling."""
+    image = Image.new("RGB", (90, 60), (9, 99, 199))
+    return [
+        Request([{"role": "user", "content": "Short."}], GREEDY),
+        Request([{"role": "user", "content": [{"type": "image", "image": image},
+                                              {"type": "text", "text": "A longer question about the picture?"}]}],
+                SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=10, ignore_eos=True)),
+        Request([{"role": "user", "content": "A medium length question, in English and 中文."}],
+                SamplingParams(temperature=0, max_new_tokens=6, repetition_penalty=1.3, ignore_eos=True)),
+        Request([{"role": "user", "content": "Tell me a story."}],
+                SamplingParams(temperature=1.2, top_k=20, seed=3, max_new_tokens=14, presence_penalty=0.5,
+                               ignore_eos=True)),
+    ]
+
+
+def uncached(checkpoint, **kw) -> Engine:
+    """Without the answer and prefix caches: every request is computed, from scratch."""
+    return Engine.load(EngineOptions(model=str(checkpoint), threads=2, answer_cache_entries=0, prefix_cache_mb=0,
+                                     **kw))
+
+
+@pytest.fixture(scope="module", params=["fp32", "default"])
+def engine(request, tiny_checkpoint):
+    if request.param == "fp32":
+        return uncached(tiny_checkpoint, weights="fp32")
+    engine = uncached(tiny_checkpoint)  # int8 weights; bf16 compute where the CPU has it
+    if engine.model.dtype == torch.bfloat16:
+        assert dispatch.kernels().decode_step(torch.bfloat16)  # the one-call native step runs
+    return engine
+
+
+def test_answers_do_not_depend_on_what_else_runs(engine):
+    """Each request alone, then all of them admitted at staggered moments while the others
+    decode: the same tokens, greedy and seeded, with penalties."""
+    alone = [engine.generate(r).token_ids for r in requests()]
+    outputs: dict[int, list] = {}
+    seqs = [Sequence(engine.parse(r), lambda e, i=i: outputs.setdefault(i, []).append(e))
+            for i, r in enumerate(requests())]
+    scheduler = engine.scheduler
+    for seq in seqs:  # one more request every three steps
+        scheduler.submit(seq)
+        for _ in range(3):
+            scheduler.step()
+    while not scheduler.idle:
+        scheduler.step()
+    together = [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in range(len(seqs))]
+    assert together == alone
+
+
+def test_rows_retire_when_they_finish_and_free_their_row(engine):
+    short = engine.parse(Request([{"role": "user", "content": "Hi."}], SamplingParams(temperature=0, max_new_tokens=2,
+                                                                                      ignore_eos=True)))
+    long = engine.parse(Request([{"role": "user", "content": "Count."}], GREEDY))
+    events: dict[str, list] = {"short": [], "long": []}
+    scheduler = engine.scheduler
+    scheduler.submit(Sequence(long, events["long"].append))
+    scheduler.submit(Sequence(short, events["short"].append))
+    steps = 0
+    while not any(isinstance(e, Done) for e in events["short"]):
+        scheduler.step()
+        steps += 1
+    assert steps <= 4  # admitted at step 2, prefilled, two tokens: not held until the long one ends
+    assert len(scheduler.running) == 1 and not any(isinstance(e, Done) for e in events["long"])
+    while not scheduler.idle:
+        scheduler.step()
+    assert len(next(e for e in events["long"] if isinstance(e, Done)).token_ids) == 12
+
+
+def test_cancelling_one_row_leaves_the_others_unchanged(engine):
+    reqs = requests()
+    alone = engine.generate(reqs[0]).token_ids
+    outputs: dict[int, list] = {0: [], 1: []}
+    calls = []
+    cancel = lambda: calls.append(1) or len(calls) > 4  # noqa: E731
+    scheduler = engine.scheduler
+    scheduler.submit(Sequence(engine.parse(reqs[0]), outputs[0].append))
+    scheduler.submit(Sequence(engine.parse(reqs[3]), outputs[1].append, cancel=cancel))
+    while not scheduler.idle:
+        scheduler.step()
+    assert isinstance(outputs[1][-1], Cancelled)
+    assert outputs[0][-1].token_ids == alone
+
+
+def test_a_closed_stream_leaves_the_scheduler(engine):
+    stream = engine.stream(Request([{"role": "user", "content": "Go on."}], GREEDY))
+    assert isinstance(next(e for e in stream if isinstance(e, Delta)), Delta)
+    stream.close()
+    assert engine.scheduler.idle
+
+
+def test_a_failing_request_fails_alone(engine, monkeypatch):
+    reqs = requests()
+    parsed = [engine.parse(r) for r in reqs[:2]]
+    real = engine.prepare_from_prefix
+
+    def prepare(p, *a, **k):
+        if p is parsed[1]:
+            raise ValueError("this one cannot be prepared")
+        return real(p, *a, **k)
+
+    monkeypatch.setattr(engine, "prepare_from_prefix", prepare)
+    first, second = engine.generate_batch(parsed)
+    assert isinstance(second, ValueError) and isinstance(first, Done) and len(first.token_ids) == 12
+
+
+def test_server_decodes_concurrent_streams_together(tiny_checkpoint):
+    """Two streaming clients: the second gets tokens while the first is still generating."""
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    with live_server(tiny_checkpoint, "--max-batch", "2") as server:
+        seen: deque[str] = deque()
+        first_done = threading.Event()
+
+        def first():
+            with httpx.Client(base_url=server.url, timeout=60) as http:
+                with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: {"):
+                            seen.append("first")
+            first_done.set()
+
+        reader = threading.Thread(target=first)
+        reader.start()
+        while "first" not in seen:
+            assert reader.is_alive()
+            time.sleep(0.01)
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert not first_done.is_set()  # answered while the long stream was still running
+        reader.join(60)
