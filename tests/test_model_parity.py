@@ -90,6 +90,28 @@ def test_greedy_continuation_identical(pair):
     assert done.token_ids == theirs
 
 
+def test_logprobs_are_the_reference_log_softmax(pair):
+    """Each generated token's logprob and its 5 best alternatives equal log_softmax of
+    transformers' logits at that step (float32)."""
+    engine, ref = pair
+    request = two_image_request(max_new_tokens=4)
+    request.sampling = SamplingParams(temperature=0, max_new_tokens=4, logprobs=5, ignore_eos=True)
+    parsed = engine.parse(request)
+    done = engine.generate(parsed)
+    kw = reference_inputs(parsed, engine.cfg.image_token_id)
+    with torch.inference_mode():
+        out = ref.generate(**kw, max_new_tokens=4, do_sample=False, repetition_penalty=1.0, output_logits=True,
+                           return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
+    assert out.sequences[0, parsed.ids.shape[0]:].tolist() == done.token_ids
+    assert len(done.logprobs) == 4
+    for ours, logits in zip(done.logprobs, out.logits):
+        theirs = torch.log_softmax(logits[0].float(), -1)
+        assert abs(ours.logprob - float(theirs[ours.token_id])) < 1e-4
+        best = torch.topk(theirs, 5)
+        assert [t for t, _ in ours.top] == best.indices.tolist()
+        torch.testing.assert_close(torch.tensor([p for _, p in ours.top]), best.values, atol=1e-4, rtol=0)
+
+
 def test_greedy_identical_with_and_without_kv_cache(tiny_engine):
     """Decoding with the cache gives exactly the tokens of re-running the whole
     sequence from scratch at every step."""

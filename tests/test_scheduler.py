@@ -4,6 +4,7 @@ default production path (int8 weights, bf16 compute, the one-call native decode 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
@@ -85,7 +86,7 @@ def test_rows_retire_when_they_finish_and_free_their_row(engine):
     while not any(isinstance(e, Done) for e in events["short"]):
         scheduler.step()
         steps += 1
-    assert steps <= 4  # admitted at step 2, prefilled, two tokens: not held until the long one ends
+    assert steps <= 5  # admitted at step 2, prepared, prefilled, two tokens: not held until the long one ends
     assert len(scheduler.running) == 1 and not any(isinstance(e, Done) for e in events["long"])
     while not scheduler.idle:
         scheduler.step()
@@ -155,3 +156,109 @@ def test_server_decodes_concurrent_streams_together(tiny_checkpoint):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert not first_done.is_set()  # answered while the long stream was still running
         reader.join(60)
+
+
+def test_logit_bias_min_tokens_and_min_p(tiny_engine):
+    """logit_bias +100 makes a token the greedy choice; min_tokens holds EOS back (EOS pushed by
+    a bias, so that the random model would otherwise stop at once); min_p at 1 is greedy."""
+    eos = tiny_engine.defaults.eos_token_ids[0]
+    ask = lambda **kw: tiny_engine.generate(Request([{"role": "user", "content": "Hi."}],  # noqa: E731
+                                                    SamplingParams(max_new_tokens=6, **kw)))
+    assert ask(temperature=0, logit_bias=((1234, 100.0),), ignore_eos=True).token_ids == [1234] * 6
+    stopped = ask(temperature=0, logit_bias=((eos, 100.0),), min_tokens=3)
+    assert len(stopped.token_ids) == 4 and stopped.token_ids[-1] == eos and eos not in stopped.token_ids[:3]
+    greedy = ask(temperature=0, ignore_eos=True).token_ids
+    assert ask(temperature=1.5, seed=1, min_p=1.0, ignore_eos=True).token_ids == greedy
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_engine.parse(Request([{"role": "user", "content": "Hi."}], SamplingParams(logit_bias=((10**7, 1.0),))))
+
+
+def test_logprobs_come_with_the_text_they_belong_to(tiny_engine):
+    request = Request([{"role": "user", "content": "Write 你好."}],
+                      SamplingParams(temperature=0, max_new_tokens=10, logprobs=2, ignore_eos=True))
+    events = list(tiny_engine.stream(request))
+    done = events[-1]
+    streamed = [lp for e in events[:-1] for lp in e.logprobs]
+    assert [lp.token_id for lp in done.logprobs] == done.token_ids
+    assert streamed == done.logprobs[: len(streamed)] and len(streamed) >= len(done.token_ids) - 1
+    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in done.logprobs)
+
+
+def test_n_answers_fork_from_one_prefill_and_are_reproducible(engine):
+    """n = 3 seeded: answer i is what the request alone gives with seed + i (the siblings copy
+    the prefilled row, each with its own generator); a repeat gives the same three."""
+    image = Image.new("RGB", (90, 60), (9, 99, 199))
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Go."}]}]
+    params = dict(temperature=1.0, top_k=50, max_new_tokens=8, ignore_eos=True)
+    prefills = []
+    real = engine.prepare_from_prefix
+    engine.prepare_from_prefix = lambda *a, **k: prefills.append(1) or real(*a, **k)
+    try:
+        events = list(engine.stream(Request(messages, SamplingParams(seed=5, n=3, **params))))
+    finally:
+        del engine.prepare_from_prefix
+    assert len(prefills) == 1
+    dones = sorted((e for e in events if isinstance(e, Done)), key=lambda d: d.index)
+    assert [d.index for d in dones] == [0, 1, 2]
+    for d in dones:  # each answer's deltas carry its index and add up to its text
+        assert "".join(e.text for e in events if isinstance(e, Delta) and e.index == d.index) == d.text
+    alone = [engine.generate(Request(messages, SamplingParams(seed=5 + i, **params))).token_ids for i in range(3)]
+    assert [d.token_ids for d in dones] == alone
+    assert len(set(map(tuple, alone))) > 1
+    with pytest.raises(ValueError, match="max-batch"):
+        engine.parse(Request(messages, SamplingParams(n=engine.scheduler.max_batch + 1)))
+
+
+def test_server_n_choices_streaming_and_not(client_n):
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 1.0, "seed": 3,
+            "n": 2, "ignore_eos": True}
+    r = client_n.post("/v1/chat/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["usage"]["completion_tokens"] == 8
+    chunks = [json.loads(line[6:]) for line in client_n.post(
+        "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ).text.splitlines() if line.startswith("data: {")]
+    for i in (0, 1):
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                       if c["choices"] and c["choices"][0]["index"] == i)
+        assert text == r["choices"][i]["message"]["content"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+@pytest.fixture
+def client_n(tiny_engine):
+    from fastapi.testclient import TestClient
+
+    from tests.test_server_api import make_app, wait_ready
+
+    with TestClient(make_app(tiny_engine)) as c:
+        wait_ready(c)
+        yield c
+
+
+def test_a_small_kv_budget_makes_requests_wait_then_complete(tiny_checkpoint):
+    """--kv-cache-mb room for one request: the second waits (never fails) until the first
+    leaves, then runs; both answer as they would alone. One that can never fit gets a
+    RequestError naming max_tokens when it is parsed."""
+    from qvl.engine import RequestError
+    from qvl.scheduler import kv_bytes_per_position
+
+    probe = uncached(tiny_checkpoint, weights="fp32")
+    reqs = [Request([{"role": "user", "content": f"Question {i}?"}], GREEDY) for i in range(2)]
+    need = max(probe.scheduler.reserved_bytes(probe.parse(r)) for r in reqs)
+    engine = uncached(tiny_checkpoint, weights="fp32", kv_cache_mb=1.5 * need / 2**20)
+    alone = [engine.generate(r).token_ids for r in reqs]
+    outputs: dict[int, list] = {0: [], 1: []}
+    for i, r in enumerate(reqs):
+        engine.scheduler.submit(Sequence(engine.parse(r), outputs[i].append))
+    most = 0
+    while not engine.scheduler.idle:
+        engine.scheduler.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 1
+    assert [outputs[i][-1].token_ids for i in range(2)] == alone
+    too_long = Request([{"role": "user", "content": "Hi."}],
+                       SamplingParams(max_new_tokens=int(2 * need / kv_bytes_per_position(engine.model))))
+    with pytest.raises(RequestError, match="kv-cache-mb") as info:
+        engine.parse(too_long)
+    assert info.value.param == "max_tokens"

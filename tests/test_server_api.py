@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import threading
 import time
 
@@ -82,9 +83,15 @@ BAD_REQUESTS = [  # (name, body, status, param, code)
     ("top_p zero", {"messages": HELLO, "top_p": 0}, 400, "top_p", None),
     ("stream not bool", {"messages": HELLO, "stream": "yes"}, 400, "stream", None),
     ("five stops", {"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
-    ("n=2", {"messages": HELLO, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("n over --max-batch", {"messages": HELLO, "n": 9}, 400, "n", None),
+    ("n zero", {"messages": HELLO, "n": 0}, 400, "n", None),
     ("tools", {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
-    ("logprobs", {"messages": HELLO, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("top_logprobs without logprobs", {"messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("top_logprobs over 20", {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    ("logit_bias key not a token id", {"messages": HELLO, "logit_bias": {"hello": 5}}, 400, "logit_bias", None),
+    ("logit_bias token outside the vocabulary", {"messages": HELLO, "logit_bias": {"99999999": 5}}, 400,
+     "logit_bias", None),
+    ("logit_bias over 100", {"messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias.5", None),
     ("unknown role", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", None),
     ("content a number", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
     ("unknown part", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
@@ -242,8 +249,11 @@ def test_metrics_in_prometheus_format(client):
     assert 'qvl_requests_total{path="/v1/chat/completions",status="200"}' in text
     assert 'qvl_requests_total{path="/v1/chat/completions",status="400"}' in text
     for name in ("qvl_queue_depth 0", "qvl_ready 1", "qvl_time_to_first_token_seconds_count", "qvl_queue_wait_seconds_sum",
-                 "qvl_decode_tokens_per_second_bucket", "qvl_image_tokens_total", "qvl_completion_tokens_total"):
+                 "qvl_decode_tokens_per_second_bucket", "qvl_image_tokens_total", "qvl_completion_tokens_total",
+                 "qvl_running_requests 0", "qvl_max_batch 8", "qvl_last_step_rows", "qvl_kv_cache_filled_bytes 0",
+                 "qvl_scheduler_steps"):
         assert name in text
+    assert int(re.search(r"^qvl_scheduler_tokens (\d+)", text, re.M).group(1)) >= 2
     for cache in ("vision", "prefix", "answer"):  # the engine's caches, per cache
         for name in ("qvl_cache_hits_total", "qvl_cache_misses_total", "qvl_cache_evictions_total", "qvl_cache_bytes"):
             assert f'{name}{{cache="{cache}"}}' in text

@@ -80,6 +80,22 @@ def test_streaming_with_an_image_matches_non_streaming(client, tiny_engine):
     assert whole.usage.completion_tokens == 8
 
 
+def test_logprobs_through_the_openai_client(client, tiny_engine):
+    """logprobs / top_logprobs / logit_bias in OpenAI's shape, streaming and not; the extras
+    vLLM names (min_p, ignore_eos) through extra_body."""
+    kw = dict(model="tiny", messages=HELLO, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+              logit_bias={"1234": 100}, extra_body={"ignore_eos": True, "min_p": 0.05})
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 5 == whole.usage.completion_tokens
+    expected = tiny_engine.tokenizer.token_bytes(1234)
+    assert all(c.bytes == list(expected) and len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
+    streamed = [lp for chunk in client.chat.completions.create(**kw, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for lp in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
 def test_stop_is_honoured(client):
     text = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12,
                                           temperature=0).choices[0].message.content

@@ -50,13 +50,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
 
 
-def run_bench(engine: Engine, image, new_tokens: int, repeat: int, max_image_tokens: int | None) -> dict:
-    """Run the workload `repeat` times (exactly `new_tokens` each, EOS ignored)."""
+def run_bench(engine: Engine, image, new_tokens: int, repeat: int, max_image_tokens: int | None,
+              concurrency: int = 1) -> dict:
+    """Run the workload `repeat` times (exactly `new_tokens` each, EOS ignored), each time as
+    `concurrency` identical requests at once (decoded together by the scheduler)."""
     content = ([{"type": "image", "image": image}] if image is not None else []) + [
         {"type": "text", "text": BENCH_PROMPT}]
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    runs = [engine.generate(Request([{"role": "user", "content": content}], params, max_image_tokens))
-            for _ in range(repeat)]
+    request = Request([{"role": "user", "content": content}], params, max_image_tokens)
+    runs = []
+    for _ in range(repeat):
+        if concurrency == 1:
+            runs.append(engine.generate(request))
+            continue
+        for done in engine.generate_batch([request] * concurrency):
+            if isinstance(done, BaseException):
+                raise done
+            runs.append(done)
     decode = [ms for run in runs for ms in run.timings.decode_ms]
     median = lambda key: statistics.median(getattr(r.timings, key) for r in runs)  # noqa: E731
     prompt_tokens = runs[0].usage.prompt_tokens
@@ -72,6 +82,8 @@ def run_bench(engine: Engine, image, new_tokens: int, repeat: int, max_image_tok
         "decode_ms_per_token": round(statistics.median(decode), 2) if decode else None,
         "decode_p90_ms": round(percentile(decode, 0.9), 2) if decode else None,
         "decode_tokens_per_s": round(1000 / statistics.median(decode), 2) if decode else None,
+        "concurrency": concurrency,
+        "aggregate_tokens_per_s": round(concurrency * 1000 / statistics.median(decode), 2) if decode else None,
         "cached": [r.timings.cached for r in runs],
         "caches": {name: asdict(c.stats) for name, c in
                    (("vision", engine.vision_cache), ("prefix", engine.prefix_cache), ("answer", engine.answer_cache))},
@@ -90,6 +102,8 @@ def format_report(r: dict) -> str:
     if r["decode_ms_per_token"]:
         lines.append(f"decode      {r['decode_ms_per_token']:.1f} ms/token median, {r['decode_p90_ms']:.1f} p90 "
                      f"({r['decode_tokens_per_s']} tokens/s)")
+        if r["concurrency"] > 1:
+            lines.append(f"together    {r['concurrency']} streams: {r['aggregate_tokens_per_s']} tokens/s in all")
     caches = ", ".join(f"{k} {v['hits']} hits/{v['misses']} misses" for k, v in r["caches"].items())
     lines.append(f"caches      {caches}")
     return "\n".join(lines)

@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
     g.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together, each with its own sampling (serve, batch); more wait")
+    g.add_argument("--kv-cache-mb", type=float,
+                   help="KV cache the running requests may reserve (prompt + max tokens each); more wait "
+                        "(default: half the memory available after loading, at most 8192)")
     g.add_argument("--image-tokens-cap", type=int, default=4096,
                    help="the largest image budget a request may ask for (default 4096 tokens, 4 megapixels)")
     budget = g.add_mutually_exclusive_group()
@@ -57,6 +60,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, help="0 = greedy")
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
+    g.add_argument("--min-p", type=float, help="keep tokens at least this fraction as likely as the top one")
+    g.add_argument("--min-tokens", type=int, help="do not end (EOS) before this many tokens")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="generate exactly --max-new-tokens")
+    g.add_argument("--logprobs", type=int, metavar="K",
+                   help="with --json: each token's log-probability and its K (0-20) best alternatives")
     g.add_argument("--repetition-penalty", type=float)
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--seed", type=int)
@@ -80,6 +88,7 @@ def engine_options(args: argparse.Namespace):
         max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,
         vision_cache_mb=args.vision_cache_mb,
         prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
+        kv_cache_mb=args.kv_cache_mb,
     )
 
 
@@ -90,6 +99,7 @@ def sampling_params(engine, args: argparse.Namespace):
     temperature = args.temperature if args.temperature is not None else (0.0 if greedy else None)
     return engine.sampling_defaults(
         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
         stop=tuple(args.stop) if args.stop else None,
     )
@@ -210,8 +220,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         options = replace(options, vision_cache_mb=0, prefix_cache_mb=0, answer_cache_entries=0)
+    if not 1 <= args.concurrency <= options.max_batch:
+        raise ValueError(f"--concurrency must be between 1 and --max-batch ({options.max_batch})")
     engine = Engine.load(options)
-    report = run_bench(engine, image, args.new_tokens, args.repeat, options.max_image_tokens)
+    report = run_bench(engine, image, args.new_tokens, args.repeat, options.max_image_tokens, args.concurrency)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
@@ -315,6 +327,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p.add_argument("-i", dest="image_file", help="an image file instead of the synthetic one")
     p.add_argument("--new-tokens", type=int, default=32, help="decode exactly this many tokens (EOS ignored)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=1, help="run the workload as N requests at once")
     p.add_argument("--with-caches", action="store_true", help="keep the caches on (default off: measure the work)")
     p.add_argument("--json", action="store_true")
     add_engine_args(p)

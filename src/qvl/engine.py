@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +19,7 @@ from qvl.config import GenerationDefaults, ModelConfig
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
 from qvl.hub import resolve_model
 from qvl.model.rope import mrope_positions
+from qvl.model.vision import run_steps
 from qvl.paths import locked
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage
 from qvl.processing.prompt import load_chat_template
@@ -57,6 +58,7 @@ class EngineOptions:
     answer_cache_entries: int = 256
     quant_cache: bool = True  # keep int8/int4 weights quantised at load for the next start
     max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together (the scheduler's rows)
+    kv_cache_mb: float | None = None  # KV cache the running requests may reserve; None: see default_kv_budget_mb
 
 
 def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
@@ -133,7 +135,7 @@ class Engine:
         self.vision_cache = VisionCache(options.vision_cache_mb)
         self.prefix_cache = PrefixCache(options.prefix_cache_mb)
         self.answer_cache = AnswerCache(options.answer_cache_entries)
-        self.scheduler = Scheduler(self, options.max_batch)
+        self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb)
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
@@ -193,16 +195,27 @@ class Engine:
     def parse(self, request: Request) -> ParsedRequest:
         """Decode images, tokenize, check the budget: cheap next to generation, and raises
         RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
-        return parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits)
+        if request.sampling.n > self.scheduler.max_batch:
+            raise RequestError(f"n = {request.sampling.n} answers are decoded side by side, and this engine decodes "
+                               f"at most {self.scheduler.max_batch} rows together (--max-batch)", "n")
+        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits)
+        need, budget = self.scheduler.reserved_bytes(parsed), self.scheduler.kv_budget
+        if need > budget:
+            raise RequestError(f"this request may need {need / 2**20:.0f} MB of KV cache ({len(parsed.ids)} prompt tokens "
+                               f"and up to {parsed.sampling.max_new_tokens} more, for each of {parsed.sampling.n} "
+                               f"answers), more than this engine's budget of {budget / 2**20:.0f} MB (--kv-cache-mb); "
+                               f"lower max_tokens or n", "max_tokens", "kv_cache_exceeded")
+        return parsed
 
     # -- vision and prompt layout ---------------------------------------------------------
 
-    def _image_features(self, image: ProcessedImage, timings: Timings, use_cache: bool = True) -> ImageFeatures:
+    def _image_features(self, image: ProcessedImage, timings: Timings,
+                        use_cache: bool = True) -> Generator[None, None, ImageFeatures]:
+        """One image's features, through the vision cache; yields between vision blocks."""
         features = self.vision_cache.get(image.content_hash) if use_cache else None
         if features is None:
             timings.cached["vision"] = False
-            with torch.inference_mode():
-                embeds, deepstack = self.model.encode_images(image.pixel_values, [image.grid_thw])
+            embeds, deepstack = yield from self.model.visual.steps(image.pixel_values, [image.grid_thw])
             features = ImageFeatures(embeds, deepstack)
             if use_cache:
                 self.vision_cache.add(image.content_hash, features)
@@ -212,12 +225,19 @@ class Engine:
         """(start, end, content hash) of each image's tokens in the prompt."""
         return image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
 
-    def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0,
-                cancel: CancelCheck | None = None, spans: list | None = None,
-                use_cache: bool = True) -> PreparedPrompt:
+    def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0, cancel: CancelCheck | None = None,
+                spans: list | None = None, use_cache: bool = True) -> PreparedPrompt:
         """Encode the images not already inside a reused prefix of `skip` tokens (through
         the vision cache, unless not `use_cache`) and lay out the M-RoPE positions."""
-        started = time.perf_counter()
+        with torch.inference_mode():
+            return run_steps(self.prepare_steps(parsed, timings, skip, cancel, spans, use_cache))
+
+    def prepare_steps(self, parsed: ParsedRequest, timings: Timings, skip: int = 0,
+                      cancel: CancelCheck | None = None, spans: list | None = None,
+                      use_cache: bool = True) -> Generator[None, None, PreparedPrompt]:
+        """`prepare` in steps: yields between vision blocks (the scheduler decodes other rows
+        there), returns the prompt. timings.vision_ms counts the time spent in it only."""
+        spent, resumed = 0.0, time.perf_counter()
         spans = self.spans(parsed) if spans is None else spans
         needed = [(im, span) for im, span in zip(parsed.images, spans) if span[1] > skip]
         embeds_from = parsed.image_tokens - sum(im.num_tokens for im, _ in needed)
@@ -226,11 +246,20 @@ class Engine:
             timings.cached["vision"] = True  # until an image misses
             feats = []
             for im, _ in needed:
-                check(cancel)
-                feats.append(self._image_features(im, timings, use_cache))
+                encoding = self._image_features(im, timings, use_cache)
+                while True:
+                    check(cancel)
+                    try:
+                        next(encoding)
+                    except StopIteration as stop:
+                        feats.append(stop.value)
+                        break
+                    spent += time.perf_counter() - resumed
+                    yield
+                    resumed = time.perf_counter()
             embeds = torch.cat([f.embeds for f in feats])
             deepstack = [torch.cat(layer) for layer in zip(*(f.deepstack for f in feats))]
-        timings.vision_ms = (time.perf_counter() - started) * 1000
+        timings.vision_ms = (spent + time.perf_counter() - resumed) * 1000
         grids = [im.grid_thw for im in parsed.images]
         positions, next_position = mrope_positions(parsed.ids, grids, self.cfg.image_token_id,
                                                    self.cfg.vision.spatial_merge_size)
@@ -259,7 +288,7 @@ class Engine:
         return () if params.ignore_eos else self.defaults.eos_token_ids
 
     def _answer_key(self, parsed: ParsedRequest) -> str | None:
-        if not (self.answer_cache.enabled and parsed.sampling.deterministic):
+        if not (self.answer_cache.enabled and parsed.sampling.deterministic) or parsed.sampling.n > 1:
             return None
         return AnswerCache.key(self.model_id, parsed.ids, parsed.image_hashes, parsed.sampling)
 
@@ -272,24 +301,26 @@ class Engine:
         if done is None:
             return None
         timings = Timings(cached={"answer": True})
-        return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings)
+        return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings, done.logprobs)
 
     def stream(self, request: Request | ParsedRequest, cancel: CancelCheck | None = None) -> Iterator[Delta | Done]:
-        """Events for one request: Delta pieces of text, then Done. The caller's thread drives
-        the scheduler (and with it whatever else it runs). Closing the iterator stops the
-        request before its next step; so does `cancel()` turning true (checked between images,
-        prefill slices and decode steps; raises Cancelled)."""
+        """Events for one request: Delta pieces of text, then Done (for n answers: each event
+        carries its answer's `index`, and the stream ends after the n-th Done). The caller's
+        thread drives the scheduler (and with it whatever else it runs). Closing the iterator
+        stops the request before its next step; so does `cancel()` turning true (checked
+        between images, prefill slices and decode steps; raises Cancelled)."""
         started = time.perf_counter()
         parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
         if (hit := self.cached_answer(parsed)) is not None:
             hit.timings.ttft_ms = (time.perf_counter() - started) * 1000
             if hit.text:
-                yield Delta(hit.text, hit.token_ids)
+                yield Delta(hit.text, hit.token_ids, hit.logprobs)
             yield hit
             return
         events: deque = deque()
         seq = Sequence(parsed, events.append, cancel, started)
         self.scheduler.submit(seq)
+        answers = 0
         try:
             while True:
                 while not events:
@@ -298,7 +329,8 @@ class Engine:
                 if isinstance(event, BaseException):
                     raise event
                 yield event
-                if isinstance(event, Done):
+                answers += isinstance(event, Done)
+                if answers == parsed.sampling.n:
                     return
         finally:
             if not seq.done:  # closed early: take it out now, nobody may step again
@@ -306,12 +338,12 @@ class Engine:
                 self.scheduler.step()
 
     def prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings,
-                            cancel: CancelCheck | None = None) -> tuple[PreparedPrompt, tuple | None]:
+                            cancel: CancelCheck | None = None) -> Generator[None, None, tuple]:
         """The longest cached prefix of the prompt (as (kv, tokens), or None) and the prompt
-        prepared for the rest."""
+        prepared for the rest (in steps: see prepare_steps)."""
         entry, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
         timings.cached["prefix"], timings.reused_tokens = reused > 0, reused
-        prompt = self.prepare(parsed, timings, skip=reused, cancel=cancel, spans=spans)
+        prompt = yield from self.prepare_steps(parsed, timings, skip=reused, cancel=cancel, spans=spans)
         return prompt, ((entry.kv, reused) if entry else None)
 
     def remember(self, parsed: ParsedRequest, spans, row_cache, filled: int, done: Done) -> None:
@@ -328,17 +360,19 @@ class Engine:
             self.answer_cache.put(key, done)
 
     def generate(self, request: Request | ParsedRequest) -> Done:
-        """The final event of `stream`."""
-        for event in self.stream(request):
-            if isinstance(event, Done):
-                return event
-        raise RuntimeError("generation ended without a final event")
+        """The final event of `stream` (of the first answer, for n > 1: see `stream`)."""
+        dones = [event for event in self.stream(request) if isinstance(event, Done)]
+        if not dones:
+            raise RuntimeError("generation ended without a final event")
+        return min(dones, key=lambda d: d.index)
 
     def generate_batch(self, requests: list[Request | ParsedRequest]) -> list[Done | Exception]:
         """Answer several requests together: exact repeats from the answer cache, the rest
         through the scheduler at once (each with its own sampling; rows decoded together and
         retired as each finishes). A request that fails gets its exception in its place."""
         parsed = [r if isinstance(r, ParsedRequest) else self.parse(r) for r in requests]
+        if any(p.sampling.n > 1 for p in parsed):
+            raise ValueError("generate_batch gives one answer per request: use stream() for n > 1")
         results: list[Done | Exception | None] = [self.cached_answer(p) for p in parsed]
         finished: dict[int, Done | Exception] = {}
         for i, p in enumerate(parsed):

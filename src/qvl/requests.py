@@ -99,6 +99,10 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
     Raises RequestError for anything unusable (an image that cannot be decoded names its part)."""
     if not request.messages:
         raise RequestError("messages must not be empty", "messages")
+    outside = [i for i, _ in request.sampling.logit_bias if not 0 <= i < tokenizer.vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{tokenizer.vocab_size - 1})",
+                           "logit_bias")
     messages, images = _decode_images(request, image_cfg, limits)
     tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images])
     ids = torch.tensor(tokens.ids, dtype=torch.long)

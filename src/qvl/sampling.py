@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by ~0 overflows)
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -24,16 +27,26 @@ class SamplingParams:
     max_new_tokens: int = 1024
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks force exactly max_new_tokens
+    min_tokens: int = 0  # EOS is not sampled before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
+    n: int = 1  # answers to the same prompt, forked after one prefill; sampled ones seeded seed, seed+1, ...
 
     def __post_init__(self):
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"top_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (0.01 <= self.repetition_penalty <= 100, "repetition_penalty must be in [0.01, 100]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.n >= 1, "n must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -66,8 +79,12 @@ def apply_penalties(
     return logits
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top_k and the top_p nucleus. logits: [B, V]."""
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top_k, the top_p nucleus and the min_p floor
+    (probability below min_p times the top one's). logits: [B, V]."""
+    if min_p > 0:
+        floor = logits.amax(-1, keepdim=True) + math.log(min_p)  # p >= min_p * p_max, in logits
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -88,7 +105,25 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     if params.greedy:
         return logits.argmax(-1)
     logits = logits - logits.amax(-1, keepdim=True)  # the largest is 0: no overflow at low temperature
-    probs = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+    probs = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
     if generators is None:
         return torch.multinomial(probs, 1).squeeze(-1)
     return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=g) for r, g in enumerate(generators)]).squeeze(-1)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [B, V] plus each row's logit_bias (ids outside the vocabulary are refused when
+    the request is checked)."""
+    if not params.logit_bias:
+        return logits
+    ids = torch.tensor([i for i, _ in params.logit_bias])
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype)
+    return logits.index_add(-1, ids, bias.expand(logits.shape[0], -1))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its k most likely tokens with theirs, from
+    raw logits [V] (before temperature, penalties and filters: what the model said)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    best = torch.topk(logprobs, k) if k else None
+    return float(logprobs[token]), [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +22,13 @@ import torch
 from qvl.generate import PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, new_cache, prefill_slice
 from qvl.kv_cache import KVCache
 from qvl.requests import ParsedRequest
-from qvl.sampling import SamplingParams, apply_penalties, sample
-from qvl.stream import Delta, Done, TextStream, Timings, Usage
+from qvl.sampling import SamplingParams, apply_logit_bias, apply_penalties, sample, top_logprobs
+from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
 
 DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
 PREFILL_TOKENS_ALONE = PREFILL_CHUNK  # prompt tokens per step when no row is generating
-PREFILL_TOKENS_SHARED = 128  # ... and while rows are generating: their next token waits for the slice
+SLICE_S = 0.25  # while rows are generating: vision or prefill work per step (their next token waits for it)
+MIN_SLICE_TOKENS = 16
 
 Event = Delta | Done | BaseException  # what a sequence emits; an exception ends it unanswered
 
@@ -54,8 +55,12 @@ class Sequence:
     counts: torch.Tensor | None = None  # [V] float32: output-token counts (presence/frequency penalties)
     generator: torch.Generator | None = None
     text: TextStream | None = None
+    preparing: Generator | None = None  # prefix lookup and vision, run a few blocks per step
     stopped: str | None = None  # why it was cancelled from outside
     done: bool = False
+    index: int = 0  # which of the request's n answers (1.. are forked from 0 after its prefill)
+    parent: Sequence | None = None  # the sequence a sibling was forked from (stopping it stops them all)
+    spare_rows: list[int] = field(default_factory=list)  # rows held for the siblings until the fork
 
     @property
     def params(self) -> SamplingParams:
@@ -65,17 +70,40 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.logits is None
 
+    @property
+    def stop_reason(self) -> str | None:
+        return self.stopped or (self.parent.stopped if self.parent is not None else None)
+
+
+def kv_bytes_per_position(model) -> int:
+    """Keys and values of one token of one row, all layers, in the model's dtype."""
+    t = model.cfg.text
+    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * model.dtype.itemsize
+
+
+def default_kv_budget_mb(model) -> float:
+    """Half the memory available once the model is loaded, at most 8 GB (the budget the
+    running requests' KV cache may reserve; see Scheduler)."""
+    import psutil
+
+    return min(psutil.virtual_memory().available / 2, 8 * 2**30) / 2**20
+
 
 class Scheduler:
-    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH, kv_budget_mb: float | None = None):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.engine, self.max_batch = engine, max_batch
+        mb = default_kv_budget_mb(engine.model) if kv_budget_mb is None else kv_budget_mb
+        self.kv_budget = int(mb * 2**20)  # bytes the running rows may reserve (prompt + token cap each)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.cache: KVCache | None = None
         self.lock = threading.Lock()
-        self.steps = 0
+        self.steps = self.tokens = 0  # totals, for /metrics
+        self.last_step_s = 0.0
+        self.last_rows = 0  # rows in the last decode step
+        self.prefill_rate = 256.0  # prompt tokens/s, measured as slices run (sizes the slices)
 
     @property
     def model(self):
@@ -94,61 +122,104 @@ class Scheduler:
         with self.lock:
             return not self.waiting and not self.running
 
+    def stats(self) -> dict[str, float]:
+        """What /metrics shows: running and waiting requests, rows and time of the last step,
+        the KV cache's allocated and filled bytes, totals."""
+        with self.lock:
+            waiting = len(self.waiting)
+        running = list(self.running)
+        cache = self.cache
+        per_position = cache.bytes_per_position if cache is not None else 0
+        return {"running": len(running), "waiting": waiting, "last_step_rows": self.last_rows,
+                "kv_reserved_bytes": sum(self.reserved_bytes(s.parsed) for s in running if s.parent is None),
+                "kv_budget_bytes": self.kv_budget,
+                "last_step_seconds": self.last_step_s, "steps": self.steps, "tokens": self.tokens,
+                "kv_allocated_bytes": cache.nbytes if cache is not None else 0,
+                "kv_filled_bytes": sum(s.filled for s in running) * per_position}
+
+    @torch.inference_mode()
     def step(self) -> None:
-        """Admit what fits, run one prefill slice, then one decode step for every generating
-        row. Sequences finish inside, through their `emit`."""
+        """Admit what fits; give the oldest sequence not yet generating one slice of work (a
+        few vision blocks or a run of prompt tokens, about SLICE_S while other rows generate,
+        all of it when none do); then one decode step for every generating row. Sequences
+        finish inside, through their `emit`."""
+        started = time.perf_counter()
         self.steps += 1
         self._drop_stopped()
         self._admit()
-        generating = [s for s in self.running if not s.prefilling]
+        generating = any(not s.prefilling for s in self.running)
         pending = next((s for s in self.running if s.prefilling), None)
-        if pending is not None:
-            self._prefill(pending, PREFILL_TOKENS_SHARED if generating else PREFILL_TOKENS_ALONE)
+        if pending is not None and pending.preparing is not None:
+            self._prepare(pending, SLICE_S if generating else float("inf"))
+            if not generating and pending.preparing is None and pending in self.running:
+                self._prefill(pending, PREFILL_TOKENS_ALONE)  # nobody waits: go on in this step
+        elif pending is not None:
+            self._prefill(pending, self._slice_tokens() if generating else PREFILL_TOKENS_ALONE)
         self._decode([s for s in self.running if not s.prefilling])
         if not self.running:
             self.cache = None  # nothing held between bursts of requests
+        self.last_step_s = time.perf_counter() - started
 
     # -- admission and prefill -------------------------------------------------------------
 
+    def _free_rows(self) -> list[int]:
+        used = {s.row for s in self.running} | {r for s in self.running for r in s.spare_rows}
+        return [r for r in range(self.max_batch) if r not in used]
+
+    def reserved_bytes(self, parsed: ParsedRequest) -> int:
+        """The KV cache a request may fill: its prompt and token cap, for each of its n answers."""
+        per_position = kv_bytes_per_position(self.model)
+        return (len(parsed.ids) + parsed.sampling.max_new_tokens) * parsed.sampling.n * per_position
+
     def _admit(self) -> None:
         """At most one sequence per step (its images are encoded here, seconds for a photo):
-        rows already generating wait for one admission at a time, not for a burst of them."""
-        if len(self.running) >= self.max_batch:
-            return
+        rows already generating wait for one admission at a time, not for a burst of them.
+        The next request waits (first come, first served) until it has a row for each of its
+        n answers and its KV reservation fits the budget beside the running ones', so a
+        running request never runs out of cache; one that could never fit fails at once."""
+        free = self._free_rows()
         with self.lock:
             if not self.waiting:
                 return
+            head = self.waiting[0]
+            need, held = self.reserved_bytes(head.parsed), sum(self.reserved_bytes(s.parsed) for s in self.running
+                                                                  if s.parent is None)
+            alone = need > self.kv_budget
+            if not alone and (len(free) < min(head.params.n, self.max_batch) or held + need > self.kv_budget):
+                return
             seq = self.waiting.popleft()
+        if alone:
+            self._fail(seq, ValueError(
+                f"this request may need {need / 2**20:.0f} MB of KV cache (prompt and max_tokens for each answer), "
+                f"more than the budget of {self.kv_budget / 2**20:.0f} MB (--kv-cache-mb); lower max_tokens"))
+            return
         try:
             self._start(seq)
         except Exception as exc:  # one request's images, budget or cancellation: it alone fails
             self._fail(seq, exc)
 
     def _start(self, seq: Sequence) -> None:
-        """Prefix reuse, vision (through the image cache) and a cache row."""
+        """Rows and cache room for its n answers; its images are encoded in later steps
+        (`_prepare`)."""
         engine, params = self.engine, seq.params
         if seq.stopped:
             raise Cancelled(seq.stopped)
+        if params.n > self.max_batch:
+            raise ValueError(f"n = {params.n} answers need as many rows; this engine decodes at most "
+                             f"{self.max_batch} together (--max-batch)")
         if seq.started is None:
             seq.started = time.perf_counter()
         if seq.on_start is not None:
             seq.on_start()
+        rows = self._free_rows()[: params.n]
+        self._make_room(len(seq.parsed.ids) + params.max_new_tokens)
+        seq.row, seq.spare_rows = rows[0], rows[1:]
         seq.spans = engine.spans(seq.parsed)
-        seq.prompt, seq.prefix = engine.prepare_from_prefix(seq.parsed, seq.spans, seq.timings, seq.cancel)
-        needed = len(seq.prompt) + params.max_new_tokens
-        used = {s.row for s in self.running}
-        row = next(r for r in range(self.max_batch) if r not in used)
-        self._make_room(needed)
-        seq.row, seq.position = row, seq.prompt.next_position
-        seq.filled = 0
-        if seq.prefix is not None:
-            kv, n = seq.prefix
-            self.cache.row(row).write_prefix(kv, n)
-            seq.filled = n
+        seq.preparing = engine.prepare_from_prefix(seq.parsed, seq.spans, seq.timings, seq.cancel)
         vocab = self.model.cfg.text.vocab_size
         if params.repetition_penalty != 1.0:
             seq.seen = torch.zeros(vocab, dtype=torch.bool)
-            ids = seq.prompt.ids
+            ids = seq.parsed.ids
             seq.seen[ids[ids < vocab]] = True
         if params.presence_penalty or params.frequency_penalty:
             seq.counts = torch.zeros(vocab)
@@ -172,18 +243,65 @@ class Scheduler:
             bigger.values[:, s.row, :, : s.filled] = self.cache.values[:, s.row, :, : s.filled]
         self.cache = bigger
 
+    def _prepare(self, seq: Sequence, budget_s: float) -> None:
+        """Vision blocks of one sequence for about `budget_s`; when its prompt is ready, the
+        reused prefix goes into its row."""
+        deadline = time.perf_counter() + budget_s
+        try:
+            while time.perf_counter() < deadline:
+                next(seq.preparing)
+        except StopIteration as stop:
+            seq.preparing = None
+            seq.prompt, prefix = stop.value
+            seq.position, seq.filled = seq.prompt.next_position, 0
+            if prefix is not None:
+                kv, seq.filled = prefix
+                self.cache.row(seq.row).write_prefix(kv, seq.filled)
+        except Exception as exc:
+            self._retire(seq, exc)
+
+    def _slice_tokens(self) -> int:
+        """Prompt tokens for about SLICE_S at the measured prefill rate."""
+        return int(min(PREFILL_TOKENS_ALONE, max(MIN_SLICE_TOKENS, self.prefill_rate * SLICE_S)))
+
     def _prefill(self, seq: Sequence, budget: int) -> None:
         """The next `budget` prompt tokens of one sequence; its first token's logits at the end."""
         try:
             if seq.cancel is not None and seq.cancel():
                 raise Cancelled()
             end = min(len(seq.prompt), seq.filled + budget)
+            started = time.perf_counter()
             logits = prefill_slice(self.model, self.cache.row(seq.row), seq.prompt, seq.filled, end)
+            if end - seq.filled >= MIN_SLICE_TOKENS:  # short runs say little about the rate
+                rate = (end - seq.filled) / max(time.perf_counter() - started, 1e-6)
+                self.prefill_rate = 0.5 * self.prefill_rate + 0.5 * rate
             seq.filled = end
             if end == len(seq.prompt):
                 seq.logits = logits[0].float()
+                self._fork(seq)
         except Exception as exc:
             self._retire(seq, exc)
+
+    def _fork(self, seq: Sequence) -> None:
+        """The request's other n-1 answers: copies of the prefilled row in the rows held for
+        them, each with its own text and generator (seeded seed + index)."""
+        for index, row in enumerate(seq.spare_rows, 1):
+            self.cache.keys[:, row, :, : seq.filled] = self.cache.keys[:, seq.row, :, : seq.filled]
+            self.cache.values[:, row, :, : seq.filled] = self.cache.values[:, seq.row, :, : seq.filled]
+            timings = Timings(vision_ms=seq.timings.vision_ms, cached=dict(seq.timings.cached),
+                              reused_tokens=seq.timings.reused_tokens)
+            params = seq.params
+            sibling = Sequence(seq.parsed, seq.emit, seq.cancel, seq.started, timings=timings, spans=seq.spans,
+                               prompt=seq.prompt, row=row, filled=seq.filled, position=seq.position,
+                               logits=seq.logits, index=index, parent=seq,
+                               seen=None if seq.seen is None else seq.seen.clone(),
+                               counts=None if seq.counts is None else seq.counts.clone(),
+                               generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index))
+            sibling.text = TextStream(self.engine.tokenizer, params.stop, self.engine.eos_ids(params),
+                                      Usage(seq.text.usage.prompt_tokens, seq.text.usage.image_tokens), timings,
+                                      seq.started, index)
+            self.running.insert(self.running.index(seq) + index, sibling)
+        seq.spare_rows = []
 
     # -- decoding ---------------------------------------------------------------------------
 
@@ -191,12 +309,14 @@ class Scheduler:
         """Sample each row's next token from its own logits and parameters; retire the rows
         that finish; feed the rest through one decode step together."""
         fed: list[tuple[Sequence, int]] = []
+        self.last_rows = len(seqs)
+        self.tokens += len(seqs)
         for seq in seqs:
             if seq.cancel is not None and seq.cancel():
                 self._retire(seq, Cancelled())
                 continue
-            token = self._sample(seq)
-            delta = seq.text.push(token)
+            token, logprob = self._sample(seq)
+            delta = seq.text.push(token, logprob)
             if delta is not None:
                 seq.emit(delta)
             if seq.text.finished or len(seq.text.ids) >= seq.params.max_new_tokens:
@@ -220,25 +340,33 @@ class Scheduler:
             seq.filled += 1
             seq.position += 1
 
-    def _sample(self, seq: Sequence) -> int:
+    def _sample(self, seq: Sequence) -> tuple[int, TokenLogprob | None]:
+        """This row's next token under its own parameters: penalties, logit_bias, min_tokens,
+        then temperature / top-k / top-p / min-p with its own generator; and, when asked, the
+        token's log-probability under the model (raw logits) with the best alternatives."""
         params, logits = seq.params, seq.logits[None]
         if seq.seen is not None or seq.counts is not None:
             vocab = logits.shape[-1]
             seen = seq.seen[None] if seq.seen is not None else torch.zeros(1, vocab, dtype=torch.bool)
             counts = seq.counts[None] if seq.counts is not None else torch.zeros(1, vocab)
             logits = apply_penalties(logits, seen, counts, params)
+        logits = apply_logit_bias(logits, params)
+        if len(seq.text.ids) < params.min_tokens and seq.text.eos_ids:
+            logits = logits.index_fill(-1, torch.tensor(seq.text.eos_ids), float("-inf"))
         token = int(sample(logits, params, None if seq.generator is None else [seq.generator])[0])
         if seq.seen is not None:
             seq.seen[token] = True
         if seq.counts is not None:
             seq.counts[token] += 1
-        return token
+        if params.logprobs is None:
+            return token, None
+        return token, TokenLogprob(token, *top_logprobs(seq.logits, token, params.logprobs))
 
     # -- finishing --------------------------------------------------------------------------
 
     def _drop_stopped(self) -> None:
-        for seq in [s for s in self.running if s.stopped]:
-            self._retire(seq, Cancelled(seq.stopped))
+        for seq in [s for s in self.running if s.stop_reason]:
+            self._retire(seq, Cancelled(seq.stop_reason))
         with self.lock:
             gone = [s for s in self.waiting if s.stopped]
             for seq in gone:

@@ -32,11 +32,22 @@ class Timings:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the model, and its best alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
 class Delta:
     """A piece of answer text; concatenating all deltas gives the final text."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # the tokens whose text this delta completes (when asked)
+    index: int = 0  # which of the request's n answers
 
 
 @dataclass
@@ -46,17 +57,22 @@ class Done:
     finish_reason: str  # "stop" | "length"
     usage: Usage
     timings: Timings
+    logprobs: list[TokenLogprob] | None = None  # one per token (when asked)
+    index: int = 0  # which of the request's n answers
 
     def to_dict(self) -> dict:
         timings = asdict(self.timings)
         timings.pop("decode_ms")
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "usage": {**asdict(self.usage), "total_tokens": self.usage.total_tokens},
             "timings": timings,
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        return out
 
 
 class StopStrings:
@@ -99,17 +115,25 @@ class TextStream:
     expected filled in already."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], eos_ids: tuple[int, ...], usage: Usage,
-                 timings: Timings, started: float):
+                 timings: Timings, started: float, index: int = 0):
+        self.index = index
         self.decoder, self.stopper, self.eos_ids = StreamDecoder(tokenizer), StopStrings(stops), eos_ids
         self.usage, self.timings, self.started = usage, timings, started
         self.ids: list[int] = []
         self.parts: list[str] = []
         self.finish_reason, self.hit_stop_string, self.last = "length", False, None
         self.finished = False
+        self.logprobs: list[TokenLogprob] | None = None
+        self.unsent = 0  # logprobs not yet sent with a delta
 
-    def push(self, token: int) -> Delta | None:
-        """Take the next token; returns the text it completes, if any. After EOS or a stop
-        string `finished` is true and the row must stop (take no more tokens)."""
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> Delta | None:
+        """Take the next token (and its logprob, when asked); returns the text it completes,
+        if any, with the logprobs of the tokens behind that text. After EOS or a stop string
+        `finished` is true and the row must stop (take no more tokens)."""
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         now = time.perf_counter()
         if self.last is None:
             self.timings.ttft_ms = (now - self.started) * 1000
@@ -126,8 +150,14 @@ class TextStream:
             self.finish_reason, self.finished = "stop", True
         if text:
             self.parts.append(text)
-            return Delta(text, [token])
+            return Delta(text, [token], self._unsent(), self.index)
         return None
+
+    def _unsent(self) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        out, self.unsent = self.logprobs[self.unsent :], len(self.logprobs)
+        return out
 
     def close(self) -> tuple[Delta | None, Done]:
         """No more tokens: the held-back tail (unless a stop string ended it) and the Done."""
@@ -138,9 +168,10 @@ class TextStream:
             self.finish_reason = "stop" if self.hit_stop_string else self.finish_reason
             if text:
                 self.parts.append(text)
-                tail = Delta(text, [])
+                tail = Delta(text, [], self._unsent(), self.index)
         self.finished = True
         self.usage.completion_tokens = len(self.ids)
         if self.timings.decode_ms:
             self.timings.decode_ms_per_token = sum(self.timings.decode_ms) / len(self.timings.decode_ms)
-        return tail, Done("".join(self.parts), self.ids, self.finish_reason, self.usage, self.timings)
+        return tail, Done("".join(self.parts), self.ids, self.finish_reason, self.usage, self.timings, self.logprobs,
+                          self.index)

@@ -1,17 +1,20 @@
 """Items -> result rows with one engine. Each item is parsed on its own, so a broken image
-becomes that item's error row and never reaches a batch; the good ones are decoded together
-in groups of `batch_size` (`Engine.generate_batch`, through the scheduler). Shared by the
-local and the Ray runner."""
+becomes that item's error row and never reaches the scheduler; the good ones are decoded
+together, `batch_size` in flight, each replaced by the next item the moment it finishes.
+Shared by the local and the Ray runner."""
 
 from __future__ import annotations
 
 import argparse
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from qvl.batch.inputs import Item
-from qvl.engine import Engine, EngineOptions, ParsedRequest, Request
+from qvl.engine import Engine, EngineOptions, Request
 from qvl.sampling import SamplingParams
+from qvl.scheduler import Sequence
+from qvl.stream import Done
 
 
 @dataclass(frozen=True)
@@ -51,29 +54,42 @@ class Worker:
         return item.prompt if item.prompt is not None else self.prompt
 
     def rows(self, items: Iterable[Item]) -> Iterator[dict]:
-        """One row per item: error rows as soon as parsing fails, answers per decoded batch."""
-        good: list[tuple[Item, ParsedRequest]] = []
-        for item in items:
-            try:
-                good.append((item, self.engine.parse(self.request(item))))
-            except Exception as exc:  # a bad item must not stop the run
-                yield error_row(item, self.prompt_for(item), exc)
-                continue
-            if len(good) == self.batch_size:
-                yield from self._answer(good)
-                good = []
-        if good:
-            yield from self._answer(good)
+        """One row per item, in the items' order. Up to `batch_size` items are in the scheduler
+        at once; each one that finishes is replaced by the next item at once (no row waits for
+        a group). A broken item becomes its error row and never reaches the scheduler."""
+        source = iter(items)
+        order: deque[list] = deque()  # [item, row or None], in input order
+        in_flight = 0
 
-    def _answer(self, good: list[tuple[Item, ParsedRequest]]) -> list[dict]:
-        """Decode a group together (the scheduler retires each row as it finishes); a row
-        that fails becomes its own error row."""
-        rows = []
-        for (item, _), done in zip(good, self.engine.generate_batch([parsed for _, parsed in good])):
-            if isinstance(done, Exception):
-                rows.append(error_row(item, self.prompt_for(item), done))
-                continue
-            answer = done.to_dict()
-            answer.pop("token_ids")
-            rows.append({"id": item.id, "image": item.image, "prompt": self.prompt_for(item), **answer})
-        return rows
+        def answered(slot: list, event) -> None:
+            nonlocal in_flight
+            if isinstance(event, (Done, BaseException)):
+                slot[1] = self._row(slot[0], event)
+                in_flight -= 1
+
+        while True:
+            while in_flight < self.batch_size and (item := next(source, None)) is not None:
+                slot = [item, None]
+                order.append(slot)
+                try:
+                    parsed = self.engine.parse(self.request(item))
+                except Exception as exc:  # a bad item must not stop the run
+                    slot[1] = error_row(item, self.prompt_for(item), exc)
+                    continue
+                if (hit := self.engine.cached_answer(parsed)) is not None:
+                    slot[1] = self._row(item, hit)
+                    continue
+                in_flight += 1
+                self.engine.scheduler.submit(Sequence(parsed, lambda e, slot=slot: answered(slot, e)))
+            while order and order[0][1] is not None:
+                yield order.popleft()[1]
+            if not order:
+                return
+            self.engine.scheduler.step()
+
+    def _row(self, item: Item, done: Done | BaseException) -> dict:
+        if isinstance(done, BaseException):
+            return error_row(item, self.prompt_for(item), done)
+        answer = done.to_dict()
+        answer.pop("token_ids")
+        return {"id": item.id, "image": item.image, "prompt": self.prompt_for(item), **answer}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,6 +182,12 @@ class VisionModel(nn.Module):
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """patches: [N, C*T*P*P] for all images, concatenated in order.
         Returns merged features [N / 4, out_hidden] and one [N / 4, out_hidden] per DeepStack layer."""
+        return run_steps(self.steps(patches, grids))
+
+    def steps(self, patches: torch.Tensor,
+              grids: list[Grid]) -> Generator[None, None, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """`forward` one block at a time: yields after each block (the caller may do other
+        work in between), returns what forward returns."""
         tables = [self.grid_tables(tuple(g)) for g in grids]
         taps, weights, cos, sin = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*tables))
         lengths = [t * h * w for t, h, w in grids]
@@ -192,4 +200,14 @@ class VisionModel(nn.Module):
             if i in self.cfg.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)]
                 deepstack.append(merger(x))
+            yield
         return self.merger(x), deepstack
+
+
+def run_steps(steps: Generator):
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value

@@ -302,6 +302,17 @@ class Tokenizer:
             raise ValueError(f"token {token!r} is not in the tokenizer's vocabulary")
         return token_id
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a character;
+        an added token is its text; an id past the vocabulary, which the model's larger
+        embedding allows, is empty)."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if int(token_id) in self._tok.get_added_tokens_decoder():
+            return piece.encode("utf-8")
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included (the model's embedding may be larger)."""
@@ -330,6 +341,7 @@ class Tokenizer:
 
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _token_content(value: str | dict | None) -> str | None:

@@ -27,7 +27,7 @@ from qvl.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletion
 from qvl.server.settings import MB, ImagePolicy
 from qvl.server.state import ServerState
 from qvl.server.worker import DISCONNECT
-from qvl.stream import Delta, Done
+from qvl.stream import Delta, Done, TokenLogprob
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
@@ -39,6 +39,7 @@ class Meta:
     id: str
     created: int
     model: str
+    tokenizer: object  # token ids -> text and bytes, for logprobs
 
 
 class ChatCompletions:
@@ -55,7 +56,7 @@ class ChatCompletions:
                 req, parsed, cached = await asyncio.to_thread(self.prepare, body, engine)
         except Exception as exc:
             raise from_exception(exc) from None
-        meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), engine.model_name)
+        meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), engine.model_name, engine.tokenizer)
         if cached is not None:  # an exact repeat, answered without waiting in the queue
             self.state.metrics.record(cached, cached=True)
             events, on_close = replay(cached), lambda: None
@@ -64,18 +65,20 @@ class ChatCompletions:
             events, on_close = job.events(), lambda: worker.cancel(job, DISCONNECT)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(sse(events, meta, include_usage), on_close)
+            return EventStream(sse(events, meta, include_usage, req.n), on_close)
         try:
-            done = await final_or_disconnect(events, http)
+            dones = await finals_or_disconnect(events, http, req.n)
         finally:
             on_close()
-        return JSONResponse(completion(done, meta).model_dump())
+        return JSONResponse(completion(dones, meta).model_dump())
 
     def prepare(self, body: bytes, engine: Engine) -> tuple[ChatCompletionRequest, ParsedRequest, Done | None]:
         """Validate, fetch and decode images, tokenize, check the budget (in a thread)."""
         req = ChatCompletionRequest.model_validate_json(body)
         if name := req.unsupported():
             raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         messages = engine_messages(req, self.state.settings.images, engine.options.max_images)
         try:
             parsed = engine.parse(Request(messages, sampling(req, engine), image_tokens(req, engine)))
@@ -144,11 +147,18 @@ def engine_messages(req: ChatCompletionRequest, policy: ImagePolicy, max_images:
 
 def sampling(req: ChatCompletionRequest, engine: Engine) -> SamplingParams:
     """Request fields over the checkpoint's defaults; max_completion_tokens wins over max_tokens."""
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = tuple((int(token), value) for token, value in req.logit_bias.items())
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (as strings of digits)", "logit_bias") from None
     return engine.sampling_defaults(
         max_new_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
-        stop=tuple(req.stop) if req.stop else None)
+        stop=tuple(req.stop) if req.stop else None, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None,
+        logit_bias=bias, logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n)
 
 
 def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
@@ -164,18 +174,19 @@ def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
 
 async def replay(done: Done) -> AsyncIterator[Delta | Done]:
     if done.text:
-        yield Delta(done.text, done.token_ids)
+        yield Delta(done.text, done.token_ids, done.logprobs)
     yield done
 
 
-async def final_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRequest) -> Done:
-    """The Done event, unless the client goes away first (then the generation is cancelled)."""
+async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRequest, n: int) -> list[Done]:
+    """The n Done events (by index), unless the client goes away first (then the generation
+    is cancelled)."""
 
-    async def final() -> Done:
-        async for event in events:
-            if isinstance(event, Done):
-                return event
-        raise RuntimeError("generation ended without a final event")
+    async def final() -> list[Done]:
+        dones = [event async for event in events if isinstance(event, Done)]
+        if len(dones) != n:
+            raise RuntimeError("generation ended without a final event")
+        return sorted(dones, key=lambda d: d.index)
 
     async def disconnected() -> None:
         while (await http.receive())["type"] != "http.disconnect":
@@ -193,9 +204,10 @@ async def final_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPReq
         await asyncio.gather(answer, gone, return_exceptions=True)
 
 
-def usage(done: Done) -> Usage:
-    u = done.usage
-    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+def usage(dones: list[Done]) -> Usage:
+    """One prompt, every answer's tokens."""
+    prompt, completion_tokens = dones[0].usage.prompt_tokens, sum(d.usage.completion_tokens for d in dones)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
 
 
 def extras(done: Done) -> dict:
@@ -203,30 +215,52 @@ def extras(done: Done) -> dict:
     return {"timings": done.to_dict()["timings"], "image_tokens": done.usage.image_tokens}
 
 
-def completion(done: Done, meta: Meta) -> ChatCompletion:
+def logprobs_body(logprobs: list[TokenLogprob] | None, tokenizer) -> dict | None:
+    """OpenAI's logprobs object: each token as text and bytes, its logprob, the alternatives."""
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                        for lp in logprobs], "refusal": None}
+
+
+def completion(dones: list[Done], meta: Meta) -> ChatCompletion:
     return ChatCompletion(
-        id=meta.id, created=meta.created, model=meta.model, usage=usage(done), qvl=extras(done),
-        choices=[Choice(message=AssistantMessage(content=done.text), finish_reason=done.finish_reason)])
+        id=meta.id, created=meta.created, model=meta.model, usage=usage(dones), qvl=extras(dones[0]),
+        choices=[Choice(index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
+                        logprobs=logprobs_body(d.logprobs, meta.tokenizer)) for d in dones])
 
 
-def chunk(meta: Meta, delta: dict, finish_reason: str | None = None, **extra) -> str:
-    choices = [ChunkChoice(delta=delta, finish_reason=finish_reason)] if delta is not None else []
+def chunk(meta: Meta, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None, index: int = 0,
+          **extra) -> str:
+    choices = ([ChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)]
+               if delta is not None else [])
     body = ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=choices, **extra)
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def sse(events: AsyncIterator[Delta | Done], meta: Meta, include_usage: bool) -> AsyncIterator[str]:
-    """role delta, content deltas, the finish_reason chunk, [usage chunk], [DONE]. An error
-    after the headers went out (time limit, shutdown) is sent as OpenAI does: data: {"error"}."""
-    yield chunk(meta, {"role": "assistant", "content": ""})
+async def sse(events: AsyncIterator[Delta | Done], meta: Meta, include_usage: bool,
+              n: int = 1) -> AsyncIterator[str]:
+    """Per answer (index 0..n-1): a role delta, content deltas, its finish_reason chunk; then
+    [usage chunk], [DONE]. An error after the headers went out (time limit, shutdown) is sent
+    as OpenAI does: data: {"error"}."""
+    for index in range(n):
+        yield chunk(meta, {"role": "assistant", "content": ""}, index=index)
+    dones = []
     try:
         async for event in events:
             if isinstance(event, Delta):
-                yield chunk(meta, {"content": event.text})
+                yield chunk(meta, {"content": event.text}, logprobs=logprobs_body(event.logprobs, meta.tokenizer),
+                            index=event.index)
                 continue
-            yield chunk(meta, {}, event.finish_reason, qvl=extras(event))
-            if include_usage:
-                yield chunk(meta, None, usage=usage(event))
+            dones.append(event)
+            yield chunk(meta, {}, event.finish_reason, index=event.index, qvl=extras(event))
+        if include_usage:
+            yield chunk(meta, None, usage=usage(dones))
     except APIError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n"
     yield "data: [DONE]\n\n"

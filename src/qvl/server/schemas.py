@@ -66,9 +66,15 @@ class ChatCompletionRequest(_Strict):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    n: int = 1
-    # qvl extras
+    n: int = Field(1, ge=1, le=16)  # answers forked from one prefill; at most the engine's --max-batch
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=1024)
+    # qvl extras (as vLLM names them)
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
     repetition_penalty: float | None = Field(None, gt=0)
     max_pixels: int | None = Field(None, ge=1)
     # OpenAI features qvl does not offer: accepted by the schema, refused with a clear 400
@@ -77,22 +83,13 @@ class ChatCompletionRequest(_Strict):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
     audio: Any = None
 
     def unsupported(self) -> str | None:
         """The first field asking for something qvl cannot do, or None."""
-        if self.n != 1:
-            return "n"
-        for name in ("tools", "tool_choice", "functions", "function_call", "audio", "top_logprobs"):
+        for name in ("tools", "tool_choice", "functions", "function_call", "audio"):
             if getattr(self, name) is not None:
                 return name
-        if self.logprobs not in (None, False):
-            return "logprobs"
-        if self.logit_bias not in (None, {}):
-            return "logit_bias"
         if self.response_format not in (None, {"type": "text"}):
             return "response_format"
         return None
@@ -117,7 +114,7 @@ class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: dict | None = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} when asked
 
 
 class ChatCompletion(BaseModel):
@@ -134,7 +131,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -64,12 +64,27 @@ class ServerState:
 
     def gauges(self) -> dict[str, float]:
         worker = self.worker
-        return {
+        gauges = {
             "qvl_ready": float(self.engine is not None and not self.shutting_down),
             "qvl_queue_depth": worker.depth if worker else 0,
             "qvl_queue_capacity": self.settings.queue_size,
             "qvl_busy": float(worker.busy) if worker else 0,
         }
+        if self.engine is not None:
+            stats = self.engine.scheduler.stats()
+            gauges.update({
+                "qvl_running_requests": stats["running"],
+                "qvl_max_batch": self.engine.scheduler.max_batch,
+                "qvl_last_step_rows": stats["last_step_rows"],
+                "qvl_last_step_seconds": stats["last_step_seconds"],
+                "qvl_kv_cache_allocated_bytes": stats["kv_allocated_bytes"],
+                "qvl_kv_cache_filled_bytes": stats["kv_filled_bytes"],
+                "qvl_kv_cache_reserved_bytes": stats["kv_reserved_bytes"],
+                "qvl_kv_cache_budget_bytes": stats["kv_budget_bytes"],
+                "qvl_scheduler_steps": stats["steps"],
+                "qvl_scheduler_tokens": stats["tokens"],
+            })
+        return gauges
 
     def cache_stats(self) -> dict:
         """Hits, misses, evictions and bytes of the engine's caches (empty while loading)."""

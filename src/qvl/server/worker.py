@@ -24,6 +24,7 @@ from qvl.server.metrics import Metrics
 from qvl.stream import Delta, Done
 
 DISCONNECT, TIMEOUT, SHUTDOWN = "disconnect", "timeout", "shutdown"
+STATUS_EVERY_S = 10.0  # a one-line status in the log while requests run
 log = logging.getLogger("qvl.server")
 
 
@@ -36,6 +37,7 @@ class Job:
         self.inbox: asyncio.Queue[Delta | Done | APIError] = asyncio.Queue()
         self.reason: str | None = None  # why it was cancelled
         self.started = self.finished = False
+        self.answers = 0  # Done events so far, of parsed.sampling.n
         self.seq = Sequence(parsed, self.on_event, cancel=self.should_stop, on_start=self.on_start)
 
     def put(self, item: Delta | Done | APIError) -> None:
@@ -57,9 +59,12 @@ class Job:
     def on_event(self, event) -> None:
         """The scheduler's events for this job (on the worker thread)."""
         if isinstance(event, Done):
-            with self.worker.cond:
-                self.finished = True
-            self.worker.finished(self, event)
+            self.answers += 1
+            self.worker.metrics.record(event)
+            if self.answers == self.parsed.sampling.n:
+                with self.worker.cond:
+                    self.finished = True
+                self.worker.finished(self)
             self.put(event)
         elif isinstance(event, Cancelled):  # stopped between two steps (disconnect, time limit, shutdown)
             if self.reason is None:
@@ -84,8 +89,10 @@ class Job:
         return APIError(499, "the client closed the request", code="cancelled")
 
     async def events(self) -> AsyncIterator[Delta | Done]:
-        """Deltas then Done; raises APIError on timeout, shutdown or an engine failure.
-        Leaving the loop early (client gone, task cancelled) cancels the job."""
+        """Deltas then Done (for n answers: interleaved, each with its `index`, until the n-th
+        Done); raises APIError on timeout, shutdown or an engine failure. Leaving the loop
+        early (client gone, task cancelled) cancels the job."""
+        answers = 0
         try:
             while True:
                 try:
@@ -96,7 +103,8 @@ class Job:
                 if isinstance(item, APIError):
                     raise item
                 yield item
-                if isinstance(item, Done):
+                answers += isinstance(item, Done)
+                if answers == self.parsed.sampling.n:
                     return
         finally:
             self.worker.cancel(self, DISCONNECT)  # a no-op once finished or already cancelled
@@ -166,8 +174,7 @@ class Worker:
         if not job.started:  # not admitted yet: answer now, not after the running step
             job.put(job.failure())
 
-    def finished(self, job: Job, done: Done) -> None:
-        self.metrics.record(done)
+    def finished(self, job: Job) -> None:
         with self.cond:
             if job in self.jobs:
                 self.jobs.remove(job)
@@ -205,6 +212,7 @@ class Worker:
                 log.info("warm-up done in %.1f s", self.engine.warm_up())
             except Exception:  # only a lost optimisation: serve anyway
                 log.exception("warm-up failed")
+        last_status, tokens = time.monotonic(), self.scheduler.tokens
         while True:
             with self.cond:
                 while self.scheduler.idle and not self.stopped:
@@ -215,3 +223,9 @@ class Worker:
                 self.scheduler.step()
             except Exception:  # the scheduler answers each request's own failures; this is its own
                 log.exception("scheduler step failed")
+            if (now := time.monotonic()) - last_status >= STATUS_EVERY_S:
+                stats = self.scheduler.stats()
+                log.info("running %d/%d, waiting %d, %.1f tokens/s, KV cache %.0f MB filled",
+                         stats["running"], self.scheduler.max_batch, stats["waiting"],
+                         (stats["tokens"] - tokens) / (now - last_status), stats["kv_filled_bytes"] / 2**20)
+                last_status, tokens = now, stats["tokens"]

@@ -1,0 +1,152 @@
+"""Continuous batching: what the scheduler gives several clients at once, measured as ratios
+against one stream in the same run (2B synthetic checkpoint, default int8, 2 threads).
+
+    python benchmarks/scheduler.py --model /work/ckpt/qvl-2b --rounds 3
+
+1. Decode throughput with 1, 4 and 8 concurrent streams (text prompts, greedy, 64 tokens):
+   each stream's median inter-token time, and the aggregate tokens/s against one stream's.
+   The orders alternate between rounds (1, 4, 8 then 8, 4, 1).
+2. Admission: 4 streams decoding when a 1920x1080 photo at the default budget arrives: the
+   longest and the 99th-percentile gap between two tokens of the running streams while it is
+   encoded and prefilled.
+3. 16 clients (8 with a photo, 8 text only, 128 tokens each): wall time submitted together
+   against the same requests one after another.
+
+Answer, prefix and image caches are off: every request is computed. Requests go straight to
+the engine's scheduler (what `qvl serve`'s worker thread drives), so HTTP is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from qvl.bench import synthetic_image
+from qvl.engine import Engine, EngineOptions, Request
+from qvl.sampling import SamplingParams
+from qvl.scheduler import Sequence
+from qvl.stream import Done
+
+
+def text_request(i: int, tokens: int) -> Request:
+    return Request([{"role": "user", "content": f"Client {i}: tell me a long story about the number {i * 37}."}],
+                   SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True))
+
+
+def image_request(i: int, tokens: int) -> Request:
+    image = synthetic_image(1920, 1080, seed=100 + i)
+    return Request([{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": "Describe this image in detail."}]}],
+                   SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True))
+
+
+def run(engine: Engine, requests: list[Request], stagger: dict[int, int] | None = None) -> list[Done]:
+    """Submit (request i after stagger[i] steps, else at once), step until all are done;
+    each Done's timings hold its own clock."""
+    parsed = [engine.parse(r) for r in requests]
+    done: dict[int, Done] = {}
+    stagger = stagger or {}
+
+    def emit(i):
+        return lambda e: done.__setitem__(i, e) if isinstance(e, (Done, BaseException)) else None
+
+    steps = 0
+    pending = {i: p for i, p in enumerate(parsed)}
+    while len(done) < len(parsed):
+        for i in [i for i in pending if stagger.get(i, 0) <= steps]:
+            engine.scheduler.submit(Sequence(pending.pop(i), emit(i)))
+        engine.scheduler.step()
+        steps += 1
+    for i, d in done.items():
+        if isinstance(d, BaseException):
+            raise RuntimeError(f"request {i} failed") from d
+    return [done[i] for i in range(len(parsed))]
+
+
+def throughput(engine: Engine, streams: int, tokens: int) -> dict:
+    dones = run(engine, [text_request(i, tokens) for i in range(streams)])
+    gaps = [statistics.median(d.timings.decode_ms[8:]) for d in dones]  # steady state: all are decoding
+    return {"streams": streams, "inter_token_ms": statistics.median(gaps), "tokens_per_s": streams * 1000 / statistics.median(gaps)}
+
+
+def admission(engine: Engine, tokens: int) -> dict:
+    """4 text streams; the photo arrives at step 6, when all of them are decoding."""
+    requests = [text_request(i, tokens) for i in range(4)] + [image_request(0, 8)]
+    started = time.perf_counter()
+    dones = run(engine, requests, stagger={4: 6})
+    gaps = sorted(g for d in dones[:4] for g in d.timings.decode_ms)
+    return {"max_gap_ms": gaps[-1], "p99_gap_ms": gaps[int(0.99 * (len(gaps) - 1))],
+            "median_gap_ms": statistics.median(gaps), "photo_ttft_ms": dones[4].timings.ttft_ms,
+            "wall_s": time.perf_counter() - started}
+
+
+def mixed(engine: Engine, tokens: int) -> dict:
+    requests = [image_request(i, tokens) if i % 2 == 0 else text_request(i, tokens) for i in range(16)]
+    started = time.perf_counter()
+    run(engine, requests)
+    together = time.perf_counter() - started
+    started = time.perf_counter()
+    for r in requests:
+        run(engine, [r])
+    alone = time.perf_counter() - started
+    return {"together_s": together, "one_by_one_s": alone, "ratio": together / alone}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--skip-mixed", action="store_true")
+    p.add_argument("--out")
+    args = p.parse_args()
+    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=8, answer_cache_entries=0,
+                                       prefix_cache_mb=0, vision_cache_mb=0))
+    engine.warm_up()
+    results: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        order = [1, 4, 8] if rnd % 2 == 0 else [8, 4, 1]
+        for n in order:
+            results.setdefault(f"streams{n}", []).append(throughput(engine, n, args.tokens))
+            print(f"round {rnd + 1}: {results[f'streams{n}'][-1]}", flush=True)
+        results.setdefault("admission", []).append(admission(engine, 4 * args.tokens))
+        print(f"round {rnd + 1}: admission {results['admission'][-1]}", flush=True)
+    if not args.skip_mixed:
+        results["mixed"] = [mixed(engine, 128)]
+        print(f"mixed: {results['mixed'][-1]}", flush=True)
+    report(results, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def report(results: dict, args) -> None:
+    print(f"\n{args.threads} threads, {args.rounds} alternating rounds; medians (min-max)\n")
+    print("| streams | inter-token ms per stream | vs one stream | aggregate tokens/s | vs one stream |")
+    print("|---|---|---|---|---|")
+    one = [r["tokens_per_s"] for r in results["streams1"]]
+    one_gap = [r["inter_token_ms"] for r in results["streams1"]]
+    for n in (1, 4, 8):
+        rows = results[f"streams{n}"]
+        gaps, tps = [r["inter_token_ms"] for r in rows], [r["tokens_per_s"] for r in rows]
+        print(f"| {n} | {spread(gaps)} | {statistics.median(gaps) / statistics.median(one_gap):.2f}× | {spread(tps)} |"
+              f" {statistics.median(tps) / statistics.median(one):.2f}× |")
+    adm = results["admission"]
+    print("\n| while a 1920×1080 photo is admitted | ms |\n|---|---|")
+    for key in ("median_gap_ms", "p99_gap_ms", "max_gap_ms", "photo_ttft_ms"):
+        print(f"| {key} | {spread([r[key] for r in adm], '{:.0f}')} |")
+    if "mixed" in results:
+        m = results["mixed"][0]
+        print(f"\n16 clients (8 photo, 8 text, 128 tokens): together {m['together_s']:.1f} s, one by one "
+              f"{m['one_by_one_s']:.1f} s: {m['ratio']:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
