@@ -262,3 +262,45 @@ def test_a_small_kv_budget_makes_requests_wait_then_complete(tiny_checkpoint):
     with pytest.raises(RequestError, match="kv-cache-mb") as info:
         engine.parse(too_long)
     assert info.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("weights", ["fp32", "default"])
+def test_deterministic_answers_do_not_depend_on_slices_or_reused_prefixes(tiny_checkpoint, weights):
+    """--deterministic: a request that reuses another's prefix (same photo, other question), a
+    second turn after the first, and a request prefilled in small slices beside generating
+    rows all give the tokens of a fresh engine that reuses nothing, and their logprobs to the
+    last bit (without the option those differ in the last bits: reused keys and values were
+    computed in other slices)."""
+    exact = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=0)
+    same = lambda a, b: [(x.token_id, x.logprob) for x in a.logprobs] == [(x.token_id, x.logprob)  # noqa: E731
+                                                                          for x in b.logprobs]
+    kw = dict(deterministic=True, **({"weights": "fp32"} if weights == "fp32" else {}))
+    fresh = uncached(tiny_checkpoint, **kw)
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, answer_cache_entries=0, **kw))
+    photo = Image.fromarray((torch.rand(480, 640, 3) * 255).to(torch.uint8).numpy())
+
+    def ask(question, history=()):
+        content = [{"type": "image", "image": photo}, {"type": "text", "text": question}]
+        return Request([*history, {"role": "user", "content": content}] if not history else
+                       [*history, {"role": "user", "content": question}], exact)
+
+    first = engine.generate(ask("Describe this photo."))
+    other = engine.generate(ask("What colour is the sky in it?"))
+    assert other.timings.reused_tokens >= 128  # the photo's tokens came from the first request
+    assert same(other, fresh.generate(ask("What colour is the sky in it?")))
+    history = [{"role": "user", "content": [{"type": "image", "image": photo},
+                                            {"type": "text", "text": "Describe this photo."}]},
+               {"role": "assistant", "content": first.text}]
+    second = engine.generate(ask("And the ground?", history))
+    assert second.timings.reused_tokens >= 128
+    assert same(second, fresh.generate(ask("And the ground?", history)))
+    # prefilled in slices while another row generates (the slice size follows the measured rate)
+    outputs: dict[int, list] = {0: [], 1: []}
+    engine.scheduler.prefill_rate = 200.0  # slices of 50 tokens: aligned to whole chunks all the same
+    engine.scheduler.submit(Sequence(engine.parse(Request([{"role": "user", "content": "Count."}], GREEDY)),
+                                     outputs[0].append))
+    engine.scheduler.step()
+    engine.scheduler.submit(Sequence(engine.parse(ask("A third question?")), outputs[1].append))
+    while not engine.scheduler.idle:
+        engine.scheduler.step()
+    assert same(outputs[1][-1], fresh.generate(ask("A third question?")))

@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
     g.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together, each with its own sampling (serve, batch); more wait")
+    g.add_argument("--deterministic", action="store_true",
+                   help="answers that do not depend on prefill slicing or prefix reuse either (prefill in fixed "
+                        "128-token chunks, only prompt keys/values reused): slower first tokens")
     g.add_argument("--kv-cache-mb", type=float,
                    help="KV cache the running requests may reserve (prompt + max tokens each); more wait "
                         "(default: half the memory available after loading, at most 8192)")
@@ -88,7 +91,7 @@ def engine_options(args: argparse.Namespace):
         max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,
         vision_cache_mb=args.vision_cache_mb,
         prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
-        kv_cache_mb=args.kv_cache_mb,
+        kv_cache_mb=args.kv_cache_mb, deterministic=args.deterministic,
     )
 
 

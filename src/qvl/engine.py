@@ -28,7 +28,7 @@ from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
 from qvl.requests import Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
-from qvl.scheduler import DEFAULT_MAX_BATCH, Scheduler, Sequence
+from qvl.scheduler import DEFAULT_MAX_BATCH, DETERMINISTIC_CHUNK, Scheduler, Sequence
 from qvl.stream import Delta, Done, Timings
 from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir, write_quantized
 
@@ -59,6 +59,7 @@ class EngineOptions:
     quant_cache: bool = True  # keep int8/int4 weights quantised at load for the next start
     max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together (the scheduler's rows)
     kv_cache_mb: float | None = None  # KV cache the running requests may reserve; None: see default_kv_budget_mb
+    deterministic: bool = False  # answers independent of prefill slicing and prefix reuse too (see Scheduler)
 
 
 def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
@@ -342,14 +343,20 @@ class Engine:
         """The longest cached prefix of the prompt (as (kv, tokens), or None) and the prompt
         prepared for the rest (in steps: see prepare_steps)."""
         entry, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
+        if self.options.deterministic:  # whole aligned chunks only, as a fresh prefill computes them
+            reused = reused // DETERMINISTIC_CHUNK * DETERMINISTIC_CHUNK
+            entry = entry if reused else None
         timings.cached["prefix"], timings.reused_tokens = reused > 0, reused
         prompt = yield from self.prepare_steps(parsed, timings, skip=reused, cancel=cancel, spans=spans)
         return prompt, ((entry.kv, reused) if entry else None)
 
     def remember(self, parsed: ParsedRequest, spans, row_cache, filled: int, done: Done) -> None:
         """Keep a finished request's KV state (a B=1 cache view whose first `filled` slots hold
-        its prompt and the answer tokens fed back) for prefix reuse, and the answer for exact
-        repeats."""
+        its prompt and the answer tokens fed back; with `deterministic` the prompt's only, as
+        decode steps compute keys and values in other roundings than a prefill) for prefix
+        reuse, and the answer for exact repeats."""
+        if self.options.deterministic:
+            filled = min(filled, len(parsed.ids))
         fed = filled - len(parsed.ids)
         # an entry over the whole budget would be dropped anyway: do not copy it
         if self.prefix_cache.enabled and fed >= 0 and filled * row_cache.bytes_per_position <= self.prefix_cache.max_bytes:

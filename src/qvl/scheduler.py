@@ -29,6 +29,7 @@ DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
 PREFILL_TOKENS_ALONE = PREFILL_CHUNK  # prompt tokens per step when no row is generating
 SLICE_S = 0.25  # while rows are generating: vision or prefill work per step (their next token waits for it)
 MIN_SLICE_TOKENS = 16
+DETERMINISTIC_CHUNK = 128  # with --deterministic: prefill runs in these aligned chunks, whatever the slice
 
 Event = Delta | Done | BaseException  # what a sequence emits; an exception ends it unanswered
 
@@ -271,7 +272,10 @@ class Scheduler:
                 raise Cancelled()
             end = min(len(seq.prompt), seq.filled + budget)
             started = time.perf_counter()
-            logits = prefill_slice(self.model, self.cache.row(seq.row), seq.prompt, seq.filled, end)
+            if self.engine.options.deterministic:
+                logits, end = self._prefill_aligned(seq, end)
+            else:
+                logits = prefill_slice(self.model, self.cache.row(seq.row), seq.prompt, seq.filled, end)
             if end - seq.filled >= MIN_SLICE_TOKENS:  # short runs say little about the rate
                 rate = (end - seq.filled) / max(time.perf_counter() - started, 1e-6)
                 self.prefill_rate = 0.5 * self.prefill_rate + 0.5 * rate
@@ -281,6 +285,18 @@ class Scheduler:
                 self._fork(seq)
         except Exception as exc:
             self._retire(seq, exc)
+
+    def _prefill_aligned(self, seq: Sequence, end: int) -> tuple[torch.Tensor, int]:
+        """--deterministic: prompt tokens seq.filled (a chunk boundary) to about `end` as whole
+        DETERMINISTIC_CHUNK-token chunks at fixed positions, one call each (at least one), so
+        every token's keys, values and logits are computed in the same products whatever the
+        slice sizes or the reused prefix were. Returns the last chunk's logits and the new end."""
+        chunk, total = DETERMINISTIC_CHUNK, len(seq.prompt)
+        end = min(total, max(end // chunk * chunk, seq.filled + chunk))
+        logits = None
+        for s in range(seq.filled, end, chunk):
+            logits = prefill_slice(self.model, self.cache.row(seq.row), seq.prompt, s, min(s + chunk, end))
+        return logits, end
 
     def _fork(self, seq: Sequence) -> None:
         """The request's other n-1 answers: copies of the prefilled row in the rows held for
@@ -330,7 +346,13 @@ class Scheduler:
         positions = torch.tensor([s.position for s, _ in fed])
         tokens = torch.tensor([t for _, t in fed])
         try:
-            logits = decode_step(self.model, self.cache, tokens, slots, positions, rows).float()
+            if self.engine.options.deterministic and not self.model.language_model.rows_independent():
+                # torch's GEMMs (fp32/bf16 weights without qvl's kernels) round by the row count
+                logits = torch.cat([decode_step(self.model, self.cache, tokens[i : i + 1], slots[i : i + 1],
+                                                positions[i : i + 1], rows[i : i + 1]) for i in range(len(fed))])
+            else:
+                logits = decode_step(self.model, self.cache, tokens, slots, positions, rows)
+            logits = logits.float()
         except Exception as exc:  # the step failed for every row in it
             for seq, _ in fed:
                 self._retire(seq, exc)

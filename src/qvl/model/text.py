@@ -152,6 +152,15 @@ class TextModel(nn.Module):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
         return self.norm(h)
 
+    def rows_independent(self) -> bool:
+        """Whether a decode step computes each row as it would alone: the one-call native
+        step runs (its GEMV kernels take each row's products separately); torch's GEMMs,
+        which the per-op path uses for plain float weights, may round differently with the
+        row count."""
+        if self._native_layers is None:
+            self._native_layers = self._layer_args()
+        return bool(self._native_layers) and kernels().decode_step(self._native_layers.dtype)
+
     def decode_native(self, lib, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                       rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
         """A decode step (h: [B, 1, D] bf16 or float32, B <= the GEMV row limit, so that the per-op path

@@ -1,0 +1,75 @@
+"""`qvl bench` from two checkouts of qvl (or one checkout with and without some flags),
+alternating, in one run: did a change make one stream slower? Each side runs in its own
+process with PYTHONPATH set to its checkout's src/ (its own native kernels are built into the
+shared cache under their own key).
+
+    git worktree add /work/wt-before <commit>
+    python benchmarks/ab_checkouts.py --before /work/wt-before --after . --model /work/ckpt/qvl-2b --rounds 3
+    python benchmarks/ab_checkouts.py --before . --after . --after-flags=--deterministic --model /work/ckpt/qvl-2b
+
+Prints decode ms/token, time to first token and peak RSS per side (medians and min-max) and
+the after/before ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run(checkout: Path, args, flags: str = "") -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src")}
+    cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--threads", str(args.threads),
+           "--image", args.image, "--new-tokens", str(args.new_tokens), "--repeat", "2", "--json", *flags.split()]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"qvl bench in {checkout} failed:\n{done.stderr[-2000:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"decode_ms": r["decode_ms_per_token"], "ttft_ms": r["ttft_ms"], "rss_mb": r["peak_rss_mb"]}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", type=Path, required=True)
+    p.add_argument("--after", type=Path, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--image", default="1920x1080")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--before-flags", default="", help="extra `qvl bench` flags for the before side")
+    p.add_argument("--after-flags", default="", help="... and for the after side")
+    args = p.parse_args()
+    sides = {"before": args.before, "after": args.after}
+    flags = {"before": args.before_flags, "after": args.after_flags}
+    for name, checkout in sides.items():  # the first start of each side quantises and builds: not measured
+        run(checkout, args, flags[name])
+    results: dict[str, list[dict]] = {name: [] for name in sides}
+    for rnd in range(args.rounds):
+        order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            results[name].append(run(sides[name], args, flags[name]))
+            print(f"round {rnd + 1} {name}: {results[name][-1]}", flush=True)
+    print(f"\n{args.threads} threads, {args.rounds} alternating rounds; medians (min-max)\n")
+    print("| side | decode ms/token | first token ms | peak RSS MB |\n|---|---|---|---|")
+    for name in sides:
+        rows = results[name]
+        print(f"| {name} | " + " | ".join(spread([r[k] for r in rows]) for k in ("decode_ms", "ttft_ms", "rss_mb"))
+              + " |")
+    ratio = {k: statistics.median(r[k] for r in results["after"]) / statistics.median(r[k] for r in results["before"])
+             for k in ("decode_ms", "ttft_ms", "rss_mb")}
+    print(f"\nafter / before: decode {ratio['decode_ms']:.3f}, first token {ratio['ttft_ms']:.3f}, "
+          f"peak RSS {ratio['rss_mb']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
