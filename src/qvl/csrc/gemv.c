@@ -11,9 +11,9 @@
  *
  * Integer products on every tier, with the same quantised activations (when K is a
  * multiple of 128), so that tiers differ only in the order of float sums:
- *   int8: activations rounded to 16 bits per 128 columns (finer than bf16); AVX-512 VNNI
- *         splits them into two exact bytes, AVX2 and NEON multiply int16 pairs (vpmaddwd,
- *         AVX-VNNI vpdpwssd, smlal), portable C sums int32 products.
+ *   int8: activations rounded to 16 bits per 128 columns (finer than bf16); the weights are
+ *         widened to int16 and multiplied in pairs (AVX-512 VNNI and AVX-VNNI vpdpwssd,
+ *         AVX2 vpmaddwd, NEON smlal), portable C sums int32 products.
  *   int4: activations rounded to int8 per 128 columns, as llama.cpp does for its 4-bit
  *         formats (VNNI / vpmaddubsw / NEON sdot / portable int32 sums).
  * bf16 weights, and shapes the integer paths do not take, accumulate exact float products. */
@@ -179,51 +179,24 @@ static inline __attribute__((always_inline)) void dot_float_tile(const float* x,
 }
 
 #ifdef __AVX512VNNI__
-/* Activations for int8 products: per 128-column chunk, x / scale rounded to 16 bits and
- * offset by 32768 into two unsigned bytes (hi, lo), so that integer dot products with the
- * int8 weights are exact: sum w*xq = 256 sum w*hi + sum w*lo - 32768 sum w. The rounding
- * error (1/65534 of the chunk's largest value) is below bf16's. */
-typedef struct {
-    uint8_t* hi;   /* [M][K] */
-    uint8_t* lo;   /* [M][K] */
-    float* scale;  /* [M][K/CHUNK] */
-} SplitX;
-
-static void split_activations(const float* x, int64_t M, int64_t K, SplitX* sx) {
-    const int64_t C = K / CHUNK;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t c = 0; c < C; c++) {
-            const float* xc = x + m * K + c * CHUNK;
-            float amax = absmax(xc, CHUNK);
-            float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
-            for (int j = 0; j < CHUNK; j++) {
-                uint32_t u = (uint32_t)(round_int(xc[j] * inv) + 32768);
-                sx->hi[m * K + c * CHUNK + j] = (uint8_t)(u >> 8);
-                sx->lo[m * K + c * CHUNK + j] = (uint8_t)(u & 0xFF);
-            }
-            sx->scale[m * C + c] = scale;
-        }
-}
-
-static inline __attribute__((always_inline)) void dot_int8_tile(const SplitX* sx, int64_t m0, int64_t K,
+/* int8 weights . 16-bit activations (Q16): per 128-column chunk, the weights widened to 16
+ * bits once for all the tile's rows, then four vpdpwssd per row: exact integer sums per lane,
+ * scaled per chunk in float32. */
+static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, const int mt) {
     const int64_t C = K / CHUNK;
-    const __m512i ones = _mm512_set1_epi8(1);
     __m512 acc[TILE];
     for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
-        __m512i w0 = _mm512_loadu_si512(w + c * CHUNK), w1 = _mm512_loadu_si512(w + c * CHUNK + 64);
-        __m512i wsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0), ones, w1);
-        __m512i offset = _mm512_slli_epi32(wsum, 15);
+        __m512i w16[4];
+        for (int q = 0; q < 4; q++) w16[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + c * CHUNK + 32 * q)));
         for (int m = 0; m < mt; m++) {
-            const uint8_t* hi = sx->hi + (m0 + m) * K + c * CHUNK;
-            const uint8_t* lo = sx->lo + (m0 + m) * K + c * CHUNK;
-            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(hi), w0);
-            a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(hi + 64), w1);
-            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(lo), w0);
-            b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(lo + 64), w1);
-            __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b), offset);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx->scale[(m0 + m) * C + c]), acc[m]);
+            const int16_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
+            __m512i ia = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w16[0], _mm512_loadu_si512(xq));
+            ia = _mm512_dpwssd_epi32(ia, w16[1], _mm512_loadu_si512(xq + 32));
+            ia = _mm512_dpwssd_epi32(ia, w16[2], _mm512_loadu_si512(xq + 64));
+            ia = _mm512_dpwssd_epi32(ia, w16[3], _mm512_loadu_si512(xq + 96));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(qx->scale[(m0 + m) * C + c]), acc[m]);
         }
     }
     for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
@@ -595,7 +568,6 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
 typedef struct { /* the activations of one qvl_linear call, in the forms its tier's products read */
     const float* xf;  /* [M][K] float32 */
     const Q16* q16;   /* int8 weights, where the integer path applies */
-    const void* split; /* int8 weights, AVX-512 VNNI */
     const QuantX* q8; /* int4 weights, where the integer path applies */
 } Acts;
 
@@ -617,11 +589,8 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
         return;
 #endif
     }
-#if defined(QVL_AVX512) && defined(__AVX512VNNI__)
-    if (kind == W_INT8 && a->split) TILED(mt, dot_int8_tile, (const SplitX*)a->split, m0, K, wrow, out)
-#endif
     if (kind == W_INT8 && a->q16) {
-#if defined(QVL_AVX2) || defined(QVL_NEON)
+#if defined(QVL_AVX2) || defined(QVL_NEON) || (defined(QVL_AVX512) && defined(__AVX512VNNI__))
         TILED(mt, dot_int8_tile, a->q16, m0, K, wrow, out)
 #else
         for (int64_t m = 0; m < mt; m++) out[m] = dot_int8_q16(a->q16, m0 + m, K, wrow);
@@ -647,10 +616,9 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     float* xf = malloc((size_t)(M * K) * sizeof(float));
     int16_t* q16 = NULL;
     int8_t* q8 = NULL;
-    uint8_t *hi = NULL, *lo = NULL;
     float *scales = NULL, *sums = NULL, *units = NULL;
     QuantX x8;
-    Acts a = {xf, NULL, NULL, NULL};
+    Acts a = {xf, NULL, NULL};
     int failed = !xf, done = 0;
     if (!failed && dt == BF16) {
 #pragma omp simd
@@ -659,19 +627,6 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         memcpy(xf, x, (size_t)(M * K) * sizeof(float));
     }
     const int integer = K % CHUNK == 0 && !failed;
-#if defined(QVL_AVX512) && defined(__AVX512VNNI__)
-    SplitX sx;
-    if (integer && kind == W_INT8) {
-        hi = malloc((size_t)(M * K)), lo = malloc((size_t)(M * K));
-        scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
-        failed = !hi || !lo || !scales;
-        if (!failed) {
-            sx = (SplitX){hi, lo, scales};
-            split_activations(xf, M, K, &sx);
-            a.split = &sx;
-        }
-    }
-#else
     Q16 x16;
     if (integer && kind == W_INT8) {
         q16 = malloc((size_t)(M * K) * sizeof(int16_t));
@@ -683,7 +638,6 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
             a.q16 = &x16;
         }
     }
-#endif
     if (integer && kind == W_INT4 && (gs == 32 || gs == 64 || gs % CHUNK == 0)) {
         q8 = malloc((size_t)(M * K));
         scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
@@ -727,7 +681,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
             }
         }
     }
-    free(xf), free(q16), free(q8), free(hi), free(lo), free(scales), free(sums), free(units);
+    free(xf), free(q16), free(q8), free(scales), free(sums), free(units);
     return failed ? -1 : 0;
 }
 
