@@ -27,8 +27,8 @@ from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
 
 DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
 PREFILL_TOKENS_ALONE = PREFILL_CHUNK  # prompt tokens per step when no row is generating
-SLICE_S = 0.25  # while rows are generating: vision or prefill work per step (their next token waits for it)
-MIN_SLICE_TOKENS = 16
+SLICE_S = 0.3  # while rows are generating: vision or prefill work per step (their next token waits for it)
+MIN_SLICE_TOKENS = 64  # smaller prefill calls waste their weight passes (and would measure a falsely low rate)
 DETERMINISTIC_CHUNK = 128  # with --deterministic: prefill runs in these aligned chunks, whatever the slice
 
 Event = Delta | Done | BaseException  # what a sequence emits; an exception ends it unanswered
