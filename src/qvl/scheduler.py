@@ -105,6 +105,10 @@ class Scheduler:
         self.last_step_s = 0.0
         self.last_rows = 0  # rows in the last decode step
         self.prefill_rate = 256.0  # prompt tokens/s, measured as slices run (sizes the slices)
+        # work per step for a new request while rows generate, so that their tokens keep coming;
+        # None: all of it at once (throughput first, as `qvl batch` wants: each prefill call
+        # pays a pass over the weights, so slices cost time in all)
+        self.slice_s: float | None = SLICE_S
 
     @property
     def model(self):
@@ -141,17 +145,17 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> None:
         """Admit what fits; give the oldest sequence not yet generating one slice of work (a
-        few vision blocks or a run of prompt tokens, about SLICE_S while other rows generate,
+        few vision blocks or a run of prompt tokens, about slice_s while other rows generate,
         all of it when none do); then one decode step for every generating row. Sequences
         finish inside, through their `emit`."""
         started = time.perf_counter()
         self.steps += 1
         self._drop_stopped()
         self._admit()
-        generating = any(not s.prefilling for s in self.running)
+        generating = self.slice_s is not None and any(not s.prefilling for s in self.running)
         pending = next((s for s in self.running if s.prefilling), None)
         if pending is not None and pending.preparing is not None:
-            self._prepare(pending, SLICE_S if generating else float("inf"))
+            self._prepare(pending, self.slice_s if generating else float("inf"))
             if not generating and pending.preparing is None and pending in self.running:
                 self._prefill(pending, PREFILL_TOKENS_ALONE)  # nobody waits: go on in this step
         elif pending is not None:
@@ -262,8 +266,8 @@ class Scheduler:
             self._retire(seq, exc)
 
     def _slice_tokens(self) -> int:
-        """Prompt tokens for about SLICE_S at the measured prefill rate."""
-        return int(min(PREFILL_TOKENS_ALONE, max(MIN_SLICE_TOKENS, self.prefill_rate * SLICE_S)))
+        """Prompt tokens for about slice_s at the measured prefill rate."""
+        return int(min(PREFILL_TOKENS_ALONE, max(MIN_SLICE_TOKENS, self.prefill_rate * self.slice_s)))
 
     def _prefill(self, seq: Sequence, budget: int) -> None:
         """The next `budget` prompt tokens of one sequence; its first token's logits at the end."""

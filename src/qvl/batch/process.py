@@ -38,6 +38,7 @@ class Worker:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.engine, self.params, self.prompt, self.batch_size = engine, params, prompt, batch_size
+        engine.scheduler.slice_s = None  # nobody watches tokens arrive: whole prefills, fewer weight passes
 
     @classmethod
     def from_spec(cls, spec: WorkSpec) -> Worker:
