@@ -1,12 +1,14 @@
 """The scheduler: every request the engine answers runs through it. It owns the running
-sequences, admits waiting ones between decode steps (first come, first served), prefills
-them in bounded slices, decodes all rows that are generating together in one pass per
-step, and retires a row the moment it finishes (EOS, stop string, token limit, cancellation).
+sequences, admits waiting ones between decode steps (first come, first served, while their
+rows and KV reservation fit), encodes their images and prefills their prompts in bounded
+slices, decodes all rows that are generating together in one pass per step, and retires a
+row the moment it finishes (EOS, stop string, token limit, cancellation). A request for n
+answers is prefilled once and forked into n rows.
 
 Each sequence has its own cache row, its own length (the scheduler counts; the model writes
 where it is told) and its own sampling parameters and generator, and a row only ever
 attends to its own positions: what a request generates does not depend on what else runs.
-One thread drives `step`; `submit` and `cancel` may come from any thread.
+One thread drives `step`; `submit` and `stop` may come from any thread.
 """
 
 from __future__ import annotations
