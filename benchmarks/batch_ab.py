@@ -4,6 +4,7 @@ to its checkout's src/; the model's load time is measured and taken out).
 
     git worktree add /work/wt-before <commit>
     python benchmarks/batch_ab.py --before /work/wt-before --after . --model /work/ckpt/qvl-2b --images 64
+    python benchmarks/batch_ab.py --before . --after . --after-flags="--batch-size 8" --model /work/ckpt/qvl-2b
 
 The images are photo-like test cards of mixed sizes (from 320x240 to 1920x1080, at most the
 default 256 image tokens each); answers are greedy, at most --new-tokens tokens (a random-weight
@@ -33,14 +34,14 @@ def write_images(folder: Path, count: int) -> None:
         synthetic_image(w, h, seed=i).save(folder / f"img{i:03d}.jpg", quality=90)
 
 
-def run(checkout: Path, folder: Path, args) -> dict:
+def run(checkout: Path, folder: Path, args, flags: str = "") -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src")}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.jsonl"
         cmd = [sys.executable, "-m", "qvl.cli", "batch", str(folder), "--out", str(out), "--model", args.model,
                "--threads", str(args.threads), "--prompt", "Describe this image.", "--max-new-tokens",
                str(args.new_tokens), "--temperature", "0", "--answer-cache", "0", "--prefix-cache-mb", "0",
-               "--vision-cache-mb", "0"]
+               "--vision-cache-mb", "0", *flags.split()]
         started = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         wall = time.perf_counter() - started
@@ -74,8 +75,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--before-flags", default="", help="extra `qvl batch` flags for the before side")
+    p.add_argument("--after-flags", default="", help="... and for the after side")
     args = p.parse_args()
     sides = {"before": args.before, "after": args.after}
+    flags = {"before": args.before_flags, "after": args.after_flags}
     results: dict[str, list[dict]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
@@ -83,7 +87,7 @@ def main() -> None:
         write_images(folder, args.images)
         for rnd in range(args.rounds):
             for name in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
-                results[name].append(run(sides[name], folder, args))
+                results[name].append(run(sides[name], folder, args, flags[name]))
                 print(f"round {rnd + 1} {name}: {results[name][-1]}", flush=True)
     print(f"\n{args.images} mixed images, {args.new_tokens} tokens each, {args.threads} threads, {args.rounds} "
           "alternating rounds; medians (min-max)\n")
