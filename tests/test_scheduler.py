@@ -212,9 +212,16 @@ def test_n_answers_fork_from_one_prefill_and_are_reproducible(engine):
 def test_server_n_choices_streaming_and_not(client_n):
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 1.0, "seed": 3,
             "n": 2, "ignore_eos": True}
+    def counted(name: str) -> int:
+        return int(next(line.split()[1] for line in client_n.get("/metrics").text.splitlines()
+                        if line.startswith(name + " ")))
+
+    prompts, completions = counted("qvl_prompt_tokens_total"), counted("qvl_completion_tokens_total")
     r = client_n.post("/v1/chat/completions", json=body).json()
     assert [c["index"] for c in r["choices"]] == [0, 1]
     assert r["usage"]["completion_tokens"] == 8
+    assert counted("qvl_prompt_tokens_total") - prompts == r["usage"]["prompt_tokens"]  # once, not per answer
+    assert counted("qvl_completion_tokens_total") - completions == 8
     chunks = [json.loads(line[6:]) for line in client_n.post(
         "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
     ).text.splitlines() if line.startswith("data: {")]

@@ -54,10 +54,12 @@ class Metrics:
             self.queue_wait.observe(seconds)
 
     def record(self, done: Done, cached: bool = False) -> None:
-        """One finished generation (or an answer served from the engine's cache)."""
+        """One finished generation (or an answer served from the engine's cache); the prompt
+        counts once per request, with its first answer (the n answers of one request share it)."""
         with self.lock:
-            self.tokens.update(prompt=done.usage.prompt_tokens, completion=done.usage.completion_tokens,
-                               image=done.usage.image_tokens)
+            first = done.index == 0
+            self.tokens.update(prompt=done.usage.prompt_tokens if first else 0,
+                               completion=done.usage.completion_tokens, image=done.usage.image_tokens if first else 0)
             if cached:
                 self.cache_hits += 1
                 return
