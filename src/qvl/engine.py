@@ -196,16 +196,8 @@ class Engine:
     def parse(self, request: Request) -> ParsedRequest:
         """Decode images, tokenize, check the budget: cheap next to generation, and raises
         RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
-        if request.sampling.n > self.scheduler.max_batch:
-            raise RequestError(f"n = {request.sampling.n} answers are decoded side by side, and this engine decodes "
-                               f"at most {self.scheduler.max_batch} rows together (--max-batch)", "n")
         parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits)
-        need, budget = self.scheduler.reserved_bytes(parsed), self.scheduler.kv_budget
-        if need > budget:
-            raise RequestError(f"this request may need {need / 2**20:.0f} MB of KV cache ({len(parsed.ids)} prompt tokens "
-                               f"and up to {parsed.sampling.max_new_tokens} more, for each of {parsed.sampling.n} "
-                               f"answers), more than this engine's budget of {budget / 2**20:.0f} MB (--kv-cache-mb); "
-                               f"lower max_tokens or n", "max_tokens", "kv_cache_exceeded")
+        self.scheduler.check_admissible(parsed)
         return parsed
 
     # -- vision and prompt layout ---------------------------------------------------------

@@ -57,10 +57,11 @@ class KVCache:
         if end > self.capacity:
             raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
 
-    def write_prefix(self, other: KVCache, length: int) -> None:
-        """Copy the first `length` positions of a B=1 cache into this cache's first positions."""
-        self.keys[:, :, :, :length] = other.keys[:, :1, :, :length]
-        self.values[:, :, :, :length] = other.values[:, :1, :, :length]
+    def copy_row(self, source: KVCache, source_row: int, row: int, length: int) -> None:
+        """Copy the first `length` positions of `source`'s row `source_row` into this cache's
+        row `row` (`source` may be this cache)."""
+        self.keys[:, row, :, :length] = source.keys[:, source_row, :, :length]
+        self.values[:, row, :, :length] = source.values[:, source_row, :, :length]
 
     def clone_row(self, row: int, length: int) -> KVCache:
         """A compact B=1 copy of the first `length` positions of one row."""

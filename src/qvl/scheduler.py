@@ -23,7 +23,7 @@ import torch
 
 from qvl.generate import PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, new_cache, prefill_slice
 from qvl.kv_cache import KVCache
-from qvl.requests import ParsedRequest
+from qvl.requests import ParsedRequest, RequestError
 from qvl.sampling import SamplingParams, apply_logit_bias, apply_penalties, sample, top_logprobs
 from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
 
@@ -138,7 +138,7 @@ class Scheduler:
         cache = self.cache
         per_position = cache.bytes_per_position if cache is not None else 0
         return {"running": len(running), "waiting": waiting, "last_step_rows": self.last_rows,
-                "kv_reserved_bytes": sum(self.reserved_bytes(s.parsed) for s in running if s.parent is None),
+                "kv_reserved_bytes": self._reserved(running),
                 "kv_budget_bytes": self.kv_budget,
                 "last_step_seconds": self.last_step_s, "steps": self.steps, "tokens": self.tokens,
                 "kv_allocated_bytes": cache.nbytes if cache is not None else 0,
@@ -178,29 +178,48 @@ class Scheduler:
         per_position = kv_bytes_per_position(self.model)
         return (len(parsed.ids) + parsed.sampling.max_new_tokens) * parsed.sampling.n * per_position
 
+    def _reserved(self, running: list[Sequence]) -> int:
+        """What the running requests reserve (a request's siblings are in its own reservation)."""
+        return sum(self.reserved_bytes(s.parsed) for s in running if s.parent is None)
+
+    def check_admissible(self, parsed: ParsedRequest) -> None:
+        """Raise RequestError for a request that could never be admitted: more answers than
+        rows, or a KV reservation over the whole budget (it would wait for ever)."""
+        if parsed.sampling.n > self.max_batch:
+            raise RequestError(f"n = {parsed.sampling.n} answers are decoded side by side, and this engine decodes "
+                               f"at most {self.max_batch} rows together (--max-batch)", "n")
+        need = self.reserved_bytes(parsed)
+        if need > self.kv_budget:
+            raise RequestError(f"this request may need {need / 2**20:.0f} MB of KV cache ({len(parsed.ids)} prompt "
+                               f"tokens and up to {parsed.sampling.max_new_tokens} more, for each of "
+                               f"{parsed.sampling.n} answers), more than this engine's budget of "
+                               f"{self.kv_budget / 2**20:.0f} MB (--kv-cache-mb); lower max_tokens or n",
+                               "max_tokens", "kv_cache_exceeded")
+
     def _admit(self) -> None:
-        """At most one sequence per step (its images are encoded here, seconds for a photo):
-        rows already generating wait for one admission at a time, not for a burst of them.
-        The next request waits (first come, first served) until it has a row for each of its
+        """At most one sequence per step (its images are encoded in the steps after, a few
+        blocks each). The next request waits (first come, first served) until it has a row for each of its
         n answers and its KV reservation fits the budget beside the running ones', so a
-        running request never runs out of cache; one that could never fit fails at once."""
+        running request never runs out of cache; one that could never fit (Engine.parse
+        refuses those) fails at once."""
         free = self._free_rows()
+        refused = None
         with self.lock:
             if not self.waiting:
                 return
-            head = self.waiting[0]
-            need, held = self.reserved_bytes(head.parsed), sum(self.reserved_bytes(s.parsed) for s in self.running
-                                                                  if s.parent is None)
-            alone = need > self.kv_budget
-            if not alone and (len(free) < min(head.params.n, self.max_batch) or held + need > self.kv_budget):
-                return
-            seq = self.waiting.popleft()
-        if alone:
-            self._fail(seq, ValueError(
-                f"this request may need {need / 2**20:.0f} MB of KV cache (prompt and max_tokens for each answer), "
-                f"more than the budget of {self.kv_budget / 2**20:.0f} MB (--kv-cache-mb); lower max_tokens"))
-            return
+            seq = self.waiting[0]
+            try:
+                self.check_admissible(seq.parsed)
+            except RequestError as exc:  # it would wait for ever: fail it now
+                refused = exc
+            else:
+                need = self._reserved(self.running) + self.reserved_bytes(seq.parsed)
+                if len(free) < seq.params.n or need > self.kv_budget:
+                    return
+            self.waiting.popleft()
         try:
+            if refused is not None:
+                raise refused
             self._start(seq)
         except Exception as exc:  # one request's images, budget or cancellation: it alone fails
             self._fail(seq, exc)
@@ -211,9 +230,6 @@ class Scheduler:
         engine, params = self.engine, seq.params
         if seq.stopped:
             raise Cancelled(seq.stopped)
-        if params.n > self.max_batch:
-            raise ValueError(f"n = {params.n} answers need as many rows; this engine decodes at most "
-                             f"{self.max_batch} together (--max-batch)")
         if seq.started is None:
             seq.started = time.perf_counter()
         if seq.on_start is not None:
@@ -246,8 +262,7 @@ class Scheduler:
             capacity = max(needed, min(2 * self.cache.capacity, self.engine.limits.max_context))
         bigger = new_cache(self.model, self.max_batch, capacity)
         for s in self.running:
-            bigger.keys[:, s.row, :, : s.filled] = self.cache.keys[:, s.row, :, : s.filled]
-            bigger.values[:, s.row, :, : s.filled] = self.cache.values[:, s.row, :, : s.filled]
+            bigger.copy_row(self.cache, s.row, s.row, s.filled)
         self.cache = bigger
 
     def _prepare(self, seq: Sequence, budget_s: float) -> None:
@@ -263,7 +278,7 @@ class Scheduler:
             seq.position, seq.filled = seq.prompt.next_position, 0
             if prefix is not None:
                 kv, seq.filled = prefix
-                self.cache.row(seq.row).write_prefix(kv, seq.filled)
+                self.cache.copy_row(kv, 0, seq.row, seq.filled)
         except Exception as exc:
             self._retire(seq, exc)
 
@@ -308,8 +323,7 @@ class Scheduler:
         """The request's other n-1 answers: copies of the prefilled row in the rows held for
         them, each with its own text and generator (seeded seed + index)."""
         for index, row in enumerate(seq.spare_rows, 1):
-            self.cache.keys[:, row, :, : seq.filled] = self.cache.keys[:, seq.row, :, : seq.filled]
-            self.cache.values[:, row, :, : seq.filled] = self.cache.values[:, seq.row, :, : seq.filled]
+            self.cache.copy_row(self.cache, seq.row, row, seq.filled)
             timings = Timings(vision_ms=seq.timings.vision_ms, cached=dict(seq.timings.cached),
                               reused_tokens=seq.timings.reused_tokens)
             params = seq.params
