@@ -22,14 +22,30 @@ import sys
 from pathlib import Path
 
 
-def run(checkout: Path, args, flags: str = "") -> dict:
+def qvl_in(checkout: Path, argv: list[str], timeout_s: float = 3600) -> str:
+    """`python -m qvl.cli ARGV` with the checkout's src/ first on the path; its stdout."""
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src")}
-    cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--threads", str(args.threads),
-           "--image", args.image, "--new-tokens", str(args.new_tokens), "--repeat", "2", "--json", *flags.split()]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    done = subprocess.run([sys.executable, "-m", "qvl.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"qvl bench in {checkout} failed:\n{done.stderr[-2000:]}")
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"qvl {argv[0]} in {checkout} failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def alternate(sides: list[str], rounds: int, measure) -> dict[str, list[dict]]:
+    """measure(side) for every side in every round, the order reversed every other round."""
+    results: dict[str, list[dict]] = {name: [] for name in sides}
+    for rnd in range(rounds):
+        for name in sides if rnd % 2 == 0 else sides[::-1]:
+            results[name].append(measure(name))
+            print(f"round {rnd + 1} {name}: {results[name][-1]}", flush=True)
+    return results
+
+
+def run(checkout: Path, args, flags: str = "") -> dict:
+    out = qvl_in(checkout, ["bench", "--model", args.model, "--threads", str(args.threads), "--image", args.image,
+                            "--new-tokens", str(args.new_tokens), "--repeat", "2", "--json", *flags.split()], 1800)
+    r = json.loads(out.strip().splitlines()[-1])
     return {"decode_ms": r["decode_ms_per_token"], "ttft_ms": r["ttft_ms"], "rss_mb": r["peak_rss_mb"]}
 
 
@@ -53,12 +69,7 @@ def main() -> None:
     flags = {"before": args.before_flags, "after": args.after_flags}
     for name, checkout in sides.items():  # the first start of each side quantises and builds: not measured
         run(checkout, args, flags[name])
-    results: dict[str, list[dict]] = {name: [] for name in sides}
-    for rnd in range(args.rounds):
-        order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
-        for name in order:
-            results[name].append(run(sides[name], args, flags[name]))
-            print(f"round {rnd + 1} {name}: {results[name][-1]}", flush=True)
+    results = alternate(list(sides), args.rounds, lambda name: run(sides[name], args, flags[name]))
     print(f"\n{args.threads} threads, {args.rounds} alternating rounds; medians (min-max)\n")
     print("| side | decode ms/token | first token ms | peak RSS MB |\n|---|---|---|---|")
     for name in sides:

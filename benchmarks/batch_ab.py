@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ab_checkouts import alternate, qvl_in  # benchmarks/ is the script's folder, first on sys.path
 
 SIZES = [(320, 240), (640, 480), (1024, 768), (1920, 1080), (800, 1200), (1280, 720), (480, 640), (1600, 900)]
 
@@ -35,18 +34,14 @@ def write_images(folder: Path, count: int) -> None:
 
 
 def run(checkout: Path, folder: Path, args, flags: str = "") -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src")}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.jsonl"
-        cmd = [sys.executable, "-m", "qvl.cli", "batch", str(folder), "--out", str(out), "--model", args.model,
-               "--threads", str(args.threads), "--prompt", "Describe this image.", "--max-new-tokens",
-               str(args.new_tokens), "--temperature", "0", "--answer-cache", "0", "--prefix-cache-mb", "0",
-               "--vision-cache-mb", "0", *flags.split()]
         started = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        qvl_in(checkout, ["batch", str(folder), "--out", str(out), "--model", args.model, "--threads",
+                          str(args.threads), "--prompt", "Describe this image.", "--max-new-tokens",
+                          str(args.new_tokens), "--temperature", "0", "--answer-cache", "0", "--prefix-cache-mb",
+                          "0", "--vision-cache-mb", "0", *flags.split()])
         wall = time.perf_counter() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"qvl batch in {checkout} failed:\n{done.stderr[-2000:]}")
         rows = [json.loads(line) for line in out.read_text().splitlines()]
     errors = sum("error" in r for r in rows)
     load = load_time(checkout, args)
@@ -56,13 +51,9 @@ def run(checkout: Path, folder: Path, args, flags: str = "") -> dict:
 
 def load_time(checkout: Path, args) -> float:
     """What starting qvl and loading the model costs that side (a 1-token `qvl bench` without an image)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve() / "src")}
-    cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--threads", str(args.threads),
-           "--image", "none", "--new-tokens", "1", "--repeat", "1", "--json"]
     started = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-2000:])
+    qvl_in(checkout, ["bench", "--model", args.model, "--threads", str(args.threads), "--image", "none",
+                      "--new-tokens", "1", "--repeat", "1", "--json"], 1800)
     return time.perf_counter() - started
 
 
@@ -80,15 +71,11 @@ def main() -> None:
     args = p.parse_args()
     sides = {"before": args.before, "after": args.after}
     flags = {"before": args.before_flags, "after": args.after_flags}
-    results: dict[str, list[dict]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
         folder.mkdir()
         write_images(folder, args.images)
-        for rnd in range(args.rounds):
-            for name in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
-                results[name].append(run(sides[name], folder, args, flags[name]))
-                print(f"round {rnd + 1} {name}: {results[name][-1]}", flush=True)
+        results = alternate(list(sides), args.rounds, lambda name: run(sides[name], folder, args, flags[name]))
     print(f"\n{args.images} mixed images, {args.new_tokens} tokens each, {args.threads} threads, {args.rounds} "
           "alternating rounds; medians (min-max)\n")
     print("| side | items/min | wall s (load s) | error rows |\n|---|---|---|---|")
