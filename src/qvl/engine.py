@@ -17,6 +17,7 @@ from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
+from qvl.grammar import Grammars
 from qvl.hub import resolve_model
 from qvl.model.rope import mrope_positions
 from qvl.model.vision import run_steps
@@ -137,6 +138,7 @@ class Engine:
         self.prefix_cache = PrefixCache(options.prefix_cache_mb)
         self.answer_cache = AnswerCache(options.answer_cache_entries)
         self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb)
+        self.grammars = Grammars(tokenizer, model.cfg.text.vocab_size, defaults.eos_token_ids)
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
@@ -198,6 +200,8 @@ class Engine:
         RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
         parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits)
         self.scheduler.check_admissible(parsed)
+        if parsed.sampling.constraint is not None:
+            self.grammars.compile(parsed.sampling.constraint)  # a grammar it cannot enforce: RequestError
         return parsed
 
     # -- vision and prompt layout ---------------------------------------------------------

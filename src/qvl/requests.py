@@ -30,11 +30,14 @@ class RequestError(ValueError):
 @dataclass
 class Request:
     """messages: [{"role", "content": str | [{"type": "text", "text"} | {"type": "image",
-    "image": path | bytes | PIL.Image}]}]; max_image_tokens overrides the engine budget."""
+    "image": path | bytes | PIL.Image}]}] (assistant messages may carry "tool_calls", and
+    "tool" messages answer them, as the chat template renders them); max_image_tokens
+    overrides the engine budget; tools (OpenAI function tools) go into the prompt."""
 
     messages: list[dict]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_image_tokens: int | None = None
+    tools: list[dict] | None = None
 
 
 @dataclass
@@ -104,7 +107,7 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
         raise RequestError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{tokenizer.vocab_size - 1})",
                            "logit_bias")
     messages, images = _decode_images(request, image_cfg, limits)
-    tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images])
+    tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images], tools=request.tools)
     ids = torch.tensor(tokens.ids, dtype=torch.long)
     wanted = len(ids) + request.sampling.max_new_tokens
     if wanted > limits.max_context:

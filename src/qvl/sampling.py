@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from qvl.grammar import Constraint
 
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by ~0 overflows)
@@ -31,6 +35,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
     n: int = 1  # answers to the same prompt, forked after one prefill; sampled ones seeded seed, seed+1, ...
+    constraint: Constraint | None = None  # what the answer must match (a JSON schema, regex, grammar)
 
     def __post_init__(self):
         checks = [
@@ -47,6 +52,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.n >= 1, "n must be >= 1"),
+            (self.constraint is None or not self.ignore_eos, "ignore_eos cannot be combined with a grammar: "
+             "the grammar decides where the answer ends"),
         ]
         for ok, message in checks:
             if not ok:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qvl.generate import PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, new_cache, prefill_slice
+from qvl.grammar import Guide
 from qvl.kv_cache import KVCache
 from qvl.requests import ParsedRequest, RequestError
 from qvl.sampling import SamplingParams, apply_logit_bias, apply_penalties, sample, top_logprobs
@@ -57,6 +58,7 @@ class Sequence:
     seen: torch.Tensor | None = None  # [V] bool: prompt + output tokens (repetition penalty)
     counts: torch.Tensor | None = None  # [V] float32: output-token counts (presence/frequency penalties)
     generator: torch.Generator | None = None
+    guide: Guide | None = None  # the row's constraint (JSON schema, grammar), when the request has one
     text: TextStream | None = None
     preparing: Generator | None = None  # prefix lookup and vision, run a few blocks per step
     stopped: str | None = None  # why it was cancelled from outside
@@ -248,6 +250,8 @@ class Scheduler:
             seq.counts = torch.zeros(vocab)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
+        if params.constraint is not None:
+            seq.guide = engine.grammars.guide(params.constraint)
         usage = Usage(prompt_tokens=len(seq.parsed.ids), image_tokens=seq.parsed.image_tokens)
         seq.text = TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, seq.timings, seq.started)
         self.running.append(seq)
@@ -332,7 +336,8 @@ class Scheduler:
                                logits=seq.logits, index=index, parent=seq,
                                seen=None if seq.seen is None else seq.seen.clone(),
                                counts=None if seq.counts is None else seq.counts.clone(),
-                               generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index))
+                               generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index),
+                               guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = TextStream(self.engine.tokenizer, params.stop, self.engine.eos_ids(params),
                                       Usage(seq.text.usage.prompt_tokens, seq.text.usage.image_tokens), timings,
                                       seq.started, index)
@@ -351,10 +356,16 @@ class Scheduler:
             if seq.cancel is not None and seq.cancel():
                 self._retire(seq, Cancelled())
                 continue
-            token, logprob = self._sample(seq)
+            try:
+                token, logprob = self._sample(seq)
+            except Exception as exc:  # its constraint failed: this row alone ends
+                self._retire(seq, exc)
+                continue
             delta = seq.text.push(token, logprob)
             if delta is not None:
                 seq.emit(delta)
+            if seq.guide is not None and seq.guide.complete:
+                seq.text.complete()
             if seq.text.finished or len(seq.text.ids) >= seq.params.max_new_tokens:
                 self._retire(seq)
             else:
@@ -384,8 +395,9 @@ class Scheduler:
 
     def _sample(self, seq: Sequence) -> tuple[int, TokenLogprob | None]:
         """This row's next token under its own parameters: penalties, logit_bias, min_tokens,
-        then temperature / top-k / top-p / min-p with its own generator; and, when asked, the
-        token's log-probability under the model (raw logits) with the best alternatives."""
+        its constraint's mask, then temperature / top-k / top-p / min-p with its own
+        generator; and, when asked, the token's log-probability under the model (raw logits)
+        with the best alternatives."""
         params, logits = seq.params, seq.logits[None]
         if seq.seen is not None or seq.counts is not None:
             vocab = logits.shape[-1]
@@ -395,7 +407,14 @@ class Scheduler:
         logits = apply_logit_bias(logits, params)
         if len(seq.text.ids) < params.min_tokens and seq.text.eos_ids:
             logits = logits.index_fill(-1, torch.tensor(seq.text.eos_ids), float("-inf"))
+        if seq.guide is not None:
+            masked = seq.guide.mask(logits.clone())
+            if not torch.isfinite(masked).any():  # min_tokens kept out the only way to end: end
+                masked = seq.guide.mask(seq.logits[None].clone())
+            logits = masked
         token = int(sample(logits, params, None if seq.generator is None else [seq.generator])[0])
+        if seq.guide is not None:
+            seq.guide.advance(token)
         if seq.seen is not None:
             seq.seen[token] = True
         if seq.counts is not None:

@@ -153,6 +153,10 @@ class TextStream:
             return Delta(text, [token], self._unsent(), self.index)
         return None
 
+    def complete(self) -> None:
+        """The answer is whole (its grammar allows nothing more): it ends as if at EOS."""
+        self.finish_reason, self.finished = "stop", True
+
     def _unsent(self) -> list[TokenLogprob] | None:
         if self.logprobs is None:
             return None

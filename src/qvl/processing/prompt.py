@@ -225,6 +225,7 @@ def tokenize_chat(
     *,
     image_pad_token: str = IMAGE_PAD_TOKEN,
     add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> PromptTokens:
     """Render, encode, and expand the k-th image pad token to `image_token_counts[k]` copies.
 
@@ -241,6 +242,7 @@ def tokenize_chat(
     guard = _MessageText(tokenizer.special_added_tokens)
     text = render_chat(
         template, guard.protect(messages), add_generation_prompt=add_generation_prompt,
+        tools=guard.protect(tools) if tools else None,
         **tokenizer.special_tokens_map,
     )
     pad_id = tokenizer.token_id(image_pad_token)

@@ -293,6 +293,10 @@ class Tokenizer:
         """content -> id of every added token marked special (`<|im_start|>`, `<|image_pad|>`, ...)."""
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
+    def to_json(self) -> str:
+        """The tokenizer.json text it was built from."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

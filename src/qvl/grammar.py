@@ -1,0 +1,130 @@
+"""Constrained decoding: a JSON schema, a regular expression or a Lark grammar turned into a
+per-token mask over the vocabulary, with llguidance (see docs/api.md for why that engine).
+
+A `Constraint` names what the answer must match; `Grammars` (one per engine) compiles it
+once (checking it as a request is parsed, so a bad one is a 400 before queueing) and hands
+each row its own `Guide`, which masks the row's logits and follows the tokens it samples.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from qvl.requests import RequestError
+
+# JSON as a person writes it on one line ({"a": 1, "b": [2, 3]}): no free whitespace, which a
+# model could otherwise spin in for ever (and which costs tokens on a CPU).
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+KINDS = ("json_schema", "regex", "lark")
+COMPILED_KEPT = 64  # compiled grammars kept (a service sees a handful of schemas again and again)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What an answer must match. kind: json_schema (source: the schema as JSON text),
+    regex, or lark (a Lark grammar as llguidance reads it: `%json {...}` embeds a schema,
+    `<[id]>` a token by id)."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"a constraint's kind is one of {', '.join(KINDS)}, not '{self.kind}'")
+
+    @classmethod
+    def json(cls, schema: dict | None = None) -> Constraint:
+        """Any JSON object (schema None), or JSON valid under `schema`, laid out on one line."""
+        schema = {"type": "object"} if schema is None else schema
+        if not isinstance(schema, dict):
+            raise RequestError("a JSON schema must be a JSON object", "response_format")
+        return cls("json_schema", json.dumps(with_layout(schema), ensure_ascii=False))
+
+
+def with_layout(schema: dict) -> dict:
+    """The schema with llguidance's layout options (the schema's own, if it sets them, win)."""
+    options = {**JSON_LAYOUT, **schema.get("x-guidance", {})}
+    return {**schema, "x-guidance": options}
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer and vocabulary (the tokenizer's index, ~1 s,
+    is built on first use) and keeps the compiled ones, so a schema seen before costs
+    nothing. Thread-safe: the server parses requests in several threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
+        self._index = None
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def index(self):
+        """llguidance's view of the tokenizer (built once)."""
+        with self._lock:
+            if self._index is None:
+                import llguidance
+
+                self._index = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                     eos_token=list(self.eos_ids))
+            return self._index
+
+    def compile(self, constraint: Constraint, param: str = "response_format"):
+        """The compiled matcher (a pristine one, never advanced); raises RequestError naming
+        `param` for a grammar llguidance cannot enforce."""
+        with self._lock:
+            matcher = self._compiled.get(constraint)
+            if matcher is not None:
+                self._compiled.move_to_end(constraint)
+                return matcher
+        import llguidance
+
+        index = self.index()
+        try:
+            grammar = llguidance.grammar_from(constraint.kind, constraint.source)
+        except Exception as exc:  # a schema that is not JSON, a regex that does not parse
+            raise RequestError(f"invalid {constraint.kind.replace('_', ' ')}: {exc}", param,
+                               "invalid_grammar") from None
+        matcher = llguidance.LLMatcher(index, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"cannot enforce this {constraint.kind.replace('_', ' ')}: {matcher.get_error()}",
+                               param, "invalid_grammar")
+        with self._lock:
+            self._compiled[constraint] = matcher
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def guide(self, constraint: Constraint) -> Guide:
+        return Guide(self.compile(constraint).deep_copy(), self.vocab_size)
+
+
+class Guide:
+    """One row's constraint state: which tokens may come next, advanced token by token."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import llguidance.torch
+
+        self.matcher = matcher
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] float32 with every token the constraint forbids at -inf (in place)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(logits, self.bitmask)
+        return logits
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} broke the constraint: {self.matcher.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """The answer matched and nothing may follow: the row ends here."""
+        return self.matcher.is_stopped()
