@@ -23,6 +23,7 @@ from qvl.server.openai import ChatCompletions
 from qvl.server.schemas import ModelCard, ModelList
 from qvl.server.settings import ServerSettings
 from qvl.server.state import ServerState
+from qvl.server.submit import Submitter
 from qvl.tasks import TASKS
 
 STATIC = Path(__file__).parent / "static"
@@ -49,7 +50,8 @@ def bearer_auth(key: str) -> Callable:
 def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     """`load` builds the engine; it runs in a background thread so /health answers at once."""
     state = ServerState(settings, load)
-    chat = ChatCompletions(state)
+    submit = Submitter(state)
+    chat = ChatCompletions(state, submit)
     page = web_page()
 
     @asynccontextmanager

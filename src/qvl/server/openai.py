@@ -1,35 +1,37 @@
 """POST /v1/chat/completions: an OpenAI request -> an engine Request -> a `chat.completion`,
-or Server-Sent Events of `chat.completion.chunk` objects exactly as OpenAI sends them.
+or Server-Sent Events of `chat.completion.chunk` objects exactly as OpenAI sends them, with
+response formats (JSON schemas, enforced), tools and tool calls.
 
-Everything that can reject a request (JSON, types, images, the context budget) runs before
-the request is queued, so bad input gets a 400 even when `stream` is true."""
+Everything that can reject a request (JSON, types, images, the context budget, a schema)
+runs before the request is queued, so bad input gets a 400 even when `stream` is true."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse, Response
 
 from qvl.engine import Engine, ParsedRequest, Request, RequestError
+from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
 from qvl.sampling import SamplingParams
-from qvl.server.errors import APIError, bad_request, from_exception
+from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                                Choice, ChunkChoice, Usage)
-from qvl.server.settings import MB, ImagePolicy
+                                Choice, ChunkChoice, Message, NamedToolChoice, StructuredOutputs, ToolDefinition,
+                                Usage)
+from qvl.server.settings import ImagePolicy
 from qvl.server.state import ServerState
-from qvl.server.worker import DISCONNECT
+from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done, TokenLogprob
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+from qvl.tools import (CallArguments, CallStart, TextPiece, Tool, ToolCallStream, ToolChoice, answer_constraint,
+                       check_tool, check_unique, parse_answer)
 
 
 @dataclass(frozen=True)
@@ -40,92 +42,59 @@ class Meta:
     created: int
     model: str
     tokenizer: object  # token ids -> text and bytes, for logprobs
+    tools: bool = False  # tools were offered: answers are parsed for tool calls
 
 
 class ChatCompletions:
-    def __init__(self, state: ServerState):
-        self.state = state
-        self.slots = asyncio.Semaphore(state.settings.parse_slots)
+    def __init__(self, state: ServerState, submit: Submitter):
+        self.state, self.submit = state, submit
 
     async def __call__(self, http: HTTPRequest) -> Response:
-        require_json(http)
-        body = await read_body(http, self.state.settings.max_body_bytes)
-        engine, worker = self.state.ready()
-        try:
-            async with self.slots:
-                req, parsed, cached = await asyncio.to_thread(self.prepare, body, engine)
-        except Exception as exc:
-            raise from_exception(exc) from None
-        meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), engine.model_name, engine.tokenizer)
-        if cached is not None:  # an exact repeat, answered without waiting in the queue
-            self.state.metrics.record(cached, cached=True)
-            events, on_close = replay(cached), lambda: None
-        else:
-            job = worker.submit(parsed, self.state.settings.time_limit_s)
-            events, on_close = job.events(), lambda: worker.cancel(job, DISCONNECT)
+        sub = await self.submit(http, self.prepare)
+        req: ChatCompletionRequest = sub.spec
+        meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), sub.engine.model_name, sub.engine.tokenizer,
+                    tools_offered(req))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(sse(events, meta, include_usage, req.n), on_close)
-        try:
-            dones = await finals_or_disconnect(events, http, req.n)
-        finally:
-            on_close()
-        return JSONResponse(completion(dones, meta).model_dump())
+            return EventStream(sse(sub.events, meta, include_usage, req.n), sub.on_close)
+        return JSONResponse(completion(await sub.finals(http), meta).model_dump())
 
-    def prepare(self, body: bytes, engine: Engine) -> tuple[ChatCompletionRequest, ParsedRequest, Done | None]:
-        """Validate, fetch and decode images, tokenize, check the budget (in a thread)."""
+    def prepare(self, body: bytes, engine: Engine) -> tuple[ChatCompletionRequest, ParsedRequest]:
+        """Validate, fetch and decode images, tokenize, check the budget and the grammar (in a
+        thread)."""
         req = ChatCompletionRequest.model_validate_json(body)
         if name := req.unsupported():
             raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        messages = engine_messages(req, self.state.settings.images, engine.options.max_images)
+        messages = engine_messages(req.messages, self.state.settings.images, engine.options.max_images)
+        tools = check_tools(req.tools)
+        choice = tool_choice(req.tool_choice, tools)
+        constraint = answer_constraint(tools, choice, req.parallel_tool_calls, answer_format(req), engine.tokenizer)
+        if constraint is not None:  # named after the field that asked for it
+            forced = tools and choice.mode in ("required", "function")
+            engine.grammars.compile(constraint, "tool_choice" if forced else
+                                    "structured_outputs" if req.structured_outputs else "response_format")
+        shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
         try:
-            parsed = engine.parse(Request(messages, sampling(req, engine), image_tokens(req, engine)))
+            parsed = engine.parse(Request(messages, sampling(req, engine, constraint), image_tokens(req, engine), shown))
         except RequestError as exc:
             if exc.code == "invalid_image" and exc.param and exc.param.endswith("]"):  # the part -> its url
                 exc.param += ".image_url.url"
             raise
-        lookup = getattr(engine, "cached_answer", None)
-        return req, parsed, lookup(parsed) if lookup else None
+        return req, parsed
 
 
-def require_json(http: HTTPRequest) -> None:
-    """API bodies must say they are JSON: a browser may send text/plain or a form to any site
-    without asking first, never application/json."""
-    media_type = http.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json":
-        shown = f"'{media_type}'" if media_type else "none"
-        raise APIError(415, f"the body must be sent with 'Content-Type: application/json' (got {shown})",
-                       code="unsupported_media_type")
-
-
-async def read_body(http: HTTPRequest, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    too_large = APIError(413, f"the request body exceeds the limit of {limit / MB:g} MB", code="body_too_large")
-    declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async for piece in http.stream():
-            size += len(piece)
-            if size > limit:
-                raise too_large
-            chunks.append(piece)
-    except ClientDisconnect:
-        raise APIError(499, "the client closed the request", code="cancelled") from None
-    return b"".join(chunks)
-
-
-def engine_messages(req: ChatCompletionRequest, policy: ImagePolicy, max_images: int) -> list[dict]:
-    """OpenAI messages -> engine messages; image_url parts become image bytes."""
-    count = sum(part.type == "image_url" for m in req.messages for part in m.content)
+def engine_messages(messages: list[Message], policy: ImagePolicy, max_images: int) -> list[dict]:
+    """OpenAI messages -> engine messages: image_url parts become image bytes, assistant tool
+    calls keep their arguments as objects (the template writes them out), and each tool
+    message must answer a call of the assistant message before it."""
+    count = sum(part.type == "image_url" for m in messages for part in m.content)
     if count > max_images:
         raise bad_request(f"too many images: {count}; this server takes at most {max_images} per request",
                           "messages", "too_many_images")
-    out = []
-    for i, message in enumerate(req.messages):
+    out, open_calls = [], set()
+    for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
         if role == "system" and i > 0:
             raise bad_request("a system message may only come first", f"messages[{i}].role")
@@ -141,11 +110,85 @@ def engine_messages(req: ChatCompletionRequest, policy: ImagePolicy, max_images:
                     parts.append({"type": "image", "image": load_image_bytes(part.image_url.url, policy)})
                 except ImageError as exc:
                     raise bad_request(str(exc), param, "invalid_image") from None
-        out.append({"role": role, "content": parts})
+        entry = {"role": role, "content": parts}
+        if message.tool_calls:
+            if role != "assistant":
+                raise bad_request("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            entry["tool_calls"] = [{"type": "function", "function": {
+                "name": call.function.name,
+                "arguments": call_arguments(call.function.arguments, f"messages[{i}].tool_calls[{k}].function.arguments")}}
+                for k, call in enumerate(message.tool_calls)]
+            open_calls = {call.id for call in message.tool_calls}
+        elif role == "tool":
+            if message.tool_call_id not in open_calls:
+                raise bad_request(f"this tool message answers '{message.tool_call_id}', which is no call of the "
+                                  "assistant message before it", f"messages[{i}].tool_call_id", "unknown_tool_call")
+            open_calls.discard(message.tool_call_id)
+        else:
+            open_calls = set()
+        out.append(entry)
     return out
 
 
-def sampling(req: ChatCompletionRequest, engine: Engine) -> SamplingParams:
+def call_arguments(text: str, param: str) -> dict:
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        raise bad_request("a tool call's arguments must be a JSON object", param) from None
+    if not isinstance(arguments, dict):
+        raise bad_request("a tool call's arguments must be a JSON object", param)
+    return arguments
+
+
+def check_tools(definitions: list[ToolDefinition] | None, param: str = "tools") -> list[Tool]:
+    tools = [check_tool(d.function.name, d.function.description, d.function.parameters, f"{param}[{i}].function")
+             for i, d in enumerate(definitions or [])]
+    return check_unique(tools, param)
+
+
+def tool_choice(choice: str | NamedToolChoice | None, tools: list[Tool], param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's tool_choice (default auto) -> ToolChoice; a named function must be a tool."""
+    if choice is None or isinstance(choice, str):
+        mode = choice or "auto"
+        if mode == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs tools", param)
+        return ToolChoice(mode)
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+    if name not in {t.name for t in tools}:
+        raise bad_request(f"tool_choice names '{name}', which is not among the tools", param)
+    return ToolChoice("function", name)
+
+
+def answer_format(req: ChatCompletionRequest) -> Constraint | None:
+    """response_format or structured_outputs (not both) as a constraint."""
+    fmt, extra = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and extra is not None:
+        raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+    if extra is not None:
+        return structured_constraint(extra)
+    return format_constraint(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None) if fmt else None
+
+
+def format_constraint(kind: str, schema: dict | None) -> Constraint | None:
+    """text / json_object / json_schema (as both OpenAI APIs name them) -> a constraint."""
+    if kind == "text":
+        return None
+    return Constraint.json(schema if kind == "json_schema" else None)
+
+
+def structured_constraint(extra: StructuredOutputs) -> Constraint:
+    if extra.json_ is not None:
+        return Constraint.json(extra.json_)
+    if extra.choice is not None:
+        return Constraint("regex", "|".join(re.escape(c) for c in extra.choice))
+    return Constraint("regex", extra.regex) if extra.regex is not None else Constraint("lark", extra.grammar)
+
+
+def tools_offered(req: ChatCompletionRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def sampling(req: ChatCompletionRequest, engine: Engine, constraint: Constraint | None = None) -> SamplingParams:
     """Request fields over the checkpoint's defaults; max_completion_tokens wins over max_tokens."""
     bias = None
     if req.logit_bias:
@@ -158,7 +201,8 @@ def sampling(req: ChatCompletionRequest, engine: Engine) -> SamplingParams:
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
         stop=tuple(req.stop) if req.stop else None, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None,
-        logit_bias=bias, logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n)
+        logit_bias=bias, logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n,
+        constraint=constraint)
 
 
 def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
@@ -170,38 +214,6 @@ def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
 
 
 # -- answers -----------------------------------------------------------------------------------
-
-
-async def replay(done: Done) -> AsyncIterator[Delta | Done]:
-    if done.text:
-        yield Delta(done.text, done.token_ids, done.logprobs)
-    yield done
-
-
-async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRequest, n: int) -> list[Done]:
-    """The n Done events (by index), unless the client goes away first (then the generation
-    is cancelled)."""
-
-    async def final() -> list[Done]:
-        dones = [event async for event in events if isinstance(event, Done)]
-        if len(dones) != n:
-            raise RuntimeError("generation ended without a final event")
-        return sorted(dones, key=lambda d: d.index)
-
-    async def disconnected() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    answer, gone = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if answer.done():
-            return answer.result()
-        raise APIError(499, "the client closed the request", code="cancelled")
-    finally:
-        for task in (answer, gone):
-            task.cancel()
-        await asyncio.gather(answer, gone, return_exceptions=True)
 
 
 def usage(dones: list[Done]) -> Usage:
@@ -228,11 +240,27 @@ def logprobs_body(logprobs: list[TokenLogprob] | None, tokenizer) -> dict | None
                         for lp in logprobs], "refusal": None}
 
 
+def assistant_message(done: Done, tools: bool) -> tuple[AssistantMessage, str]:
+    """The answer as a message (tool-call blocks as tool_calls when tools were offered) and
+    its finish_reason."""
+    if not tools:
+        return AssistantMessage(content=done.text), done.finish_reason
+    text, calls = parse_answer(done.text)
+    if not calls:
+        return AssistantMessage(content=done.text), done.finish_reason
+    return AssistantMessage(content=text.strip() or None, tool_calls=[
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]), \
+        "tool_calls" if done.finish_reason == "stop" else done.finish_reason
+
+
 def completion(dones: list[Done], meta: Meta) -> ChatCompletion:
-    return ChatCompletion(
-        id=meta.id, created=meta.created, model=meta.model, usage=usage(dones), qvl=extras(dones[0]),
-        choices=[Choice(index=d.index, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason,
-                        logprobs=logprobs_body(d.logprobs, meta.tokenizer)) for d in dones])
+    choices = []
+    for d in dones:
+        message, finish_reason = assistant_message(d, meta.tools)
+        choices.append(Choice(index=d.index, message=message, finish_reason=finish_reason,
+                              logprobs=logprobs_body(d.logprobs, meta.tokenizer)))
+    return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=usage(dones), qvl=extras(dones[0]),
+                          choices=choices)
 
 
 def chunk(meta: Meta, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None, index: int = 0,
@@ -243,39 +271,48 @@ def chunk(meta: Meta, delta: dict, finish_reason: str | None = None, logprobs: d
     return f"data: {body.model_dump_json()}\n\n"
 
 
+def tool_deltas(events: list) -> list[dict]:
+    """ToolCallStream events -> chat-completion deltas, as OpenAI streams a call: id, type and
+    name first, then pieces of the arguments."""
+    out = []
+    for e in events:
+        if isinstance(e, TextPiece):
+            out.append({"content": e.text})
+        elif isinstance(e, CallStart):
+            out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+        elif isinstance(e, CallArguments):
+            out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out
+
+
 async def sse(events: AsyncIterator[Delta | Done], meta: Meta, include_usage: bool,
               n: int = 1) -> AsyncIterator[str]:
-    """Per answer (index 0..n-1): a role delta, content deltas, its finish_reason chunk; then
-    [usage chunk], [DONE]. An error after the headers went out (time limit, shutdown) is sent
-    as OpenAI does: data: {"error"}."""
+    """Per answer (index 0..n-1): a role delta, content (or tool-call) deltas, its
+    finish_reason chunk; then [usage chunk], [DONE]. An error after the headers went out
+    (time limit, shutdown) is sent as OpenAI does: data: {"error"}."""
     for index in range(n):
         yield chunk(meta, {"role": "assistant", "content": ""}, index=index)
     dones = []
+    calls = {index: ToolCallStream() for index in range(n)} if meta.tools else None
     try:
         async for event in events:
             if isinstance(event, Delta):
-                yield chunk(meta, {"content": event.text}, logprobs=logprobs_body(event.logprobs, meta.tokenizer),
-                            index=event.index)
+                logprobs = logprobs_body(event.logprobs, meta.tokenizer)
+                deltas = tool_deltas(calls[event.index].feed(event.text)) if calls else [{"content": event.text}]
+                for k, delta in enumerate(deltas):
+                    yield chunk(meta, delta, logprobs=logprobs if k == 0 else None, index=event.index)
                 continue
             dones.append(event)
-            yield chunk(meta, {}, event.finish_reason, index=event.index, qvl=extras(event))
+            finish_reason = event.finish_reason
+            if calls:
+                for delta in tool_deltas(calls[event.index].finish()):
+                    yield chunk(meta, delta, index=event.index)
+                if calls[event.index].calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            yield chunk(meta, {}, finish_reason, index=event.index, qvl=extras(event))
         if include_usage:
             yield chunk(meta, None, usage=usage(dones))
     except APIError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n"
     yield "data: [DONE]\n\n"
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends (done, client gone, error), so a
-    queued job is never left behind."""
-
-    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()

@@ -44,9 +44,84 @@ class ContentPart(_Strict):
         return self
 
 
+def _optional_content(value: Any) -> Any:
+    return [] if value is None else _content_list(value)
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[list[ContentPart], BeforeValidator(_content_list), Field(max_length=MAX_PARTS)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[list[ContentPart], BeforeValidator(_optional_content), Field(max_length=MAX_PARTS)] = []
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # arguments always follow the schema when a call is forced (see docs/api.md)
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a response_format of type 'json_schema' needs a 'json_schema' field")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """qvl's (and vLLM's) extension: exactly one of a JSON schema, a regular expression, a Lark
+    grammar (llguidance's dialect) or a list of choices."""
+
+    json_: dict | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=65536)
+    grammar: str | None = Field(None, max_length=262144)
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if sum(v is not None for v in (self.json_, self.regex, self.grammar, self.choice)) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, grammar, choice")
+        return self
 
 
 class StreamOptions(_Strict):
@@ -77,21 +152,21 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(None, gt=0)
     max_pixels: int | None = Field(None, ge=1)
+    structured_outputs: StructuredOutputs | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     # OpenAI features qvl does not offer: accepted by the schema, refused with a clear 400
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
 
     def unsupported(self) -> str | None:
         """The first field asking for something qvl cannot do, or None."""
-        for name in ("tools", "tool_choice", "functions", "function_call", "audio"):
+        for name in ("functions", "function_call", "audio"):
             if getattr(self, name) is not None:
                 return name
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         return None
 
 
@@ -106,14 +181,20 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[dict] | None = None  # [{"id", "type": "function", "function": {"name", "arguments"}}]
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler) -> dict:
+        data = handler(self)
+        return data if data["tool_calls"] else {k: v for k, v in data.items() if k != "tool_calls"}
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: dict | None = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} when asked
 
 
@@ -129,8 +210,8 @@ class ChatCompletion(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}
-    finish_reason: Literal["stop", "length"] | None = None
+    delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content"} or {"tool_calls"}, last {}
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: dict | None = None
 
 

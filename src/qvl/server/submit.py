@@ -1,0 +1,143 @@
+"""What every API route shares between reading a body and writing its own wire format: the
+body checked and turned into an engine request in a thread (so bad input is a 400 before
+anything is queued, streaming or not), then an exact repeat answered from the answer cache
+or a job on the worker, and the events back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from qvl.engine import Engine, ParsedRequest
+from qvl.server.errors import APIError, from_exception
+from qvl.server.settings import MB
+from qvl.server.state import ServerState
+from qvl.server.worker import DISCONNECT
+from qvl.stream import Delta, Done
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+Prepare = Callable[[bytes, Engine], tuple[Any, ParsedRequest]]  # body -> (the route's request, parsed)
+
+
+@dataclass
+class Submission:
+    spec: Any  # what the route's `prepare` made of the body
+    parsed: ParsedRequest
+    events: AsyncIterator[Delta | Done]
+    on_close: Callable[[], None]  # cancels the job (a no-op once it finished)
+    engine: Engine
+
+    async def finals(self, http: HTTPRequest) -> list[Done]:
+        """The n Done events, unless the client leaves first (the job is cancelled then)."""
+        try:
+            return await finals_or_disconnect(self.events, http, self.parsed.sampling.n)
+        finally:
+            self.on_close()
+
+
+class Submitter:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.slots = asyncio.Semaphore(state.settings.parse_slots)
+
+    async def __call__(self, http: HTTPRequest, prepare: Prepare) -> Submission:
+        require_json(http)
+        body = await read_body(http, self.state.settings.max_body_bytes)
+        engine, worker = self.state.ready()
+        try:
+            async with self.slots:
+                spec, parsed, cached = await asyncio.to_thread(self._prepare, prepare, body, engine)
+        except Exception as exc:
+            raise from_exception(exc) from None
+        if cached is not None:  # an exact repeat, answered without waiting in the queue
+            self.state.metrics.record(cached, cached=True)
+            return Submission(spec, parsed, replay(cached), lambda: None, engine)
+        job = worker.submit(parsed, self.state.settings.time_limit_s)
+        return Submission(spec, parsed, job.events(), lambda: worker.cancel(job, DISCONNECT), engine)
+
+    @staticmethod
+    def _prepare(prepare: Prepare, body: bytes, engine: Engine):
+        spec, parsed = prepare(body, engine)
+        return spec, parsed, engine.cached_answer(parsed)
+
+
+def require_json(http: HTTPRequest) -> None:
+    """API bodies must say they are JSON: a browser may send text/plain or a form to any site
+    without asking first, never application/json."""
+    media_type = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = f"'{media_type}'" if media_type else "none"
+        raise APIError(415, f"the body must be sent with 'Content-Type: application/json' (got {shown})",
+                       code="unsupported_media_type")
+
+
+async def read_body(http: HTTPRequest, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = APIError(413, f"the request body exceeds the limit of {limit / MB:g} MB", code="body_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for piece in http.stream():
+            size += len(piece)
+            if size > limit:
+                raise too_large
+            chunks.append(piece)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the request", code="cancelled") from None
+    return b"".join(chunks)
+
+
+async def replay(done: Done) -> AsyncIterator[Delta | Done]:
+    if done.text:
+        yield Delta(done.text, done.token_ids, done.logprobs)
+    yield done
+
+
+async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRequest, n: int) -> list[Done]:
+    """The n Done events (by index), unless the client goes away first (then the generation
+    is cancelled)."""
+
+    async def final() -> list[Done]:
+        dones = [event async for event in events if isinstance(event, Done)]
+        if len(dones) != n:
+            raise RuntimeError("generation ended without a final event")
+        return sorted(dones, key=lambda d: d.index)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, gone = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if answer.done():
+            return answer.result()
+        raise APIError(499, "the client closed the request", code="cancelled")
+    finally:
+        for task in (answer, gone):
+            task.cancel()
+        await asyncio.gather(answer, gone, return_exceptions=True)
+
+
+class EventStream(StreamingResponse):
+    """A streamed response (SSE by default) that runs `on_close` however it ends (done,
+    client gone, error), so a queued job is never left behind."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None], media_type: str = "text/event-stream"):
+        super().__init__(chunks, media_type=media_type, headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
