@@ -141,3 +141,60 @@ def test_langchain_with_structured_output(server):
                      max_tokens=400, max_retries=0)
     receipt = llm.with_structured_output(Receipt).invoke("Read the receipt: Cafe Rosa, 2 coffees, EUR, paid.")
     assert isinstance(receipt, Receipt)
+
+
+# -- the Responses API -------------------------------------------------------------------------
+
+
+def responses_input(text: str) -> list[dict]:
+    image = receipt_prompt()[0]["content"][0]["image_url"]["url"]
+    return [{"role": "user", "content": [{"type": "input_text", "text": text},
+                                         {"type": "input_image", "image_url": image}]}]
+
+
+def test_responses_stream_with_an_image(client):
+    stream = client.responses.create(model="tiny", input=responses_input("Describe it."), instructions="Be brief.",
+                                     stream=True, max_output_tokens=8, temperature=0)
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and final.output_text == deltas and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 8 and final.usage.input_tokens > 64  # the image's tokens count
+    plain = client.responses.create(model="tiny", input=responses_input("Describe it."), instructions="Be brief.",
+                                    max_output_tokens=8, temperature=0)
+    assert plain.output_text == deltas and plain.status == "incomplete"
+
+
+def test_responses_parse_follows_a_schema(client):
+    r = client.responses.parse(model="tiny", input=responses_input("Read the receipt."), text_format=Receipt,
+                               temperature=1.0, max_output_tokens=400)
+    assert r.status == "completed" and isinstance(r.output_parsed, Receipt)
+
+
+def test_responses_function_call_round_trip(client):
+    tools = [{"type": "function", **WEATHER["function"]}]
+    r = client.responses.create(model="tiny", input="Weather in Oslo?", tools=tools, tool_choice="required",
+                                temperature=1.0, max_output_tokens=200)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    assert json.loads(calls[0].arguments)["unit"] in ("celsius", "fahrenheit")
+    follow = client.responses.create(
+        model="tiny", tools=tools, temperature=0, max_output_tokens=4,
+        input=[{"role": "user", "content": "Weather in Oslo?"},
+               *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+                 for c in calls],
+               *[{"type": "function_call_output", "call_id": c.call_id, "output": "12 C"} for c in calls]])
+    assert follow.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="tiny", input=[{"type": "function_call_output", "call_id": "nope",
+                                                      "output": "1"}])
+    assert bad.value.body["param"] == "input[0].call_id"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_1")
+    assert bad.value.body["code"] == "unsupported_parameter"

@@ -22,6 +22,7 @@ from qvl.server.metrics import StatusCounter
 from qvl.server.openai import ChatCompletions
 from qvl.server.schemas import ModelCard, ModelList
 from qvl.server.settings import ServerSettings
+from qvl.server.responses import Responses
 from qvl.server.state import ServerState
 from qvl.server.submit import Submitter
 from qvl.tasks import TASKS
@@ -52,6 +53,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     state = ServerState(settings, load)
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
+    responses = Responses(state, submit)
     page = web_page()
 
     @asynccontextmanager
@@ -70,6 +72,10 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await chat(request)
+
+    @api.post("/v1/responses")
+    async def create_response(request: Request):
+        return await responses(request)
 
     @api.get("/v1/models")
     async def models():

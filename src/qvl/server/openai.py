@@ -69,7 +69,8 @@ class ChatCompletions:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         messages = engine_messages(req.messages, self.state.settings.images, engine.options.max_images)
         tools = check_tools(req.tools)
-        choice = tool_choice(req.tool_choice, tools)
+        named = isinstance(req.tool_choice, NamedToolChoice)
+        choice = tool_choice(None if named else req.tool_choice, req.tool_choice.function.name if named else None, tools)
         constraint = answer_constraint(tools, choice, req.parallel_tool_calls, answer_format(req), engine.tokenizer)
         if constraint is not None:  # named after the field that asked for it
             forced = tools and choice.mode in ("required", "function")
@@ -146,14 +147,14 @@ def check_tools(definitions: list[ToolDefinition] | None, param: str = "tools") 
     return check_unique(tools, param)
 
 
-def tool_choice(choice: str | NamedToolChoice | None, tools: list[Tool], param: str = "tool_choice") -> ToolChoice:
-    """OpenAI's tool_choice (default auto) -> ToolChoice; a named function must be a tool."""
-    if choice is None or isinstance(choice, str):
-        mode = choice or "auto"
+def tool_choice(mode: str | None, name: str | None, tools: list[Tool], param: str = "tool_choice") -> ToolChoice:
+    """A tool_choice (auto, none, required; default auto) or a named function -> ToolChoice;
+    a named function must be one of the tools."""
+    if name is None:
+        mode = mode or "auto"
         if mode == "required" and not tools:
             raise bad_request("tool_choice 'required' needs tools", param)
         return ToolChoice(mode)
-    name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
     if name not in {t.name for t in tools}:
         raise bad_request(f"tool_choice names '{name}', which is not among the tools", param)
     return ToolChoice("function", name)
