@@ -39,11 +39,43 @@ class Constraint:
 
     @classmethod
     def json(cls, schema: dict | None = None) -> Constraint:
-        """Any JSON object (schema None), or JSON valid under `schema`, laid out on one line."""
+        """Any JSON object (schema None), or JSON valid under `schema` (objects closed: see
+        `closed`), laid out on one line."""
         schema = {"type": "object"} if schema is None else schema
         if not isinstance(schema, dict):
             raise RequestError("a JSON schema must be a JSON object", "response_format")
-        return cls("json_schema", json.dumps(with_layout(schema), ensure_ascii=False))
+        return cls("json_schema", json.dumps(with_layout(closed(schema)), ensure_ascii=False))
+
+
+SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "unevaluatedProperties")
+
+
+def closed(schema):
+    """The schema with every object that lists its properties and says nothing of others
+    closed to others (additionalProperties false), as llama.cpp, Ollama and OpenAI's strict
+    mode read it: the answer has the fields asked for, not a model's extra ones (which could
+    run on for ever). `additionalProperties: true` keeps an object open. allOf members are
+    left as written (closing each would forbid the others' properties)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = closed(out[key])
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out) \
+            and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def with_layout(schema: dict) -> dict:

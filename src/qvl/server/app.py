@@ -19,6 +19,7 @@ from qvl.server import errors
 from qvl.server.errors import APIError
 from qvl.server.guard import BrowserGuard
 from qvl.server.metrics import StatusCounter
+from qvl.server.ollama import Ollama, version
 from qvl.server.openai import ChatCompletions
 from qvl.server.schemas import ModelCard, ModelList
 from qvl.server.settings import ServerSettings
@@ -54,6 +55,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
     responses = Responses(state, submit)
+    ollama = Ollama(state, submit)
     page = web_page()
 
     @asynccontextmanager
@@ -76,6 +78,13 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     @api.post("/v1/responses")
     async def create_response(request: Request):
         return await responses(request)
+
+    api.add_api_route("/api/chat", ollama.chat, methods=["POST"])
+    api.add_api_route("/api/generate", ollama.generate, methods=["POST"])
+    api.add_api_route("/api/show", ollama.show, methods=["POST"])
+    api.add_api_route("/api/tags", ollama.tags, methods=["GET"])
+    api.add_api_route("/api/ps", ollama.ps, methods=["GET"])
+    api.add_api_route("/api/version", version, methods=["GET"])
 
     @api.get("/v1/models")
     async def models():

@@ -35,8 +35,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, ollama: bool = False) -> JSONResponse:
+        """OpenAI's shape, or Ollama's {"error": "message"} on its routes."""
+        body = {"error": self.message} if ollama else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -83,14 +85,19 @@ def internal(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
+def is_ollama(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
 def install(app: FastAPI) -> None:
-    """Register the handlers that turn exceptions into OpenAI-shaped error responses."""
+    """Register the handlers that turn exceptions into error responses: OpenAI's shape, and
+    Ollama's under /api/."""
 
-    async def api_error(_: Request, exc: Exception):
-        return from_exception(exc).response()
+    async def api_error(request: Request, exc: Exception):
+        return from_exception(exc).response(is_ollama(request))
 
-    async def http_error(_: Request, exc: HTTPException):
-        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    async def http_error(request: Request, exc: HTTPException):
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response(is_ollama(request))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HTTPException, http_error)

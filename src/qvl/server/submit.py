@@ -47,8 +47,11 @@ class Submitter:
         self.state = state
         self.slots = asyncio.Semaphore(state.settings.parse_slots)
 
-    async def __call__(self, http: HTTPRequest, prepare: Prepare) -> Submission:
-        require_json(http)
+    async def __call__(self, http: HTTPRequest, prepare: Prepare, json_only: bool = True) -> Submission:
+        """json_only: refuse bodies not sent as application/json (Ollama's routes take what
+        `curl -d` sends too; the browser guard still refuses foreign pages)."""
+        if json_only:
+            require_json(http)
         body = await read_body(http, self.state.settings.max_body_bytes)
         engine, worker = self.state.ready()
         try:

@@ -1,0 +1,365 @@
+"""Ollama's API, so that Ollama clients and the tools built on them connect to qvl unchanged:
+POST /api/chat and /api/generate (images as base64, `format` "json" or a JSON schema,
+`options`, tools; NDJSON streaming, on by default as in Ollama), GET /api/tags, /api/ps,
+/api/version, POST /api/show. Errors are Ollama's {"error": "..."} (see errors.py). One
+process serves one model: any model name is answered by it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from qvl import __version__
+from qvl.engine import Engine, ParsedRequest, Request
+from qvl.grammar import Constraint
+from qvl.processing.image import ImageError
+from qvl.server.errors import APIError, bad_request
+from qvl.server.images import load_image_bytes
+from qvl.server.openai import tool_choice
+from qvl.server.schemas import MAX_MESSAGES, _Strict
+from qvl.server.state import ServerState
+from qvl.server.submit import EventStream, Submitter
+from qvl.stream import Delta, Done
+from qvl.tools import TextPiece, ToolCallStream, answer_constraint, check_tool, check_unique
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama API version qvl speaks (clients check it)
+NDJSON = "application/x-ndjson"
+
+
+class Options(_Strict):
+    """The sampling options Ollama documents; others (num_ctx, num_thread, mirostat, ...) are
+    accepted and ignored, as Ollama ignores what a model does not use."""
+
+    model_config = _Strict.model_config | {"strict": False}  # clients send 1 for 1.0
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    num_predict: int | None = None  # -1 (or -2): up to the context
+    seed: int | None = None
+    stop: list[str] | None = Field(None, max_length=16)
+    repeat_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+
+
+class OllamaCall(_Strict):
+    function: dict  # {"name", "arguments": {...}}
+
+
+class OllamaMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = Field(None, max_length=64)  # base64
+    tool_calls: list[OllamaCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class Common(_Strict):
+    model: str | None = None
+    format: Any = None  # "json" or a JSON schema
+    options: Options = Options()
+    stream: bool = True
+    keep_alive: Any = None  # the model stays loaded: qvl serves one
+    think: Any = None
+
+
+class ChatBody(Common):
+    messages: list[OllamaMessage] = Field([], max_length=MAX_MESSAGES)
+    tools: list[dict] | None = Field(None, max_length=128)
+
+
+class GenerateBody(Common):
+    prompt: str = ""
+    system: str | None = None
+    images: list[str] | None = Field(None, max_length=64)
+    suffix: str | None = None
+    template: str | None = None
+    raw: bool = False
+    context: list[int] | None = None
+
+
+@dataclass
+class Spec:
+    body: ChatBody | GenerateBody
+    model: str
+    chat: bool
+    tools: bool = False
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Ollama:
+    def __init__(self, state: ServerState, submit: Submitter):
+        self.state, self.submit = state, submit
+
+    async def chat(self, http: HTTPRequest) -> Response:
+        return await self._answer(http, self.prepare_chat)
+
+    async def generate(self, http: HTTPRequest) -> Response:
+        return await self._answer(http, self.prepare_generate)
+
+    async def _answer(self, http: HTTPRequest, prepare) -> Response:
+        sub = await self.submit(http, prepare, json_only=False)  # as Ollama: `curl -d '{...}'` works
+        spec: Spec = sub.spec
+        if spec.body.stream:
+            return EventStream(ndjson(sub.events, spec), sub.on_close, NDJSON)
+        done = (await sub.finals(http))[0]
+        content, calls = answer_parts(done, spec.tools)
+        return JSONResponse(final_line(spec, done, content, calls))
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def prepare_chat(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
+        req = ChatBody.model_validate_json(body)
+        check_think(req, engine)
+        tools = check_unique([tool_from(t, i) for i, t in enumerate(req.tools or [])], "tools")
+        constraint = answer_constraint(tools, tool_choice(None, None, tools), True, format_constraint(req.format),
+                                       engine.tokenizer)
+        if constraint is not None:
+            engine.grammars.compile(constraint, "format")
+        messages = self.messages(req.messages, engine)
+        shown = [t.template_entry() for t in tools] or None
+        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown))
+        return Spec(req, engine.model_name, True, bool(tools)), parsed
+
+    def prepare_generate(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
+        req = GenerateBody.model_validate_json(body)
+        for name in ("suffix", "template", "context"):
+            if getattr(req, name):
+                raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
+        if req.raw:
+            raise bad_request("raw prompts are not supported by qvl: the checkpoint's chat template is always "
+                              "applied", "raw", "unsupported_parameter")
+        check_think(req, engine)
+        constraint = format_constraint(req.format)
+        if constraint is not None:
+            engine.grammars.compile(constraint, "format")
+        turns = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + \
+            [OllamaMessage(role="user", content=req.prompt, images=req.images)]
+        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint)))
+        return Spec(req, engine.model_name, False), parsed
+
+    def messages(self, messages: list[OllamaMessage], engine: Engine) -> list[dict]:
+        """Ollama messages -> engine messages: base64 images decoded and checked; a tool
+        message must follow an assistant message with tool calls (and name one of them)."""
+        if not messages:
+            raise bad_request("messages must not be empty", "messages")
+        images = sum(len(m.images or []) for m in messages)
+        if images > engine.options.max_images:
+            raise bad_request(f"too many images: {images}; this server takes at most {engine.options.max_images} "
+                              "per request", "messages")
+        out, called = [], None
+        for i, m in enumerate(messages):
+            if m.role == "system" and i > 0:
+                raise bad_request("a system message may only come first", f"messages[{i}].role")
+            parts: list[dict] = []
+            for j, data in enumerate(m.images or []):
+                if m.role != "user":
+                    raise bad_request("images are only accepted in user messages", f"messages[{i}].images")
+                try:
+                    parts.append({"type": "image", "image": load_image_bytes(
+                        f"data:image/*;base64,{data.partition(',')[2] if data.startswith('data:') else data}",
+                        self.state.settings.images)})
+                except ImageError as exc:
+                    raise bad_request(str(exc), f"messages[{i}].images[{j}]") from None
+            parts.append({"type": "text", "text": m.content})
+            entry = {"role": m.role, "content": parts}
+            if m.role == "tool":
+                if called is None or (m.tool_name is not None and m.tool_name not in called):
+                    raise bad_request("a tool message must answer a tool call of the assistant message before it",
+                                      f"messages[{i}]")
+            elif m.tool_calls:
+                if m.role != "assistant":
+                    raise bad_request("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+                entry["tool_calls"] = [call_entry(c, f"messages[{i}].tool_calls[{k}]") for k, c in enumerate(m.tool_calls)]
+                called = {c["function"]["name"] for c in entry["tool_calls"]}
+            else:
+                called = None
+            out.append(entry)
+        return out
+
+    # -- model information -------------------------------------------------------------------
+
+    def model_entry(self, engine: Engine) -> dict:
+        return {"name": ollama_name(engine), "model": ollama_name(engine), "modified_at": modified(engine),
+                "size": weights_size(engine), "digest": digest(engine), "details": details(engine)}
+
+    async def tags(self) -> dict:
+        engine, _ = self.state.ready()
+        return {"models": [self.model_entry(engine)]}
+
+    async def ps(self) -> dict:
+        engine, _ = self.state.ready()
+        return {"models": [{**self.model_entry(engine), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}]}
+
+    async def show(self, http: HTTPRequest) -> dict:
+        engine, _ = self.state.ready()
+        d = engine.defaults
+        parameters = "\n".join(f"{k} {v}" for k, v in (("temperature", d.temperature), ("top_k", d.top_k),
+                                                         ("top_p", d.top_p), ("repeat_penalty", d.repetition_penalty)))
+        text = engine.cfg.text
+        return {"license": "", "modelfile": f"# served by qvl {__version__}\nFROM {engine.path}\n",
+                "parameters": parameters, "template": engine.template, "details": details(engine),
+                "model_info": {"general.architecture": "qwen3vl", "general.basename": engine.model_name,
+                               "qwen3vl.context_length": engine.options.max_context,
+                               "qwen3vl.embedding_length": text.hidden_size,
+                               "qwen3vl.block_count": text.num_hidden_layers},
+                "capabilities": ["completion", "vision", "tools"], "modified_at": modified(engine)}
+
+
+def check_think(req: Common, engine: Engine) -> None:
+    if req.think not in (None, False):
+        raise bad_request(f'"{engine.model_name}" does not support thinking', "think")
+
+
+def tool_from(tool: dict, i: int):
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if tool.get("type", "function") != "function" or not isinstance(function, dict):
+        raise bad_request('a tool must be {"type": "function", "function": {"name", "parameters"}}', f"tools[{i}]")
+    return check_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                      f"tools[{i}].function")
+
+
+def call_entry(call: OllamaCall, param: str) -> dict:
+    name, arguments = call.function.get("name"), call.function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise bad_request("a tool call needs a function name and arguments as an object", param)
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def format_constraint(fmt: Any) -> Constraint | None:
+    """format: "" or absent (free text), "json" (any JSON object) or a JSON schema."""
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return Constraint.json(None)
+    if isinstance(fmt, dict):
+        return Constraint.json(fmt)
+    raise bad_request('format must be "json" or a JSON schema object', "format")
+
+
+def sampling(req: Common, engine: Engine, constraint: Constraint | None):
+    o = req.options
+    limit = o.num_predict
+    if limit is not None and limit < 0:
+        limit = engine.options.max_context // 2  # "until the context is full": the budget check bounds it
+    elif limit == 0:
+        raise bad_request("num_predict must not be 0", "options.num_predict")
+    return engine.sampling_defaults(
+        max_new_tokens=limit, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, seed=o.seed,
+        stop=tuple(o.stop) if o.stop else None, repetition_penalty=o.repeat_penalty,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, constraint=constraint)
+
+
+# -- model facts -----------------------------------------------------------------------------------
+
+
+def ollama_name(engine: Engine) -> str:
+    name = engine.model_name
+    return name if ":" in name.rpartition("/")[2] else f"{name}:latest"
+
+
+def weights_size(engine: Engine) -> int:
+    return sum(f.stat().st_size for f in engine.path.glob("*.safetensors"))
+
+
+def modified(engine: Engine) -> str:
+    files = list(engine.path.glob("*.safetensors")) or [engine.path]
+    stamp = max(f.stat().st_mtime for f in files)
+    return datetime.fromtimestamp(stamp, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def digest(engine: Engine) -> str:
+    return hashlib.sha256(engine.model_id.encode()).hexdigest()
+
+
+def details(engine: Engine) -> dict:
+    params = sum(p.numel() for p in engine.model.parameters())
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    return {"parent_model": "", "format": "safetensors", "family": "qwen3vl", "families": ["qwen3vl"],
+            "parameter_size": size, "quantization_level": engine.weights.upper()}
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+
+def answer_parts(done: Done, tools: bool) -> tuple[str, list[dict]]:
+    """(text, Ollama tool calls) of a whole answer."""
+    if not tools:
+        return done.text, []
+    stream = ToolCallStream()
+    text = "".join(e.text for e in stream.feed(done.text) + stream.finish() if isinstance(e, TextPiece))
+    return (text if not stream.calls else text.strip()), [ollama_call(c) for c in stream.calls]
+
+
+def ollama_call(call) -> dict:
+    return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+
+
+def line(spec: Spec, text: str, calls: list[dict] | None = None, **extra) -> dict:
+    body: dict[str, Any] = {"model": spec.model, "created_at": now()}
+    if spec.chat:
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        body["message"] = message
+    else:
+        body["response"] = text
+    return {**body, "done": False, **extra}
+
+
+def final_line(spec: Spec, done: Done, text: str, calls: list[dict] | None = None) -> dict:
+    """The last object: done, why, and Ollama's counts and durations (nanoseconds)."""
+    t, u = done.timings, done.usage
+    decode_ns = int(sum(t.decode_ms) * 1e6)
+    return line(spec, text, calls, done=True, done_reason=done.finish_reason,
+                total_duration=int(t.ttft_ms * 1e6) + decode_ns, load_duration=0,
+                prompt_eval_count=u.prompt_tokens, prompt_eval_duration=int(t.ttft_ms * 1e6),
+                eval_count=u.completion_tokens, eval_duration=decode_ns)
+
+
+async def ndjson(events: AsyncIterator[Delta | Done], spec: Spec) -> AsyncIterator[str]:
+    """One JSON object per line: text pieces, a tool call as soon as it is whole, then the
+    final object. An error after the headers went out is a line {"error": ...}, as Ollama
+    sends it."""
+    parser = ToolCallStream() if spec.tools else None
+    sent_calls = 0
+    try:
+        async for event in events:
+            pieces = []
+            if isinstance(event, Delta):
+                pieces = parser.feed(event.text) if parser else [TextPiece(event.text)]
+            elif parser:
+                pieces = parser.finish()
+            text = "".join(p.text for p in pieces if isinstance(p, TextPiece))
+            calls = [ollama_call(c) for c in parser.calls[sent_calls:]] if parser else []
+            sent_calls += len(calls)
+            if isinstance(event, Done):
+                yield json.dumps(final_line(spec, event, text, calls), ensure_ascii=False) + "\n"
+                return
+            if text or calls:
+                yield json.dumps(line(spec, text, calls), ensure_ascii=False) + "\n"
+    except APIError as exc:
+        yield json.dumps({"error": exc.message}) + "\n"
+
+
+def version() -> dict:
+    return {"version": OLLAMA_VERSION}
+
