@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -73,6 +74,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--task", choices=["describe", "ocr"], help="a preset prompt (OCR is greedy)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="the answer is JSON valid under this JSON Schema file, on one line ({} allows any "
+                            "JSON); with --json the parsed answer is printed under \"json\" too")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="the answer matches this Lark grammar, in llguidance's dialect (%%json {...} "
+                            "embeds a JSON schema)")
+    shape.add_argument("--regex", metavar="PATTERN", help="the answer matches this regular expression")
 
 
 def engine_options(args: argparse.Namespace):
@@ -95,7 +104,68 @@ def engine_options(args: argparse.Namespace):
     )
 
 
-def sampling_params(engine, args: argparse.Namespace):
+def answer_constraint(args: argparse.Namespace):
+    """--json-schema FILE, --grammar FILE or --regex PATTERN as a Constraint (None without them),
+    checked before any model loads: a file that cannot be read, a schema that is not JSON, a
+    grammar llguidance cannot compile raise UsageError (exit status 2). The engine compiles it
+    again against its tokenizer when each request is parsed."""
+    from qvl.batch.inputs import UsageError
+    from qvl.grammar import Constraint
+
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--grammar", args.grammar),
+                                               ("--regex", args.regex)) if value is not None]
+    if not given:
+        return None
+    flag, value = given[0]  # argparse lets one through at most
+    if args.ignore_eos:
+        raise UsageError(f"--ignore-eos cannot be combined with {flag}: the constraint decides where the answer ends")
+    if flag == "--regex":
+        constraint = Constraint("regex", value)
+    else:
+        try:
+            with open(value, encoding="utf-8-sig") as f:  # a byte-order mark is no reason to refuse a file
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{flag} {value}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+        constraint = Constraint("lark", source) if flag == "--grammar" else json_schema_constraint(value, source)
+    check_constraint(constraint, f"{flag} {value}")
+    return constraint
+
+
+def json_schema_constraint(path: str, source: str):
+    from qvl.batch.inputs import UsageError
+    from qvl.grammar import Constraint
+
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise UsageError(f"--json-schema {path}: not JSON ({exc.msg} at {where})") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {path}: a JSON schema must be a JSON object ({{...}})")
+    return Constraint.json(schema)
+
+
+def check_constraint(constraint, what: str) -> None:
+    """UsageError naming `what` if llguidance cannot compile the constraint (tokenizer-free, so
+    before the model loads)."""
+    import llguidance
+
+    from qvl.batch.inputs import UsageError
+
+    kind = {"json_schema": "JSON schema", "regex": "regular expression", "lark": "Lark grammar"}[constraint.kind]
+    try:
+        grammar = llguidance.grammar_from(constraint.kind, constraint.source)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as exc:  # llguidance raises ValueError, or its own errors, for text it cannot read
+        error = str(exc)
+    if error:  # one line: without llguidance's echo of the source and its caret line
+        lines = [line.strip() for line in error.splitlines()]
+        shown = " ".join(line for line in lines if line and not re.fullmatch(r"\^+|\d+ \|.*", line))
+        raise UsageError(f"{what}: cannot enforce this {kind}: {shown}")
+
+
+def sampling_params(engine, args: argparse.Namespace, constraint=None):
     from qvl.tasks import get_task
 
     greedy = args.task is not None and get_task(args.task).greedy
@@ -104,7 +174,7 @@ def sampling_params(engine, args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-        stop=tuple(args.stop) if args.stop else None,
+        stop=tuple(args.stop) if args.stop else None, constraint=constraint,
     )
 
 
@@ -137,15 +207,22 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     check_images(args.image)
     text = prompt_text(args)
+    constraint = answer_constraint(args)
     engine = Engine.load(engine_options(args))
-    request = Request([user_message(text, args.image)], sampling_params(engine, args))
+    request = Request([user_message(text, args.image)], sampling_params(engine, args, constraint))
     for event in engine.stream(request):
         if isinstance(event, Delta) and not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, Done):
             if args.json:
-                print(json.dumps(event.to_dict(), ensure_ascii=False))
+                out = event.to_dict()
+                if constraint is not None and constraint.kind == "json_schema":
+                    try:
+                        out["json"] = json.loads(event.text)
+                    except json.JSONDecodeError:  # cut by --max-new-tokens or a --stop string
+                        pass
+                print(json.dumps(out, ensure_ascii=False))
             else:
                 sys.stdout.write("\n")
                 if event.finish_reason == "length":
@@ -159,8 +236,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from qvl.engine import Engine
 
     check_images(args.image)
+    constraint = answer_constraint(args)
     engine = Engine.load(engine_options(args))
-    params = sampling_params(engine, args)
+    params = sampling_params(engine, args, constraint)
     history: list[dict] = []
     pending = list(args.image)
     print("qvl chat: type a message; /image PATH attaches a picture, /reset forgets, /quit leaves.", file=sys.stderr)
@@ -382,11 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             print(f"qvl {args.command}: error: --cpus {args.cpus}: {exc}", file=sys.stderr)
             return 2
+    from qvl.batch.inputs import UsageError
+
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except UsageError as exc:  # the flags or files as given cannot work
+        print(f"qvl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except expected_errors() as exc:
         print(f"qvl {args.command}: error: {exc}", file=sys.stderr)
         return 1

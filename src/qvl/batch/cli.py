@@ -15,8 +15,11 @@ DEFAULT_BATCH_SIZE = 4  # items decoded together; see docs/batch.md for the meas
 DESCRIPTION = """\
 Answer one prompt (or each JSONL row's own) over many images, one JSON line per item in --out.
 Re-running the same command skips the items already in --out and appends the rest; a row
-with "error" counts as done unless --retry-errors. Exit status: 0 all answered, 1 some
-items failed, 2 usage error, 130 interrupted."""
+with "error" counts as done unless --retry-errors. With --json-schema each row also carries
+the parsed answer under "json"; an answer that reaches --max-new-tokens before its JSON is
+complete gets an "error" saying so (its text is kept), so --retry-errors with a larger
+--max-new-tokens runs it again. Exit status: 0 all answered, 1 some items failed, 2 usage
+error, 130 interrupted."""
 
 
 def register(sub, commands) -> None:
@@ -58,7 +61,7 @@ def build_job(args: argparse.Namespace):
     from qvl.batch.inputs import read_items
     from qvl.batch.process import WorkSpec
     from qvl.batch.runner import BatchJob, local_rows
-    from qvl.cli import engine_options, prompt_text
+    from qvl.cli import answer_constraint, engine_options, prompt_text
 
     if args.batch_size < 1 or args.ray_actors < 1:
         raise UsageError("--batch-size and --ray-actors must be at least 1")
@@ -68,6 +71,7 @@ def build_job(args: argparse.Namespace):
     missing = [item.id for item in items if item.prompt is None]
     if prompt is None and missing:
         raise UsageError(f"{len(missing)} item(s) have no prompt (first: {missing[0]!r}): give --prompt or --task")
+    constraint = answer_constraint(args)  # files read here, once: Ray actors get the constraint, not the path
     options = engine_options(args)
     backend = local_rows
     if args.ray:
@@ -78,7 +82,7 @@ def build_job(args: argparse.Namespace):
         import_ray()
         options = replace(options, threads=args.threads or 1)
         backend = functools.partial(ray_rows, address=args.ray_address, actors=args.ray_actors)
-    spec = WorkSpec(options, args, prompt, args.batch_size)  # workers read the sampling flags
+    spec = WorkSpec(options, args, prompt, args.batch_size, constraint)  # workers read the sampling flags
     return BatchJob(items, Path(args.out), spec, args.retry_errors, args.progress_every), backend
 
 

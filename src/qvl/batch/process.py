@@ -6,12 +6,14 @@ Shared by the local and the Ray runner."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from qvl.batch.inputs import Item
 from qvl.engine import Engine, EngineOptions, Request
+from qvl.grammar import Constraint
 from qvl.sampling import SamplingParams
 from qvl.scheduler import Sequence
 from qvl.stream import Done
@@ -25,6 +27,7 @@ class WorkSpec:
     sampling: argparse.Namespace  # parsed flags; `qvl.cli.sampling_params` reads the sampling ones
     prompt: str | None  # for items without their own
     batch_size: int
+    constraint: Constraint | None = None  # what every answer must match (read from --json-schema etc. here)
 
 
 def error_row(item: Item, prompt: str | None, exc: BaseException) -> dict:
@@ -45,7 +48,7 @@ class Worker:
         from qvl.cli import sampling_params
 
         engine = Engine.load(spec.options)
-        return cls(engine, sampling_params(engine, spec.sampling), spec.prompt, spec.batch_size)
+        return cls(engine, sampling_params(engine, spec.sampling, spec.constraint), spec.prompt, spec.batch_size)
 
     def request(self, item: Item) -> Request:
         content = [{"type": "image", "image": item.image}, {"type": "text", "text": self.prompt_for(item)}]
@@ -93,4 +96,19 @@ class Worker:
             return error_row(item, self.prompt_for(item), done)
         answer = done.to_dict()
         answer.pop("token_ids")
-        return {"id": item.id, "image": item.image, "prompt": self.prompt_for(item), **answer}
+        row = {"id": item.id, "image": item.image, "prompt": self.prompt_for(item), **answer}
+        if self.params.constraint is not None and self.params.constraint.kind == "json_schema":
+            row.update(json_fields(done))
+        return row
+
+
+def json_fields(done: Done) -> dict:
+    """An answer under a JSON schema: {"json": the parsed object}, or {"error": why it does not
+    parse} (the row keeps its text, and counts as failed, so --retry-errors runs it again)."""
+    try:
+        return {"json": json.loads(done.text)}
+    except json.JSONDecodeError as exc:
+        if done.finish_reason == "length":
+            return {"error": f"the answer reached the token limit ({done.usage.completion_tokens} tokens) before "
+                             "its JSON was complete: raise --max-new-tokens"}
+        return {"error": f"the answer is not valid JSON ({exc.msg}): a --stop string may have cut it"}
