@@ -1,5 +1,6 @@
 """The web page in headless Chromium (Debian's `chromium`, driven by Playwright's Python
-package): upload an image, pick a preset, watch the answer stream, stop it, ask a follow-up.
+package): upload an image, pick a preset, watch the answer stream, stop it, ask a follow-up;
+the JSON switch with a schema.
 
 Set QVL_UPDATE_SCREENSHOT=1 to refresh docs/web-page.png from this run."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.test_cli_structured import SCHEMA, Answer
 from tests.test_server_support import live_server, png_bytes
 
 CHROMIUM = shutil.which("chromium")
@@ -134,3 +136,39 @@ def test_paste_drop_and_plain_errors(server, page):
     page.click("#presets button[data-task=ocr]")
     page.wait_for_selector("#stats:has-text('tokens/s')")
     assert page.text_content(".msg.assistant")
+
+
+def test_json_switch_sends_the_schema_and_shows_the_answer_parsed(server, page):
+    page.goto(f"{server.url}/")
+    page.wait_for_selector("#status:has-text('ready')")
+    assert page.is_hidden("#json-schema")
+    page.check("#json-mode")
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if "chat/completions" in r.url else None)
+    page.fill("#json-schema", "{not json")
+    page.fill("#question", "What colour is it?")
+    page.click("#ask")
+    page.wait_for_selector("#error:visible")
+    assert "not valid JSON" in page.text_content("#error")
+    assert not sent and page.locator(".msg").count() == 0
+    assert page.input_value("#question") == "What colour is it?"  # kept for when the schema is fixed
+
+    page.fill("#json-schema", json.dumps(SCHEMA, indent=1))
+    page.fill("#max-tokens", "200")  # SCHEMA is bounded: every answer ends well before
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.click("#ask")
+    assert json.loads(request.value.post_data)["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    page.wait_for_selector(".msg.assistant.json")
+    assert page.is_hidden("#error")
+    shown = page.text_content(".msg.assistant.json")
+    Answer.model_validate(json.loads(shown))
+    assert shown.startswith('{\n  "colour": ')  # pretty-printed
+
+    page.fill("#json-schema", "")
+    page.fill("#question", "Anything else?")
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.click("#ask")
+    assert json.loads(request.value.post_data)["response_format"] == {"type": "json_object"}
+    wait_until(lambda: page.locator(".msg.assistant").count() == 2
+               and page.locator(".msg.assistant.streaming").count() == 0, timeout_s=60)

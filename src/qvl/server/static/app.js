@@ -1,4 +1,5 @@
-// qvl web page: one image, a conversation about it, answers streamed from /v1/chat/completions.
+// qvl web page: one image, a conversation about it, answers streamed from /v1/chat/completions
+// (in JSON, under a schema if one is given, when the JSON switch is on).
 "use strict";
 
 const TASKS = JSON.parse(document.getElementById("qvl-tasks").textContent);  // filled in by qvl serve
@@ -148,8 +149,36 @@ function showStats(clientTtftMs, timings, usage) {
   $("stats").textContent = parts.join(" · ");
 }
 
-function requestBody(history, task) {
+// -- JSON answers -----------------------------------------------------------------------------
+
+// The response_format the JSON switch asks for: null when it is off, json_object for an empty
+// schema box, else json_schema; undefined (after showing why) when the box is not a JSON object.
+function responseFormat() {
+  if (!$("json-mode").checked) return null;
+  const text = $("json-schema").value.trim();
+  if (!text) return {type: "json_object"};
+  let schema;
+  try {
+    schema = JSON.parse(text);
+  } catch (e) {
+    showError(`The JSON schema is not valid JSON: ${e.message}`);
+    return undefined;
+  }
+  if (typeof schema !== "object" || schema === null || Array.isArray(schema)) {
+    showError("The JSON schema must be a JSON object ({…}).");
+    return undefined;
+  }
+  return {type: "json_schema", json_schema: {name: "answer", schema}};
+}
+
+// The answer pretty-printed if it is JSON, else null (cut by max tokens, or stopped).
+function prettyJson(text) {
+  try { return JSON.stringify(JSON.parse(text), null, 2); } catch (e) { return null; }
+}
+
+function requestBody(history, task, format) {
   const body = {messages: history, stream: true, stream_options: {include_usage: true}};
+  if (format) body.response_format = format;
   if (task && task.greedy) body.temperature = 0;
   if (task && task.max_image_tokens) body.max_pixels = task.max_image_tokens * 32 * 32;
   const maxTokens = parseInt($("max-tokens").value, 10);
@@ -157,7 +186,8 @@ function requestBody(history, task) {
   return body;
 }
 
-async function ask(text, task) {
+// format: the response_format to send (null: none), from responseFormat()
+async function ask(text, task, format) {
   if (!text.trim() || state.controller) return;
   showError("");
   const content = state.history.length === 0 && state.image ? [{type: "image_url", image_url: {url: state.image}}] : [];
@@ -172,7 +202,7 @@ async function ask(text, task) {
   let answer = "", firstMs = null, timings = null, usage = null, failed = false;
   try {
     const res = await fetch("v1/chat/completions", {method: "POST", headers: headers(),
-      body: JSON.stringify(requestBody(history, task)), signal: state.controller.signal});
+      body: JSON.stringify(requestBody(history, task, format)), signal: state.controller.signal});
     if (!res.ok) throw new Error(await errorMessage(res));
     if ($("api-key").value) sessionStorage.setItem("qvl-key", $("api-key").value);
     for await (const data of sseData(res.body)) {
@@ -188,6 +218,11 @@ async function ask(text, task) {
       }
       if (chunk.qvl) timings = chunk.qvl.timings;
       if (chunk.usage) usage = chunk.usage;
+    }
+    const pretty = format ? prettyJson(answer) : null;
+    if (pretty !== null) {  // shown pretty-printed; the conversation keeps the answer as it came
+      bubble.textContent = pretty;
+      bubble.classList.add("json");
     }
     showStats(firstMs, timings, usage);
   } catch (e) {
@@ -220,7 +255,10 @@ function wirePresets() {
     button.dataset.task = task.name;
     button.textContent = task.description;
     button.title = task.prompt;
-    button.addEventListener("click", () => ask(task.prompt, task));
+    button.addEventListener("click", () => {
+      const format = responseFormat();
+      if (format !== undefined) ask(task.prompt, task, format);
+    });
     $("presets").appendChild(button);
   }
   const free = document.createElement("button");
@@ -234,10 +272,13 @@ function wirePresets() {
 function wireForm() {
   $("ask-form").addEventListener("submit", (e) => {
     e.preventDefault();
+    const format = responseFormat();
+    if (format === undefined) return;  // the question stays in its box until the schema is fixed
     const text = $("question").value;
     $("question").value = "";
-    ask(text, null);
+    ask(text, null, format);
   });
+  $("json-mode").addEventListener("change", () => { $("json-schema").hidden = !$("json-mode").checked; });
   $("question").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("ask-form").requestSubmit(); }
   });
