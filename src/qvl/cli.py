@@ -6,7 +6,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 from collections.abc import Callable
 
@@ -147,22 +146,11 @@ def json_schema_constraint(path: str, source: str):
 
 
 def check_constraint(constraint, what: str) -> None:
-    """UsageError naming `what` if llguidance cannot compile the constraint (tokenizer-free, so
-    before the model loads)."""
-    import llguidance
-
+    """UsageError naming `what` if llguidance cannot compile the constraint (before the model loads)."""
     from qvl.batch.inputs import UsageError
 
-    kind = {"json_schema": "JSON schema", "regex": "regular expression", "lark": "Lark grammar"}[constraint.kind]
-    try:
-        grammar = llguidance.grammar_from(constraint.kind, constraint.source)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-    except Exception as exc:  # llguidance raises ValueError, or its own errors, for text it cannot read
-        error = str(exc)
-    if error:  # one line: without llguidance's echo of the source and its caret line
-        lines = [line.strip() for line in error.splitlines()]
-        shown = " ".join(line for line in lines if line and not re.fullmatch(r"\^+|\d+ \|.*", line))
-        raise UsageError(f"{what}: cannot enforce this {kind}: {shown}")
+    if problem := constraint.problem():
+        raise UsageError(f"{what}: cannot enforce this {constraint.name}: {problem}")
 
 
 def sampling_params(engine, args: argparse.Namespace, constraint=None):

@@ -278,7 +278,7 @@ class Engine:
         logits = prefill(self.model, cache, prompt)
         decode_step(self.model, cache, logits.argmax(-1), torch.tensor([len(prompt)]),
                     torch.tensor([prompt.next_position]))
-        self.grammars.index()  # the tokenizer index every grammar uses (~1 s, once)
+        self.grammars.warm_up()
         return time.perf_counter() - started
 
     # -- generation ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ each row its own `Guide`, which masks the row's logits and follows the tokens it
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -45,6 +46,24 @@ class Constraint:
         if not isinstance(schema, dict):
             raise RequestError("a JSON schema must be a JSON object", "response_format")
         return cls("json_schema", json.dumps(with_layout(closed(schema)), ensure_ascii=False))
+
+    @property
+    def name(self) -> str:
+        return {"json_schema": "JSON schema", "regex": "regular expression", "lark": "Lark grammar"}[self.kind]
+
+    def problem(self) -> str | None:
+        """Why llguidance cannot enforce this constraint (one line), or None; needs no
+        tokenizer, so a command line can check it before any model loads."""
+        import llguidance
+
+        try:
+            error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from(self.kind, self.source))
+        except Exception as exc:  # llguidance raises ValueError, or its own errors, for text it cannot read
+            error = str(exc)
+        if not error:
+            return None
+        lines = [line.strip() for line in error.splitlines()]  # without its echo of the source and caret line
+        return " ".join(line for line in lines if line and not re.fullmatch(r"\^+|\d+ \|.*", line))
 
 
 SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
@@ -133,6 +152,11 @@ class Grammars:
 
     def guide(self, constraint: Constraint) -> Guide:
         return Guide(self.compile(constraint).deep_copy(), self.vocab_size)
+
+    def warm_up(self) -> None:
+        """Build the tokenizer index and what llguidance builds at its first mask (~1 s and
+        ~2 s, once per process), so the first constrained request does not wait for them."""
+        self.guide(Constraint.json()).mask(torch.zeros(1, self.vocab_size))
 
 
 class Guide:
