@@ -87,7 +87,6 @@ def apply_penalties(
 
 
 NUCLEUS_START = 256  # top_p without top_k: candidates first tried (grown 8x until they hold top_p)
-DRAW_BY_EXPONENTIALS = 4096  # more candidates than this are drawn with exponential races, not torch.multinomial
 
 
 def candidates(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +128,14 @@ def candidates(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.
 
 
 def draw(values: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Index into `values` (logits [N]) drawn with probability softmax(values)."""
-    probs = torch.softmax(values, -1)
-    if len(values) <= DRAW_BY_EXPONENTIALS:
-        return int(torch.multinomial(probs, 1, generator=generator))
-    # argmax of p / Exp(1): the same distribution, ~10x cheaper than multinomial over a vocabulary
-    return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
+    """Index into `values` (logits [N]) drawn with probability softmax(values), by inverting
+    the cumulative distribution at one uniform number: each draw takes exactly one number
+    from the generator, however many candidates there are, so a seeded row's later draws do
+    not shift when a rounding moves the nucleus's edge by a token (and it is ~100x cheaper
+    than torch.multinomial over a vocabulary)."""
+    cdf = torch.softmax(values, -1).double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), len(values) - 1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,
