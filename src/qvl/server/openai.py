@@ -296,13 +296,17 @@ async def sse(events: AsyncIterator[Delta | Done], meta: Meta, include_usage: bo
         yield chunk(meta, {"role": "assistant", "content": ""}, index=index)
     dones = []
     calls = {index: ToolCallStream() for index in range(n)} if meta.tools else None
+    held: dict[int, list] = {index: [] for index in range(n)}  # logprobs not yet sent, per answer
     try:
         async for event in events:
             if isinstance(event, Delta):
-                logprobs = logprobs_body(event.logprobs, meta.tokenizer)
+                if event.logprobs is not None:  # text held back (a tool call may start) keeps its logprobs
+                    held[event.index] += event.logprobs
                 deltas = tool_deltas(calls[event.index].feed(event.text)) if calls else [{"content": event.text}]
-                for k, delta in enumerate(deltas):
-                    yield chunk(meta, delta, logprobs=logprobs if k == 0 else None, index=event.index)
+                for delta in deltas:
+                    logprobs = logprobs_body(held[event.index], meta.tokenizer) if held[event.index] else None
+                    held[event.index] = []
+                    yield chunk(meta, delta, logprobs=logprobs, index=event.index)
                 continue
             dones.append(event)
             finish_reason = event.finish_reason
