@@ -72,6 +72,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="Thinking models: after N reasoning tokens </think> is forced, so an answer always comes")
     g.add_argument("--task", choices=["describe", "ocr"], help="a preset prompt (OCR is greedy)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE",
@@ -162,7 +164,7 @@ def sampling_params(engine, args: argparse.Namespace, constraint=None):
         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-        stop=tuple(args.stop) if args.stop else None, constraint=constraint,
+        stop=tuple(args.stop) if args.stop else None, constraint=constraint, reasoning_budget=args.reasoning_budget,
     )
 
 
@@ -200,6 +202,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     request = Request([user_message(text, args.image)], sampling_params(engine, args, constraint))
     for event in engine.stream(request):
         if isinstance(event, Delta) and not args.json:
+            show_reasoning(event.reasoning, args.hide_reasoning)
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, Done):
@@ -251,7 +254,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append(user_message(line, pending))
         try:
-            text = chat_turn(engine, history, params)
+            text = chat_turn(engine, history, params, args.hide_reasoning)
         except (*expected_errors(), KeyboardInterrupt) as exc:  # this turn is lost, the session goes on
             history.pop()
             print(f"\n[{'stopped' if isinstance(exc, KeyboardInterrupt) else f'error: {exc}'}]", file=sys.stderr)
@@ -260,13 +263,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": text})
 
 
-def chat_turn(engine, history: list[dict], params) -> str:
+def show_reasoning(piece: str, hidden: bool) -> None:
+    """A Thinking model's reasoning goes to stderr, dimmed on a terminal, apart from the answer."""
+    if not piece or hidden:
+        return
+    dim = sys.stderr.isatty()
+    sys.stderr.write(f"\x1b[2m{piece}\x1b[0m" if dim else piece)
+    sys.stderr.flush()
+
+
+def chat_turn(engine, history: list[dict], params, hide_reasoning: bool = False) -> str:
     from qvl.engine import Request
     from qvl.stream import Delta, Done
 
     text = ""
     for event in engine.stream(Request(history, params)):
         if isinstance(event, Delta):
+            show_reasoning(event.reasoning, hide_reasoning)
             sys.stdout.write(event.text)
             sys.stdout.flush()
         elif isinstance(event, Done):
@@ -300,8 +313,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from qvl.synth import write_checkpoint
 
-    out = write_checkpoint(args.out, args.preset, args.seed, outliers=args.outliers)
-    kind = "an outlier stress" if args.outliers else "a random-weight"
+    out = write_checkpoint(args.out, args.preset, args.seed, outliers=args.outliers, thinking=args.thinking)
+    kind = "an outlier stress" if args.outliers else "a random-weight Thinking" if args.thinking else "a random-weight"
     print(f"wrote {kind} '{args.preset}' checkpoint to {out}")
     return 0
 
@@ -381,12 +394,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p.add_argument("prompt", nargs="?", help="the question; - reads it from stdin")
     p.add_argument("-i", "--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids, usage, timings")
+    p.add_argument("--hide-reasoning", action="store_true",
+                   help="Thinking models: do not show the reasoning (it goes to stderr, dimmed, by default)")
     add_engine_args(p)
     add_sampling_args(p)
     commands["ask"] = cmd_ask
 
     p = sub.add_parser("chat", help="multi-turn chat on the terminal (earlier turns are not recomputed)")
     p.add_argument("-i", "--image", action="append", default=[], help="image for the first message (repeatable)")
+    p.add_argument("--hide-reasoning", action="store_true", help="Thinking models: do not show the reasoning")
     add_engine_args(p)
     add_sampling_args(p)
     commands["chat"] = cmd_chat
@@ -413,6 +429,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                         "activations' (50, ~100x a residual entry) in 2 embedding dims of <|im_start|>, \\n and "
                         "<|vision_start|>; same layout and config.json, what was planted recorded in the "
                         "safetensors metadata (qvl_outliers)")
+    p.add_argument("--thinking", action="store_true",
+                   help="a Thinking variant: its chat template opens <think> for the answer; its sampling defaults")
     commands["synth"] = cmd_synth
 
     p = sub.add_parser("quantize", help="write a pre-quantised int8/int4 checkpoint that loads without re-quantising")

@@ -139,6 +139,7 @@ class Engine:
         self.answer_cache = AnswerCache(options.answer_cache_entries)
         self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb)
         self.grammars = Grammars(tokenizer, model.cfg.text.vocab_size, defaults.eos_token_ids)
+        self.think_end = tokenizer.find("</think>")  # a Thinking model's reasoning ends there
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
@@ -300,7 +301,8 @@ class Engine:
         if done is None:
             return None
         timings = Timings(cached={"answer": True})
-        return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings, done.logprobs)
+        return Done(done.text, list(done.token_ids), done.finish_reason, replace(done.usage), timings, done.logprobs,
+                    reasoning=done.reasoning)
 
     def stream(self, request: Request | ParsedRequest, cancel: CancelCheck | None = None) -> Iterator[Delta | Done]:
         """Events for one request: Delta pieces of text, then Done (for n answers: each event
@@ -312,8 +314,8 @@ class Engine:
         parsed = request if isinstance(request, ParsedRequest) else self.parse(request)
         if (hit := self.cached_answer(parsed)) is not None:
             hit.timings.ttft_ms = (time.perf_counter() - started) * 1000
-            if hit.text:
-                yield Delta(hit.text, hit.token_ids, hit.logprobs)
+            if hit.text or hit.reasoning:
+                yield Delta(hit.text, hit.token_ids, hit.logprobs, reasoning=hit.reasoning or "")
             yield hit
             return
         events: deque = deque()

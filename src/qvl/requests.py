@@ -48,6 +48,7 @@ class ParsedRequest:
     images: list[ProcessedImage]
     sampling: SamplingParams
     answer_checked: bool = False  # the answer cache was already asked (and missed)
+    reasoning: bool = False  # the prompt opened `<think>`: the answer starts with reasoning
 
     @property
     def image_tokens(self) -> int:
@@ -115,4 +116,16 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
             f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
             f"but the context holds {limits.max_context}; shorten the conversation, lower max_tokens or the "
             f"image budget", "messages", "context_length_exceeded")
-    return ParsedRequest(ids, images, request.sampling)
+    return ParsedRequest(ids, images, request.sampling, reasoning=opens_reasoning(tokens.ids, tokenizer))
+
+
+def opens_reasoning(ids: list[int], tokenizer: Tokenizer) -> bool:
+    """Whether the generation prompt (after the last `<|im_start|>`) opens `<think>` without
+    closing it, as a Thinking checkpoint's template does."""
+    try:
+        turn, start, end = (tokenizer.token_id(t) for t in ("<|im_start|>", "<think>", "</think>"))
+    except ValueError:  # a tokenizer without them: no reasoning to split
+        return False
+    last = len(ids) - 1 - ids[::-1].index(turn) if turn in ids else 0
+    tail = ids[last:]
+    return start in tail and end not in tail[len(tail) - 1 - tail[::-1].index(start):]

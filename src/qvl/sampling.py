@@ -36,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
     n: int = 1  # answers to the same prompt, forked after one prefill; sampled ones seeded seed, seed+1, ...
     constraint: Constraint | None = None  # what the answer must match (a JSON schema, regex, grammar)
+    reasoning_budget: int | None = None  # a Thinking model's reasoning tokens before `</think>` is forced
 
     def __post_init__(self):
         checks = [
@@ -52,6 +53,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.n >= 1, "n must be >= 1"),
+            (self.reasoning_budget is None or self.reasoning_budget >= 0, "reasoning_budget must be >= 0"),
             (self.constraint is None or not self.ignore_eos, "ignore_eos cannot be combined with a grammar: "
              "the grammar decides where the answer ends"),
         ]

@@ -253,7 +253,8 @@ class Scheduler:
         if params.constraint is not None:
             seq.guide = engine.grammars.guide(params.constraint)
         usage = Usage(prompt_tokens=len(seq.parsed.ids), image_tokens=seq.parsed.image_tokens)
-        seq.text = TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, seq.timings, seq.started)
+        seq.text = TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, seq.timings, seq.started,
+                              think_end=engine.think_end if seq.parsed.reasoning else None)
         self.running.append(seq)
 
     def _make_room(self, needed: int) -> None:
@@ -340,7 +341,7 @@ class Scheduler:
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = TextStream(self.engine.tokenizer, params.stop, self.engine.eos_ids(params),
                                       Usage(seq.text.usage.prompt_tokens, seq.text.usage.image_tokens), timings,
-                                      seq.started, index)
+                                      seq.started, index, self.engine.think_end if seq.parsed.reasoning else None)
             self.running.insert(self.running.index(seq) + index, sibling)
         seq.spare_rows = []
 
@@ -399,6 +400,10 @@ class Scheduler:
         generator; and, when asked, the token's log-probability under the model (raw logits)
         with the best alternatives."""
         params, logits = seq.params, seq.logits[None]
+        reasoning = seq.text.reasoning if seq.text.thinking else None
+        if reasoning is not None and params.reasoning_budget is not None and reasoning.tokens >= params.reasoning_budget:
+            logits = torch.full_like(logits, float("-inf"))  # the budget is spent: `</think>`, then the answer
+            logits[0, reasoning.end_id] = 0.0
         if seq.seen is not None or seq.counts is not None:
             vocab = logits.shape[-1]
             seen = seq.seen[None] if seq.seen is not None else torch.zeros(1, vocab, dtype=torch.bool)
@@ -407,13 +412,14 @@ class Scheduler:
         logits = apply_logit_bias(logits, params)
         if len(seq.text.ids) < params.min_tokens and seq.text.eos_ids:
             logits = logits.index_fill(-1, torch.tensor(seq.text.eos_ids), float("-inf"))
-        if seq.guide is not None:
+        guided = seq.guide is not None and reasoning is None  # the constraint holds the answer, not the reasoning
+        if guided:
             masked = seq.guide.mask(logits.clone())
             if not torch.isfinite(masked).any():  # min_tokens kept out the only way to end: end
                 masked = seq.guide.mask(seq.logits[None].clone())
             logits = masked
         token = int(sample(logits, params, None if seq.generator is None else [seq.generator])[0])
-        if seq.guide is not None:
+        if guided:
             seq.guide.advance(token)
         if seq.seen is not None:
             seq.seen[token] = True

@@ -13,7 +13,8 @@ from qvl.processing.tokenizer import StreamDecoder, Tokenizer
 class Usage:
     prompt_tokens: int = 0
     image_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # reasoning tokens included, as OpenAI counts them
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -42,12 +43,14 @@ class TokenLogprob:
 
 @dataclass
 class Delta:
-    """A piece of answer text; concatenating all deltas gives the final text."""
+    """A piece of answer text (or of a Thinking model's reasoning); concatenating all deltas
+    gives the final text (and reasoning)."""
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # the tokens whose text this delta completes (when asked)
     index: int = 0  # which of the request's n answers
+    reasoning: str = ""
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Done:
     timings: Timings
     logprobs: list[TokenLogprob] | None = None  # one per token (when asked)
     index: int = 0  # which of the request's n answers
+    reasoning: str | None = None  # a Thinking model's reasoning (None: the prompt opened none)
 
     def to_dict(self) -> dict:
         timings = asdict(self.timings)
@@ -72,6 +76,8 @@ class Done:
         }
         if self.logprobs is not None:
             out["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
         return out
 
 
@@ -108,15 +114,55 @@ class StopStrings:
         return out
 
 
+class Reasoning:
+    """A Thinking model's reasoning, from the `<think>` its prompt opened to `</think>`: its
+    text (the newlines around it dropped, as the chat template writes them back) and whether
+    it is still going."""
+
+    def __init__(self, tokenizer: Tokenizer, end_id: int):
+        self.decoder, self.end_id = StreamDecoder(tokenizer), end_id
+        self.open, self.tokens = True, 0
+        self.parts: list[str] = []
+        self.newlines = ""  # trailing newlines held back: dropped if `</think>` follows
+
+    def push(self, token: int) -> str:
+        """The reasoning text this token completes; `</think>` closes it."""
+        if token == self.end_id:
+            self.open = False
+            return self._take(self.decoder.flush(), last=True)
+        self.tokens += 1
+        return self._take(self.decoder.push(token))
+
+    def _take(self, text: str, last: bool = False) -> str:
+        if not self.parts and not self.newlines:
+            text = text.lstrip("\n")
+        text, self.newlines = self.newlines + text, ""
+        if not last:
+            stripped = text.rstrip("\n")
+            text, self.newlines = stripped, text[len(stripped):]
+        else:
+            text = text.rstrip("\n")
+        if text:
+            self.parts.append(text)
+        return text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 class TextStream:
     """One row's token ids -> Delta events and a final Done, pushed one token at a time:
-    incremental detokenising, EOS and stop strings, usage and timings. `started` is the
-    perf_counter at which the request began (for time to first token); timings.vision_ms is
-    expected filled in already."""
+    incremental detokenising, a Thinking model's reasoning apart (when the prompt opened
+    `<think>`: `think_end` is then the id of `</think>`), EOS and stop strings (on the answer),
+    usage and timings. `started` is the perf_counter at which the request began (for time
+    to first token); timings.vision_ms is expected filled in already."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], eos_ids: tuple[int, ...], usage: Usage,
-                 timings: Timings, started: float, index: int = 0):
+                 timings: Timings, started: float, index: int = 0, think_end: int | None = None):
         self.index = index
+        self.reasoning = Reasoning(tokenizer, think_end) if think_end is not None else None
+        self.answer_started = False  # the answer's leading newlines (after `</think>`) are dropped
         self.decoder, self.stopper, self.eos_ids = StreamDecoder(tokenizer), StopStrings(stops), eos_ids
         self.usage, self.timings, self.started = usage, timings, started
         self.ids: list[int] = []
@@ -145,13 +191,25 @@ class TextStream:
         if token in self.eos_ids:
             self.finish_reason, self.finished = "stop", True
             return None
-        text, self.hit_stop_string = self.stopper.push(self.decoder.push(token))
+        if self.thinking:
+            piece = self.reasoning.push(token)
+            return Delta("", [token], self._unsent(), self.index, piece) if piece else None
+        decoded = self.decoder.push(token)
+        if self.reasoning is not None and not self.answer_started:
+            decoded = decoded.lstrip("\n")
+            self.answer_started = bool(decoded)
+        text, self.hit_stop_string = self.stopper.push(decoded)
         if self.hit_stop_string:
             self.finish_reason, self.finished = "stop", True
         if text:
             self.parts.append(text)
             return Delta(text, [token], self._unsent(), self.index)
         return None
+
+    @property
+    def thinking(self) -> bool:
+        """Inside the reasoning: the tokens go there, not into the answer."""
+        return self.reasoning is not None and self.reasoning.open
 
     def complete(self) -> None:
         """The answer is whole (its grammar allows nothing more): it ends as if at EOS."""
@@ -166,16 +224,22 @@ class TextStream:
     def close(self) -> tuple[Delta | None, Done]:
         """No more tokens: the held-back tail (unless a stop string ended it) and the Done."""
         tail = None
+        if self.thinking:  # ended inside the reasoning (EOS, the token cap): its held-back text
+            piece = self.reasoning._take(self.reasoning.decoder.flush(), last=True)
+            if piece:
+                tail = Delta("", [], self._unsent(), self.index, piece)
         if not self.hit_stop_string:
             text, self.hit_stop_string = self.stopper.push(self.decoder.flush())
             text += "" if self.hit_stop_string else self.stopper.flush()
             self.finish_reason = "stop" if self.hit_stop_string else self.finish_reason
             if text:
                 self.parts.append(text)
-                tail = Delta(text, [], self._unsent(), self.index)
+                tail = Delta(text, [], self._unsent(), self.index, tail.reasoning if tail else "")
         self.finished = True
         self.usage.completion_tokens = len(self.ids)
+        if self.reasoning is not None:
+            self.usage.reasoning_tokens = self.reasoning.tokens + (not self.reasoning.open)  # `</think>` counts
         if self.timings.decode_ms:
             self.timings.decode_ms_per_token = sum(self.timings.decode_ms) / len(self.timings.decode_ms)
         return tail, Done("".join(self.parts), self.ids, self.finish_reason, self.usage, self.timings, self.logprobs,
-                          self.index)
+                          self.index, None if self.reasoning is None else self.reasoning.text)

@@ -62,6 +62,9 @@ GENERATION_CONFIG = {
     "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.0, "temperature": 0.7, "transformers_version": "4.56.0",
 }
 
+# The Thinking variants' recommended sampling (QwenLM/Qwen3-VL README; ../shared/NOTES.md)
+THINKING_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
 PREPROCESSOR_CONFIG = {
     "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
     "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
@@ -175,10 +178,11 @@ def _present(state: dict[str, torch.Tensor], module: str) -> list[str]:
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, changes: dict | None = None,
-                     outliers: bool = False) -> Path:
+                     outliers: bool = False, thinking: bool = False) -> Path:
     """Write a complete checkpoint folder (config, weights, tokenizer, template, preprocessor);
     `outliers` plants trained-model-like outliers (see plant_outliers) and records them in
-    the safetensors metadata under "qvl_outliers"."""
+    the safetensors metadata under "qvl_outliers"; `thinking` gives it a Thinking variant's
+    chat template (the answer opens `<think>`) and sampling defaults."""
     from qvl.processing.tokenizer import write_tokenizer_files
 
     out = Path(out)
@@ -186,9 +190,11 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
     config = preset_config(preset, changes)
     cfg = ModelConfig.from_dict(config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
+    generation = {**GENERATION_CONFIG, **THINKING_SAMPLING} if thinking else GENERATION_CONFIG
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    template = resources.files("qvl") / "data" / "qwen3_vl_chat_template.jinja"
+    name = "qwen3_vl_thinking_chat_template.jinja" if thinking else "qwen3_vl_chat_template.jinja"
+    template = resources.files("qvl") / "data" / name
     with resources.as_file(template) as path:
         shutil.copyfile(path, out / "chat_template.jinja")
     write_tokenizer_files(out)

@@ -306,6 +306,10 @@ class Tokenizer:
             raise ValueError(f"token {token!r} is not in the tokenizer's vocabulary")
         return token_id
 
+    def find(self, token: str) -> int | None:
+        """The id of `token`, or None when the vocabulary has no such token."""
+        return self._tok.token_to_id(token)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE piece may be part of a character;
         an added token is its text; an id past the vocabulary, which the model's larger

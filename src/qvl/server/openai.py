@@ -203,7 +203,7 @@ def sampling(req: ChatCompletionRequest, engine: Engine, constraint: Constraint 
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
         stop=tuple(req.stop) if req.stop else None, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None,
         logit_bias=bias, logprobs=(req.top_logprobs or 0) if req.logprobs else None, n=req.n,
-        constraint=constraint)
+        constraint=constraint, reasoning_budget=req.reasoning_budget)
 
 
 def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
@@ -218,9 +218,12 @@ def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
 
 
 def usage(dones: list[Done]) -> Usage:
-    """One prompt, every answer's tokens."""
+    """One prompt, every answer's tokens (reasoning included, and counted apart)."""
     prompt, completion_tokens = dones[0].usage.prompt_tokens, sum(d.usage.completion_tokens for d in dones)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+    details = ({"reasoning_tokens": sum(d.usage.reasoning_tokens for d in dones)}
+               if any(d.reasoning is not None for d in dones) else None)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens,
+                 completion_tokens_details=details)
 
 
 def extras(done: Done) -> dict:
@@ -244,12 +247,10 @@ def logprobs_body(logprobs: list[TokenLogprob] | None, tokenizer) -> dict | None
 def assistant_message(done: Done, tools: bool) -> tuple[AssistantMessage, str]:
     """The answer as a message (tool-call blocks as tool_calls when tools were offered) and
     its finish_reason."""
-    if not tools:
-        return AssistantMessage(content=done.text), done.finish_reason
-    text, calls = parse_answer(done.text)
+    text, calls = parse_answer(done.text) if tools else (done.text, [])
     if not calls:
-        return AssistantMessage(content=done.text), done.finish_reason
-    return AssistantMessage(content=text.strip() or None, tool_calls=[
+        return AssistantMessage(content=done.text, reasoning_content=done.reasoning), done.finish_reason
+    return AssistantMessage(content=text.strip() or None, reasoning_content=done.reasoning, tool_calls=[
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]), \
         "tool_calls" if done.finish_reason == "stop" else done.finish_reason
 
@@ -300,6 +301,12 @@ async def sse(events: AsyncIterator[Delta | Done], meta: Meta, include_usage: bo
     try:
         async for event in events:
             if isinstance(event, Delta):
+                if event.reasoning:
+                    yield chunk(meta, {"reasoning_content": event.reasoning}, index=event.index)
+                if not event.text and event.reasoning:
+                    if event.logprobs is not None:
+                        held[event.index] += event.logprobs
+                    continue
                 if event.logprobs is not None:  # text held back (a tool call may start) keeps its logprobs
                     held[event.index] += event.logprobs
                 deltas = tool_deltas(calls[event.index].feed(event.text)) if calls else [{"content": event.text}]

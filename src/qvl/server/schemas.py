@@ -152,6 +152,7 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(None, gt=0)
     max_pixels: int | None = Field(None, ge=1)
+    reasoning_budget: int | None = Field(None, ge=0)  # Thinking models: reasoning tokens before </think> is forced
     structured_outputs: StructuredOutputs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
@@ -177,6 +178,13 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: dict | None = None  # {"reasoning_tokens"} for a Thinking model
+
+    @model_serializer(mode="wrap")
+    def _details_when_known(self, handler) -> dict:
+        data = handler(self)
+        return data if data["completion_tokens_details"] else {k: v for k, v in data.items()
+                                                               if k != "completion_tokens_details"}
 
 
 class AssistantMessage(BaseModel):
@@ -184,11 +192,12 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[dict] | None = None  # [{"id", "type": "function", "function": {"name", "arguments"}}]
+    reasoning_content: str | None = None  # a Thinking model's reasoning
 
     @model_serializer(mode="wrap")
-    def _calls_when_made(self, handler) -> dict:
+    def _extras_when_present(self, handler) -> dict:
         data = handler(self)
-        return data if data["tool_calls"] else {k: v for k, v in data.items() if k != "tool_calls"}
+        return {k: v for k, v in data.items() if k not in ("tool_calls", "reasoning_content") or v is not None}
 
 
 class Choice(BaseModel):

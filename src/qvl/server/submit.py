@@ -100,8 +100,8 @@ async def read_body(http: HTTPRequest, limit: int) -> bytes:
 
 
 async def replay(done: Done) -> AsyncIterator[Delta | Done]:
-    if done.text:
-        yield Delta(done.text, done.token_ids, done.logprobs)
+    if done.text or done.reasoning:
+        yield Delta(done.text, done.token_ids, done.logprobs, reasoning=done.reasoning or "")
     yield done
 
 
