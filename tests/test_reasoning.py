@@ -28,7 +28,7 @@ def thinking_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(thinking_checkpoint):
     return Engine.load(EngineOptions(model=str(thinking_checkpoint), weights="fp32", threads=2,
-                                     answer_cache_entries=0))
+                                     answer_cache_entries=0, reasoning_budget=4))  # requests may set their own
 
 
 def test_text_stream_splits_reasoning_from_the_answer(tiny_tokenizer):
@@ -104,3 +104,25 @@ def test_ask_shows_reasoning_apart(thinking_checkpoint, capsys):
     assert main([*args, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["reasoning"] and row["usage"]["reasoning_tokens"] == 4
+
+
+def test_responses_and_ollama_carry_the_reasoning(engine):
+    with TestClient(make_app(engine)) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {"input": "Why?", "temperature": 0, "max_output_tokens": 8, "reasoning_budget": 3}
+        r = client.post("/v1/responses", json=body).json()
+        assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
+        assert r["output"][0]["content"][0]["text"] and r["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+        events = [json.loads(line[6:]) for line in client.post("/v1/responses", json={**body, "stream": True}).text
+                  .splitlines() if line.startswith("data: ")]
+        thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        assert thought == r["output"][0]["content"][0]["text"]
+        assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["reasoning", "message"]
+        chat = {"messages": HELLO, "stream": False, "options": {"temperature": 0, "num_predict": 8}}
+        shown = client.post("/api/chat", json=chat).json()["message"]
+        assert shown["thinking"] and shown["content"]
+        hidden = client.post("/api/chat", json={**chat, "think": False}).json()["message"]
+        assert "thinking" not in hidden and hidden["content"] == shown["content"]

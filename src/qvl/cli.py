@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
     g.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together, each with its own sampling (serve, batch); more wait")
+    g.add_argument("--reasoning-budget", type=int, metavar="N",
+                   help="Thinking models: after N reasoning tokens </think> is forced, so an answer always comes "
+                        "(the default of every request; an API request may set its own)")
     g.add_argument("--deterministic", action="store_true",
                    help="answers that do not depend on prefill slicing or prefix reuse either (prefill in fixed "
                         "128-token chunks, only prompt keys/values reused): slower first tokens")
@@ -72,8 +75,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--reasoning-budget", type=int, metavar="N",
-                   help="Thinking models: after N reasoning tokens </think> is forced, so an answer always comes")
     g.add_argument("--task", choices=["describe", "ocr"], help="a preset prompt (OCR is greedy)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE",
@@ -101,7 +102,7 @@ def engine_options(args: argparse.Namespace):
         max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,
         vision_cache_mb=args.vision_cache_mb,
         prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
-        kv_cache_mb=args.kv_cache_mb, deterministic=args.deterministic,
+        kv_cache_mb=args.kv_cache_mb, deterministic=args.deterministic, reasoning_budget=args.reasoning_budget,
     )
 
 
@@ -164,7 +165,7 @@ def sampling_params(engine, args: argparse.Namespace, constraint=None):
         max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-        stop=tuple(args.stop) if args.stop else None, constraint=constraint, reasoning_budget=args.reasoning_budget,
+        stop=tuple(args.stop) if args.stop else None, constraint=constraint,
     )
 
 

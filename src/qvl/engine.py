@@ -3,6 +3,7 @@ into a stream of events. Every front door (CLI, server, batch, bench) calls it."
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -61,6 +62,7 @@ class EngineOptions:
     max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together (the scheduler's rows)
     kv_cache_mb: float | None = None  # KV cache the running requests may reserve; None: see default_kv_budget_mb
     deterministic: bool = False  # answers independent of prefill slicing and prefix reuse too (see Scheduler)
+    reasoning_budget: int | None = None  # Thinking models: reasoning tokens before </think> is forced (default)
 
 
 def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
@@ -189,11 +191,17 @@ class Engine:
         activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 
+    @functools.cached_property
+    def thinks(self) -> bool:
+        """A Thinking variant: its chat template opens `<think>` for the answer."""
+        return self.parse(Request([{"role": "user", "content": "?"}])).reasoning
+
     def sampling_defaults(self, **overrides) -> SamplingParams:
         """The checkpoint's generation_config defaults, with explicit overrides (None = keep)."""
         d = self.defaults
         base = SamplingParams(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p,
-                              repetition_penalty=d.repetition_penalty, max_new_tokens=d.max_new_tokens)
+                              repetition_penalty=d.repetition_penalty, max_new_tokens=d.max_new_tokens,
+                              reasoning_budget=self.options.reasoning_budget)
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
     def parse(self, request: Request) -> ParsedRequest:

@@ -95,6 +95,10 @@ class Spec:
     chat: bool
     tools: bool = False
 
+    @property
+    def show_thinking(self) -> bool:
+        return self.body.think is not False
+
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
@@ -117,7 +121,7 @@ class Ollama:
             return EventStream(ndjson(sub.events, spec), sub.on_close, NDJSON)
         done = (await sub.finals(http))[0]
         content, calls = answer_parts(done, spec.tools)
-        return JSONResponse(final_line(spec, done, content, calls))
+        return JSONResponse(final_line(spec, done, content, calls, done.reasoning or ""))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -220,7 +224,11 @@ class Ollama:
 
 
 def check_think(req: Common, engine: Engine) -> None:
-    if req.think not in (None, False):
+    """think: true needs a Thinking model; false only hides a Thinking model's reasoning (it
+    cannot answer without it)."""
+    if req.think not in (None, False, True):
+        raise bad_request("think must be true or false", "think")
+    if req.think is True and not engine.thinks:
         raise bad_request(f'"{engine.model_name}" does not support thinking', "think")
 
 
@@ -313,23 +321,24 @@ def ollama_call(call) -> dict:
     return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
 
 
-def line(spec: Spec, text: str, calls: list[dict] | None = None, **extra) -> dict:
+def line(spec: Spec, text: str, calls: list[dict] | None = None, thinking: str = "", **extra) -> dict:
     body: dict[str, Any] = {"model": spec.model, "created_at": now()}
+    thinking = {"thinking": thinking} if thinking and spec.show_thinking else {}
     if spec.chat:
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": text, **thinking}
         if calls:
             message["tool_calls"] = calls
         body["message"] = message
     else:
-        body["response"] = text
+        body.update(response=text, **thinking)
     return {**body, "done": False, **extra}
 
 
-def final_line(spec: Spec, done: Done, text: str, calls: list[dict] | None = None) -> dict:
+def final_line(spec: Spec, done: Done, text: str, calls: list[dict] | None = None, thinking: str = "") -> dict:
     """The last object: done, why, and Ollama's counts and durations (nanoseconds)."""
     t, u = done.timings, done.usage
     decode_ns = int(sum(t.decode_ms) * 1e6)
-    return line(spec, text, calls, done=True, done_reason=done.finish_reason,
+    return line(spec, text, calls, thinking, done=True, done_reason=done.finish_reason,
                 total_duration=int(t.ttft_ms * 1e6) + decode_ns, load_duration=0,
                 prompt_eval_count=u.prompt_tokens, prompt_eval_duration=int(t.ttft_ms * 1e6),
                 eval_count=u.completion_tokens, eval_duration=decode_ns)
@@ -343,7 +352,7 @@ async def ndjson(events: AsyncIterator[Delta | Done], spec: Spec) -> AsyncIterat
     sent_calls = 0
     try:
         async for event in events:
-            pieces = []
+            pieces, thinking = [], event.reasoning if isinstance(event, Delta) else ""
             if isinstance(event, Delta):
                 pieces = parser.feed(event.text) if parser else [TextPiece(event.text)]
             elif parser:
@@ -354,8 +363,8 @@ async def ndjson(events: AsyncIterator[Delta | Done], spec: Spec) -> AsyncIterat
             if isinstance(event, Done):
                 yield json.dumps(final_line(spec, event, text, calls), ensure_ascii=False) + "\n"
                 return
-            if text or calls:
-                yield json.dumps(line(spec, text, calls), ensure_ascii=False) + "\n"
+            if text or calls or (thinking and spec.show_thinking):
+                yield json.dumps(line(spec, text, calls, thinking), ensure_ascii=False) + "\n"
     except APIError as exc:
         yield json.dumps({"error": exc.message}) + "\n"
 

@@ -107,6 +107,7 @@ class ResponsesRequest(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     max_pixels: int | None = Field(None, ge=1)
+    reasoning_budget: int | None = Field(None, ge=0)
 
 
 @dataclass
@@ -151,7 +152,8 @@ class Responses:
         sampling = engine.sampling_defaults(
             max_new_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed, constraint=constraint)
+            frequency_penalty=req.frequency_penalty, seed=req.seed, constraint=constraint,
+            reasoning_budget=req.reasoning_budget)
         budget = max(1, req.max_pixels // engine.image_cfg.factor**2) if req.max_pixels else None
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
         parsed = engine.parse(Request(messages, sampling, budget, shown))
@@ -239,8 +241,19 @@ def new_item_id(kind: str) -> str:
     return f"{kind}_{uuid.uuid4().hex}"
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+
+
 def output_items(done: Done, tools: bool) -> list[dict]:
-    """The answer as output items: a message with its text (if any) and function calls."""
+    """The answer as output items: a Thinking model's reasoning, a message with its text (if
+    any) and function calls."""
+    reasoning = [reasoning_item(new_item_id("rs"), done.reasoning)] if done.reasoning is not None else []
+    return reasoning + answer_items(done, tools)
+
+
+def answer_items(done: Done, tools: bool) -> list[dict]:
     if not tools:
         return [message_item(new_item_id("msg"), done.text)]
     stream = ToolCallStream()
@@ -258,7 +271,7 @@ def response_object(spec: Spec, done: Done | None, output: list[dict]) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         u = done.usage
         usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": done.timings.reused_tokens},
-                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                  "total_tokens": u.total_tokens}
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True)
     tool_choice_out: Any = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunctionChoice) \
@@ -296,6 +309,30 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     parser = ToolCallStream() if spec.tools else None
     message: dict | None = None  # the open message item: {"id", "index", "text"}
     call: dict | None = None  # the open function_call item
+    thought: dict | None = None  # the open reasoning item
+
+    def think(piece: str) -> list[str]:
+        nonlocal thought
+        out = []
+        if thought is None:
+            thought = {"id": new_item_id("rs"), "index": len(output), "text": ""}
+            output.append(None)
+            out.append(emit("response.output_item.added", output_index=thought["index"],
+                            item=reasoning_item(thought["id"], "", "in_progress")))
+        thought["text"] += piece
+        return out + [emit("response.reasoning_text.delta", item_id=thought["id"], output_index=thought["index"],
+                           content_index=0, delta=piece)]
+
+    def close_thought() -> list[str]:
+        nonlocal thought
+        t, thought = thought, None
+        if t is None:
+            return []
+        item = reasoning_item(t["id"], t["text"])
+        output[t["index"]] = item
+        return [emit("response.reasoning_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
+                     text=t["text"]),
+                emit("response.output_item.done", output_index=t["index"], item=item)]
 
     def open_message() -> list[str]:
         nonlocal message
@@ -356,12 +393,17 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     try:
         async for event in events:
             if isinstance(event, Delta):
-                for line in on(parser.feed(event.text) if parser else [TextPiece(event.text)]):
+                for line in think(event.reasoning) if event.reasoning else []:
+                    yield line
+                if not event.text:
+                    continue
+                for line in close_thought() + on(parser.feed(event.text) if parser else [TextPiece(event.text)]):
                     yield line
                 continue
-            for line in on(parser.finish() if parser else []):
+            for line in close_thought() + on(parser.finish() if parser else []):
                 yield line
-            if message is None and not output:  # an empty answer is still a message
+            if message is None and all(o is not None and o["type"] == "reasoning" for o in output):  # no answer yet:
+                # an empty answer is still a message
                 for line in open_message():
                     yield line
             for line in (close_message() if message is not None else []) + (close_call() if call is not None else []):
