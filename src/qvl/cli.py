@@ -314,7 +314,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_synth(args: argparse.Namespace) -> int:
     from qvl.synth import write_checkpoint
 
-    out = write_checkpoint(args.out, args.preset, args.seed, outliers=args.outliers, thinking=args.thinking)
+    changes = {"text_config": {"num_hidden_layers": args.layers}} if args.layers else None
+    out = write_checkpoint(args.out, args.preset, args.seed, changes, outliers=args.outliers, thinking=args.thinking)
     kind = "an outlier stress" if args.outliers else "a random-weight Thinking" if args.thinking else "a random-weight"
     print(f"wrote {kind} '{args.preset}' checkpoint to {out}")
     return 0
@@ -375,15 +376,64 @@ def cmd_info(args: argparse.Namespace) -> int:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "kernels": k.describe(),
     }
+    if args.model:
+        info["model"] = model_needs(args.model)
     if args.json:
         print(json.dumps(info))
     else:
         for key, value in info.items():
+            if key == "model":
+                continue
             if isinstance(value, dict):
                 value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items()) if all(
                     isinstance(v, bool) for v in value.values()) else "; ".join(f"{k}: {v}" for k, v in value.items())
             print(f"{key:22} {value}")
+        if args.model:
+            needs = info["model"]
+            print(f"\n{args.model}: reads {needs['read_gb_per_s']} GB/s here, {needs['available_gb']} GB available; "
+                  f"KV cache {needs['kv_mb_per_1k_tokens']} MB per 1k tokens of context")
+            for fmt, f in needs["formats"].items():
+                print(f"  {fmt:5} weights {f['total_gb']:6.2f} GB, a decode step reads {f['decode_read_gb']:.2f} GB: "
+                      f"about {f['decode_ms_per_token_estimate']:.0f} ms/token" + ("" if f["fits_in_available_memory"]
+                                                                            else "  (does not fit)"))
     return 0
+
+
+KNOWN_SIZES = {f"Qwen/Qwen3-VL-{size.upper()}-{kind}": size for size in ("2b", "4b", "8b", "32b")
+               for kind in ("Instruct", "Thinking")}
+
+
+def model_needs(name: str) -> dict:
+    """What a model needs on this machine: per weight format, the memory of its weights, what
+    a decode step reads, and the time per token that takes at the read bandwidth measured now
+    (an estimate: a busy machine reads slower, and qvl's kernels read faster than the probe);
+    and the KV cache per 1k tokens of context."""
+    from pathlib import Path
+
+    import psutil
+
+    from qvl.config import ModelConfig
+    from qvl.sizing import FORMATS, footprint, read_bandwidth
+
+    if Path(name).expanduser().is_dir():
+        cfg = ModelConfig.from_file(Path(name).expanduser() / "config.json")
+    elif name in KNOWN_SIZES:  # no download needed to say what it needs
+        from qvl.synth import preset_config
+
+        cfg = ModelConfig.from_dict(preset_config(KNOWN_SIZES[name]))
+    else:
+        from qvl.hub import resolve_model
+
+        cfg = ModelConfig.from_file(resolve_model(name) / "config.json")
+    bandwidth = read_bandwidth()
+    available = psutil.virtual_memory().available
+    formats = {}
+    for fmt in FORMATS:
+        f = footprint(cfg, fmt, vision_int8=fmt != "bf16")
+        formats[fmt] = {**f.to_dict(), "decode_ms_per_token_estimate": round(f.read_per_token / bandwidth * 1000, 1),
+                        "fits_in_available_memory": f.total_bytes + 2**30 < available}
+    return {"read_gb_per_s": round(bandwidth / 1e9, 1), "available_gb": round(available / 1e9, 1),
+            "kv_mb_per_1k_tokens": formats["int8"].pop("kv_mb_per_1k_tokens"), "formats": formats}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
@@ -421,7 +471,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint in the official layout (offline demo)")
     p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "2b"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "2b", "4b", "8b", "32b"])
+    p.add_argument("--layers", type=int, help="text decoder layers (fewer than the preset's: a full-width model "
+                                              "for benchmarks that fits the disk and memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--outliers", action="store_true",
                    help="a stress checkpoint for int8 activations: plant trained-model-like outliers, 6 hidden "
@@ -445,7 +497,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p.add_argument("--calibrate-images", type=int, default=16, help="how many of DIR's images (default 16)")
     commands["quantize"] = cmd_quantize
 
-    p = sub.add_parser("info", help="CPU features, chosen dtype and threads, versions")
+    p = sub.add_parser("info", help="CPU features, chosen dtype and threads, versions; with --model, what a "
+                                    "model needs here")
+    p.add_argument("--model", "-m", help="a model folder or a known hub id (Qwen/Qwen3-VL-8B-Instruct, ...): the "
+                                         "memory each weight format needs and the decode speed to expect")
     p.add_argument("--json", action="store_true")
     commands["info"] = cmd_info
 

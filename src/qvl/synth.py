@@ -44,6 +44,17 @@ OFFICIAL_2B = {
     "vision_start_token_id": 151652,
 }
 
+# The other dense sizes, as changes to the 2B config (../shared/NOTES.md: the published configs).
+VISION_27 = {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_size": 1152, "intermediate_size": 4304}
+SIZE_CHANGES = {
+    "4b": {"tie_word_embeddings": True, "vision_config": {"out_hidden_size": 2560}, "text_config": {
+        "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32}},
+    "8b": {"tie_word_embeddings": False, "vision_config": {**VISION_27, "out_hidden_size": 4096}, "text_config": {
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32}},
+    "32b": {"tie_word_embeddings": False, "vision_config": {**VISION_27, "out_hidden_size": 5120}, "text_config": {
+        "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64}},
+}
+
 # The same layout shrunk for tests: the real vocabulary, tiny layers.
 TINY_CHANGES = {
     "text_config": {
@@ -80,8 +91,9 @@ def _merge(base: dict, changes: dict) -> dict:
 
 
 def preset_config(preset: str, changes: dict | None = None) -> dict:
-    """config.json contents for a preset ('tiny' | '2b'), with optional nested overrides."""
-    presets = {"2b": OFFICIAL_2B, "tiny": _merge(OFFICIAL_2B, TINY_CHANGES)}
+    """config.json contents for a preset (tiny, 2b, 4b, 8b, 32b), with optional nested overrides."""
+    presets = {"2b": OFFICIAL_2B, "tiny": _merge(OFFICIAL_2B, TINY_CHANGES),
+               **{name: _merge(OFFICIAL_2B, size) for name, size in SIZE_CHANGES.items()}}
     if preset not in presets:
         raise ValueError(f"unknown preset '{preset}' (choose from: {', '.join(presets)})")
     config = _merge(presets[preset], changes or {})
