@@ -12,11 +12,12 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ["QVL_CACHE_DIR"] = tempfile.mkdtemp(prefix="qvl-test-cache-")  # quantised weights kept here
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-# An untied, differently shaped variant for parity tests.
+# An untied, differently shaped variant for parity tests, laid out like 8B and 32B: an untied
+# head and a deeper vision tower with three DeepStack layers not at its start.
 UNTIED_CHANGES = {
     "tie_word_embeddings": False,
     "text_config": {"num_hidden_layers": 3},
-    "vision_config": {"deepstack_visual_indexes": [1, 3], "depth": 5},
+    "vision_config": {"deepstack_visual_indexes": [1, 2, 4], "depth": 6},
 }
 
 
