@@ -379,3 +379,38 @@ def test_the_worker_warms_up_before_the_first_request(tiny_engine, monkeypatch):
         order.append("answer")
         assert body["choices"][0]["message"]["content"] is not None
     assert order == ["warm-up", "answer"]
+
+
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]),
+                              "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "a b", 1]),
+                                                                 "parameters": JSON})}) | JSON
+RESPONSES_FIELDS = {"input": JSON | st.text(max_size=8) | st.lists(MESSAGE, max_size=2), "instructions": JSON,
+                    "text": st.fixed_dictionaries({"format": JSON}) | JSON, "tools": st.lists(TOOL, max_size=2) | JSON,
+                    "tool_choice": JSON | st.sampled_from(["auto", "none", "required"]), "max_output_tokens": JSON,
+                    "previous_response_id": JSON, "temperature": JSON}
+OLLAMA_FIELDS = {"messages": st.lists(MESSAGE, max_size=2) | JSON, "format": JSON | st.just("json"),
+                 "options": st.dictionaries(st.sampled_from(["temperature", "num_predict", "stop", "seed", "x"]),
+                                            JSON, max_size=3) | JSON,
+                 "tools": st.lists(TOOL, max_size=2) | JSON, "think": JSON, "stream": JSON, "images": JSON,
+                 "prompt": JSON | st.text(max_size=8)}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_responses_and_ollama_answer_any_json_with_200_or_400(client, data):
+    """Whatever JSON arrives at the other APIs: an answer or a 400 in that API's shape, never a 500."""
+    route = data.draw(st.sampled_from(["/v1/responses", "/api/chat", "/api/generate"]))
+    fields = RESPONSES_FIELDS if route == "/v1/responses" else OLLAMA_FIELDS
+    body = data.draw(st.fixed_dictionaries({}, optional=fields))
+    if route == "/v1/responses":
+        body["max_output_tokens"] = 2 if not isinstance(body.get("max_output_tokens"), int) else body["max_output_tokens"]
+        body["max_output_tokens"] = min(body["max_output_tokens"], 2) if body["max_output_tokens"] > 0 else 2
+    else:
+        body["stream"] = False
+        options = body.get("options") if isinstance(body.get("options"), dict) else {}
+        body["options"] = {**options, "num_predict": 2}
+    response = client.post(route, content=json.dumps(body), headers=JSON_BODY)
+    assert response.status_code in (200, 400), (route, body, response.text)
+    if response.status_code == 400:
+        error = response.json()["error"]
+        assert isinstance(error, str if route.startswith("/api/") else dict) and error
