@@ -3,6 +3,11 @@ synthetic checkpoints at full width with fewer text layers (so they fit this dis
 memory; a decode step's bytes scale with the layers, so the ratio to the floor carries over).
 
     python benchmarks/family.py --presets 4b 8b --layers 8 --rounds 3
+    python benchmarks/family.py --presets 8b --llama-bin /work/llama/native-bin --gguf-dir /work/ckpt/gguf
+
+With --llama-bin, llama.cpp's llama-bench decodes the same checkpoint converted to GGUF Q8_0
+(`convert_hf_to_gguf.py CKPT --outtype q8_0 --outfile GGUF_DIR/qvl-P-Llayers-Q8_0.gguf`) in
+the same rounds, and the qvl / llama.cpp ratio is printed.
 
 Per preset: `qvl synth --preset P --layers L` (once, into --dir), then per round the read
 bandwidth (compare.machine_rates: a streaming sum over 1 GiB in weight-sized pieces) and
@@ -33,6 +38,12 @@ def bench(model: Path, threads: int, weights: str, new_tokens: int) -> float:
     return json.loads(out.strip().splitlines()[-1])["decode_ms_per_token"]
 
 
+def llama_decode(bin_dir: Path, gguf: Path, threads: int, new_tokens: int) -> float:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
+                          "-t", str(threads), "-r", "2", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return 1000.0 / json.loads(out)[0]["avg_ts"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["4b", "8b"])
@@ -42,6 +53,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dir", type=Path, default=Path("/work/ckpt"))
+    p.add_argument("--llama-bin", type=Path, help="a llama.cpp build's bin folder (llama-bench)")
+    p.add_argument("--gguf-dir", type=Path, help="where the Q8_0 conversions are")
     args = p.parse_args()
     for preset in args.presets:
         model = args.dir / f"qvl-{preset}-{args.layers}layers"
@@ -50,12 +63,17 @@ def main() -> None:
                             "--layers", str(args.layers)], check=True)
         read = footprint(ModelConfig.from_file(model / "config.json"), args.weights).read_per_token
         bench(model, args.threads, args.weights, 4)  # the first start quantises and builds: not measured
-        ratios, times, floors = [], [], []
+        gguf = args.gguf_dir / f"{model.name}-Q8_0.gguf" if args.gguf_dir else None
+        ratios, times, floors, llama = [], [], [], []
         for rnd in range(args.rounds):
             if rnd % 2 == 0:
                 gb_s = machine_rates(args.threads)["read_gb_s"]
                 ms = bench(model, args.threads, args.weights, args.new_tokens)
+                if args.llama_bin:
+                    llama.append(llama_decode(args.llama_bin, gguf, args.threads, args.new_tokens))
             else:
+                if args.llama_bin:
+                    llama.append(llama_decode(args.llama_bin, gguf, args.threads, args.new_tokens))
                 ms = bench(model, args.threads, args.weights, args.new_tokens)
                 gb_s = machine_rates(args.threads)["read_gb_s"]
             floor = read / (gb_s * 1e9) * 1000
@@ -63,13 +81,17 @@ def main() -> None:
             times.append(ms)
             floors.append(floor)
             print(f"{preset} round {rnd + 1}: {ms:.1f} ms/token, read {gb_s:.1f} GB/s, floor {floor:.1f} ms, "
-                  f"{ms / floor:.2f}x floor", flush=True)
+                  f"{ms / floor:.2f}x floor" + (f", llama.cpp Q8_0 {llama[-1]:.1f} ms/token" if llama else ""),
+                  flush=True)
 
         def spread(values):
             return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
         print(f"{preset}, {args.layers} of its layers, {args.weights}: {read / 1e9:.2f} GB read per token; "
               f"decode {spread(times)} ms/token, floor {spread(floors)} ms, x floor {spread(ratios)}")
+        if llama:
+            print(f"llama.cpp Q8_0 decode {spread(llama)} ms/token; qvl / llama.cpp "
+                  f"{spread([q / l for q, l in zip(times, llama)])}")
 
 
 if __name__ == "__main__":
