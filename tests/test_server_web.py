@@ -172,3 +172,22 @@ def test_json_switch_sends_the_schema_and_shows_the_answer_parsed(server, page):
     assert json.loads(request.value.post_data)["response_format"] == {"type": "json_object"}
     wait_until(lambda: page.locator(".msg.assistant").count() == 2
                and page.locator(".msg.assistant.streaming").count() == 0, timeout_s=60)
+
+
+def test_a_thinking_models_reasoning_is_shown_apart(tmp_path_factory, page):
+    from qvl.synth import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("thinking"), "tiny", seed=0, thinking=True)
+    with live_server(checkpoint, "--reasoning-budget", "4") as server:
+        page.goto(f"{server.url}/")
+        page.wait_for_selector("#status:has-text('ready')")
+        page.fill("#max-tokens", "10")
+        page.fill("#question", "Why?")
+        page.click("#ask")
+        page.wait_for_selector("#stats:has-text('tokens/s')")
+        thought, answer = page.text_content(".msg.thinking"), page.text_content(".msg.assistant")
+        final = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Why?"}]}], "max_tokens": 10,
+            "temperature": 0, "seed": 0}).json()["choices"][0]["message"]
+        assert thought and answer and thought != answer
+        assert len(final["reasoning_content"]) > 0  # the same split the page shows

@@ -200,6 +200,7 @@ async function ask(text, task, format) {
   setBusy(true);
   const started = performance.now();
   let answer = "", firstMs = null, timings = null, usage = null, failed = false;
+  let thought = null;  // a Thinking model's reasoning, shown dimmed above its answer
   try {
     const res = await fetch("v1/chat/completions", {method: "POST", headers: headers(),
       body: JSON.stringify(requestBody(history, task, format)), signal: state.controller.signal});
@@ -209,6 +210,17 @@ async function ask(text, task, format) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
+      const reasoning = chunk.choices.length ? chunk.choices[0].delta.reasoning_content : null;
+      if (reasoning) {
+        if (firstMs === null) firstMs = performance.now() - started;
+        if (thought === null) {
+          thought = document.createElement("div");
+          thought.className = "msg thinking";
+          bubble.before(thought);
+        }
+        thought.textContent += reasoning;
+        bubble.scrollIntoView({block: "end"});
+      }
       const delta = chunk.choices.length ? chunk.choices[0].delta.content : null;
       if (delta) {
         if (firstMs === null) firstMs = performance.now() - started;
