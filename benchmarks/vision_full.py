@@ -3,6 +3,10 @@ transformers bf16 against qvl, both loaded in one process and run alternately, s
 sides see the same machine state (this VM's speed drifts between runs); medians of --repeat.
 
     python benchmarks/vision_full.py --model /work/ckpt/qvl-2b --repeat 3
+    python benchmarks/vision_full.py --model /work/ckpt/qvl-8b-8layers --tokens 256 --configs default
+
+--tokens sets the budget (default the full 2,040); --configs default runs qvl's default
+configuration (int8, the vision tower as the tier decides) instead of the two above.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ CONFIGS = {
     "qvl int8-fast (--vision-int8 --int8-activations)": {"weights": "int8", "vision_int8": True,
                                                          "int8_activations": "all"},
 }
+DEFAULT = {"qvl default (int8)": {}}
 
 
 def main() -> None:
@@ -31,21 +36,24 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2040, help="image tokens (the budget)")
+    p.add_argument("--configs", choices=["formats", "default"], default="formats")
     args = p.parse_args()
+    configs = DEFAULT if args.configs == "default" else CONFIGS
     torch.set_num_threads(args.threads)
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     reference = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.bfloat16).eval()
     config = json.load(open(os.path.join(args.model, "preprocessor_config.json")))
-    full = 16384 * 32 * 32
-    proc = Qwen2VLImageProcessorPil(**{**config, "size": {"shortest_edge": 65536, "longest_edge": full}})
+    budget = args.tokens * 32 * 32
+    proc = Qwen2VLImageProcessorPil(**{**config, "size": {"shortest_edge": 65536, "longest_edge": budget}})
     image = synthetic_image(1920, 1080)
     pixels = proc(images=[image], return_tensors="pt")
     engines = {name: Engine.load(EngineOptions(model=args.model, threads=args.threads, **changes))
-               for name, changes in CONFIGS.items()}
-    processed = preprocess(image, engines["qvl bf16"].image_cfg,
-                           max_pixels=max_pixels_for_tokens(2040, engines["qvl bf16"].image_cfg))
+               for name, changes in configs.items()}
+    first = next(iter(engines.values()))
+    processed = preprocess(image, first.image_cfg, max_pixels=max_pixels_for_tokens(args.tokens, first.image_cfg))
     patches = processed.pixel_values
     assert tuple(pixels["image_grid_thw"][0].tolist()) == processed.grid_thw, "both sides must see the same grid"
 
@@ -63,7 +71,7 @@ def main() -> None:
                 print(f"  {name}: {times[name][-1]:.1f} s", flush=True)
     base = statistics.median(times["transformers bf16"])
     print(f"\n{processed.grid_thw[1] * processed.grid_thw[2]} patches, {args.threads} threads, median of "
-          f"{args.repeat} alternating runs\n\n| vision encoder, full budget | seconds (runs) | speed-up |\n|---|---|---|")
+          f"{args.repeat} alternating runs\n\n| vision encoder, {args.tokens} tokens | seconds (runs) | speed-up |\n|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {med:.1f} ({', '.join(f'{t:.1f}' for t in ts)}) | {base / med:.2f}× |")
