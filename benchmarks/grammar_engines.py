@@ -476,9 +476,11 @@ class OC(Base):
         GPT-2's byte table). One EOS only; special added tokens left out (they are not text)."""
         import tokenizers
 
+        from qvl.processing.tokenizer import bytes_to_unicode
+
         self.ht = tokenizers.Tokenizer.from_file(os.path.join(self.model_dir, "tokenizer.json"))
         data = json.loads(self.ht.to_str())
-        u2b = {c: b for b, c in _bytes_to_unicode().items()}
+        u2b = {c: b for b, c in bytes_to_unicode().items()}
         mapping: dict[bytes, list[int]] = {}
         for token, i in data["model"]["vocab"].items():
             mapping.setdefault(bytes(u2b[c] for c in token), []).append(i)
@@ -551,18 +553,6 @@ class OC(Base):
 
 
 ADAPTERS = {"llguidance": LLG, "xgrammar": XGR, "outlines-core": OC}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 # ---------------------------------------------------------------------------------------

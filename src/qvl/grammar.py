@@ -155,8 +155,8 @@ class Grammars:
         return Guide(self.compile(constraint).deep_copy(), self.vocab_size)
 
     def warm_up(self) -> None:
-        """Build the tokenizer index and what llguidance builds at its first mask (~1 s and
-        ~2 s, once per process), so the first constrained request does not wait for them."""
+        """Build the tokenizer index (~1 s, once per process) and run one mask through it, so
+        the first constrained request does not wait for either."""
         self.guide(Constraint.json()).mask(torch.zeros(1, self.vocab_size))
 
 

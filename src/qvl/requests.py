@@ -122,9 +122,8 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
 def opens_reasoning(ids: list[int], tokenizer: Tokenizer) -> bool:
     """Whether the generation prompt (after the last `<|im_start|>`) opens `<think>` without
     closing it, as a Thinking checkpoint's template does."""
-    try:
-        turn, start, end = (tokenizer.token_id(t) for t in ("<|im_start|>", "<think>", "</think>"))
-    except ValueError:  # a tokenizer without them: no reasoning to split
+    turn, start, end = (tokenizer.find(t) for t in ("<|im_start|>", "<think>", "</think>"))
+    if None in (turn, start, end):  # a tokenizer without them: no reasoning to split
         return False
     last = len(ids) - 1 - ids[::-1].index(turn) if turn in ids else 0
     tail = ids[last:]

@@ -252,10 +252,16 @@ class Scheduler:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if params.constraint is not None:
             seq.guide = engine.grammars.guide(params.constraint)
-        usage = Usage(prompt_tokens=len(seq.parsed.ids), image_tokens=seq.parsed.image_tokens)
-        seq.text = TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, seq.timings, seq.started,
-                              think_end=engine.think_end if seq.parsed.reasoning else None)
+        seq.text = self._text_stream(seq, seq.timings)
         self.running.append(seq)
+
+    def _text_stream(self, seq: Sequence, timings: Timings, index: int = 0) -> TextStream:
+        """A row's text: its request's stop strings and EOS, and its reasoning kept apart when
+        the prompt opened `<think>`."""
+        engine, params = self.engine, seq.params
+        usage = Usage(prompt_tokens=len(seq.parsed.ids), image_tokens=seq.parsed.image_tokens)
+        return TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, timings, seq.started, index,
+                          engine.think_end if seq.parsed.reasoning else None)
 
     def _make_room(self, needed: int) -> None:
         """A cache with max_batch rows of at least `needed` slots; growing keeps every running
@@ -339,9 +345,7 @@ class Scheduler:
                                counts=None if seq.counts is None else seq.counts.clone(),
                                generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index),
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
-            sibling.text = TextStream(self.engine.tokenizer, params.stop, self.engine.eos_ids(params),
-                                      Usage(seq.text.usage.prompt_tokens, seq.text.usage.image_tokens), timings,
-                                      seq.started, index, self.engine.think_end if seq.parsed.reasoning else None)
+            sibling.text = self._text_stream(seq, timings, index)
             self.running.insert(self.running.index(seq) + index, sibling)
         seq.spare_rows = []
 

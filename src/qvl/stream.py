@@ -129,9 +129,13 @@ class Reasoning:
         """The reasoning text this token completes; `</think>` closes it."""
         if token == self.end_id:
             self.open = False
-            return self._take(self.decoder.flush(), last=True)
+            return self.flush()
         self.tokens += 1
         return self._take(self.decoder.push(token))
+
+    def flush(self) -> str:
+        """The text held back until now (its trailing newlines dropped): the reasoning ended."""
+        return self._take(self.decoder.flush(), last=True)
 
     def _take(self, text: str, last: bool = False) -> str:
         if not self.parts and not self.newlines:
@@ -225,7 +229,7 @@ class TextStream:
         """No more tokens: the held-back tail (unless a stop string ended it) and the Done."""
         tail = None
         if self.thinking:  # ended inside the reasoning (EOS, the token cap): its held-back text
-            piece = self.reasoning._take(self.reasoning.decoder.flush(), last=True)
+            piece = self.reasoning.flush()
             if piece:
                 tail = Delta("", [], self._unsent(), self.index, piece)
         if not self.hit_stop_string:

@@ -64,6 +64,11 @@ class ToolChoice:
     mode: str = "auto"
     name: str | None = None
 
+    @property
+    def forced(self) -> bool:
+        """The answer must be a call (required, or a named function)."""
+        return self.mode in ("required", "function")
+
 
 def answer_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool, answer: Constraint | None,
                       tokenizer, param: str = "tool_choice") -> Constraint | None:
@@ -77,7 +82,7 @@ def answer_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool, ans
         return answer
     if choice.mode == "auto" and answer is None:
         return None
-    if choice.mode != "auto" and answer is not None:
+    if choice.forced and answer is not None:
         raise RequestError("a forced tool call cannot also follow a response format: drop one of them", param)
     if answer is not None and answer.kind != "json_schema":
         raise RequestError("with tools, the answer format can only be a JSON schema", param)

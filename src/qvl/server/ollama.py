@@ -28,7 +28,7 @@ from qvl.server.schemas import MAX_MESSAGES, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
-from qvl.tools import TextPiece, ToolCallStream, answer_constraint, check_tool, check_unique
+from qvl.tools import TextPiece, ToolCallStream, answer_constraint, check_tool, check_unique, parse_answer
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version qvl speaks (clients check it)
 NDJSON = "application/x-ndjson"
@@ -312,9 +312,8 @@ def answer_parts(done: Done, tools: bool) -> tuple[str, list[dict]]:
     """(text, Ollama tool calls) of a whole answer."""
     if not tools:
         return done.text, []
-    stream = ToolCallStream()
-    text = "".join(e.text for e in stream.feed(done.text) + stream.finish() if isinstance(e, TextPiece))
-    return (text if not stream.calls else text.strip()), [ollama_call(c) for c in stream.calls]
+    text, calls = parse_answer(done.text)
+    return (text if not calls else text.strip()), [ollama_call(c) for c in calls]
 
 
 def ollama_call(call) -> dict:

@@ -73,8 +73,7 @@ class ChatCompletions:
         choice = tool_choice(None if named else req.tool_choice, req.tool_choice.function.name if named else None, tools)
         constraint = answer_constraint(tools, choice, req.parallel_tool_calls, answer_format(req), engine.tokenizer)
         if constraint is not None:  # named after the field that asked for it
-            forced = tools and choice.mode in ("required", "function")
-            engine.grammars.compile(constraint, "tool_choice" if forced else
+            engine.grammars.compile(constraint, "tool_choice" if tools and choice.forced else
                                     "structured_outputs" if req.structured_outputs else "response_format")
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
         try:

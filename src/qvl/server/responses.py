@@ -27,7 +27,8 @@ from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
-from qvl.tools import CallArguments, CallStart, TextPiece, ToolCallStream, answer_constraint, check_tool, check_unique
+from qvl.tools import (CallArguments, CallStart, TextPiece, ToolCallStream, answer_constraint, check_tool, check_unique,
+                       parse_answer)
 
 
 class InputPart(_Strict):
@@ -146,8 +147,7 @@ class Responses:
         constraint = answer_constraint(tools, choice, req.parallel_tool_calls,
                                        format_constraint(fmt.type, fmt.schema_), engine.tokenizer)
         if constraint is not None:
-            forced = tools and choice.mode in ("required", "function")
-            engine.grammars.compile(constraint, "tool_choice" if forced else "text.format")
+            engine.grammars.compile(constraint, "tool_choice" if tools and choice.forced else "text.format")
         messages = conversation(req, self.state.settings.images, engine.options.max_images)
         sampling = engine.sampling_defaults(
             max_new_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -256,10 +256,9 @@ def output_items(done: Done, tools: bool) -> list[dict]:
 def answer_items(done: Done, tools: bool) -> list[dict]:
     if not tools:
         return [message_item(new_item_id("msg"), done.text)]
-    stream = ToolCallStream()
-    text = "".join(e.text for e in stream.feed(done.text) + stream.finish() if isinstance(e, TextPiece))
-    items = [message_item(new_item_id("msg"), text)] if text.strip() or not stream.calls else []
-    return items + [call_item(new_item_id("fc"), c.id, c.name, c.arguments) for c in stream.calls]
+    text, calls = parse_answer(done.text)
+    items = [message_item(new_item_id("msg"), text)] if text.strip() or not calls else []
+    return items + [call_item(new_item_id("fc"), c.id, c.name, c.arguments) for c in calls]
 
 
 def response_object(spec: Spec, done: Done | None, output: list[dict]) -> dict:
