@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -22,6 +23,35 @@ def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
     y, x = np.mgrid[0:height, 0:width]
     base = np.stack([x / max(width, 1), y / max(height, 1), (x + y) / max(width + height, 1)], -1) * 200
     return Image.fromarray((base + rng.normal(0, 20, base.shape)).clip(0, 255).astype("uint8"))
+
+
+def synthetic_clip(path, seconds: float, width: int, height: int, fps: int = 30, codec: str = "libx264",
+                   container: str | None = None) -> Path:
+    """Write a clip of moving test-card frames (a gradient that scrolls, a square that crosses
+    it, a frame counter bar): every frame differs, and it compresses like footage, not noise."""
+    import av
+
+    path = Path(path)
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width]
+    base = (np.stack([x / max(width, 1), y / max(height, 1), (x + y) / max(width + height, 1)], -1) * 200
+            + rng.normal(0, 6, (height, width, 3))).clip(0, 255).astype(np.uint8)
+    side = max(2, min(width, height) // 6)
+    with av.open(str(path), mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            stream.options = {"preset": "ultrafast", "crf": "30"}
+        for i in range(max(1, round(seconds * fps))):
+            frame = np.roll(base, i * 4, axis=1)
+            top, left = (i * 3) % max(1, height - side), (i * 7) % max(1, width - side)
+            frame[top:top + side, left:left + side] = (255 - 8 * (i % 32), 40, 8 * (i % 32))
+            frame[:4, : (i * 9) % width] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
 
 
 def parse_size(text: str) -> tuple[int, int]:

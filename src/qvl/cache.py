@@ -105,9 +105,9 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def image_spans(ids: torch.Tensor, image_token_id: int, hashes: list[str]) -> list[tuple[int, int, str]]:
-    """(start, end, hash) of each run of image tokens, in order."""
-    is_image = (ids == image_token_id).int()
+def image_spans(is_image: torch.Tensor, hashes: list[str]) -> list[tuple[int, int, str]]:
+    """(start, end, hash) of each run of image (or video frame) tokens, in order; is_image: [T] bool."""
+    is_image = is_image.int()
     edges = torch.diff(torch.cat([torch.tensor([0]), is_image, torch.tensor([0])]))
     starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
     return [(s, e, h) for s, e, h in zip(starts, ends, hashes)]

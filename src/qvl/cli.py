@@ -21,6 +21,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from qvl.processing.video import DEFAULT_FPS, DEFAULT_MAX_FRAMES, DEFAULT_MAX_VIDEO_TOKENS
+
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", help="model folder or Hugging Face id (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
@@ -58,6 +60,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--max-image-tokens", type=int, help="image budget per image, in LLM tokens")
     budget.add_argument("--max-pixels", type=int, help="image budget per image, in pixels (32x32 pixels per token)")
+    v = p.add_argument_group("video (frames are sampled, resized and paired as Qwen3-VL's video processor does)")
+    v.add_argument("--fps", type=float, default=DEFAULT_FPS, help="frames sampled per second of clip (default 2)")
+    v.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES,
+                   help=f"frames per clip at most, spread evenly over longer clips (default {DEFAULT_MAX_FRAMES})")
+    v.add_argument("--max-video-tokens", type=int, default=DEFAULT_MAX_VIDEO_TOKENS,
+                   help="token budget of a whole clip: frames shrink to fit it (default "
+                        f"{DEFAULT_MAX_VIDEO_TOKENS}, ~12 s to the first token on 2 cores for the 2B model)")
+    v.add_argument("--video-tokens-cap", type=int, default=16384,
+                   help="the largest clip budget a request may ask for (default 16384)")
+    v.add_argument("--max-video-seconds", type=float, help="refuse longer clips (default: any length)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +100,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace):
     from qvl.engine import DEFAULT_MAX_IMAGE_TOKENS, EngineOptions
+    from qvl.processing.video import VideoSettings
     from qvl.runtime import parse_cpu_list
 
     from qvl.tasks import get_task
@@ -103,6 +116,10 @@ def engine_options(args: argparse.Namespace):
         vision_cache_mb=args.vision_cache_mb,
         prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
         kv_cache_mb=args.kv_cache_mb, deterministic=args.deterministic, reasoning_budget=args.reasoning_budget,
+        video=VideoSettings(fps=args.fps, max_frames=args.max_frames, max_tokens=args.max_video_tokens,
+                            min_frames=min(4, args.max_frames)),
+        video_tokens_cap=args.video_tokens_cap, video_frames_cap=max(768, args.max_frames),
+        max_video_seconds=args.max_video_seconds,
     )
 
 
@@ -169,8 +186,9 @@ def sampling_params(engine, args: argparse.Namespace, constraint=None):
     )
 
 
-def user_message(text: str, images: list) -> dict:
-    return {"role": "user", "content": [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]}
+def user_message(text: str, images: list, videos: list = ()) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": im} for im in images]
+            + [{"type": "video", "video": clip} for clip in videos] + [{"type": "text", "text": text}]}
 
 
 def prompt_text(args: argparse.Namespace) -> str:
@@ -186,21 +204,22 @@ def prompt_text(args: argparse.Namespace) -> str:
     return prompt
 
 
-def check_images(paths: list[str]) -> None:
+def check_files(paths: list[str], kind: str = "image") -> None:
     for path in paths:
         if not os.path.isfile(path):
-            raise ValueError(f"image file not found: {path}")
+            raise ValueError(f"{kind} file not found: {path}")
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
     from qvl.engine import Engine, Request
     from qvl.stream import Delta, Done
 
-    check_images(args.image)
+    check_files(args.image)
+    check_files(args.video, "video")
     text = prompt_text(args)
     constraint = answer_constraint(args)
     engine = Engine.load(engine_options(args))
-    request = Request([user_message(text, args.image)], sampling_params(engine, args, constraint))
+    request = Request([user_message(text, args.image, args.video)], sampling_params(engine, args, constraint))
     for event in engine.stream(request):
         if isinstance(event, Delta) and not args.json:
             show_reasoning(event.reasoning, args.hide_reasoning)
@@ -227,13 +246,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat on the terminal; earlier turns are reused from the prefix cache."""
     from qvl.engine import Engine
 
-    check_images(args.image)
+    check_files(args.image)
+    check_files(args.video, "video")
     constraint = answer_constraint(args)
     engine = Engine.load(engine_options(args))
     params = sampling_params(engine, args, constraint)
     history: list[dict] = []
-    pending = list(args.image)
-    print("qvl chat: type a message; /image PATH attaches a picture, /reset forgets, /quit leaves.", file=sys.stderr)
+    pending, clips = list(args.image), list(args.video)
+    print("qvl chat: type a message; /image PATH attaches a picture, /video PATH a clip, /reset forgets, "
+          "/quit leaves.", file=sys.stderr)
     while True:
         try:
             line = input("> ").strip()
@@ -242,25 +263,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line in ("/quit", "/exit"):
             return 0
         if line == "/reset":
-            history, pending = [], []
+            history, pending, clips = [], [], []
             continue
-        if line.startswith("/image "):
-            path = line[len("/image "):].strip()
+        if line.startswith(("/image ", "/video ")):
+            kind, path = line[1:6], line[len("/image "):].strip()
             if os.path.isfile(path):
-                pending.append(path)
+                (pending if kind == "image" else clips).append(path)
             else:
-                print(f"[no such image file: {path}]", file=sys.stderr)
+                print(f"[no such {kind} file: {path}]", file=sys.stderr)
             continue
         if not line:
             continue
-        history.append(user_message(line, pending))
+        history.append(user_message(line, pending, clips))
         try:
             text = chat_turn(engine, history, params, args.hide_reasoning)
         except (*expected_errors(), KeyboardInterrupt) as exc:  # this turn is lost, the session goes on
             history.pop()
             print(f"\n[{'stopped' if isinstance(exc, KeyboardInterrupt) else f'error: {exc}'}]", file=sys.stderr)
             continue
-        pending = []
+        pending, clips = [], []
         history.append({"role": "assistant", "content": text})
 
 
@@ -444,6 +465,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p = sub.add_parser("ask", help="ask one question, optionally about images; streams the answer")
     p.add_argument("prompt", nargs="?", help="the question; - reads it from stdin")
     p.add_argument("-i", "--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("-v", "--video", action="append", default=[],
+                   help="video file (repeatable; MP4, WebM, MKV, MOV, AVI, ...: decoded by PyAV's own FFmpeg)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids, usage, timings")
     p.add_argument("--hide-reasoning", action="store_true",
                    help="Thinking models: do not show the reasoning (it goes to stderr, dimmed, by default)")
@@ -453,6 +476,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
     p = sub.add_parser("chat", help="multi-turn chat on the terminal (earlier turns are not recomputed)")
     p.add_argument("-i", "--image", action="append", default=[], help="image for the first message (repeatable)")
+    p.add_argument("-v", "--video", action="append", default=[], help="video for the first message (repeatable)")
     p.add_argument("--hide-reasoning", action="store_true", help="Thinking models: do not show the reasoning")
     add_engine_args(p)
     add_sampling_args(p)

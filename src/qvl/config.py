@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
 DEFAULT_MAX_NEW_TOKENS = 1024  # a full page of OCR; used when generation_config sets none
@@ -168,6 +171,10 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def is_vision_token(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where the vision tower's features go: image and video placeholder tokens (bool, as ids)."""
+        return (ids == self.image_token_id) | (ids == self.video_token_id)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from qvl.processing.image import ImageProcessorConfig, ProcessedImage
 from qvl.processing.prompt import load_chat_template
 from qvl.processing.tokenizer import Tokenizer
 from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
-from qvl.requests import Limits, ParsedRequest, Request, RequestError, parse_request
+from qvl.processing.video import VideoSettings
+from qvl.requests import ClipCache, Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, DETERMINISTIC_CHUNK, Scheduler, Sequence
@@ -63,6 +64,12 @@ class EngineOptions:
     kv_cache_mb: float | None = None  # KV cache the running requests may reserve; None: see default_kv_budget_mb
     deterministic: bool = False  # answers independent of prefill slicing and prefix reuse too (see Scheduler)
     reasoning_budget: int | None = None  # Thinking models: reasoning tokens before </think> is forced (default)
+    video: VideoSettings = VideoSettings()  # per clip: sampling fps, frame cap, token budget (defaults)
+    video_tokens_cap: int = 16384  # the most one request may raise a clip's budget to
+    video_frames_cap: int = 768  # ... and its frame cap to
+    max_videos: int = 2
+    max_video_seconds: float | None = None  # longer clips are refused (None: any length)
+    clip_cache_mb: float = 256  # decoded clips kept for follow-up questions
 
 
 def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
@@ -135,7 +142,11 @@ class Engine:
         self.path, self.load_s = path, load_s
         self.weights = _weights_name(model)
         self.limits = Limits(options.max_image_tokens, max(options.image_tokens_cap, options.max_image_tokens),
-                             options.max_images, options.max_context)
+                             options.max_images, options.max_context, options.video,
+                             max(options.video_tokens_cap, options.video.max_tokens),
+                             max(options.video_frames_cap, options.video.max_frames), options.max_videos,
+                             options.max_video_seconds)
+        self.clips = ClipCache(options.clip_cache_mb)
         self.vision_cache = VisionCache(options.vision_cache_mb)
         self.prefix_cache = PrefixCache(options.prefix_cache_mb)
         self.answer_cache = AnswerCache(options.answer_cache_entries)
@@ -205,9 +216,9 @@ class Engine:
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
     def parse(self, request: Request) -> ParsedRequest:
-        """Decode images, tokenize, check the budget: cheap next to generation, and raises
-        RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
-        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits)
+        """Decode images and videos, tokenize, check the budget: cheap next to generation, and
+        raises RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
+        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits, self.clips)
         self.scheduler.check_admissible(parsed)
         if parsed.sampling.constraint is not None:
             self.grammars.compile(parsed.sampling.constraint)  # a grammar it cannot enforce: RequestError
@@ -229,7 +240,7 @@ class Engine:
 
     def spans(self, parsed: ParsedRequest) -> list[tuple[int, int, str]]:
         """(start, end, content hash) of each image's tokens in the prompt."""
-        return image_spans(parsed.ids, self.cfg.image_token_id, parsed.image_hashes)
+        return image_spans(self.cfg.is_vision_token(parsed.ids), parsed.image_hashes)
 
     def prepare(self, parsed: ParsedRequest, timings: Timings, skip: int = 0, cancel: CancelCheck | None = None,
                 spans: list | None = None, use_cache: bool = True) -> PreparedPrompt:
@@ -267,7 +278,7 @@ class Engine:
             deepstack = [torch.cat(layer) for layer in zip(*(f.deepstack for f in feats))]
         timings.vision_ms = (spent + time.perf_counter() - resumed) * 1000
         grids = [im.grid_thw for im in parsed.images]
-        positions, next_position = mrope_positions(parsed.ids, grids, self.cfg.image_token_id,
+        positions, next_position = mrope_positions(parsed.ids, grids, self.cfg.is_vision_token(parsed.ids),
                                                    self.cfg.vision.spatial_merge_size)
         return PreparedPrompt(parsed.ids, positions, next_position, embeds, deepstack, embeds_from)
 

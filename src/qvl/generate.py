@@ -46,7 +46,7 @@ def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start:
     """Run prompt tokens start..end through the decoder into slots start..end of a B=1 cache
     (or one row's view), whose first `start` slots already hold the prompt's first tokens.
     Returns the logits of token end-1 [1, V]."""
-    is_image = prompt.ids == model.cfg.image_token_id
+    is_image = model.cfg.is_vision_token(prompt.ids)
     done_images = int(is_image[:start].sum()) - prompt.embeds_from  # image tokens before start, already embedded
     vis = is_image[start:end][None]
     n_vis = int(vis.sum())

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import os
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from qvl.cache import LRU
 from qvl.processing.image import (
     ImageError,
     ImageProcessorConfig,
@@ -15,6 +18,7 @@ from qvl.processing.image import (
     preprocess,
 )
 from qvl.processing.prompt import tokenize_chat
+from qvl.processing.video import ProcessedVideo, VideoError, VideoSettings, load_video
 from qvl.processing.tokenizer import Tokenizer
 from qvl.sampling import SamplingParams
 
@@ -30,22 +34,25 @@ class RequestError(ValueError):
 @dataclass
 class Request:
     """messages: [{"role", "content": str | [{"type": "text", "text"} | {"type": "image",
-    "image": path | bytes | PIL.Image}]}] (assistant messages may carry "tool_calls", and
-    "tool" messages answer them, as the chat template renders them); max_image_tokens
-    overrides the engine budget; tools (OpenAI function tools) go into the prompt."""
+    "image": path | bytes | PIL.Image} | {"type": "video", "video": path | bytes}]}] (assistant
+    messages may carry "tool_calls", and "tool" messages answer them, as the chat template
+    renders them); max_image_tokens overrides the engine budget, video the engine's video
+    settings (fps, frames, tokens; within the caps); tools (OpenAI function tools) go into
+    the prompt."""
 
     messages: list[dict]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_image_tokens: int | None = None
     tools: list[dict] | None = None
+    video: dict | None = None  # {"fps", "max_frames", "max_tokens"}: any of them, over the engine's
 
 
 @dataclass
 class ParsedRequest:
     """A request checked and tokenized; images decoded and preprocessed, not yet encoded."""
 
-    ids: torch.Tensor  # [T] long, image placeholders expanded
-    images: list[ProcessedImage]
+    ids: torch.Tensor  # [T] long, image and video placeholders expanded
+    images: list[ProcessedImage]  # vision units in prompt order: images and videos' frame pairs
     sampling: SamplingParams
     answer_checked: bool = False  # the answer cache was already asked (and missed)
     reasoning: bool = False  # the prompt opened `<think>`: the answer starts with reasoning
@@ -65,10 +72,69 @@ class Limits:
     image_tokens_cap: int  # the most a request may ask for
     max_images: int
     max_context: int
+    video: VideoSettings = VideoSettings()  # defaults per clip
+    video_tokens_cap: int = 16384  # the most a request may ask for, per clip
+    video_frames_cap: int = 768
+    max_videos: int = 2
+    max_video_seconds: float | None = None  # longer clips are refused (None: any length)
 
 
-def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Limits):
-    """Template-ready messages (image parts reduced to {"type": "image"}) and the images."""
+class ClipCache(LRU):
+    """Decoded and preprocessed clips by file content and settings: a follow-up question
+    about a clip skips decoding, and its frame pairs then hit the vision cache."""
+
+    def __init__(self, max_mb: float):
+        super().__init__(max_bytes=int(max_mb * 2**20))
+
+    @staticmethod
+    def key(source, settings: VideoSettings, cfg: ImageProcessorConfig) -> str | None:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            digest = hashlib.sha256(source)
+        elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+            with open(source, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256")
+        else:
+            return None
+        digest.update(repr((settings, cfg)).encode())
+        return digest.hexdigest()
+
+    def load(self, source, cfg: ImageProcessorConfig, settings: VideoSettings,
+             max_seconds: float | None) -> ProcessedVideo:
+        key = self.key(source, settings, cfg) if self.enabled else None
+        clip = self.get(key) if key else None
+        if clip is None:
+            clip = load_video(source, cfg, settings, max_seconds=max_seconds)
+            if key:
+                self.put(key, clip, sum(p.pixels.nbytes for p in clip.pairs))
+        elif max_seconds is not None and clip.info.seconds > max_seconds:  # a stricter cap than when it was kept
+            clip = load_video(source, cfg, settings, max_seconds=max_seconds)
+        return clip
+
+
+def video_settings(request: Request, limits: Limits) -> VideoSettings:
+    """The engine's video settings with the request's overrides, checked against the caps."""
+    over = {k: v for k, v in (request.video or {}).items() if v is not None}
+    unknown = set(over) - {"fps", "max_frames", "max_tokens"}
+    if unknown:
+        raise RequestError(f"unknown video setting(s): {', '.join(sorted(unknown))}", "video")
+    try:
+        settings = replace(limits.video, **over)
+        if "max_frames" in over and settings.min_frames > settings.max_frames:
+            settings = replace(settings, min_frames=settings.max_frames)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(str(exc), "video") from None
+    if settings.max_tokens > limits.video_tokens_cap:
+        raise RequestError(f"a video budget of {settings.max_tokens} tokens is over this server's cap of "
+                           f"{limits.video_tokens_cap} tokens", "max_video_tokens")
+    if settings.max_frames > limits.video_frames_cap:
+        raise RequestError(f"{settings.max_frames} video frames are over this server's cap of "
+                           f"{limits.video_frames_cap} frames", "max_video_frames")
+    return settings
+
+
+def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Limits, clips: ClipCache | None):
+    """Template-ready messages (image and video parts reduced to {"type": ...}), the vision
+    units in prompt order (images, and each video's frame pairs) and each video's layout."""
     tokens = request.max_image_tokens or limits.max_image_tokens
     if tokens < 1:
         raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
@@ -76,39 +142,52 @@ def _decode_images(request: Request, image_cfg: ImageProcessorConfig, limits: Li
     if tokens > limits.image_tokens_cap:
         raise RequestError(f"an image budget of {tokens} tokens ({max_pixels} pixels) is over this server's cap "
                            f"of {limits.image_tokens_cap} tokens", "max_pixels")
-    messages, images = [], []
+    settings = video_settings(request, limits) if request.video else limits.video
+    messages, units, layouts, n_images = [], [], [], 0
     for i, message in enumerate(request.messages):
         content = message.get("content")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if part.get("type") != "image":
+                kind = part.get("type")
+                if kind not in ("image", "video"):
                     parts.append(part)
                     continue
-                if len(images) >= limits.max_images:
-                    raise RequestError(f"too many images: at most {limits.max_images} per request", "messages")
                 try:
-                    images.append(preprocess(load_image(part["image"]), image_cfg, max_pixels=max_pixels))
+                    if kind == "image":
+                        n_images += 1
+                        if n_images > limits.max_images:
+                            raise RequestError(f"too many images: at most {limits.max_images} per request", "messages")
+                        units.append(preprocess(load_image(part["image"]), image_cfg, max_pixels=max_pixels))
+                    else:
+                        if len(layouts) >= limits.max_videos:
+                            raise RequestError(f"too many videos: at most {limits.max_videos} per request", "messages")
+                        clip = (clips or ClipCache(0)).load(part["video"], image_cfg, settings, limits.max_video_seconds)
+                        units.extend(clip.pairs)
+                        layouts.append(clip.layout())
                 except ImageError as exc:  # named by its place, as a client wrote it
-                    raise RequestError(str(exc), f"messages[{i}].content[{j}]", "invalid_image") from exc
-                parts.append({"type": "image"})
+                    code = "invalid_video" if isinstance(exc, VideoError) else "invalid_image"
+                    raise RequestError(str(exc), f"messages[{i}].content[{j}]", code) from exc
+                parts.append({"type": kind})
             content = parts
         messages.append({**message, "content": content})
-    return messages, images
+    return messages, units, layouts
 
 
 def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
-                  limits: Limits) -> ParsedRequest:
-    """Decode images, render and tokenize the conversation, check the context budget.
-    Raises RequestError for anything unusable (an image that cannot be decoded names its part)."""
+                  limits: Limits, clips: ClipCache | None = None) -> ParsedRequest:
+    """Decode images and videos (through `clips`), render and tokenize the conversation,
+    check the context budget. Raises RequestError for anything unusable (an image or video
+    that cannot be decoded names its part)."""
     if not request.messages:
         raise RequestError("messages must not be empty", "messages")
     outside = [i for i, _ in request.sampling.logit_bias if not 0 <= i < tokenizer.vocab_size]
     if outside:
         raise RequestError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{tokenizer.vocab_size - 1})",
                            "logit_bias")
-    messages, images = _decode_images(request, image_cfg, limits)
-    tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images], tools=request.tools)
+    messages, images, layouts = _decode_media(request, image_cfg, limits, clips)
+    tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images if not im.video],
+                           tools=request.tools, video_layouts=layouts)
     ids = torch.tensor(tokens.ids, dtype=torch.long)
     wanted = len(ids) + request.sampling.max_new_tokens
     if wanted > limits.max_context:

@@ -49,10 +49,10 @@ class Qwen3VL(nn.Module):
         return mrope_cos_sin(positions, self.inv_freq, t.mrope_section, t.mrope_interleaved, self.dtype)
 
     def embed(self, ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """ids: [B, T] -> [B, T, D], image placeholder rows replaced by image_embeds [n, D]."""
+        """ids: [B, T] -> [B, T, D], image and video placeholder rows replaced by image_embeds [n, D]."""
         h = self.language_model.embed_tokens(ids)
         if image_embeds is not None and image_embeds.shape[0] > 0:
-            h[ids == self.cfg.image_token_id] = image_embeds.to(h.dtype)
+            h[self.cfg.is_vision_token(ids)] = image_embeds.to(h.dtype)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

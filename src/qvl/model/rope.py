@@ -57,16 +57,17 @@ def vision_cos_sin(hw_positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[
 
 
 def mrope_positions(
-    ids: torch.Tensor, grids: list[tuple[int, int, int]], image_token_id: int, merge: int, offset: int = 0
+    ids: torch.Tensor, grids: list[tuple[int, int, int]], is_image: torch.Tensor, merge: int, offset: int = 0
 ) -> tuple[torch.Tensor, int]:
-    """3-D positions of a prompt whose images sit where `image_token_id` runs are.
+    """3-D positions of a prompt whose images (and video frame pairs, placed as images) sit
+    where `is_image` [T] bool is true.
 
     ids: [T] long; grids: (t, h, w) in patches of each image, in order. Text advances
     all three axes together; an image's tokens take (start, start + row, start + col)
     and the text after it resumes at start + max(rows, cols).
     Returns positions [3, T] and the position of the token that would follow.
     """
-    image_at = (ids == image_token_id).nonzero().flatten().tolist()
+    image_at = is_image.nonzero().flatten().tolist()
     parts, cursor, pos, k = [], 0, offset, 0
     for grid in grids:
         t, h, w = grid[0], grid[1] // merge, grid[2] // merge

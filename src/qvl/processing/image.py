@@ -239,22 +239,25 @@ def max_pixels_for_tokens(max_image_tokens: int, cfg: ImageProcessorConfig) -> i
 
 @dataclass(frozen=True, eq=False)
 class ProcessedImage:
-    """One image ready for the vision tower. It keeps the resized uint8 pixels; the float32
-    patches (8x larger: normalised, frame repeated over T) are made when the tower runs, so
-    requests waiting in a queue stay small."""
+    """One unit for the vision tower: a still image, or a pair of video frames (`video`).
+    It keeps the resized uint8 pixels; the float32 patches (8x larger: normalised, a still
+    repeated over T) are made when the tower runs, so requests waiting in a queue stay small."""
 
-    pixels: np.ndarray  # [H, W, 3] uint8, resized
+    pixels: np.ndarray  # [H, W, 3] uint8 resized (a still), or [T, H, W, 3] (a video's frame pair)
     cfg: ImageProcessorConfig
-    grid_thw: tuple[int, int, int]  # (t, h, w) in patches
-    num_tokens: int  # t*h*w // merge_size**2: LLM tokens for this image
+    grid_thw: tuple[int, int, int]  # (t, h, w) in patches; t = 1 for a frame pair too
+    num_tokens: int  # t*h*w // merge_size**2: LLM tokens for this unit
     content_hash: str  # sha256 hex of resized pixels + size + preprocessing settings
     size: tuple[int, int]  # resized (height, width)
+    video: bool = False  # a frame pair: placed with <|video_pad|>, normalised as the video processor does
 
     @property
     def pixel_values(self) -> torch.Tensor:
         """[N, C*T*P*P] float32, N = h*w patches (computed on each access)."""
         cfg = self.cfg
-        return patchify(_normalise_pixels(self.pixels, cfg), cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+        frames = self.pixels if self.video else self.pixels[None]  # [F, H, W, 3]
+        values = _normalise_pixels(frames, cfg, self.video)
+        return patchify(values, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
 
 
 def preprocess(
@@ -292,35 +295,44 @@ def preprocess(
     )
 
 
-def _normalise_pixels(pixels: np.ndarray, cfg: ImageProcessorConfig) -> torch.Tensor:
-    """uint8 -> ((x * (1/255) in float64 -> float32) - mean) / std, via an exact lookup table."""
-    # pixels: [H, W, 3] uint8 -> [3, H, W] float32
-    unit = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)  # [256]
-    mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
-    std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
-    table = (unit[None, :] - mean) / std  # [3, 256] float32, same ops as the reference
+def _normalise_pixels(pixels: np.ndarray, cfg: ImageProcessorConfig, video: bool = False) -> torch.Tensor:
+    """uint8 -> normalised float32 through an exact lookup table, as the reference computes it:
+    ((x * (1/255) in float64 -> float32) - mean) / std for images (the PIL image processor),
+    (x - 255 mean) / (255 std) in float32 for video frames (the torch video processor)."""
+    # pixels: [F, H, W, 3] uint8 -> [F, 3, H, W] float32
+    levels = torch.arange(256, dtype=torch.float32)
+    if video:
+        mean = torch.tensor(cfg.image_mean) * (1.0 / (1 / 255))
+        std = torch.tensor(cfg.image_std) * (1.0 / (1 / 255))
+        table = ((levels[None, :] - mean[:, None]) / std[:, None]).numpy()  # [3, 256]
+    else:
+        unit = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)  # [256]
+        mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
+        table = (unit[None, :] - mean) / std  # [3, 256] float32, same ops as the reference
     channels = np.arange(3)
-    return torch.from_numpy(table[channels, pixels]).permute(2, 0, 1)
+    return torch.from_numpy(table[channels, pixels]).permute(0, 3, 1, 2)
 
 
 def patchify(values: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
-    """Cut a still image into flattened patches, merge blocks contiguous, frame repeated over T."""
-    # values: [C, H, W] -> [gh*gw, C*T*P*P]
-    c, h, w = values.shape
+    """Cut frames into flattened patches, merge blocks contiguous; one frame (a still) is
+    repeated over T, T frames (a video's pair) fill it."""
+    # values: [F, C, H, W], F in (1, T) -> [gh*gw, C*T*P*P]
+    f, c, h, w = values.shape
     p, m, t = patch_size, merge_size, temporal_patch_size
     gh, gw = h // p, w // p
-    x = values.reshape(c, gh // m, m, p, gw // m, m, p)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
-    x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, c, t, p, p)
+    x = values.reshape(f, c, gh // m, m, p, gw // m, m, p)
+    x = x.permute(2, 5, 3, 6, 1, 0, 4, 7)  # [gh/m, gw/m, m, m, C, F, P, P]
+    x = x.expand(gh // m, gw // m, m, m, c, t, p, p)
     return x.reshape(gh * gw, c * t * p * p).contiguous()
 
 
-def content_hash(pixels: np.ndarray, cfg: ImageProcessorConfig) -> str:
+def content_hash(pixels: np.ndarray, cfg: ImageProcessorConfig, video: bool = False) -> str:
     """sha256 of the resized uint8 RGB pixels plus everything else that shapes pixel_values."""
-    # pixels: [H, W, 3] uint8
-    h, w, _ = pixels.shape
+    # pixels: [H, W, 3] uint8, or [T, H, W, 3] for a video's frame pair
+    shape = "x".join(map(str, pixels.shape[:-1]))
     header = (
-        f"qvl-image-v1|{h}x{w}|patch={cfg.patch_size}|merge={cfg.merge_size}"
+        f"qvl-{'video' if video else 'image'}-v1|{shape}|patch={cfg.patch_size}|merge={cfg.merge_size}"
         f"|temporal={cfg.temporal_patch_size}|mean={cfg.image_mean!r}|std={cfg.image_std!r}|"
     )
     digest = hashlib.sha256(header.encode())

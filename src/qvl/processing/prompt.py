@@ -24,8 +24,10 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from qvl.processing.tokenizer import Tokenizer
+from qvl.processing.video import timestamp_text
 
 IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
 
 # Names a message's reasoning may be passed under; templates read "reasoning_content".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -199,22 +201,37 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
 
 @dataclasses.dataclass(frozen=True)
 class PromptTokens:
-    ids: list[int]  # each image's pad token expanded to its token count
+    ids: list[int]  # each image's pad token expanded to its token count, each video's to its frame pairs
     image_token_counts: tuple[int, ...]
+
+
+# A video's layout: (seconds, tokens) of each frame pair, in order.
+VideoLayout = list[tuple[float, int]]
 
 
 def count_image_parts(messages: list[dict]) -> int:
     """Image parts in the messages, recognised as the Qwen templates recognise them."""
-    n = 0
+    return sum(1 for part in _parts(messages) if _is_image_part(part))
+
+
+def count_video_parts(messages: list[dict]) -> int:
+    """Video parts in the messages, recognised as the Qwen templates recognise them."""
+    return sum(1 for part in _parts(messages) if not _is_image_part(part) and _is_video_part(part))
+
+
+def _parts(messages: list[dict]):
     for message in messages:
         content = message.get("content")
         if isinstance(content, (list, tuple)):
-            n += sum(1 for part in content if isinstance(part, Mapping) and _is_image_part(part))
-    return n
+            yield from (part for part in content if isinstance(part, Mapping))
 
 
 def _is_image_part(part: Mapping) -> bool:
     return part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part
+
+
+def _is_video_part(part: Mapping) -> bool:
+    return part.get("type") == "video" or "video" in part
 
 
 def tokenize_chat(
@@ -226,8 +243,11 @@ def tokenize_chat(
     image_pad_token: str = IMAGE_PAD_TOKEN,
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    video_layouts: list[VideoLayout] = (),
 ) -> PromptTokens:
-    """Render, encode, and expand the k-th image pad token to `image_token_counts[k]` copies.
+    """Render, encode, and expand the k-th image pad token to `image_token_counts[k]` copies
+    and the k-th video pad token to `<t seconds><|vision_start|>` + pads + `<|vision_end|>`
+    per frame pair of `video_layouts[k]`.
 
     Same ids as transformers' Qwen3VLProcessor, which expands the pad tokens in the text
     before encoding: the pad is an added token, so expanding ids after encoding is equal.
@@ -239,6 +259,8 @@ def tokenize_chat(
         raise ValueError(f"the messages hold {n_parts} image(s) but {len(counts)} image token count(s) were given")
     if any(c < 0 for c in counts):
         raise ValueError(f"image token counts must be non-negative, got {list(counts)}")
+    if (n_videos := count_video_parts(messages)) != len(video_layouts):
+        raise ValueError(f"the messages hold {n_videos} video(s) but {len(video_layouts)} video layout(s) were given")
     guard = _MessageText(tokenizer.special_added_tokens)
     text = render_chat(
         template, guard.protect(messages), add_generation_prompt=add_generation_prompt,
@@ -246,22 +268,34 @@ def tokenize_chat(
         **tokenizer.special_tokens_map,
     )
     pad_id = tokenizer.token_id(image_pad_token)
+    video_id = tokenizer.token_id(VIDEO_PAD_TOKEN) if video_layouts else None
     ids = guard.encode(tokenizer, text)
-    n_pads = ids.count(pad_id)
-    if n_pads != len(counts):
-        raise ValueError(
-            f"the rendered prompt holds {n_pads} {image_pad_token} token(s) but {len(counts)} image token "
-            "count(s) were given (does the text itself contain the pad token?)"
-        )
+    for token, name, wanted, what in ((pad_id, image_pad_token, len(counts), "image token count(s)"),
+                                      (video_id, VIDEO_PAD_TOKEN, len(video_layouts), "video layout(s)")):
+        if token is not None and (n_pads := ids.count(token)) != wanted:
+            raise ValueError(f"the rendered prompt holds {n_pads} {name} token(s) but {wanted} "
+                             f"{what} were given (does the text itself contain the pad token?)")
+    images, videos = iter(counts), iter(video_layouts)
     expanded: list[int] = []
-    k = 0
     for token in ids:
         if token == pad_id:
-            expanded.extend([pad_id] * counts[k])
-            k += 1
+            expanded.extend([pad_id] * next(images))
+        elif token == video_id:
+            expanded.extend(video_tokens(tokenizer, next(videos), video_id))
         else:
             expanded.append(token)
     return PromptTokens(ids=expanded, image_token_counts=counts)
+
+
+def video_tokens(tokenizer: Tokenizer, layout: VideoLayout, video_id: int) -> list[int]:
+    """The ids that replace one video's pad: `<t seconds>` (the pair's time as text), then
+    `<|vision_start|>`, the pair's pads and `<|vision_end|>`, for each frame pair."""
+    start, end = tokenizer.token_id("<|vision_start|>"), tokenizer.token_id("<|vision_end|>")
+    out: list[int] = []
+    for seconds, n in layout:
+        out += tokenizer.encode(timestamp_text(seconds), special_tokens=False)
+        out += [start] + [video_id] * n + [end]
+    return out
 
 
 class _MessageText:
