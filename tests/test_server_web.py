@@ -191,3 +191,111 @@ def test_a_thinking_models_reasoning_is_shown_apart(tmp_path_factory, page):
             "temperature": 0, "seed": 0}).json()["choices"][0]["message"]
         assert thought and answer and thought != answer
         assert len(final["reasoning_content"]) > 0  # the same split the page shows
+
+
+def drop_file(page, name: str, mime: str, data: bytes) -> None:
+    """Drop a file on the drop zone, as dragging it from the desktop would."""
+    page.evaluate("""([name, mime, b64]) => {
+        const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
+        const data = new DataTransfer();
+        data.items.add(new File([bytes], name, {type: mime}));
+        document.getElementById('drop').dispatchEvent(new DragEvent('drop', {dataTransfer: data, bubbles: true}));
+    }""", [name, mime, base64.b64encode(data).decode()])
+
+
+def stream_usage(response) -> tuple[dict, dict]:
+    """The usage and the "qvl" extension of a streamed chat completion the page received."""
+    chunks = [json.loads(line[5:]) for line in response.text().splitlines()
+              if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    return next(c["usage"] for c in chunks if c.get("usage")), next(c["qvl"] for c in chunks if c.get("qvl"))
+
+
+def answered(page, count: int, timeout_s: float = 60) -> None:
+    """Wait until `count` answers are on the page, none still streaming."""
+    wait_until(lambda: page.locator(".msg.assistant").count() == count
+               and page.locator(".msg.assistant.streaming").count() == 0, timeout_s=timeout_s)
+
+
+def test_video_upload_question_follow_up_and_remove(server, page, tmp_path):
+    from qvl.bench import synthetic_clip
+
+    clip = synthetic_clip(tmp_path / "clip.mp4", seconds=2, width=160, height=96, fps=10)
+    csp = page.goto(f"{server.url}/").headers["content-security-policy"]
+    assert "media-src blob:" in csp  # the preview plays from a blob: URL
+    page.wait_for_selector("#status:has-text('ready')")
+    assert "video/*" in page.get_attribute("#file", "accept")
+
+    page.set_input_files("#file", str(clip))  # the file picker
+    page.wait_for_selector("#video-info:has-text('clip.mp4')")
+    assert page.is_visible("#video-box") and page.is_hidden("#preview")  # no image
+    muted, controls = page.evaluate("[document.getElementById('video-preview').muted, "
+                                    "document.getElementById('video-preview').controls]")
+    assert muted and controls
+    page.wait_for_selector("#video-info:has-text('2.0 s')")  # the preview read the clip's length
+    assert page.is_visible("#video-preview") and page.is_hidden("#video-fallback")
+
+    page.fill("#max-tokens", "6")
+    page.fill("#question", "What moves in this clip?")
+    with page.expect_response("**/v1/chat/completions") as response:
+        messages = sent_messages(page, lambda: page.click("#ask"))
+    assert [p["type"] for p in messages[0]["content"]] == ["video_url", "text"]
+    url = messages[0]["content"][0]["video_url"]["url"]
+    assert url.startswith("data:video/mp4;base64,")
+    assert base64.b64decode(url.partition(",")[2]) == clip.read_bytes()
+    answered(page, 1)
+    assert page.text_content(".msg.assistant") and page.is_hidden("#error")
+    assert "tokens/s" in page.text_content("#stats")
+    with_clip, extension = stream_usage(response.value)
+    assert extension["video_tokens"] > 0 and extension["image_tokens"] == 0
+
+    page.fill("#question", "And then?")
+    follow_up = sent_messages(page, lambda: page.click("#ask"))  # the clip rides along in the first question
+    assert [m["role"] for m in follow_up] == ["user", "assistant", "user"]
+    assert follow_up[0]["content"][0]["video_url"]["url"] == url
+    assert follow_up[2]["content"] == [{"type": "text", "text": "And then?"}]
+    answered(page, 2)
+
+    page.click("#clear-video")  # removed before asking: a new conversation without the clip
+    assert page.is_hidden("#video-box") and page.locator(".msg").count() == 0
+    page.fill("#question", "What moves in this clip?")
+    with page.expect_response("**/v1/chat/completions") as response:
+        after = sent_messages(page, lambda: page.click("#ask"))
+    assert after == [{"role": "user", "content": [{"type": "text", "text": "What moves in this clip?"}]}]
+    answered(page, 1)
+    without_clip, _ = stream_usage(response.value)
+    assert with_clip["prompt_tokens"] > without_clip["prompt_tokens"] + 8  # the clip's frames were in the prompt
+
+
+def test_too_large_and_corrupt_videos_show_plain_errors(server, page):
+    page.goto(f"{server.url}/")
+    page.wait_for_selector("#status:has-text('ready')")
+    sent = []
+    page.on("request", lambda r: sent.append(r) if "chat/completions" in r.url else None)
+
+    page.evaluate("""() => {  // 16 MB: over the 20 MB request limit once base64-encoded
+        const data = new DataTransfer();
+        data.items.add(new File([new Uint8Array(16 * 1024 * 1024)], 'huge.mp4', {type: 'video/mp4'}));
+        document.getElementById('drop').dispatchEvent(new DragEvent('drop', {dataTransfer: data, bubbles: true}));
+    }""")
+    page.wait_for_selector("#error:visible")
+    assert "too large" in page.text_content("#error") and "20 MB" in page.text_content("#error")
+    assert page.is_hidden("#video-box")
+
+    drop_file(page, "broken.mp4", "video/mp4", b"these bytes are not a video " * 40)
+    page.wait_for_selector("#video-info:has-text('broken.mp4')")
+    assert page.is_hidden("#error")  # a new attachment starts a new conversation, errors cleared
+    page.fill("#max-tokens", "4")
+    page.fill("#question", "What happens?")
+    page.click("#ask")
+    page.wait_for_selector("#error:visible")
+    assert "not a readable video" in page.text_content("#error")  # the server's own message
+    assert page.locator(".msg.assistant").count() == 0  # the failed question can simply be asked again
+    assert page.is_enabled("#ask") and page.is_disabled("#stop")
+    assert [p["type"] for p in json.loads(sent[0].post_data)["messages"][0]["content"]] == ["video_url", "text"]
+
+    page.click("#clear-video")
+    page.fill("#question", "Hello?")
+    text_only = sent_messages(page, lambda: page.click("#ask"))
+    assert text_only == [{"role": "user", "content": [{"type": "text", "text": "Hello?"}]}]
+    page.wait_for_selector("#stats:has-text('tokens/s')")
+    assert page.text_content(".msg.assistant") and page.is_hidden("#error")

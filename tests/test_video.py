@@ -197,7 +197,7 @@ def test_follow_up_about_a_clip_reuses_the_decoded_clip_and_its_features(pair, c
     assert engine.clips.stats.hits == hits + 1  # not decoded again
     second = engine.generate(parsed)
     assert second.timings.cached["prefix"]  # the clip's tokens are not run again either
-    assert second.timings.reused_tokens > parsed.image_tokens > 200
+    assert second.timings.reused_tokens > parsed.video_tokens > 200
 
 
 # -- bad clips ---------------------------------------------------------------------------------
@@ -272,3 +272,101 @@ def test_server_caps_on_length_budget_and_count(tiny_checkpoint, clips):
         engine.parse(Request([{"role": "user", "content": [short]}], video={"fps": 500}))
     parsed = engine.parse(Request([{"role": "user", "content": [short]}], video={"fps": 1, "max_tokens": 64}))
     assert sum(u.num_tokens for u in parsed.images) <= 64
+
+
+# -- front doors: the API, qvl ask, qvl batch ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def api(pair):
+    from fastapi.testclient import TestClient
+    from tests.test_server_api import make_app, wait_ready
+
+    with TestClient(make_app(pair[0])) as client:
+        wait_ready(client)
+        yield client
+
+
+def video_part(data: bytes) -> dict:
+    import base64
+
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+
+
+def test_api_takes_a_video_url_with_its_own_settings(api, clips):
+    body = {"messages": [{"role": "user", "content": [video_part(clips["short"].read_bytes()),
+                                                      {"type": "text", "text": "What moves?"}]}],
+            "max_tokens": 3, "temperature": 0}
+    answer = api.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["qvl"]["video_tokens"] == 240 and answer.json()["qvl"]["image_tokens"] == 0
+    fewer = api.post("/v1/chat/completions", json={**body, "fps": 0.5, "max_video_tokens": 64}).json()
+    assert 0 < fewer["qvl"]["video_tokens"] <= 64
+
+
+@pytest.mark.parametrize("change,status,param", [
+    ({"fps": 0}, 400, None), ({"fps": 120}, 400, None), ({"max_frames": 1}, 400, None),
+    ({"max_video_tokens": 10**6}, 400, "max_video_tokens"), ({"max_frames": 10**4}, 400, "max_frames"),
+])
+def test_api_refuses_bad_video_settings(api, clips, change, status, param):
+    from tests.test_server_api import assert_error
+
+    body = {"messages": [{"role": "user", "content": [video_part(clips["odd"].read_bytes())]}], "max_tokens": 1,
+            **change}
+    assert_error(api.post("/v1/chat/completions", json=body), status, param)
+
+
+def test_api_refuses_a_corrupt_video_by_its_part_and_keeps_serving(api, bad_clips, clips):
+    from tests.test_server_api import assert_error
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "?"},
+                                                      video_part(bad_clips["corrupt"][0])]}], "max_tokens": 1}
+    error = assert_error(api.post("/v1/chat/completions", json=body), 400,
+                         "messages[0].content[1].video_url.url", "invalid_video")
+    assert "not a readable video" in error["message"]
+    many = {"messages": [{"role": "user", "content": [video_part(b"x")] * 3}], "max_tokens": 1}
+    assert_error(api.post("/v1/chat/completions", json=many), 400, "messages", "too_many_videos")
+    ok = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        video_part(clips["odd"].read_bytes())]}], "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_qvl_ask_with_a_clip_and_an_image(tiny_checkpoint, clips, tmp_path, capsys):
+    import json
+
+    from qvl.cli import main
+
+    picture = tmp_path / "p.png"
+    noise_image(64, 96, 0).save(picture)
+    code = main(["ask", "-v", str(clips["odd"]), "-i", str(picture), "What happens?", "--model", str(tiny_checkpoint),
+                 "--weights", "fp32", "--threads", "2", "--max-new-tokens", "3", "--json", "--fps", "1",
+                 "--max-video-tokens", "128"])
+    assert code == 0
+    usage = json.loads(capsys.readouterr().out)["usage"]
+    assert 0 < usage["video_tokens"] <= 128 and usage["image_tokens"] > 0
+    code = main(["ask", "-v", str(tmp_path / "missing.mp4"), "?", "--model", str(tiny_checkpoint)])
+    assert code != 0 and "video file not found" in capsys.readouterr().err
+
+
+def test_qvl_batch_over_videos_and_images(tiny_checkpoint, clips, bad_clips, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.mp4").write_bytes(clips["odd"].read_bytes())
+    (folder / "b.webm").write_bytes(clips["webm"].read_bytes())
+    (folder / "broken.mp4").write_bytes(bad_clips["corrupt"][0])
+    noise_image(48, 64, 1).save(folder / "c.png")
+    out = tmp_path / "rows.jsonl"
+    run = subprocess.run([sys.executable, "-m", "qvl.cli", "batch", str(folder), "--out", str(out), "-p", "Describe.",
+                          "--model", str(tiny_checkpoint), "--dtype", "fp32", "--threads", "1",
+                          "--max-new-tokens", "3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr  # one item failed
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"a.mp4", "b.webm", "broken.mp4", "c.png"}
+    assert rows["a.mp4"]["video"] == str(folder / "a.mp4") and rows["a.mp4"]["usage"]["video_tokens"] > 0
+    assert rows["b.webm"]["usage"]["video_tokens"] > 0 and rows["c.png"]["usage"]["image_tokens"] > 0
+    assert "image" in rows["c.png"] and "video" not in rows["c.png"]
+    assert "not a readable video" in rows["broken.mp4"]["error"]

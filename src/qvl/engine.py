@@ -257,7 +257,7 @@ class Engine:
         spent, resumed = 0.0, time.perf_counter()
         spans = self.spans(parsed) if spans is None else spans
         needed = [(im, span) for im, span in zip(parsed.images, spans) if span[1] > skip]
-        embeds_from = parsed.image_tokens - sum(im.num_tokens for im, _ in needed)
+        embeds_from = parsed.vision_tokens - sum(im.num_tokens for im, _ in needed)
         embeds = deepstack = None
         if needed:
             timings.cached["vision"] = True  # until an image misses

@@ -58,8 +58,17 @@ class ParsedRequest:
     reasoning: bool = False  # the prompt opened `<think>`: the answer starts with reasoning
 
     @property
-    def image_tokens(self) -> int:
+    def vision_tokens(self) -> int:
+        """Placeholder tokens the vision tower fills: images' and video frame pairs'."""
         return sum(im.num_tokens for im in self.images)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images if not im.video)
+
+    @property
+    def video_tokens(self) -> int:
+        return sum(im.num_tokens for im in self.images if im.video)
 
     @property
     def image_hashes(self) -> list[str]:
@@ -111,24 +120,28 @@ class ClipCache(LRU):
         return clip
 
 
+VIDEO_PARAMS = {"fps": "fps", "max_frames": "max_frames", "max_tokens": "max_video_tokens"}  # -> API field
+
+
 def video_settings(request: Request, limits: Limits) -> VideoSettings:
     """The engine's video settings with the request's overrides, checked against the caps."""
     over = {k: v for k, v in (request.video or {}).items() if v is not None}
-    unknown = set(over) - {"fps", "max_frames", "max_tokens"}
-    if unknown:
-        raise RequestError(f"unknown video setting(s): {', '.join(sorted(unknown))}", "video")
-    try:
-        settings = replace(limits.video, **over)
-        if "max_frames" in over and settings.min_frames > settings.max_frames:
-            settings = replace(settings, min_frames=settings.max_frames)
-    except (ValueError, TypeError) as exc:
-        raise RequestError(str(exc), "video") from None
+    settings = limits.video
+    for key, value in over.items():  # one at a time, so an error names its field
+        param = VIDEO_PARAMS.get(key)
+        if param is None:
+            raise RequestError(f"unknown video setting '{key}' (choose from {', '.join(VIDEO_PARAMS)})", "video")
+        try:
+            cap = value if key == "max_frames" and isinstance(value, int) else settings.max_frames
+            settings = replace(settings, **{key: value}, min_frames=min(settings.min_frames, cap))
+        except (ValueError, TypeError) as exc:
+            raise RequestError(str(exc), param) from None
     if settings.max_tokens > limits.video_tokens_cap:
         raise RequestError(f"a video budget of {settings.max_tokens} tokens is over this server's cap of "
-                           f"{limits.video_tokens_cap} tokens", "max_video_tokens")
+                           f"{limits.video_tokens_cap} tokens", VIDEO_PARAMS["max_tokens"])
     if settings.max_frames > limits.video_frames_cap:
         raise RequestError(f"{settings.max_frames} video frames are over this server's cap of "
-                           f"{limits.video_frames_cap} frames", "max_video_frames")
+                           f"{limits.video_frames_cap} frames", VIDEO_PARAMS["max_frames"])
     return settings
 
 

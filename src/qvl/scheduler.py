@@ -259,7 +259,8 @@ class Scheduler:
         """A row's text: its request's stop strings and EOS, and its reasoning kept apart when
         the prompt opened `<think>`."""
         engine, params = self.engine, seq.params
-        usage = Usage(prompt_tokens=len(seq.parsed.ids), image_tokens=seq.parsed.image_tokens)
+        usage = Usage(prompt_tokens=len(seq.parsed.ids), image_tokens=seq.parsed.image_tokens,
+                      video_tokens=seq.parsed.video_tokens)
         return TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, timings, seq.started, index,
                           engine.think_end if seq.parsed.reasoning else None)
 

@@ -13,6 +13,7 @@ from qvl.processing.tokenizer import StreamDecoder, Tokenizer
 class Usage:
     prompt_tokens: int = 0
     image_tokens: int = 0
+    video_tokens: int = 0  # of the prompt's tokens: video frame pairs' (with image_tokens, what the vision tower made)
     completion_tokens: int = 0  # reasoning tokens included, as OpenAI counts them
     reasoning_tokens: int = 0
 

@@ -13,7 +13,7 @@ from qvl.batch.inputs import UsageError
 DEFAULT_BATCH_SIZE = 4  # items decoded together; see docs/batch.md for the measurement
 
 DESCRIPTION = """\
-Answer one prompt (or each JSONL row's own) over many images, one JSON line per item in --out.
+Answer one prompt (or each JSONL row's own) over many images or videos, one JSON line per item in --out.
 Re-running the same command skips the items already in --out and appends the rest; a row
 with "error" counts as done unless --retry-errors. With --json-schema each row also carries
 the parsed answer under "json"; an answer that reaches --max-new-tokens before its JSON is
@@ -25,10 +25,11 @@ error, 130 interrupted."""
 def register(sub, commands) -> None:
     from qvl.cli import add_engine_args, add_sampling_args
 
-    p = sub.add_parser("batch", help="run a prompt over many images into a resumable JSONL file",
+    p = sub.add_parser("batch", help="run a prompt over many images or videos into a resumable JSONL file",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help='a folder (recursive), a quoted glob such as "scans/**/*.png", '
-                                 'or a JSONL file of {"id", "image", "prompt"} rows')
+                                 'or a JSONL file of {"id", "image" or "video", "prompt"} rows; videos by their extension '
+                                 '(.mp4, .webm, .mkv, .mov, .avi, ...)')
     p.add_argument("--out", "-o", required=True, help="results file (JSONL), appended to")
     p.add_argument("--prompt", "-p", help="prompt for every image (a JSONL row's own prompt wins); - reads stdin")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
@@ -90,7 +91,7 @@ def build_job(args: argparse.Namespace):
 def check_output(out: Path, source: str, items) -> None:
     """--out must not be the input file or one of the images: appending results to it would
     corrupt it, and a JSONL input's rows would be taken for finished results."""
-    inputs = [Path(source)] + [Path(item.image) for item in items]
+    inputs = [Path(source)] + [Path(item.path) for item in items]
     if not out.exists():
         return
     for path in inputs:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts", ".wmv", ".flv"})
 JSONL_EXTENSIONS = frozenset({".jsonl", ".ndjson"})
 
 
@@ -21,36 +22,43 @@ class UsageError(ValueError):
 @dataclass(frozen=True)
 class Item:
     id: str
-    image: str  # a path, as written to the output row
+    path: str  # the image or video, as written to the output row (under the key `kind`)
     prompt: str | None = None  # None: the job's --prompt / --task
+    kind: str = "image"  # image | video
+
+
+def kind_of(path: str | Path) -> str:
+    """video for a video file's extension, else image."""
+    return "video" if Path(path).suffix.lower() in VIDEO_EXTENSIONS else "image"
 
 
 def read_items(source: str) -> list[Item]:
-    """Items from a folder, a glob, a JSONL file or a single image; fails on duplicate ids."""
+    """Items from a folder, a glob, a JSONL file or a single image or video; fails on duplicate ids."""
     path = Path(source)
     if path.is_dir():
-        items = _image_items(sorted(_images(path.rglob("*"))), path)
+        items = _media_items(sorted(_media(path.rglob("*"))), path)
     elif path.is_file() and path.suffix.lower() in JSONL_EXTENSIONS:
         items = _jsonl_items(path)
     elif path.is_file():
-        items = [Item(path.name, str(path))]
+        items = [Item(path.name, str(path), kind=kind_of(path))]
     elif glob.has_magic(source):
-        items = _image_items(sorted(_images(map(Path, glob.glob(source, recursive=True)))), _glob_root(source))
+        items = _media_items(sorted(_media(map(Path, glob.glob(source, recursive=True)))), _glob_root(source))
     else:
         raise UsageError(f"INPUT not found: {source} (give a folder, a quoted glob or a .jsonl file)")
     if not items:
-        raise UsageError(f"no images in {source} (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+        raise UsageError(f"no images or videos in {source} (extensions: "
+                         f"{', '.join(sorted(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS))})")
     _check_unique(items, source)
     return items
 
 
-def _images(paths) -> list[Path]:
-    return [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
+def _media(paths) -> list[Path]:
+    return [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS and p.is_file()]
 
 
-def _image_items(paths: list[Path], root: Path) -> list[Item]:
+def _media_items(paths: list[Path], root: Path) -> list[Item]:
     """Id = the path relative to the folder (or the glob's fixed leading folders), with '/'."""
-    return [Item(Path(os.path.relpath(p, root)).as_posix(), str(p)) for p in paths]
+    return [Item(Path(os.path.relpath(p, root)).as_posix(), str(p), kind=kind_of(p)) for p in paths]
 
 
 def _glob_root(pattern: str) -> Path:
@@ -65,7 +73,7 @@ def _glob_root(pattern: str) -> Path:
 
 
 def _jsonl_items(path: Path) -> list[Item]:
-    """Rows {"image", "id"?, "prompt"?}; a relative image path is relative to the JSONL's folder."""
+    """Rows {"image" or "video", "id"?, "prompt"?}; a relative path is relative to the JSONL's folder."""
     items = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -75,14 +83,17 @@ def _jsonl_items(path: Path) -> list[Item]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{number}: not valid JSON ({e.msg})") from e
-            if not isinstance(row, dict) or not isinstance(row.get("image"), str):
-                raise UsageError(f"{path}:{number}: a row needs an \"image\" path (a string)")
+            kinds = [k for k in ("image", "video") if isinstance(row, dict) and isinstance(row.get(k), str)]
+            if len(kinds) != 1:
+                raise UsageError(f"{path}:{number}: a row needs an \"image\" or a \"video\" path (a string), "
+                                 "not both")
             prompt = row.get("prompt")
             if prompt is not None and not isinstance(prompt, str):
                 raise UsageError(f"{path}:{number}: \"prompt\" must be a string")
-            image = row["image"]
-            item_id = str(row["id"]) if row.get("id") is not None else image
-            items.append(Item(item_id, str(path.parent / image) if not os.path.isabs(image) else image, prompt))
+            media = row[kinds[0]]
+            item_id = str(row["id"]) if row.get("id") is not None else media
+            items.append(Item(item_id, str(path.parent / media) if not os.path.isabs(media) else media, prompt,
+                              kinds[0]))
     return items
 
 

@@ -33,7 +33,7 @@ class WorkSpec:
 def error_row(item: Item, prompt: str | None, exc: BaseException) -> dict:
     expected = isinstance(exc, (ValueError, OSError))
     message = str(exc) if expected else f"internal error: {type(exc).__name__}: {exc}"
-    return {"id": item.id, "image": item.image, "prompt": prompt, "error": message}
+    return {"id": item.id, item.kind: item.path, "prompt": prompt, "error": message}
 
 
 class Worker:
@@ -51,7 +51,7 @@ class Worker:
         return cls(engine, sampling_params(engine, spec.sampling, spec.constraint), spec.prompt, spec.batch_size)
 
     def request(self, item: Item) -> Request:
-        content = [{"type": "image", "image": item.image}, {"type": "text", "text": self.prompt_for(item)}]
+        content = [{"type": item.kind, item.kind: item.path}, {"type": "text", "text": self.prompt_for(item)}]
         return Request([{"role": "user", "content": content}], self.params)
 
     def prompt_for(self, item: Item) -> str | None:
@@ -96,7 +96,7 @@ class Worker:
             return error_row(item, self.prompt_for(item), done)
         answer = done.to_dict()
         answer.pop("token_ids")
-        row = {"id": item.id, "image": item.image, "prompt": self.prompt_for(item), **answer}
+        row = {"id": item.id, item.kind: item.path, "prompt": self.prompt_for(item), **answer}
         if self.params.constraint is not None and self.params.constraint.kind == "json_schema":
             row.update(json_fields(done))
         return row

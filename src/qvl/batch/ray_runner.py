@@ -2,7 +2,7 @@
 
 The driver keeps everything that makes resume safe: it reads the inputs, skips done ids,
 and writes each row that streams back through the same results file as the local path.
-Image paths must be readable on every node (a shared file system) and qvl installed there.
+Image and video paths must be readable on every node (a shared file system) and qvl installed there.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class RayWorker:
         self.worker = Worker.from_spec(spec)
 
     def __call__(self, batch: dict) -> dict:
-        items = [Item(str(i), str(image), prompt if isinstance(prompt, str) else None)
-                 for i, image, prompt in zip(batch["id"], batch["image"], batch["prompt"])]
+        items = [Item(str(i), str(path), prompt if isinstance(prompt, str) else None, str(kind))
+                 for i, path, prompt, kind in zip(batch["id"], batch["path"], batch["prompt"], batch["kind"])]
         return {"row": [json.dumps(row, ensure_ascii=False) for row in self.worker.rows(items)]}
 
 

@@ -172,58 +172,59 @@ def _open(source: bytes | str | os.PathLike):
     import av  # imported here: a start without video pays nothing for it
 
     if isinstance(source, (bytes, bytearray, memoryview)):
-        fp, name = io.BytesIO(bytes(source)), "video bytes"
+        fp, where = io.BytesIO(bytes(source)), ""
     elif isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
             raise VideoError(f"video file not found: {path}")
-        fp, name = str(path), str(path)
+        fp, where = str(path), f" ({path})"
     else:
         raise VideoError(f"unsupported video source type: {type(source).__name__}")
     try:
         container = av.open(fp, mode="r", metadata_errors="ignore")
     except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError) as e:
-        raise VideoError(f"not a readable video ({name}): {_reason(e)}") from None
-    return container, name
+        raise VideoError(f"not a readable video{where}: {_reason(e)}") from None
+    return container, where
 
 
 def _reason(e: Exception) -> str:
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
 
 
-def probe(container, name: str) -> ClipInfo:
+def probe(container, where: str = "") -> ClipInfo:
     """The first video stream's frame count, rate, size and codec (from the headers; the
-    frames are counted from the packets when the container does not say)."""
+    frames are counted from the packets when the container does not say). `where` names the
+    file in messages (" (path)", or "")."""
     import av
 
     if not container.streams.video:
-        raise VideoError(f"no video stream in {name}")
+        raise VideoError(f"no video stream in the file{where}")
     stream = container.streams.video[0]
     ctx = stream.codec_context
     if ctx is None or ctx.codec is None or not getattr(ctx.codec, "is_decoder", True):
-        raise VideoError(f"{name}: this build cannot decode the video's codec")
+        raise VideoError(f"the video's codec cannot be decoded by this build{where}")
     width, height = ctx.width, ctx.height
     if width <= 0 or height <= 0:
-        raise VideoError(f"{name}: the video has no frame size ({width}x{height})")
+        raise VideoError(f"the video has no frame size ({width}x{height}){where}")
     if width * height > MAX_FRAME_PIXELS:
         raise VideoError(f"video frames of {width}x{height} exceed the limit of {MAX_FRAME_PIXELS} pixels")
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate else FALLBACK_FPS
     if not (math.isfinite(fps) and 0 < fps <= MAX_FPS):
-        raise VideoError(f"{name}: the video declares {fps:g} frames per second (at most {MAX_FPS:g} are accepted)")
+        raise VideoError(f"the video declares {fps:g} frames per second (at most {MAX_FPS:g} are accepted){where}")
     total = stream.frames
     if total <= 0:  # not in the header (Matroska, WebM, ...): count the packets, nothing is decoded
         try:
             total = sum(1 for packet in container.demux(stream) if packet.size)
             container.seek(0)
         except (av.FFmpegError, OSError) as e:
-            raise VideoError(f"{name}: could not read the video's packets: {_reason(e)}") from None
+            raise VideoError(f"could not read the video's packets{where}: {_reason(e)}") from None
     if total <= 0:
-        raise VideoError(f"{name}: the video has no frames")
+        raise VideoError(f"the video has no frames{where}")
     return ClipInfo(int(total), fps, width, height, ctx.codec.name)
 
 
-def decode_frames(container, name: str, info: ClipInfo, indices: list[int], size: tuple[int, int]) -> list[np.ndarray]:
+def decode_frames(container, where: str, info: ClipInfo, indices: list[int], size: tuple[int, int]) -> list[np.ndarray]:
     """The frames at `indices` (ascending), each resized to `size` as soon as it is decoded.
     Long gaps are skipped by seeking to the keyframe before the next wanted frame."""
     import av
@@ -267,14 +268,14 @@ def decode_frames(container, name: str, info: ClipInfo, indices: list[int], size
                 decoder = frames_from(sought)
     except av.FFmpegError as e:
         if not out:
-            raise VideoError(f"could not decode the video ({name}): {_reason(e)}") from None
-        raise VideoError(f"could not decode the video ({name}) after {len(out)} of {len(indices)} sampled "
+            raise VideoError(f"could not decode the video{where}: {_reason(e)}") from None
+        raise VideoError(f"could not decode the video{where} after {len(out)} of {len(indices)} sampled "
                          f"frames (truncated or corrupt?): {_reason(e)}") from None
     if not out:
-        raise VideoError(f"{name}: no frame of the video could be decoded")
+        raise VideoError(f"no frame of the video could be decoded{where}")
     missing = len(indices) - len(out)
     if missing > max(1, len(indices) // 50):  # a frame or two short is a header that rounds; more is a cut file
-        raise VideoError(f"the video ({name}) ends early: its header promises {info.total_frames} frames but only "
+        raise VideoError(f"the video{where} ends early: its header promises {info.total_frames} frames but only "
                          f"{len(out)} of {len(indices)} sampled frames were found (truncated?)")
     return out + [out[-1]] * missing
 
@@ -282,15 +283,15 @@ def decode_frames(container, name: str, info: ClipInfo, indices: list[int], size
 def load_video(source: bytes | str | os.PathLike, cfg: ImageProcessorConfig, settings: VideoSettings = VideoSettings(),
                *, max_seconds: float | None = None) -> ProcessedVideo:
     """Decode, sample and preprocess one clip; raises VideoError naming what is wrong."""
-    container, name = _open(source)
+    container, where = _open(source)
     try:
-        info = probe(container, name)
+        info = probe(container, where)
         if max_seconds is not None and info.seconds > max_seconds:
             raise VideoError(f"the video lasts {info.seconds:.1f} s; this server takes clips of at most "
                              f"{max_seconds:g} s")
         indices = sample_indices(info.total_frames, info.fps, settings).tolist()
         size = frame_size(len(indices), info.height, info.width, cfg, settings.max_tokens)
-        frames = decode_frames(container, name, info, indices, size)
+        frames = decode_frames(container, where, info, indices, size)
     finally:
         container.close()
     return preprocess_frames(frames, indices, info, cfg)

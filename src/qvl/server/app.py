@@ -31,12 +31,14 @@ from qvl.tasks import TASKS
 STATIC = Path(__file__).parent / "static"
 
 
-def web_page() -> str:
-    """index.html with the task presets filled in, so the page and the CLI share one prompt text."""
+def web_page(max_body_bytes: int) -> str:
+    """index.html with the task presets (so the page and the CLI share one prompt text) and the
+    body limit (so the page refuses a file too large to send before sending it) filled in."""
     tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description,
               "max_image_tokens": t.max_image_tokens} for t in TASKS.values()]
     data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
-    return (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
+    page = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
+    return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))
 
 
 def bearer_auth(key: str) -> Callable:
@@ -56,7 +58,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     chat = ChatCompletions(state, submit)
     responses = Responses(state, submit)
     ollama = Ollama(state, submit)
-    page = web_page()
+    page = web_page(settings.max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -43,6 +43,10 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=s.shutdown_grace_s,
                    help="on SIGTERM, seconds in-flight requests may still finish (default: %(default)g)")
     g.add_argument("--max-images", type=int, help="images per request (default: the engine's, 8)")
+    g.add_argument("--max-videos", type=int, help="videos per request (default: the engine's, 2)")
+    g.add_argument("--max-video-mb", type=float, default=im.max_video_bytes / MB,
+                   help="largest video fetched from an allowed host or read from --image-dir (default: %(default)g; "
+                        "a data: URI is bounded by --max-body-mb)")
     g.add_argument("--max-image-pixels", type=int, default=im.max_pixels,
                    help="largest source image, width x height, checked before decoding (default: %(default)s)")
     g.add_argument("--max-connections", type=int, default=cl.max_connections,
@@ -72,7 +76,8 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     max_bytes = int(args.max_body_mb * MB)
     hosts = tuple(h.strip().lower() for h in args.image_url_hosts.split(",") if h.strip())
     images = ImagePolicy(max_bytes=max_bytes, max_pixels=args.max_image_pixels, url_hosts=hosts,
-                         url_timeout_s=args.image_url_timeout, local_dir=args.image_dir)
+                         url_timeout_s=args.image_url_timeout, local_dir=args.image_dir,
+                         max_video_bytes=int(args.max_video_mb * MB))
     connections = ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                                    body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive_timeout)
     named = tuple(h.strip().lower().rstrip(".") for h in args.allowed_hosts.split(",") if h.strip())
@@ -104,6 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = engine_options(args)
     if args.max_images is not None:
         options = replace(options, max_images=args.max_images)
+    if args.max_videos is not None:
+        options = replace(options, max_videos=args.max_videos)
     if not is_loopback(args.host):
         risk = "set --api-key (or $QVL_API_KEY) and put TLS in front" if not config.api_key else "use TLS in front"
         print(f"qvl serve: warning: listening on {args.host}, not loopback: anyone who can reach port "

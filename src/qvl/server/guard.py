@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from qvl.server.errors import APIError
 
 SECURITY_HEADERS = [
-    (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+    (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; media-src blob:; "
                                  b"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
     (b"x-frame-options", b"DENY"),
     (b"x-content-type-options", b"nosniff"),

@@ -1,4 +1,4 @@
-"""`image_url` values -> image bytes for the engine, refused early when unusable.
+"""`image_url` and `video_url` values -> bytes for the engine, refused early when unusable.
 
 data: URIs (base64) always work. http(s) URLs only for hosts the operator allowed, only to
 public addresses (the address checked is the address connected to: no DNS rebinding), no
@@ -32,27 +32,37 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders we ex
 
 def load_image_bytes(url: str, policy: ImagePolicy) -> bytes:
     """The bytes of one image_url, with its header checked; raises ImageError."""
-    scheme = url.partition(":")[0].lower()  # schemes are case-insensitive (RFC 3986)
-    if scheme == "data":
-        data = decode_data_uri(url, policy.max_bytes)
-    elif scheme in ("http", "https") and url[len(scheme) + 1:].startswith("//"):
-        data = fetch(url, policy)
-    elif policy.local_dir is not None:
-        data = read_local(url, policy)
-    else:
-        raise ImageError("image_url must be a data: URI with base64 data (http(s) URLs and local paths "
-                         "are off on this server)")
+    data = load_bytes(url, policy, "image", policy.max_bytes)
     check_header(data, policy.max_pixels)
     return data
 
 
-def decode_data_uri(url: str, max_bytes: int) -> bytes:
+def load_video_bytes(url: str, policy: ImagePolicy) -> bytes:
+    """The bytes of one video_url under the image rules (data: URIs; allowed hosts; the allowed
+    folder), up to policy.max_video_bytes; the engine checks the clip itself."""
+    return load_bytes(url, policy, "video", policy.max_video_bytes)
+
+
+def load_bytes(url: str, policy: ImagePolicy, kind: str, max_bytes: int) -> bytes:
+    scheme = url.partition(":")[0].lower()  # schemes are case-insensitive (RFC 3986)
+    if scheme == "data":
+        return decode_data_uri(url, max_bytes, kind)
+    if scheme in ("http", "https") and url[len(scheme) + 1:].startswith("//"):
+        return fetch(url, policy, kind, max_bytes)
+    if policy.local_dir is not None:
+        return read_local(url, policy, kind, max_bytes)
+    raise ImageError(f"{kind}_url must be a data: URI with base64 data (http(s) URLs and local paths "
+                     "are off on this server)")
+
+
+def decode_data_uri(url: str, max_bytes: int, kind: str = "image") -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma or "base64" not in [p.strip().lower() for p in header.split(";")[1:]]:
-        raise ImageError("data: URI must be base64-encoded: data:image/png;base64,...")
+        example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+        raise ImageError(f"data: URI must be base64-encoded: {example}")
     payload = "".join(payload.split())
     if len(payload) // 4 * 3 > max_bytes + 2:
-        raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
+        raise ImageError(f"{kind} is larger than the limit of {max_bytes // MB} MB")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -110,37 +120,37 @@ def is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-def public_address(host: str, port: int) -> str:
+def public_address(host: str, port: int, kind: str) -> str:
     """Resolve `host`; every address must be public. Returns the one to connect to."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        raise ImageError(f"cannot resolve image host '{host}': {e}") from None
+        raise ImageError(f"cannot resolve {kind} host '{host}': {e}") from None
     addresses = sorted({info[4][0] for info in infos})
     for address in addresses:
         if not is_public(ipaddress.ip_address(address.split("%")[0])):
-            raise ImageError(f"image host '{host}' resolves to a non-public address; refused")
+            raise ImageError(f"{kind} host '{host}' resolves to a non-public address; refused")
     if not addresses:
-        raise ImageError(f"cannot resolve image host '{host}'")
+        raise ImageError(f"cannot resolve {kind} host '{host}'")
     return addresses[0]
 
 
-def fetch(url: str, policy: ImagePolicy) -> bytes:
+def fetch(url: str, policy: ImagePolicy, kind: str, max_bytes: int) -> bytes:
     if not policy.url_hosts:
-        raise ImageError("http(s) image URLs are off on this server: send the image as a base64 data: URI")
+        raise ImageError(f"http(s) {kind} URLs are off on this server: send the {kind} as a base64 data: URI")
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
     if parts.username or parts.password or not host:
-        raise ImageError("image URL must name a host and carry no credentials")
+        raise ImageError(f"{kind} URL must name a host and carry no credentials")
     if not host_allowed(host, policy.url_hosts):
-        raise ImageError(f"image host '{host}' is not in this server's allowed hosts")
+        raise ImageError(f"{kind} host '{host}' is not in this server's allowed hosts")
     https = parts.scheme == "https"
     try:
         port = parts.port or (443 if https else 80)
     except ValueError:
-        raise ImageError("image URL has an invalid port") from None
+        raise ImageError(f"{kind} URL has an invalid port") from None
     deadline = time.monotonic() + policy.url_timeout_s  # one deadline: connect, headers, body
-    address = public_address(host, port)
+    address = public_address(host, port, kind)
     watchdog = Watchdog(deadline)
 
     def connect(_address, timeout, source=None) -> socket.socket:
@@ -155,20 +165,20 @@ def fetch(url: str, policy: ImagePolicy) -> bytes:
     conn._create_connection = connect
     try:
         conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
-                     headers={"User-Agent": "qvl", "Accept": "image/*"})
+                     headers={"User-Agent": "qvl", "Accept": f"{kind}/*"})
         response = conn.getresponse()
         if response.status != 200:
             hint = " (redirects are not followed)" if 300 <= response.status < 400 else ""
-            raise ImageError(f"fetching the image from '{host}' failed: HTTP {response.status}{hint}")
-        data = read_capped(response, policy.max_bytes, deadline)
+            raise ImageError(f"fetching the {kind} from '{host}' failed: HTTP {response.status}{hint}")
+        data = read_capped(response, max_bytes, deadline, kind)
         if watchdog.fired:  # the connection was cut: what arrived is not the whole image
             raise TimeoutError
         return data
     except (OSError, http.client.HTTPException) as e:
         if watchdog.fired or time.monotonic() >= deadline or isinstance(e, TimeoutError):
-            raise ImageError(f"fetching the image from '{host}' timed out after {policy.url_timeout_s:g} s "
+            raise ImageError(f"fetching the {kind} from '{host}' timed out after {policy.url_timeout_s:g} s "
                              "(--image-url-timeout)") from None
-        raise ImageError(f"fetching the image from '{host}' failed: {e or type(e).__name__}") from None
+        raise ImageError(f"fetching the {kind} from '{host}' failed: {e or type(e).__name__}") from None
     finally:
         watchdog.stop()
         conn.close()
@@ -211,15 +221,15 @@ class Watchdog:
                 self.guard = None
 
 
-def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: float) -> bytes:
+def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: float, kind: str) -> bytes:
     declared = response.getheader("Content-Length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
+        raise ImageError(f"{kind} is larger than the limit of {max_bytes // MB} MB")
     chunks, size = [], 0
     while chunk := response.read1(64 * 1024):
         size += len(chunk)
         if size > max_bytes:
-            raise ImageError(f"image is larger than the limit of {max_bytes // MB} MB")
+            raise ImageError(f"{kind} is larger than the limit of {max_bytes // MB} MB")
         if time.monotonic() > deadline:
             raise TimeoutError
         chunks.append(chunk)
@@ -229,7 +239,8 @@ def read_capped(response: http.client.HTTPResponse, max_bytes: int, deadline: fl
 # -- local files -------------------------------------------------------------------------------
 
 
-def read_local(url: str, policy: ImagePolicy) -> bytes:
+def read_local(url: str, policy: ImagePolicy, kind: str = "image", max_bytes: int | None = None) -> bytes:
+    max_bytes = policy.max_bytes if max_bytes is None else max_bytes
     if url[:5].lower() == "file:":
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
@@ -238,9 +249,9 @@ def read_local(url: str, policy: ImagePolicy) -> bytes:
     root = os.path.realpath(policy.local_dir)
     path = os.path.realpath(os.path.join(root, url))  # an absolute `url` replaces root here
     if os.path.commonpath([root, path]) != root:
-        raise ImageError("image path is outside the folder this server allows")
+        raise ImageError(f"{kind} path is outside the folder this server allows")
     if not os.path.isfile(path):
-        raise ImageError(f"image file not found: {url}")
-    if os.path.getsize(path) > policy.max_bytes:
-        raise ImageError(f"image is larger than the limit of {policy.max_bytes // MB} MB")
+        raise ImageError(f"{kind} file not found: {url}")
+    if os.path.getsize(path) > max_bytes:
+        raise ImageError(f"{kind} is larger than the limit of {max_bytes // MB} MB")
     return Path(path).read_bytes()

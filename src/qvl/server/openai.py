@@ -22,7 +22,7 @@ from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
 from qvl.sampling import SamplingParams
 from qvl.server.errors import APIError, bad_request
-from qvl.server.images import load_image_bytes
+from qvl.server.images import load_image_bytes, load_video_bytes
 from qvl.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                 Choice, ChunkChoice, Message, NamedToolChoice, StructuredOutputs, ToolDefinition,
                                 Usage)
@@ -67,7 +67,8 @@ class ChatCompletions:
             raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        messages = engine_messages(req.messages, self.state.settings.images, engine.options.max_images)
+        messages = engine_messages(req.messages, self.state.settings.images, engine.options.max_images,
+                                   engine.options.max_videos)
         tools = check_tools(req.tools)
         named = isinstance(req.tool_choice, NamedToolChoice)
         choice = tool_choice(None if named else req.tool_choice, req.tool_choice.function.name if named else None, tools)
@@ -77,22 +78,24 @@ class ChatCompletions:
                                     "structured_outputs" if req.structured_outputs else "response_format")
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
         try:
-            parsed = engine.parse(Request(messages, sampling(req, engine, constraint), image_tokens(req, engine), shown))
+            parsed = engine.parse(Request(messages, sampling(req, engine, constraint), image_tokens(req, engine), shown,
+                                          video_overrides(req)))
         except RequestError as exc:
-            if exc.code == "invalid_image" and exc.param and exc.param.endswith("]"):  # the part -> its url
-                exc.param += ".image_url.url"
+            if exc.code in ("invalid_image", "invalid_video") and exc.param and exc.param.endswith("]"):
+                exc.param += ".image_url.url" if exc.code == "invalid_image" else ".video_url.url"  # the part -> its url
             raise
         return req, parsed
 
 
-def engine_messages(messages: list[Message], policy: ImagePolicy, max_images: int) -> list[dict]:
-    """OpenAI messages -> engine messages: image_url parts become image bytes, assistant tool
-    calls keep their arguments as objects (the template writes them out), and each tool
-    message must answer a call of the assistant message before it."""
-    count = sum(part.type == "image_url" for m in messages for part in m.content)
-    if count > max_images:
-        raise bad_request(f"too many images: {count}; this server takes at most {max_images} per request",
-                          "messages", "too_many_images")
+def engine_messages(messages: list[Message], policy: ImagePolicy, max_images: int, max_videos: int = 0) -> list[dict]:
+    """OpenAI messages -> engine messages: image_url and video_url parts become bytes,
+    assistant tool calls keep their arguments as objects (the template writes them out), and
+    each tool message must answer a call of the assistant message before it."""
+    for kind, most in (("image", max_images), ("video", max_videos)):
+        count = sum(part.type == f"{kind}_url" for m in messages for part in m.content)
+        if count > most:
+            raise bad_request(f"too many {kind}s: {count}; this server takes at most {most} per request",
+                              "messages", f"too_many_{kind}s")
     out, open_calls = [], set()
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
@@ -103,7 +106,12 @@ def engine_messages(messages: list[Message], policy: ImagePolicy, max_images: in
             if part.type == "text":
                 parts.append({"type": "text", "text": part.text})
             elif role != "user":
-                raise bad_request("images are only accepted in user messages", f"messages[{i}].content[{j}]")
+                raise bad_request("images and videos are only accepted in user messages", f"messages[{i}].content[{j}]")
+            elif part.type == "video_url":
+                try:
+                    parts.append({"type": "video", "video": load_video_bytes(part.video_url.url, policy)})
+                except ImageError as exc:
+                    raise bad_request(str(exc), f"messages[{i}].content[{j}].video_url.url", "invalid_video") from None
             else:
                 param = f"messages[{i}].content[{j}].image_url.url"
                 try:
@@ -205,6 +213,13 @@ def sampling(req: ChatCompletionRequest, engine: Engine, constraint: Constraint 
         constraint=constraint, reasoning_budget=req.reasoning_budget)
 
 
+def video_overrides(req: ChatCompletionRequest) -> dict | None:
+    """fps, max_frames, max_video_tokens -> the engine's video settings for this request
+    (checked against the server's caps when the request is parsed)."""
+    over = {"fps": req.fps, "max_frames": req.max_frames, "max_tokens": req.max_video_tokens}
+    return {k: v for k, v in over.items() if v is not None} or None
+
+
 def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
     """max_pixels -> a per-image token budget; it may raise or lower the server's default, up
     to the engine's cap (checked when the request is parsed)."""
@@ -227,7 +242,8 @@ def usage(dones: list[Done]) -> Usage:
 
 def extras(done: Done) -> dict:
     """qvl's own numbers, under an extra "qvl" key."""
-    return {"timings": done.to_dict()["timings"], "image_tokens": done.usage.image_tokens}
+    return {"timings": done.to_dict()["timings"], "image_tokens": done.usage.image_tokens,
+            "video_tokens": done.usage.video_tokens}
 
 
 def logprobs_body(logprobs: list[TokenLogprob] | None, tokenizer) -> dict | None:

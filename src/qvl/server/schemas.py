@@ -32,10 +32,15 @@ class ImageURL(_Strict):
     url: str = Field(min_length=1)  # "detail" is ignored: the pixel budget is max_pixels
 
 
+class VideoURL(_Strict):
+    url: str = Field(min_length=1)
+
+
 class ContentPart(_Strict):
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url"]
     text: str | None = None
     image_url: ImageURL | None = None
+    video_url: VideoURL | None = None  # vLLM's convention: data: URI, or a URL / path as for images
 
     @model_validator(mode="after")
     def _matching_field(self) -> ContentPart:
@@ -152,6 +157,9 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     repetition_penalty: float | None = Field(None, gt=0)
     max_pixels: int | None = Field(None, ge=1)
+    fps: float | None = Field(None, gt=0, le=60)  # video: frames sampled per second of clip
+    max_frames: int | None = Field(None, ge=2)  # video: frames per clip at most (the server caps it)
+    max_video_tokens: int | None = Field(None, ge=1)  # video: token budget of a clip (the server caps it)
     reasoning_budget: int | None = Field(None, ge=0)  # Thinking models: reasoning tokens before </think> is forced
     structured_outputs: StructuredOutputs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)

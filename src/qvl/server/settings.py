@@ -16,6 +16,7 @@ class ImagePolicy:
     url_hosts: tuple[str, ...] = ()  # "example.com", "*.example.com" or "*"; empty = no http(s)
     url_timeout_s: float = 10.0
     local_dir: Path | None = None  # file: URLs and paths allowed only under this folder
+    max_video_bytes: int = 200 * MB  # per video fetched or read from local_dir (a data: URI is bounded by the body)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,19 @@
-// qvl web page: one image, a conversation about it, answers streamed from /v1/chat/completions
-// (in JSON, under a schema if one is given, when the JSON switch is on).
+// qvl web page: an image and/or a video, a conversation about them, answers streamed from
+// /v1/chat/completions (in JSON, under a schema if one is given, when the JSON switch is on).
 "use strict";
 
 const TASKS = JSON.parse(document.getElementById("qvl-tasks").textContent);  // filled in by qvl serve
 const $ = (id) => document.getElementById(id);
 
+// The server refuses a request body over its --max-body-mb (filled in by qvl serve). A file is
+// sent base64-encoded: 4/3 of its size.
+const MAX_BODY_MB = JSON.parse(document.getElementById("qvl-max-body").textContent) / (1024 * 1024);
+
 const state = {
   image: null,        // data: URL of the chosen image
-  history: [],        // OpenAI messages sent so far; the image rides in the first user message
+  video: null,        // data: URL of the chosen video
+  videoPreview: null, // blob: URL the <video> preview plays (revoked when the video goes)
+  history: [],        // OpenAI messages sent so far; the image and video ride in the first user message
   controller: null,   // AbortController of the running request
 };
 
@@ -31,22 +37,58 @@ async function pollHealth() {
   setTimeout(pollHealth, 1000);
 }
 
-// -- the image --------------------------------------------------------------------------------
+// -- the image and the video -----------------------------------------------------------------
+
+const VIDEO_EXTENSIONS = /\.(mp4|m4v|mov|webm|mkv|avi|mpe?g|ts|3gp|ogv|flv|wmv)$/i;  // for files the browser gives no type
+
+function kindOf(file) {
+  if (file.type.startsWith("image/")) return "image";
+  if (file.type.startsWith("video/") || (!file.type && VIDEO_EXTENSIONS.test(file.name || ""))) return "video";
+  return null;
+}
+
+function sizeText(bytes) {
+  return bytes >= 1024 * 1024 ? `${(bytes / 1024 / 1024).toFixed(1)} MB` : `${(bytes / 1024).toFixed(0)} KB`;
+}
+
+// An error message when the file cannot fit in a request the server takes, else null.
+function tooLarge(file, kind) {
+  const sent = Math.ceil(file.size / 3) * 4;  // base64
+  if (sent <= MAX_BODY_MB * 1024 * 1024) return null;
+  return `That ${kind} is too large: ${file.name || kind} is ${sizeText(file.size)}, ${sizeText(sent)} once encoded ` +
+    `for sending, and the server takes requests of at most ${MAX_BODY_MB} MB (qvl serve --max-body-mb). ` +
+    `Choose a ${kind} under ${Math.floor(MAX_BODY_MB * 3 / 4)} MB.`;
+}
+
+// Reads `file` as a data: URL, then calls done(url); a read failure shows an error.
+function readFile(file, done) {
+  const reader = new FileReader();
+  reader.onload = () => done(reader.result);
+  reader.onerror = () => showError("Could not read that file.");
+  reader.readAsDataURL(file);
+}
+
+// Takes one image and/or one video from `files` (a drop, the file picker, a paste).
+function addFiles(files) {
+  const image = files.find((f) => kindOf(f) === "image");
+  const video = files.find((f) => kindOf(f) === "video");
+  if (!image && !video) { showError("That is not an image or a video file."); return; }
+  const error = (image && tooLarge(image, "image")) || (video && tooLarge(video, "video"));
+  if (error) { showError(error); return; }  // nothing taken: the error stays until the next action
+  if (image) setImage(image);
+  if (video) setVideo(video);
+}
 
 function setImage(file) {
-  if (!file || !file.type.startsWith("image/")) { showError("That is not an image file."); return; }
-  const reader = new FileReader();
-  reader.onload = () => {
-    state.image = reader.result;
+  readFile(file, (url) => {
+    state.image = url;
     $("preview").src = state.image;
     $("preview").hidden = false;
     $("drop-hint").hidden = true;
     $("clear-image").disabled = false;
-    $("image-info").textContent = `${file.name || "pasted image"}, ${(file.size / 1024).toFixed(0)} KB`;
+    $("image-info").textContent = `${file.name || "pasted image"}, ${sizeText(file.size)}`;
     newConversation();
-  };
-  reader.onerror = () => showError("Could not read that file.");
-  reader.readAsDataURL(file);
+  });
 }
 
 function clearImage() {
@@ -60,22 +102,68 @@ function clearImage() {
   newConversation();
 }
 
-function wireImageInputs() {
+function setVideo(file) {
+  readFile(file, (url) => {
+    dropVideo();
+    state.video = url;
+    state.videoPreview = URL.createObjectURL(file);
+    const info = `${file.name || "pasted video"}, ${sizeText(file.size)}`;
+    $("video-info").textContent = info;
+    $("video-info").dataset.info = info;
+    $("video-preview").hidden = false;
+    $("video-fallback").hidden = true;
+    $("video-preview").src = state.videoPreview;
+    $("video-box").hidden = false;
+    newConversation();
+  });
+}
+
+// Forgets the video and its preview (no new conversation: the caller decides).
+function dropVideo() {
+  state.video = null;
+  if (state.videoPreview) URL.revokeObjectURL(state.videoPreview);
+  state.videoPreview = null;
+  $("video-preview").removeAttribute("src");
+  $("video-preview").load();  // stops any playback and frees the decoder
+  $("video-box").hidden = true;
+  $("video-info").textContent = "";
+}
+
+function clearVideo() {
+  dropVideo();
+  $("file").value = "";
+  newConversation();
+}
+
+function wireMediaInputs() {
   const drop = $("drop");
-  $("file").addEventListener("change", (e) => setImage(e.target.files[0]));
+  $("file").addEventListener("change", (e) => addFiles([...e.target.files]));
   drop.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") $("file").click(); });
   drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
   drop.addEventListener("dragleave", () => drop.classList.remove("over"));
   drop.addEventListener("drop", (e) => {
     e.preventDefault();
     drop.classList.remove("over");
-    setImage(e.dataTransfer.files[0]);
+    addFiles([...e.dataTransfer.files]);
   });
   document.addEventListener("paste", (e) => {
-    const item = [...e.clipboardData.items].find((i) => i.type.startsWith("image/"));
-    if (item) { e.preventDefault(); setImage(item.getAsFile()); }
+    const files = [...e.clipboardData.items].filter((i) => i.kind === "file").map((i) => i.getAsFile())
+      .filter((f) => f && kindOf(f));
+    if (files.length) { e.preventDefault(); addFiles(files); }
   });
   $("clear-image").addEventListener("click", clearImage);
+  $("clear-video").addEventListener("click", clearVideo);
+  const video = $("video-preview");
+  video.addEventListener("loadedmetadata", () => {
+    if (Number.isFinite(video.duration)) {
+      $("video-info").textContent = `${$("video-info").dataset.info}, ${video.duration.toFixed(1)} s`;
+    }
+  });
+  video.addEventListener("error", () => {  // a format this browser cannot play (the server may still read it)
+    if (!video.getAttribute("src")) return;
+    video.hidden = true;
+    $("video-fallback").hidden = false;
+  });
 }
 
 // -- the conversation -------------------------------------------------------------------------
@@ -190,7 +278,11 @@ function requestBody(history, task, format) {
 async function ask(text, task, format) {
   if (!text.trim() || state.controller) return;
   showError("");
-  const content = state.history.length === 0 && state.image ? [{type: "image_url", image_url: {url: state.image}}] : [];
+  const content = [];
+  if (state.history.length === 0) {  // the image and the video ride in the first question; follow-ups resend it
+    if (state.image) content.push({type: "image_url", image_url: {url: state.image}});
+    if (state.video) content.push({type: "video_url", video_url: {url: state.video}});
+  }
   content.push({type: "text", text});
   const history = state.history;  // "new conversation" during the answer replaces state.history
   history.push({role: "user", content});
@@ -298,7 +390,7 @@ function wireForm() {
   $("new-chat").addEventListener("click", newConversation);
 }
 
-wireImageInputs();
+wireMediaInputs();
 wirePresets();
 wireForm();
 pollHealth();
