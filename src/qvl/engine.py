@@ -37,6 +37,7 @@ from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir
 
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
+VISION_GROUP_PATCHES = 4096  # images / frame pairs encoded in one vision pass, in patches (1024 tokens)
 DEFAULT_MAX_IMAGE_TOKENS = 256  # CPU default budget per image (~512x512); see docs/benchmarks.md
 DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outputs; see docs/benchmarks.md
@@ -226,17 +227,34 @@ class Engine:
 
     # -- vision and prompt layout ---------------------------------------------------------
 
-    def _image_features(self, image: ProcessedImage, timings: Timings,
-                        use_cache: bool = True) -> Generator[None, None, ImageFeatures]:
-        """One image's features, through the vision cache; yields between vision blocks."""
-        features = self.vision_cache.get(image.content_hash) if use_cache else None
-        if features is None:
+    def _features(self, units: list[ProcessedImage], timings: Timings,
+                  use_cache: bool = True) -> Generator[None, None, list[ImageFeatures]]:
+        """The units' features (images, video frame pairs), through the vision cache; those it
+        misses are encoded together, up to VISION_GROUP_PATCHES patches per pass (a clip's
+        small frame pairs fill the matrix products as one image would). Yields between
+        vision blocks."""
+        found = {u.content_hash: f for u in units if use_cache and (f := self.vision_cache.get(u.content_hash))}
+        missing = list({u.content_hash: u for u in units if u.content_hash not in found}.values())
+        groups: list[list[ProcessedImage]] = []
+        filled = 0  # patches in the last group
+        for unit in missing:
+            patches = unit.num_tokens * self.image_cfg.merge_size**2
+            if not groups or filled + patches > VISION_GROUP_PATCHES:
+                groups.append([])
+                filled = 0
+            groups[-1].append(unit)
+            filled += patches
+        for group in groups:
             timings.cached["vision"] = False
-            embeds, deepstack = yield from self.model.visual.steps(image.pixel_values, [image.grid_thw])
-            features = ImageFeatures(embeds, deepstack)
-            if use_cache:
-                self.vision_cache.add(image.content_hash, features)
-        return features
+            pixels = torch.cat([u.pixel_values for u in group])
+            embeds, deepstack = yield from self.model.visual.steps(pixels, [u.grid_thw for u in group])
+            sizes = [u.num_tokens for u in group]
+            for k, unit in enumerate(group):
+                found[unit.content_hash] = features = ImageFeatures(  # copies: the cache counts what it holds
+                    embeds.split(sizes)[k].clone(), [d.split(sizes)[k].clone() for d in deepstack])
+                if use_cache:
+                    self.vision_cache.add(unit.content_hash, features)
+        return [found[u.content_hash] for u in units]
 
     def spans(self, parsed: ParsedRequest) -> list[tuple[int, int, str]]:
         """(start, end, content hash) of each image's tokens in the prompt."""
@@ -261,19 +279,17 @@ class Engine:
         embeds = deepstack = None
         if needed:
             timings.cached["vision"] = True  # until an image misses
-            feats = []
-            for im, _ in needed:
-                encoding = self._image_features(im, timings, use_cache)
-                while True:
-                    check(cancel)
-                    try:
-                        next(encoding)
-                    except StopIteration as stop:
-                        feats.append(stop.value)
-                        break
-                    spent += time.perf_counter() - resumed
-                    yield
-                    resumed = time.perf_counter()
+            encoding = self._features([im for im, _ in needed], timings, use_cache)
+            while True:
+                check(cancel)
+                try:
+                    next(encoding)
+                except StopIteration as stop:
+                    feats = stop.value
+                    break
+                spent += time.perf_counter() - resumed
+                yield
+                resumed = time.perf_counter()
             embeds = torch.cat([f.embeds for f in feats])
             deepstack = [torch.cat(layer) for layer in zip(*(f.deepstack for f in feats))]
         timings.vision_ms = (spent + time.perf_counter() - resumed) * 1000
