@@ -336,8 +336,8 @@ class Scheduler:
         them, each with its own text and generator (seeded seed + index)."""
         for index, row in enumerate(seq.spare_rows, 1):
             self.cache.copy_row(self.cache, seq.row, row, seq.filled)
-            timings = Timings(vision_ms=seq.timings.vision_ms, cached=dict(seq.timings.cached),
-                              reused_tokens=seq.timings.reused_tokens)
+            timings = Timings(parse_ms=seq.timings.parse_ms, vision_ms=seq.timings.vision_ms,
+                              cached=dict(seq.timings.cached), reused_tokens=seq.timings.reused_tokens)
             params = seq.params
             sibling = Sequence(seq.parsed, seq.emit, seq.cancel, seq.started, timings=timings, spans=seq.spans,
                                prompt=seq.prompt, row=row, filled=seq.filled, position=seq.position,

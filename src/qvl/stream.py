@@ -24,6 +24,7 @@ class Usage:
 
 @dataclass
 class Timings:
+    parse_ms: float = 0.0  # decoding images and videos, tokenizing: when inside ttft_ms (a request handed over unparsed)
     vision_ms: float = 0.0
     prefill_ms: float = 0.0
     ttft_ms: float = 0.0
@@ -188,7 +189,7 @@ class TextStream:
         now = time.perf_counter()
         if self.last is None:
             self.timings.ttft_ms = (now - self.started) * 1000
-            self.timings.prefill_ms = max(0.0, self.timings.ttft_ms - self.timings.vision_ms)
+            self.timings.prefill_ms = max(0.0, self.timings.ttft_ms - self.timings.vision_ms - self.timings.parse_ms)
         else:
             self.timings.decode_ms.append((now - self.last) * 1000)
         self.last = now
