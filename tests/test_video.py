@@ -221,7 +221,18 @@ def bad_clips(clips, tmp_path_factory):
         stream = out.add_stream("mpeg4", rate=10)
         stream.width, stream.height = 64, 48
         out.start_encoding()
+    fast, huge = root / "fast.mkv", root / "huge.mkv"
+    for path, codec, rate, (width, height), pix_fmt in ((fast, "mpeg4", 5000, (64, 48), "yuv420p"),
+                                                         (huge, "mjpeg", 1, (8704, 4400), "yuvj420p")):
+        with av.open(str(path), "w") as out:  # an absurd frame rate; frames above 8K
+            stream = out.add_stream(codec, rate=rate)
+            stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+            frame = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24")
+            for packet in [*stream.encode(frame), *stream.encode()]:
+                out.mux(packet)
     return {
+        "absurd fps": (fast.read_bytes(), "declares 5000 frames per second"),
+        "absurd size": (huge.read_bytes(), "frames of 8704x4400 exceed the limit"),
         "corrupt": (b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 64, "not a readable video"),
         "truncated": (good[: len(good) // 3], "video"),
         "zero frames": (empty.read_bytes(), "no (video stream|frames)"),
@@ -229,7 +240,7 @@ def bad_clips(clips, tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("case", ["corrupt", "truncated", "zero frames", "unknown codec"])
+@pytest.mark.parametrize("case", ["corrupt", "truncated", "zero frames", "unknown codec", "absurd fps", "absurd size"])
 def test_bad_clips_are_refused_by_name_and_the_engine_keeps_serving(pair, bad_clips, clips, case):
     engine, _ = pair
     data, words = bad_clips[case]
