@@ -87,7 +87,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--task", choices=["describe", "ocr"], help="a preset prompt (OCR is greedy)")
+    g.add_argument("--task", choices=["describe", "ocr", "markdown", "html", "detect", "point"],
+                   help="a preset prompt: describe; ocr (greedy); markdown, html (a document page as Markdown or "
+                        "HTML, tables kept); detect, point (the PROMPT names what to find, e.g. \"cats, bicycles\": "
+                        "boxes or points in the image's pixels, with --json or --draw)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE",
                        help="the answer is JSON valid under this JSON Schema file, on one line ({} allows any "
@@ -197,49 +200,107 @@ def prompt_text(args: argparse.Namespace) -> str:
     prompt = args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
+    task = get_task(args.task) if args.task else None
+    if task is not None and task.subject is not None:
+        return task.prompt_for(prompt)  # the PROMPT names what to find
     if not prompt:
-        if not args.task:
+        if task is None:
             raise ValueError("give a PROMPT (or - to read it from stdin), or a --task")
-        prompt = get_task(args.task).prompt
+        prompt = task.prompt
     return prompt
 
 
 def check_files(paths: list[str], kind: str = "image") -> None:
+    from qvl.processing.pdf import split_pages
+
     for path in paths:
-        if not os.path.isfile(path):
+        if not os.path.isfile(split_pages(path)[0] if kind == "image" else path):
             raise ValueError(f"{kind} file not found: {path}")
+
+
+def question_images(images: list[str], grounding: bool) -> list[list[str]]:
+    """The images of each question `ask` asks: all in one, or for a grounding task one
+    question per image and per PDF page, so each answer's boxes belong to one picture."""
+    from qvl.processing.pdf import is_pdf, page_count, parse_pages, split_pages
+
+    if not grounding or len(images) == 0:
+        return [images]
+    singles = []
+    for path in images:
+        if is_pdf(path):
+            base, spec = split_pages(path)
+            singles += [f"{base}#pages={n}" for n in parse_pages(spec, page_count(base))]
+        else:
+            singles.append(path)
+    return [[p] for p in singles] if len(singles) > 1 else [singles]
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
     from qvl.engine import Engine, Request
     from qvl.stream import Delta, Done
+    from qvl.tasks import get_task
 
     check_files(args.image)
     check_files(args.video, "video")
+    if args.draw and not args.image:
+        raise ValueError("--draw needs an image (-i) to draw on")
     text = prompt_text(args)
     constraint = answer_constraint(args)
+    grounding = bool(args.draw) or (args.task is not None and get_task(args.task).grounding)
     engine = Engine.load(engine_options(args))
-    request = Request([user_message(text, args.image, args.video)], sampling_params(engine, args, constraint))
-    for event in engine.stream(request):
-        if isinstance(event, Delta) and not args.json:
-            show_reasoning(event.reasoning, args.hide_reasoning)
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        elif isinstance(event, Done):
-            if args.json:
-                out = event.to_dict()
-                if constraint is not None and constraint.kind == "json_schema":
-                    try:
-                        out["json"] = json.loads(event.text)
-                    except json.JSONDecodeError:  # cut by --max-new-tokens or a --stop string
-                        pass
-                print(json.dumps(out, ensure_ascii=False))
-            else:
-                sys.stdout.write("\n")
-                if event.finish_reason == "length":
-                    print(f"[answer cut at {event.usage.completion_tokens} tokens: raise --max-new-tokens]",
-                          file=sys.stderr)
+    questions = question_images(args.image, grounding)
+    for k, images in enumerate(questions):
+        parsed = engine.parse(Request([user_message(text, images, args.video)], sampling_params(engine, args, constraint)))
+        for event in engine.stream(parsed):
+            if isinstance(event, Delta) and not args.json:
+                show_reasoning(event.reasoning, args.hide_reasoning)
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Done):
+                found = answer_boxes(engine, parsed, images, event.text, args.draw, k if len(questions) > 1 else None) \
+                    if grounding else None
+                if args.json:
+                    out = event.to_dict()
+                    if constraint is not None and constraint.kind == "json_schema":
+                        try:
+                            out["json"] = json.loads(event.text)
+                        except json.JSONDecodeError:  # cut by --max-new-tokens or a --stop string
+                            pass
+                    print(json.dumps({**out, **(found or {})}, ensure_ascii=False))
+                else:
+                    sys.stdout.write("\n")
+                    if event.finish_reason == "length":
+                        print(f"[answer cut at {event.usage.completion_tokens} tokens: raise --max-new-tokens]",
+                              file=sys.stderr)
+                    if found is not None:
+                        drawn = f", drawn on {found['drawn']}" if "drawn" in found else ""
+                        print(f"[{found.get('image', 'no image')}: {len(found['boxes'])} box(es), "
+                              f"{len(found['points'])} point(s){drawn}]", file=sys.stderr)
     return 0
+
+
+def answer_boxes(engine, parsed, images: list[str], text: str, draw_to: str | None, index: int | None) -> dict:
+    """The answer's boxes and points in the pixels of the question's last image (as shown:
+    EXIF orientation applied; a PDF page as rasterised), drawn on it when asked."""
+    from pathlib import Path
+
+    from qvl.grounding import draw, grounding
+    from qvl.processing.image import max_pixels_for_tokens
+    from qvl.requests import pictures_of
+
+    stills = [u for u in parsed.images if not u.video]
+    found = grounding(text, stills[-1].shown_size if stills else None)
+    if images:
+        found["image"] = images[-1]
+    if draw_to and images:
+        max_pixels = max_pixels_for_tokens(engine.limits.max_image_tokens, engine.image_cfg)
+        picture = pictures_of({"image": images[-1]}, max_pixels, 1)[0]
+        out = Path(draw_to)
+        if index is not None:  # one question per image: out-1.png, out-2.png, ...
+            out = out.with_name(f"{out.stem}-{index + 1}{out.suffix}")
+        draw(picture, found).save(out)
+        found["drawn"] = str(out)
+    return found
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -464,10 +525,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
     p = sub.add_parser("ask", help="ask one question, optionally about images; streams the answer")
     p.add_argument("prompt", nargs="?", help="the question; - reads it from stdin")
-    p.add_argument("-i", "--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("-i", "--image", action="append", default=[],
+                   help="image file, or a PDF (doc.pdf, or doc.pdf#pages=2-4: each page an image) (repeatable)")
     p.add_argument("-v", "--video", action="append", default=[],
                    help="video file (repeatable; MP4, WebM, MKV, MOV, AVI, ...: decoded by PyAV's own FFmpeg)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with text, ids, usage, timings")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with text, ids, usage, timings (and boxes and points for --task "
+                        "detect/point or --draw)")
+    p.add_argument("--draw", metavar="OUT.png",
+                   help="write the image with the answer's boxes and points drawn and labelled (one file per "
+                        "image or page: OUT-1.png, ... when there are several)")
     p.add_argument("--hide-reasoning", action="store_true",
                    help="Thinking models: do not show the reasoning (it goes to stderr, dimmed, by default)")
     add_engine_args(p)

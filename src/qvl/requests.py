@@ -17,6 +17,7 @@ from qvl.processing.image import (
     max_pixels_for_tokens,
     preprocess,
 )
+from qvl.processing.pdf import is_pdf, render_pages, split_pages
 from qvl.processing.prompt import tokenize_chat
 from qvl.processing.video import ProcessedVideo, VideoError, VideoSettings, load_video
 from qvl.processing.tokenizer import Tokenizer
@@ -34,7 +35,8 @@ class RequestError(ValueError):
 @dataclass
 class Request:
     """messages: [{"role", "content": str | [{"type": "text", "text"} | {"type": "image",
-    "image": path | bytes | PIL.Image} | {"type": "video", "video": path | bytes}]}] (assistant
+    "image": path | bytes | PIL.Image, "pages"?} | {"type": "video", "video": path | bytes}]}]
+    (an image may be a PDF, "doc.pdf#pages=2-4" or bytes: each page an image; assistant
     messages may carry "tool_calls", and "tool" messages answer them, as the chat template
     renders them); max_image_tokens overrides the engine budget, video the engine's video
     settings (fps, frames, tokens; within the caps); tools (OpenAI function tools) go into
@@ -145,6 +147,20 @@ def video_settings(request: Request, limits: Limits) -> VideoSettings:
     return settings
 
 
+def pictures_of(part: dict, max_pixels: int, room: int) -> list:
+    """An image part's pictures: the image itself, or a PDF's pages (all, or those of a
+    `#pages=` fragment or the part's "pages"), rasterised for `max_pixels`; more than `room`
+    pages is an error, found before any page is drawn."""
+    source = part["image"]
+    if not is_pdf(source):
+        return [load_image(source)]
+    pages = part.get("pages")
+    if isinstance(source, (str, os.PathLike)):
+        source, fragment = split_pages(str(source))
+        pages = pages or fragment
+    return render_pages(source, pages, max_pixels=max_pixels, max_pages=max(room, 0))
+
+
 def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Limits, clips: ClipCache | None):
     """Template-ready messages (image and video parts reduced to {"type": ...}), the vision
     units in prompt order (images, and each video's frame pairs) and each video's layout."""
@@ -168,10 +184,13 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
                     continue
                 try:
                     if kind == "image":
-                        n_images += 1
+                        pictures = pictures_of(part, max_pixels, limits.max_images - n_images)
+                        n_images += len(pictures)
                         if n_images > limits.max_images:
                             raise RequestError(f"too many images: at most {limits.max_images} per request", "messages")
-                        units.append(preprocess(load_image(part["image"]), image_cfg, max_pixels=max_pixels))
+                        units.extend(preprocess(p, image_cfg, max_pixels=max_pixels) for p in pictures)
+                        parts.extend({"type": kind} for _ in pictures)
+                        continue
                     else:
                         if len(layouts) >= limits.max_videos:
                             raise RequestError(f"too many videos: at most {limits.max_videos} per request", "messages")

@@ -250,6 +250,7 @@ class ProcessedImage:
     content_hash: str  # sha256 hex of resized pixels + size + preprocessing settings
     size: tuple[int, int]  # resized (height, width)
     video: bool = False  # a frame pair: placed with <|video_pad|>, normalised as the video processor does
+    shown_size: tuple[int, int] | None = None  # (width, height) of the image as decoded and oriented: boxes' pixels
 
     @property
     def pixel_values(self) -> torch.Tensor:
@@ -292,6 +293,7 @@ def preprocess(
         num_tokens=grid[0] * grid[1] * grid[2] // cfg.merge_size**2,
         content_hash=content_hash(pixels, cfg),
         size=(height, width),
+        shown_size=rgb.size,
     )
 
 

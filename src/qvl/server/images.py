@@ -25,15 +25,18 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image
 
 from qvl.processing.image import ImageError
+from qvl.processing.pdf import is_pdf
 from qvl.server.settings import MB, ImagePolicy
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow decoders we expose to the network
 
 
 def load_image_bytes(url: str, policy: ImagePolicy) -> bytes:
-    """The bytes of one image_url, with its header checked; raises ImageError."""
+    """The bytes of one image_url, with its header checked (a PDF is checked when its pages
+    are drawn); raises ImageError."""
     data = load_bytes(url, policy, "image", policy.max_bytes)
-    check_header(data, policy.max_pixels)
+    if not is_pdf(data):
+        check_header(data, policy.max_pixels)
     return data
 
 

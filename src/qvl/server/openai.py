@@ -22,6 +22,7 @@ from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
 from qvl.sampling import SamplingParams
 from qvl.server.errors import APIError, bad_request
+from qvl.grounding import grounding
 from qvl.server.images import load_image_bytes, load_video_bytes
 from qvl.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                 Choice, ChunkChoice, Message, NamedToolChoice, StructuredOutputs, ToolDefinition,
@@ -43,6 +44,7 @@ class Meta:
     model: str
     tokenizer: object  # token ids -> text and bytes, for logprobs
     tools: bool = False  # tools were offered: answers are parsed for tool calls
+    shown_size: tuple[int, int] | None = None  # (width, height) of the last image: grounding answers' pixels
 
 
 class ChatCompletions:
@@ -52,8 +54,9 @@ class ChatCompletions:
     async def __call__(self, http: HTTPRequest) -> Response:
         sub = await self.submit(http, self.prepare)
         req: ChatCompletionRequest = sub.spec
+        stills = [u for u in sub.parsed.images if not u.video]
         meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), sub.engine.model_name, sub.engine.tokenizer,
-                    tools_offered(req))
+                    tools_offered(req), stills[-1].shown_size if stills else None)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(sse(sub.events, meta, include_usage, req.n), sub.on_close)
@@ -115,7 +118,8 @@ def engine_messages(messages: list[Message], policy: ImagePolicy, max_images: in
             else:
                 param = f"messages[{i}].content[{j}].image_url.url"
                 try:
-                    parts.append({"type": "image", "image": load_image_bytes(part.image_url.url, policy)})
+                    image = {"type": "image", "image": load_image_bytes(part.image_url.url, policy)}
+                    parts.append({**image, "pages": part.image_url.pages} if part.image_url.pages else image)
                 except ImageError as exc:
                     raise bad_request(str(exc), param, "invalid_image") from None
         entry = {"role": role, "content": parts}
@@ -240,10 +244,15 @@ def usage(dones: list[Done]) -> Usage:
                  completion_tokens_details=details)
 
 
-def extras(done: Done) -> dict:
-    """qvl's own numbers, under an extra "qvl" key."""
-    return {"timings": done.to_dict()["timings"], "image_tokens": done.usage.image_tokens,
-            "video_tokens": done.usage.video_tokens}
+def extras(done: Done, meta: Meta) -> dict:
+    """qvl's own numbers, under an extra "qvl" key; with boxes and points when the answer
+    holds grounding JSON, in the pixels of the request's last image (image_size)."""
+    out = {"timings": done.to_dict()["timings"], "image_tokens": done.usage.image_tokens,
+           "video_tokens": done.usage.video_tokens}
+    found = grounding(done.text, meta.shown_size)
+    if found["boxes"] or found["points"]:
+        out.update(found, image_size=list(meta.shown_size) if meta.shown_size else None)
+    return out
 
 
 def logprobs_body(logprobs: list[TokenLogprob] | None, tokenizer) -> dict | None:
@@ -276,7 +285,8 @@ def completion(dones: list[Done], meta: Meta) -> ChatCompletion:
         message, finish_reason = assistant_message(d, meta.tools)
         choices.append(Choice(index=d.index, message=message, finish_reason=finish_reason,
                               logprobs=logprobs_body(d.logprobs, meta.tokenizer)))
-    return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=usage(dones), qvl=extras(dones[0]),
+    return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=usage(dones),
+                          qvl=extras(dones[0], meta),
                           choices=choices)
 
 
@@ -337,7 +347,7 @@ async def sse(events: AsyncIterator[Delta | Done], meta: Meta, include_usage: bo
                     yield chunk(meta, delta, index=event.index)
                 if calls[event.index].calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            yield chunk(meta, {}, finish_reason, index=event.index, qvl=extras(event))
+            yield chunk(meta, {}, finish_reason, index=event.index, qvl=extras(event, meta))
         if include_usage:
             yield chunk(meta, None, usage=usage(dones))
     except APIError as exc:

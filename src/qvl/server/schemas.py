@@ -30,6 +30,7 @@ def _stop_list(value: Any) -> Any:
 
 class ImageURL(_Strict):
     url: str = Field(min_length=1)  # "detail" is ignored: the pixel budget is max_pixels
+    pages: str | None = Field(None, max_length=256)  # qvl: a PDF's pages, "2-4,7" (default: all)
 
 
 class VideoURL(_Strict):

@@ -1,0 +1,122 @@
+"""PDF pages -> images, rasterised by pdfium (pypdfium2) at the resolution the image budget
+wants: a page is drawn at about as many pixels as its tokens will hold, never more, so a
+scanned page costs what a photo of it would.
+
+`doc.pdf#pages=2-4` (or `pages="2,5-7"`) selects pages, counted from 1 as readers show them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from qvl.processing.image import MAX_ASPECT_RATIO, ImageError
+
+MAX_PAGES = 64  # pages one request may take (a batch job takes every page, one row each)
+MAX_SIDE_PT = 14400  # the largest page side PDF allows (200 inches)
+MAX_SCALE = 600 / 72  # never render beyond 600 dpi, however large the budget
+PAGES_FRAGMENT = re.compile(r"#pages?=([0-9,\- ]+)$", re.IGNORECASE)
+
+
+class PdfError(ImageError):
+    """A PDF that cannot be used; the message names the problem."""
+
+
+def is_pdf(source) -> bool:
+    """A path ending in .pdf (before any #pages=), or bytes that start like a PDF."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source[:1024]).lstrip().startswith(b"%PDF")
+    if isinstance(source, (str, os.PathLike)):
+        return split_pages(str(source))[0].lower().endswith(".pdf")
+    return False
+
+
+def split_pages(path: str) -> tuple[str, str | None]:
+    """'doc.pdf#pages=2-4' -> ('doc.pdf', '2-4'); a path without a page fragment -> (path, None)."""
+    match = PAGES_FRAGMENT.search(path)
+    return (path[:match.start()], match.group(1)) if match else (path, None)
+
+
+def parse_pages(spec: str | None, count: int) -> list[int]:
+    """'2-4,7' -> [2, 3, 4, 7] (1-based, in the order given, no repeats); None -> every page."""
+    if spec is None:
+        return list(range(1, count + 1))
+    pages: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not match:
+            raise PdfError(f"bad page selection '{spec}': use numbers and ranges such as 2-4,7")
+        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        if not 1 <= first <= last:
+            raise PdfError(f"bad page range '{part}' in '{spec}': pages count from 1, ranges go up")
+        if last > count:
+            raise PdfError(f"page {last} asked for, but the PDF has {count} page{'s' * (count != 1)}")
+        pages += [p for p in range(first, last + 1) if p not in pages]
+    return pages
+
+
+def open_pdf(source):
+    """A pypdfium2 document from bytes or a path; raises PdfError naming what is wrong."""
+    import pypdfium2 as pdfium
+
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise PdfError(f"PDF file not found: {path}")
+        source, where = str(path), f" ({path})"
+    else:
+        source, where = bytes(source), ""
+    try:
+        doc = pdfium.PdfDocument(source)
+    except pdfium.PdfiumError as e:
+        reason = str(e)
+        if "password" in reason.lower():
+            raise PdfError(f"the PDF{where} is encrypted: qvl cannot open password-protected PDFs") from None
+        raise PdfError(f"not a readable PDF{where}: {reason}") from None
+    if len(doc) == 0:
+        doc.close()
+        raise PdfError(f"the PDF{where} has no pages")
+    return doc
+
+
+def page_count(source) -> int:
+    doc = open_pdf(source)
+    try:
+        return len(doc)
+    finally:
+        doc.close()
+
+
+def render_pages(source, pages: str | None = None, *, max_pixels: int, max_pages: int = MAX_PAGES):
+    """The selected pages as RGB PIL images, each drawn at about `max_pixels` pixels (its
+    rotation applied, as a reader shows it). Raises PdfError."""
+    doc = open_pdf(source)
+    try:
+        numbers = parse_pages(pages, len(doc))
+        if len(numbers) > max_pages:
+            raise PdfError(f"{len(numbers)} pages asked for, but only {max_pages} more image(s) fit this request "
+                           "(pages count as images): select pages with #pages=2-4, or run qvl batch, which takes "
+                           "each page as an item")
+        return [render_page(doc, n, max_pixels) for n in numbers]
+    finally:
+        doc.close()
+
+
+def render_page(doc, number: int, max_pixels: int):
+    """Page `number` (1-based) of an open document at the scale that gives about `max_pixels`."""
+    page = doc[number - 1]
+    try:
+        width, height = page.get_size()  # points, rotation applied
+        if not (1 <= width <= MAX_SIDE_PT and 1 <= height <= MAX_SIDE_PT):
+            raise PdfError(f"page {number} is {width:.0f} x {height:.0f} points: outside what PDF allows "
+                           f"(1 to {MAX_SIDE_PT})")
+        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+            raise PdfError(f"page {number} has an aspect ratio of {max(width, height) / min(width, height):.0f}, "
+                           f"over {MAX_ASPECT_RATIO}")
+        scale = min(math.sqrt(max_pixels / (width * height)), MAX_SCALE)
+        bitmap = page.render(scale=scale, may_draw_forms=True)
+        return bitmap.to_pil().convert("RGB")
+    finally:
+        page.close()
