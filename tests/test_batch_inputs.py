@@ -46,7 +46,7 @@ def test_jsonl_rows_with_ids_prompts_and_relative_paths(tmp_path):
 @pytest.mark.parametrize("lines, message", [
     (['{"id": "a", "image": "1.png"}', '{"id": "a", "image": "2.png"}'], "duplicate ids in .*'a'"),
     (['{"image": "1.png"}', "{oops"], r"job.jsonl:2: not valid JSON"),
-    (['{"id": "a"}'], r"job.jsonl:1: a row needs an \"image\" or a \"video\""),
+    (['{"id": "a"}'], r"job.jsonl:1: a row needs an \"image\" \(an image or a PDF\) or a \"video\""),
     (['{"image": "1.png", "prompt": 3}'], r"\"prompt\" must be a string"),
 ])
 def test_bad_jsonl_fails_at_start_naming_the_problem(tmp_path, lines, message):
@@ -59,5 +59,5 @@ def test_bad_jsonl_fails_at_start_naming_the_problem(tmp_path, lines, message):
 def test_missing_or_empty_input(tmp_path):
     with pytest.raises(UsageError, match="INPUT not found"):
         read_items(str(tmp_path / "nope"))
-    with pytest.raises(UsageError, match="no images or videos"):
+    with pytest.raises(UsageError, match="no images, videos or PDFs"):
         read_items(str(tmp_path))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from qvl.batch.inputs import Item
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.grammar import Constraint
+from qvl.grounding import grounding
 from qvl.sampling import SamplingParams
 from qvl.scheduler import Sequence
 from qvl.stream import Done
@@ -33,25 +34,33 @@ class WorkSpec:
 def error_row(item: Item, prompt: str | None, exc: BaseException) -> dict:
     expected = isinstance(exc, (ValueError, OSError))
     message = str(exc) if expected else f"internal error: {type(exc).__name__}: {exc}"
-    return {"id": item.id, item.kind: item.path, "prompt": prompt, "error": message}
+    return {"id": item.id, **item.fields(), "prompt": prompt, "error": message}
 
 
 class Worker:
-    def __init__(self, engine: Engine, params: SamplingParams, prompt: str | None, batch_size: int):
+    def __init__(self, engine: Engine, params: SamplingParams, prompt: str | None, batch_size: int,
+                 grounding: bool = False):
+        """grounding: rows carry the answer's boxes and points in their image's pixels."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.engine, self.params, self.prompt, self.batch_size = engine, params, prompt, batch_size
+        self.grounding = grounding
+        self.shown: dict[str, tuple[int, int] | None] = {}  # item id -> its image's size, until its row
         engine.scheduler.slice_s = None  # nobody watches tokens arrive: whole prefills, fewer weight passes
 
     @classmethod
     def from_spec(cls, spec: WorkSpec) -> Worker:
         from qvl.cli import sampling_params
+        from qvl.tasks import get_task
 
         engine = Engine.load(spec.options)
-        return cls(engine, sampling_params(engine, spec.sampling, spec.constraint), spec.prompt, spec.batch_size)
+        task = getattr(spec.sampling, "task", None)
+        return cls(engine, sampling_params(engine, spec.sampling, spec.constraint), spec.prompt, spec.batch_size,
+                   grounding=task is not None and get_task(task).grounding)
 
     def request(self, item: Item) -> Request:
-        content = [{"type": item.kind, item.kind: item.path}, {"type": "text", "text": self.prompt_for(item)}]
+        kind = "video" if item.kind == "video" else "image"  # a PDF's page is an image
+        content = [{"type": kind, kind: item.source}, {"type": "text", "text": self.prompt_for(item)}]
         return Request([{"role": "user", "content": content}], self.params)
 
     def prompt_for(self, item: Item) -> str | None:
@@ -80,6 +89,8 @@ class Worker:
                 except Exception as exc:  # a bad item must not stop the run
                     slot[1] = error_row(item, self.prompt_for(item), exc)
                     continue
+                stills = [u for u in parsed.images if not u.video]
+                self.shown[item.id] = stills[-1].shown_size if stills else None
                 if (hit := self.engine.cached_answer(parsed)) is not None:
                     slot[1] = self._row(item, hit)
                     continue
@@ -92,13 +103,16 @@ class Worker:
             self.engine.scheduler.step()
 
     def _row(self, item: Item, done: Done | BaseException) -> dict:
+        shown = self.shown.pop(item.id, None)
         if isinstance(done, BaseException):
             return error_row(item, self.prompt_for(item), done)
         answer = done.to_dict()
         answer.pop("token_ids")
-        row = {"id": item.id, item.kind: item.path, "prompt": self.prompt_for(item), **answer}
+        row = {"id": item.id, **item.fields(), "prompt": self.prompt_for(item), **answer}
         if self.params.constraint is not None and self.params.constraint.kind == "json_schema":
             row.update(json_fields(done))
+        if self.grounding:
+            row.update(grounding(done.text, shown))
         return row
 
 

@@ -35,8 +35,10 @@ class RayWorker:
         self.worker = Worker.from_spec(spec)
 
     def __call__(self, batch: dict) -> dict:
-        items = [Item(str(i), str(path), prompt if isinstance(prompt, str) else None, str(kind))
-                 for i, path, prompt, kind in zip(batch["id"], batch["path"], batch["prompt"], batch["kind"])]
+        items = [Item(str(i), str(path), prompt if isinstance(prompt, str) else None, str(kind),
+                      int(page) if page is not None and page == page else None)  # a missing page may come as NaN
+                 for i, path, prompt, kind, page in zip(batch["id"], batch["path"], batch["prompt"], batch["kind"],
+                                                        batch["page"])]
         return {"row": [json.dumps(row, ensure_ascii=False) for row in self.worker.rows(items)]}
 
 
