@@ -1,6 +1,7 @@
 """The web page in headless Chromium (Debian's `chromium`, driven by Playwright's Python
 package): upload an image, pick a preset, watch the answer stream, stop it, ask a follow-up;
-the JSON switch with a schema.
+the JSON switch with a schema; videos; PDFs and their pages; the detect and point presets and
+the boxes and points of an answer drawn over the image.
 
 Set QVL_UPDATE_SCREENSHOT=1 to refresh docs/web-page.png from this run."""
 
@@ -299,3 +300,273 @@ def test_too_large_and_corrupt_videos_show_plain_errors(server, page):
     assert text_only == [{"role": "user", "content": [{"type": "text", "text": "Hello?"}]}]
     page.wait_for_selector("#stats:has-text('tokens/s')")
     assert page.text_content(".msg.assistant") and page.is_hidden("#error")
+
+
+# -- documents and grounding ----------------------------------------------------------------------
+
+
+def sse_fixture(answer: str, extension: dict) -> str:
+    """A streamed chat completion as qvl serve sends it (its own schemas): the role, the answer
+    in pieces, the finish_reason chunk carrying the "qvl" extension, the usage, [DONE]."""
+    from qvl.server.schemas import ChatCompletionChunk, ChunkChoice, Usage
+
+    def chunk(**fields) -> str:
+        body = ChatCompletionChunk(id="chatcmpl-fixture", created=0, model="fixture", **fields)
+        return f"data: {body.model_dump_json()}\n\n"
+
+    pieces = [answer[i:i + 16] for i in range(0, len(answer), 16)]
+    return "".join([chunk(choices=[ChunkChoice(delta={"role": "assistant", "content": ""})]),
+                    *(chunk(choices=[ChunkChoice(delta={"content": p})]) for p in pieces),
+                    chunk(choices=[ChunkChoice(delta={}, finish_reason="stop")], qvl=extension),
+                    chunk(choices=[], usage=Usage(prompt_tokens=80, completion_tokens=len(pieces),
+                                                  total_tokens=80 + len(pieces))),
+                    "data: [DONE]\n\n"])
+
+
+def grounding_fixture(answer: str, size: tuple[int, int] | None) -> tuple[str, dict]:
+    """The body the server would stream for `answer` about an image of `size` (width, height):
+    boxes and points read by the server's own parser, in that image's pixels."""
+    from qvl.grounding import grounding
+
+    extension = {"timings": {"ttft_ms": 20.0, "decode_ms_per_token": 10.0}, "image_tokens": 64, "video_tokens": 0}
+    found = grounding(answer, size)
+    if found["boxes"] or found["points"]:
+        extension.update(found, image_size=list(size) if size else None)
+    return sse_fixture(answer, extension), extension
+
+
+def assert_overlay_matches(page, extension: dict) -> None:
+    """Each box and point of `extension` sits where it belongs on the preview as shown now,
+    within a pixel and a half."""
+    shown = page.locator("#preview").bounding_box()
+    width, height = extension["image_size"]
+    sx, sy = shown["width"] / width, shown["height"] / height
+    for box in extension["boxes"]:
+        x1, y1, x2, y2 = box["bbox_2d"]
+        got = page.locator(f"#overlay .box[data-label='{box['label']}']").bounding_box()
+        want = {"x": shown["x"] + x1 * sx, "y": shown["y"] + y1 * sy, "width": (x2 - x1) * sx, "height": (y2 - y1) * sy}
+        assert all(abs(got[k] - want[k]) <= 1.5 for k in want), (box, got, want)
+    for point in extension["points"]:
+        x, y = point["point_2d"]
+        got = page.locator(f"#overlay .point[data-label='{point['label']}']").bounding_box()
+        centre = (got["x"] + got["width"] / 2, got["y"] + got["height"] / 2)
+        want = (shown["x"] + x * sx, shown["y"] + y * sy)
+        assert abs(centre[0] - want[0]) <= 1.5 and abs(centre[1] - want[1]) <= 1.5, (point, centre, want)
+    assert page.locator("#overlay .mark").count() == len(extension["boxes"]) + len(extension["points"])
+
+
+def test_boxes_and_points_are_drawn_over_the_image(server, page, tmp_path):
+    from PIL import Image
+
+    scene_png(tmp_path / "small.png")
+    photo = tmp_path / "photo.png"  # larger than the preview: shown scaled down
+    Image.open(tmp_path / "small.png").resize((1600, 1000)).save(photo)
+    found = ('```json\n[\n  {"bbox_2d": [139, 269, 500, 769], "label": "house"},\n'
+             '  {"bbox_2d": [750, 77, 917, 308], "label": "sun"},\n'
+             '  {"point_2d": [319, 692], "label": "door"}\n]\n```')
+    replies = [grounding_fixture(found, (1600, 1000)),
+               grounding_fixture('[{"bbox_2d": [0, 0, 1000, 730], "label": "sky"}]', (1600, 1000)),
+               grounding_fixture("No boxes in this answer.", (1600, 1000)),
+               grounding_fixture('[{"bbox_2d": [10, 10, 500, 500], "label": "cat"}]', (1600, 1000)),
+               grounding_fixture('[{"bbox_2d": [10, 10, 500, 500], "label": "cat"}]', (1600, 1000)),
+               grounding_fixture('[{"bbox_2d": [10, 10, 500, 500], "label": "page"}]', (1240, 1754))]  # a PDF page
+    sent = []
+
+    def fulfil(route):
+        sent.append(json.loads(route.request.post_data))
+        body, _ = replies[len(sent) - 1]
+        route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+    page.route("**/v1/chat/completions", fulfil)
+    page.goto(f"{server.url}/")
+    page.set_input_files("#file", str(photo))
+    page.wait_for_selector("#preview:visible")
+    page.fill("#question", "Where is the house?")
+    page.click("#ask")
+    page.wait_for_selector("#overlay .box[data-label=house]")
+    answered(page, 1)
+    assert sent[0]["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    extension = replies[0][1]
+    assert [b["label"] for b in extension["boxes"]] == ["house", "sun"] and extension["points"][0]["label"] == "door"
+    shown = page.locator("#preview").bounding_box()
+    assert shown["width"] < 800  # scaled down: the overlay must scale with it
+    assert_overlay_matches(page, extension)
+    assert page.text_content("#overlay .box[data-label=house] .tag") == "house"  # a small visible tag
+    assert "2 boxes and 1 point" in page.text_content("#overlay-info")
+
+    assert page.is_hidden("#overlay-tip")
+    page.hover("#overlay .box[data-label=house]")
+    page.wait_for_selector("#overlay-tip:visible")
+    page.screenshot(path=str(tmp_path / "overlay.png"))
+    assert "house" in page.text_content("#overlay-tip")
+    tip, house = page.locator("#overlay-tip").bounding_box(), page.locator("#overlay .box[data-label=house]").bounding_box()
+    assert abs(tip["x"] - house["x"]) < 40 and house["y"] - 60 < tip["y"] < house["y"] + house["height"] + 20
+    page.hover("#overlay .point[data-label=door]")
+    wait_until(lambda: "door" in page.text_content("#overlay-tip"))
+    page.mouse.move(5, 5)
+    page.wait_for_selector("#overlay-tip", state="hidden")
+
+    page.set_viewport_size({"width": 700, "height": 900})  # one column: the preview grows
+    wait_until(lambda: page.locator("#preview").bounding_box()["width"] > shown["width"] + 100)
+    assert_overlay_matches(page, extension)
+    page.screenshot(path=str(tmp_path / "overlay-resized.png"))
+
+    page.fill("#question", "And the sky?")  # a new answer replaces the overlay
+    page.click("#ask")
+    page.wait_for_selector("#overlay .box[data-label=sky]")
+    assert page.locator("#overlay .mark").count() == 1
+    assert_overlay_matches(page, replies[1][1])
+    page.fill("#question", "Thanks.")  # an answer without boxes leaves none
+    page.click("#ask")
+    answered(page, 3)
+    assert page.locator("#overlay .mark").count() == 0 and page.is_hidden("#overlay-info")
+
+    page.fill("#question", "A cat?")
+    page.click("#ask")
+    page.wait_for_selector("#overlay .box[data-label=cat]")
+    page.click("#new-chat")  # a new conversation clears it
+    assert page.locator("#overlay .mark").count() == 0
+    page.fill("#question", "A cat?")
+    page.click("#ask")
+    page.wait_for_selector("#overlay .box[data-label=cat]")
+    page.click("#clear-image")  # so does removing the image
+    assert page.locator("#overlay .mark").count() == 0 and page.is_hidden("#preview")
+
+    drop_file(page, "doc.pdf", "application/pdf", pdf_bytes(1))  # a PDF page has no preview to draw on
+    page.wait_for_selector("#pdf-info:has-text('doc.pdf')")
+    page.fill("#question", "Where is the text?")
+    page.click("#ask")
+    page.wait_for_selector("#overlay-info:visible")
+    assert page.locator("#overlay .mark").count() == 0
+    assert "1 box" in page.text_content("#overlay-info") and "image only" in page.text_content("#overlay-info")
+
+
+def pdf_bytes(pages: int) -> bytes:
+    """A PDF of `pages` pages, each a picture with its number in it (Pillow writes it)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    images = []
+    for n in range(1, pages + 1):
+        img = Image.new("RGB", (300, 400), (255, 255, 255))
+        draw = ImageDraw.Draw(img)
+        draw.text((30, 30), f"Page {n} of {pages}", fill=(0, 0, 0))
+        draw.rectangle((30, 80, 270, 90 + 40 * n), outline=(0, 0, 0), width=2)
+        images.append(img)
+    buf = io.BytesIO()
+    images[0].save(buf, "PDF", save_all=True, append_images=images[1:], resolution=72)
+    return buf.getvalue()
+
+
+def test_pdf_upload_pages_follow_up_and_a_page_out_of_range(server, page, tmp_path):
+    document = tmp_path / "report.pdf"
+    document.write_bytes(pdf_bytes(3))
+    page.goto(f"{server.url}/")
+    page.wait_for_selector("#status:has-text('ready')")
+    assert "application/pdf" in page.get_attribute("#file", "accept")
+
+    page.set_input_files("#file", str(document))
+    page.wait_for_selector("#pdf-info:has-text('report.pdf')")
+    assert "KB" in page.text_content("#pdf-info")  # its size
+    assert page.is_visible("#pdf-box") and page.is_hidden("#preview") and page.is_hidden("#video-box")
+    assert page.input_value("#pdf-pages") == "1"
+    page.fill("#pdf-pages", "2")
+    page.fill("#max-tokens", "4")
+    page.fill("#question", "What is on this page?")
+    with page.expect_response("**/v1/chat/completions") as response:
+        messages = sent_messages(page, lambda: page.click("#ask"))
+    part = messages[0]["content"][0]
+    assert part["type"] == "image_url" and part["image_url"]["pages"] == "2"
+    assert part["image_url"]["url"].startswith("data:application/pdf;base64,")
+    assert base64.b64decode(part["image_url"]["url"].partition(",")[2]) == document.read_bytes()
+    assert messages[0]["content"][1] == {"type": "text", "text": "What is on this page?"}
+    answered(page, 1)
+    assert page.text_content(".msg.assistant") and page.is_hidden("#error")
+    _, extension = stream_usage(response.value)
+    assert extension["image_tokens"] > 0  # the page was in the prompt
+
+    page.fill("#question", "And below it?")  # the PDF rides along in the first question
+    follow_up = sent_messages(page, lambda: page.click("#ask"))
+    assert [m["role"] for m in follow_up] == ["user", "assistant", "user"]
+    assert follow_up[0]["content"][0] == part and follow_up[2]["content"] == [{"type": "text", "text": "And below it?"}]
+    answered(page, 2)
+
+    page.fill("#pdf-pages", "2 to 4")  # not a page selection: said on the page, nothing sent
+    page.fill("#question", "And page 9?")
+    sent = []
+    page.on("request", lambda r: sent.append(r) if "chat/completions" in r.url else None)
+    page.click("#ask")
+    page.wait_for_selector("#error:visible")
+    assert "not a page selection" in page.text_content("#error") and not sent
+    assert page.input_value("#question") == "And page 9?"  # kept for when the pages are fixed
+
+    page.fill("#pdf-pages", "9")  # other pages: a new conversation about them
+    page.click("#ask")
+    page.wait_for_selector("#error:has-text('page 9')")
+    assert "page 9 asked for, but the PDF has 3 pages" in page.text_content("#error")  # the server's own words
+    assert json.loads(sent[-1].post_data)["messages"][0]["content"][0]["image_url"]["pages"] == "9"
+    assert page.locator(".msg.assistant").count() == 0  # the failed question can simply be asked again
+    assert page.locator(".msg.user").all_text_contents() == ["And page 9?"]  # the conversation before is gone
+    assert page.is_enabled("#ask") and page.is_disabled("#stop")
+
+    page.fill("#pdf-pages", "2-3")
+    page.fill("#question", "What is on these pages?")
+    again = sent_messages(page, lambda: page.click("#ask"))
+    assert again[0]["content"][0]["image_url"]["pages"] == "2-3" and len(again) == 1
+    answered(page, 1)
+    assert page.is_hidden("#error") and "tokens/s" in page.text_content("#stats")
+
+    page.click("#clear-pdf")  # removed: a new conversation without it
+    assert page.is_hidden("#pdf-box") and page.locator(".msg").count() == 0
+    page.fill("#question", "Hello?")
+    assert sent_messages(page, lambda: page.click("#ask")) == [
+        {"role": "user", "content": [{"type": "text", "text": "Hello?"}]}]
+    answered(page, 1)
+
+
+def test_detect_and_point_presets_ask_for_the_categories(server, page, tmp_path):
+    from qvl.tasks import TASKS
+
+    image = tmp_path / "scene.png"
+    scene_png(image)
+    page.goto(f"{server.url}/")
+    page.wait_for_selector("#status:has-text('ready')")
+    page.set_input_files("#file", str(image))
+    page.wait_for_selector("#preview:visible")
+    page.fill("#max-tokens", "4")
+
+    sent = []
+    page.on("request", lambda r: sent.append(r) if "chat/completions" in r.url else None)
+    page.click("#presets button[data-task=detect]")  # nothing to find yet: said, nothing sent
+    page.wait_for_selector("#error:visible")
+    assert "categories" in page.text_content("#error") and not sent
+    assert page.evaluate("document.activeElement.id") == "subject-categories"
+
+    page.fill("#subject-categories", "cats, bicycles")
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.click("#presets button[data-task=detect]")
+    body = json.loads(request.value.post_data)
+    assert body["messages"][0]["content"][-1] == {"type": "text", "text": TASKS["detect"].prompt_for("cats, bicycles")}
+    assert body["messages"][0]["content"][-1]["text"] == ("Locate every instance that belongs to the following "
+                                                          "categories: 'cats, bicycles'. Report bbox coordinates "
+                                                          "in JSON format.")  # the official prompt
+    assert body["temperature"] == 0  # greedy, as the preset says
+    assert page.text_content(".msg.user") == "find things: boxes: cats, bicycles"
+    answered(page, 1)
+    assert page.is_hidden("#error")
+
+    page.fill("#subject-categories", "")  # the question box's text, when the field is empty
+    page.fill("#question", "the door")
+    follow_up = sent_messages(page, lambda: page.click("#presets button[data-task=point]"))
+    assert follow_up[-1]["content"] == [{"type": "text", "text": TASKS["point"].prompt_for("the door")}]
+    assert page.input_value("#question") == ""
+    answered(page, 2)
+
+    page.click("#new-chat")  # document parsing works as OCR does: greedy, its own image budget
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.click("#presets button[data-task=markdown]")
+    body = json.loads(request.value.post_data)
+    assert body["messages"][0]["content"][-1]["text"] == TASKS["markdown"].prompt
+    assert body["temperature"] == 0 and body["max_pixels"] == TASKS["markdown"].max_image_tokens * 32 * 32
+    answered(page, 1)

@@ -187,7 +187,8 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
                         pictures = pictures_of(part, max_pixels, limits.max_images - n_images)
                         n_images += len(pictures)
                         if n_images > limits.max_images:
-                            raise RequestError(f"too many images: at most {limits.max_images} per request", "messages")
+                            raise RequestError(f"too many images: at most {limits.max_images} per request (a PDF's "
+                                               "pages count as images)", "messages")
                         units.extend(preprocess(p, image_cfg, max_pixels=max_pixels) for p in pictures)
                         parts.extend({"type": kind} for _ in pictures)
                         continue

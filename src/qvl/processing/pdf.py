@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from pathlib import Path
 
 from qvl.processing.image import MAX_ASPECT_RATIO, ImageError
@@ -18,6 +19,9 @@ MAX_PAGES = 64  # pages one request may take (a batch job takes every page, one 
 MAX_SIDE_PT = 14400  # the largest page side PDF allows (200 inches)
 MAX_SCALE = 600 / 72  # never render beyond 600 dpi, however large the budget
 PAGES_FRAGMENT = re.compile(r"#pages?=([0-9,\- ]+)$", re.IGNORECASE)
+# pdfium must never run in two threads at once, not even on different documents (pypdfium2's
+# documentation: the process may crash); the server parses requests in threads.
+PDFIUM = threading.RLock()
 
 
 class PdfError(ImageError):
@@ -58,7 +62,8 @@ def parse_pages(spec: str | None, count: int) -> list[int]:
 
 
 def open_pdf(source):
-    """A pypdfium2 document from bytes or a path; raises PdfError naming what is wrong."""
+    """A pypdfium2 document from bytes or a path; raises PdfError naming what is wrong. Hold
+    PDFIUM while the document is in use."""
     import pypdfium2 as pdfium
 
     if isinstance(source, (str, os.PathLike)):
@@ -82,26 +87,29 @@ def open_pdf(source):
 
 
 def page_count(source) -> int:
-    doc = open_pdf(source)
-    try:
-        return len(doc)
-    finally:
-        doc.close()
+    with PDFIUM:
+        doc = open_pdf(source)
+        try:
+            return len(doc)
+        finally:
+            doc.close()
 
 
 def render_pages(source, pages: str | None = None, *, max_pixels: int, max_pages: int = MAX_PAGES):
     """The selected pages as RGB PIL images, each drawn at about `max_pixels` pixels (its
     rotation applied, as a reader shows it). Raises PdfError."""
-    doc = open_pdf(source)
-    try:
-        numbers = parse_pages(pages, len(doc))
-        if len(numbers) > max_pages:
-            raise PdfError(f"{len(numbers)} pages asked for, but only {max_pages} more image(s) fit this request "
-                           "(pages count as images): select pages with #pages=2-4, or run qvl batch, which takes "
-                           "each page as an item")
-        return [render_page(doc, n, max_pixels) for n in numbers]
-    finally:
-        doc.close()
+    with PDFIUM:
+        doc = open_pdf(source)
+        try:
+            numbers = parse_pages(pages, len(doc))
+            if len(numbers) > max_pages:
+                raise PdfError(f"{len(numbers)} pages asked for, but only {max_pages} more image(s) fit this "
+                               "request (pages count as images): select pages (image_url.pages in the API, "
+                               "doc.pdf#pages=2-4 on the command line), or run qvl batch, which takes each page "
+                               "as an item")
+            return [render_page(doc, n, max_pixels) for n in numbers]
+        finally:
+            doc.close()
 
 
 def render_page(doc, number: int, max_pixels: int):

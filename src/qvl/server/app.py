@@ -35,7 +35,8 @@ def web_page(max_body_bytes: int) -> str:
     """index.html with the task presets (so the page and the CLI share one prompt text) and the
     body limit (so the page refuses a file too large to send before sending it) filled in."""
     tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description,
-              "max_image_tokens": t.max_image_tokens} for t in TASKS.values()]
+              "max_image_tokens": t.max_image_tokens, "subject": t.subject, "grounding": t.grounding}
+             for t in TASKS.values()]
     data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
     page = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
     return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))

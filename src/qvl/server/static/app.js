@@ -1,5 +1,6 @@
-// qvl web page: an image and/or a video, a conversation about them, answers streamed from
-// /v1/chat/completions (in JSON, under a schema if one is given, when the JSON switch is on).
+// qvl web page: an image, a PDF and/or a video, a conversation about them, answers streamed from
+// /v1/chat/completions (in JSON, under a schema if one is given, when the JSON switch is on);
+// boxes and points an answer finds are drawn over the image.
 "use strict";
 
 const TASKS = JSON.parse(document.getElementById("qvl-tasks").textContent);  // filled in by qvl serve
@@ -11,9 +12,11 @@ const MAX_BODY_MB = JSON.parse(document.getElementById("qvl-max-body").textConte
 
 const state = {
   image: null,        // data: URL of the chosen image
+  pdf: null,          // {url: data: URL, name} of the chosen PDF (its pages are sent as images)
+  pdfPages: null,     // the pages the conversation asked about ("" for all); null before the first question
   video: null,        // data: URL of the chosen video
   videoPreview: null, // blob: URL the <video> preview plays (revoked when the video goes)
-  history: [],        // OpenAI messages sent so far; the image and video ride in the first user message
+  history: [],        // OpenAI messages sent so far; the PDF, image and video ride in the first user message
   controller: null,   // AbortController of the running request
 };
 
@@ -37,11 +40,12 @@ async function pollHealth() {
   setTimeout(pollHealth, 1000);
 }
 
-// -- the image and the video -----------------------------------------------------------------
+// -- the image, the PDF and the video --------------------------------------------------------
 
 const VIDEO_EXTENSIONS = /\.(mp4|m4v|mov|webm|mkv|avi|mpe?g|ts|3gp|ogv|flv|wmv)$/i;  // for files the browser gives no type
 
 function kindOf(file) {
+  if (file.type === "application/pdf" || (!file.type && /\.pdf$/i.test(file.name || ""))) return "PDF";
   if (file.type.startsWith("image/")) return "image";
   if (file.type.startsWith("video/") || (!file.type && VIDEO_EXTENSIONS.test(file.name || ""))) return "video";
   return null;
@@ -68,14 +72,17 @@ function readFile(file, done) {
   reader.readAsDataURL(file);
 }
 
-// Takes one image and/or one video from `files` (a drop, the file picker, a paste).
+// Takes one image, one PDF and/or one video from `files` (a drop, the file picker, a paste).
 function addFiles(files) {
   const image = files.find((f) => kindOf(f) === "image");
+  const pdf = files.find((f) => kindOf(f) === "PDF");
   const video = files.find((f) => kindOf(f) === "video");
-  if (!image && !video) { showError("That is not an image or a video file."); return; }
-  const error = (image && tooLarge(image, "image")) || (video && tooLarge(video, "video"));
+  if (!image && !pdf && !video) { showError("That is not an image, a PDF or a video file."); return; }
+  const error = (image && tooLarge(image, "image")) || (pdf && tooLarge(pdf, "PDF")) ||
+    (video && tooLarge(video, "video"));
   if (error) { showError(error); return; }  // nothing taken: the error stays until the next action
   if (image) setImage(image);
+  if (pdf) setPdf(pdf);
   if (video) setVideo(video);
 }
 
@@ -100,6 +107,39 @@ function clearImage() {
   $("image-info").textContent = "";
   $("file").value = "";
   newConversation();
+}
+
+function setPdf(file) {
+  readFile(file, (url) => {
+    // a file the browser gives no type reads as application/octet-stream: name it for what it is
+    state.pdf = {url: url.replace(/^data:[^;,]*/, "data:application/pdf"), name: file.name || "document.pdf"};
+    $("pdf-info").textContent = `${state.pdf.name}, ${sizeText(file.size)}`;
+    $("pdf-pages").value = "1";
+    $("pdf-box").hidden = false;
+    newConversation();
+  });
+}
+
+function clearPdf() {
+  state.pdf = null;
+  $("pdf-box").hidden = true;
+  $("pdf-info").textContent = "";
+  $("file").value = "";
+  newConversation();
+}
+
+// The pages field: "2", "2-4", "2-4,7" as the server reads them ("" for all pages), or
+// undefined (after showing why) when it is not a page selection.
+function pdfPages() {
+  const text = $("pdf-pages").value.trim();
+  if (!text) return "";
+  if (!/^\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*$/.test(text)) {
+    showError(`"${text}" is not a page selection: write a page number such as 2, or a range such as 2-4 ` +
+      "(pages count from 1; leave it empty for every page).");
+    $("pdf-pages").focus();
+    return undefined;
+  }
+  return text.replace(/\s+/g, "");
 }
 
 function setVideo(file) {
@@ -152,6 +192,7 @@ function wireMediaInputs() {
     if (files.length) { e.preventDefault(); addFiles(files); }
   });
   $("clear-image").addEventListener("click", clearImage);
+  $("clear-pdf").addEventListener("click", clearPdf);
   $("clear-video").addEventListener("click", clearVideo);
   const video = $("video-preview");
   video.addEventListener("loadedmetadata", () => {
@@ -164,6 +205,111 @@ function wireMediaInputs() {
     video.hidden = true;
     $("video-fallback").hidden = false;
   });
+}
+
+// -- boxes and points over the image ---------------------------------------------------------
+
+// One colour per label, in the order qvl ask --draw gives them.
+const PALETTE = ["#e6194b", "#3cb44b", "#0082c8", "#f58230", "#911eb4", "#46f0f0", "#f032e6", "#d2f53c",
+  "#fabed4", "#008080"];
+
+function clearOverlay() {
+  $("overlay").replaceChildren();
+  $("overlay-info").textContent = "";
+  $("overlay-info").hidden = true;
+  hideTip();
+}
+
+function counted(n, one, many) {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
+// `v` pixels of a side of `side` pixels as a percentage: marks placed in percentages follow
+// the preview at whatever size it is shown.
+function percent(v, side) {
+  return `${(100 * v / side).toFixed(4)}%`;
+}
+
+// A box or a point on the overlay: outlined in its label's colour, with a small tag, and a
+// tooltip with the label and the coordinates on hover.
+function addMark(kind, label, colour, where) {
+  const mark = document.createElement("span");
+  mark.className = `mark ${kind}`;
+  mark.style.setProperty("--colour", colour);
+  mark.setAttribute("role", "img");
+  mark.setAttribute("aria-label", `${label || "(no label)"}: ${where}`);
+  mark.dataset.label = label;
+  mark.dataset.where = where;
+  if (label) {
+    const tag = document.createElement("span");
+    tag.className = "tag";
+    tag.textContent = label;
+    mark.appendChild(tag);
+  }
+  mark.addEventListener("mouseenter", () => showTip(mark));
+  mark.addEventListener("mouseleave", hideTip);
+  $("overlay").appendChild(mark);
+  return mark;
+}
+
+function showTip(mark) {
+  const tip = $("overlay-tip");
+  tip.replaceChildren();
+  const label = document.createElement("strong");
+  label.textContent = mark.dataset.label || "(no label)";
+  const where = document.createElement("span");
+  where.textContent = ` ${mark.dataset.where}`;
+  tip.append(label, where);
+  tip.hidden = false;
+  const rect = mark.getBoundingClientRect(), room = tip.getBoundingClientRect();
+  const below = rect.bottom + 6 + room.height <= window.innerHeight;
+  tip.style.left = `${Math.max(4, Math.min(rect.left, window.innerWidth - room.width - 4))}px`;
+  tip.style.top = `${below ? rect.bottom + 6 : Math.max(4, rect.top - room.height - 6)}px`;
+}
+
+function hideTip() {
+  $("overlay-tip").hidden = true;
+}
+
+// Draws the boxes and points of an answer's "qvl" extension (in the pixels of an image of
+// found.image_size, as the server sends them) over the image preview. Only an image has a
+// preview to draw on: boxes of a PDF page (or with no image at all) are only counted.
+function drawOverlay(found) {
+  clearOverlay();
+  const boxes = found.boxes || [], points = found.points || [];
+  if (!boxes.length && !points.length) return;
+  const what = [boxes.length ? counted(boxes.length, "box", "boxes") : "", points.length ?
+    counted(points.length, "point", "points") : ""].filter(Boolean).join(" and ");
+  const size = found.image_size;
+  if (!state.image || !Array.isArray(size) || !(size[0] > 0 && size[1] > 0)) {
+    $("overlay-info").textContent = `The answer holds ${what}; they are drawn over an image only.`;
+    $("overlay-info").hidden = false;
+    return;
+  }
+  const [width, height] = size;
+  const colours = new Map();
+  const colour = (label) => {
+    if (!colours.has(label)) colours.set(label, PALETTE[colours.size % PALETTE.length]);
+    return colours.get(label);
+  };
+  const area = (b) => (b.bbox_2d[2] - b.bbox_2d[0]) * (b.bbox_2d[3] - b.bbox_2d[1]);
+  for (const box of [...boxes].sort((a, b) => area(b) - area(a))) {  // small boxes on top, to be hovered
+    const [x1, y1, x2, y2] = box.bbox_2d;
+    const mark = addMark("box", box.label, colour(box.label), `(${x1}, ${y1}) to (${x2}, ${y2})`);
+    if (y1 < height * 0.08) mark.classList.add("tag-inside");  // no room above: the tag goes inside
+    mark.style.left = percent(x1, width);
+    mark.style.top = percent(y1, height);
+    mark.style.width = percent(x2 - x1, width);
+    mark.style.height = percent(y2 - y1, height);
+  }
+  for (const point of points) {
+    const [x, y] = point.point_2d;
+    const mark = addMark("point", point.label, colour(point.label), `(${x}, ${y})`);
+    mark.style.left = percent(x, width);
+    mark.style.top = percent(y, height);
+  }
+  $("overlay-info").textContent = `${what} drawn on the image (hover one for its label)`;
+  $("overlay-info").hidden = false;
 }
 
 // -- the conversation -------------------------------------------------------------------------
@@ -180,6 +326,8 @@ function addMessage(role, text) {
 function newConversation() {
   stop();
   state.history = [];
+  state.pdfPages = null;
+  clearOverlay();
   $("conversation").replaceChildren();
   $("stats").textContent = "";
   showError("");
@@ -274,24 +422,33 @@ function requestBody(history, task, format) {
   return body;
 }
 
-// format: the response_format to send (null: none), from responseFormat()
-async function ask(text, task, format) {
+// format: the response_format to send (null: none), from responseFormat(); shown: the question
+// as the conversation shows it (default: the preset's description, or the text)
+async function ask(text, task, format, shown) {
   if (!text.trim() || state.controller) return;
+  const pages = state.pdf ? pdfPages() : null;
+  if (pages === undefined) return;
+  if (state.pdf && state.history.length && pages !== state.pdfPages) newConversation();  // other pages
   showError("");
+  clearOverlay();  // a new answer replaces the boxes of the last one
   const content = [];
-  if (state.history.length === 0) {  // the image and the video ride in the first question; follow-ups resend it
+  if (state.history.length === 0) {  // the media ride in the first question; follow-ups resend it
+    if (state.pdf) {  // each page an image; the photo after them, so the server's boxes are in its pixels
+      content.push({type: "image_url", image_url: pages ? {url: state.pdf.url, pages} : {url: state.pdf.url}});
+      state.pdfPages = pages;
+    }
     if (state.image) content.push({type: "image_url", image_url: {url: state.image}});
     if (state.video) content.push({type: "video_url", video_url: {url: state.video}});
   }
   content.push({type: "text", text});
   const history = state.history;  // "new conversation" during the answer replaces state.history
   history.push({role: "user", content});
-  addMessage("user", task ? task.description : text);
+  addMessage("user", shown || (task ? task.description : text));
   const bubble = addMessage("assistant streaming", "");
   state.controller = new AbortController();
   setBusy(true);
   const started = performance.now();
-  let answer = "", firstMs = null, timings = null, usage = null, failed = false;
+  let answer = "", firstMs = null, timings = null, usage = null, failed = false, found = null;
   let thought = null;  // a Thinking model's reasoning, shown dimmed above its answer
   try {
     const res = await fetch("v1/chat/completions", {method: "POST", headers: headers(),
@@ -320,7 +477,10 @@ async function ask(text, task, format) {
         bubble.textContent = answer;
         bubble.scrollIntoView({block: "end"});
       }
-      if (chunk.qvl) timings = chunk.qvl.timings;
+      if (chunk.qvl) {
+        timings = chunk.qvl.timings;
+        if (chunk.qvl.boxes || chunk.qvl.points) found = chunk.qvl;  // grounding: boxes and points found
+      }
       if (chunk.usage) usage = chunk.usage;
     }
     const pretty = format ? prettyJson(answer) : null;
@@ -329,6 +489,7 @@ async function ask(text, task, format) {
       bubble.classList.add("json");
     }
     showStats(firstMs, timings, usage);
+    if (found && history === state.history) drawOverlay(found);  // still the conversation about this image
   } catch (e) {
     if (e.name === "AbortError") {
       bubble.classList.add("stopped");
@@ -352,18 +513,60 @@ async function ask(text, task, format) {
 
 // -- presets and the form ---------------------------------------------------------------------
 
+// The response_format to send (null: none) when the page's own fields (the JSON schema, the
+// PDF's pages) are fit to send; undefined, after showing why, when they are not.
+function readyToAsk() {
+  const format = responseFormat();
+  if (format === undefined || (state.pdf && pdfPages() === undefined)) return undefined;
+  return format;
+}
+
+// A preset's prompt; a preset with a subject (detect, point: the categories to find) takes it
+// from the field next to it, else from the question box. null (after showing why) when none.
+function presetPrompt(task) {
+  if (!task.subject) return {prompt: task.prompt, shown: task.description};
+  const field = $(`subject-${task.subject}`);
+  let subject = field.value.trim();
+  if (!subject) {
+    subject = $("question").value.trim();
+    if (subject) $("question").value = "";  // taken as the categories: not a question to ask again
+  }
+  if (!subject) {
+    showError(`"${task.description}" needs the ${task.subject} to look for: write them in the box next to it, ` +
+      `e.g. cats, bicycles.`);
+    field.focus();
+    return null;
+  }
+  return {prompt: task.prompt.replace("{}", () => subject), shown: `${task.description}: ${subject}`};
+}
+
 function wirePresets() {
+  const lastOfSubject = new Map();  // subject -> the last button of a task that needs it
   for (const task of TASKS) {
     const button = document.createElement("button");
     button.type = "button";
     button.dataset.task = task.name;
     button.textContent = task.description;
-    button.title = task.prompt;
+    button.title = task.subject ? task.prompt.replace("{}", `<${task.subject}>`) : task.prompt;
     button.addEventListener("click", () => {
-      const format = responseFormat();
-      if (format !== undefined) ask(task.prompt, task, format);
+      const format = readyToAsk();
+      if (format === undefined) return;
+      const preset = presetPrompt(task);
+      if (preset) ask(preset.prompt, task, format, preset.shown);
     });
     $("presets").appendChild(button);
+    if (task.subject) lastOfSubject.set(task.subject, button);
+  }
+  for (const [subject, button] of lastOfSubject) {  // one field per subject, after the presets that use it
+    const field = document.createElement("input");
+    field.type = "text";
+    field.id = `subject-${subject}`;
+    field.className = "subject";
+    field.dataset.subject = subject;
+    field.placeholder = subject === "categories" ? "what to find, e.g. cats, bicycles" : subject;
+    field.setAttribute("aria-label", `${subject} for the presets before this field`);
+    field.autocomplete = "off";
+    button.after(field);
   }
   const free = document.createElement("button");
   free.type = "button";
@@ -376,8 +579,8 @@ function wirePresets() {
 function wireForm() {
   $("ask-form").addEventListener("submit", (e) => {
     e.preventDefault();
-    const format = responseFormat();
-    if (format === undefined) return;  // the question stays in its box until the schema is fixed
+    const format = readyToAsk();
+    if (format === undefined) return;  // the question stays in its box until the schema or pages are fixed
     const text = $("question").value;
     $("question").value = "";
     ask(text, null, format);
