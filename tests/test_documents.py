@@ -153,6 +153,7 @@ def test_pages_are_drawn_at_the_budget_with_their_rotation():
     (pdf_bytes(2, encrypt="secret"), "encrypted"),
     (b"%PDF-1.7\n" + bytes(range(256)) * 8, "not a readable PDF"),
     (pdf_bytes(2)[:300], "not a readable PDF"),  # truncated
+    (odd_pdf(600, 800, pages=0), "has no pages"),
     (odd_pdf(20000, 800), "outside what PDF allows"),
     (odd_pdf(14000, 20), "aspect ratio"),
 ])

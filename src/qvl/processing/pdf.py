@@ -79,6 +79,8 @@ def open_pdf(source):
         reason = str(e)
         if "password" in reason.lower():
             raise PdfError(f"the PDF{where} is encrypted: qvl cannot open password-protected PDFs") from None
+        if "(PDFium: Success)" in reason:  # pdfium's way of refusing a document without a page tree
+            raise PdfError(f"the PDF{where} has no pages") from None
         raise PdfError(f"not a readable PDF{where}: {reason}") from None
     if len(doc) == 0:
         doc.close()
