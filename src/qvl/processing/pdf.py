@@ -79,13 +79,20 @@ def open_pdf(source):
         reason = str(e)
         if "password" in reason.lower():
             raise PdfError(f"the PDF{where} is encrypted: qvl cannot open password-protected PDFs") from None
-        if "(PDFium: Success)" in reason:  # pdfium's way of refusing a document without a page tree
+        if _pageless(source):  # pdfium refuses a document whose page tree is empty, as unreadable
             raise PdfError(f"the PDF{where} has no pages") from None
         raise PdfError(f"not a readable PDF{where}: {reason}") from None
     if len(doc) == 0:
         doc.close()
         raise PdfError(f"the PDF{where} has no pages")
     return doc
+
+
+def _pageless(source: bytes | str) -> bool:
+    """Whether a PDF pdfium would not open declares no page at all (a page tree of /Count 0
+    and no page object), so the refusal can say so."""
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    return bool(re.search(rb"/Count\s+0\b", data)) and not re.search(rb"/Type\s*/Page\b(?!s)", data)
 
 
 def page_count(source) -> int:
