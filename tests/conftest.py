@@ -43,6 +43,14 @@ def tiny_untied_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """A tiny mixture-of-experts checkpoint (Qwen3VLMoe layout: 16 experts, 4 per token)."""
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_moe"), "tiny-moe", seed=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_checkpoint):
     """A loaded fp32 engine on the tiny checkpoint (shared: do not mutate)."""
     from qvl.engine import Engine, EngineOptions

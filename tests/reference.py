@@ -6,9 +6,15 @@ import torch
 
 
 def load_reference(path):
-    from transformers import Qwen3VLForConditionalGeneration
+    """transformers' model for a checkpoint folder: Qwen3VL, or Qwen3VLMoe for experts."""
+    import json
+    from pathlib import Path
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    moe = json.loads((Path(path) / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
+    cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def reference_inputs(parsed, image_token_id: int) -> dict:

@@ -30,7 +30,7 @@ def two_image_request(max_new_tokens: int = 40) -> Request:
     return Request(messages, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
 
 
-@pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_untied_checkpoint"])
+@pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_untied_checkpoint", "tiny_moe_checkpoint"])
 def pair(request):
     path = request.getfixturevalue(request.param)
     engine = Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))

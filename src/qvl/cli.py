@@ -562,7 +562,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint in the official layout (offline demo)")
     p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "2b", "4b", "8b", "32b"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-moe", "2b", "4b", "8b", "32b", "30b-a3b"])
     p.add_argument("--layers", type=int, help="text decoder layers (fewer than the preset's: a full-width model "
                                               "for benchmarks that fits the disk and memory)")
     p.add_argument("--seed", type=int, default=0)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 DEFAULT_MAX_NEW_TOKENS = 1024  # a full page of OCR; used when generation_config sets none
 
 
@@ -44,6 +44,17 @@ class TextConfig:
     mrope_interleaved: bool
     max_position_embeddings: int
     attention_bias: bool
+    # mixture of experts (Qwen3VLMoe); num_experts 0: every layer is a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has experts instead of a dense MLP (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dict(cls, d: dict) -> TextConfig:
@@ -79,7 +90,22 @@ class TextConfig:
             mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
             max_position_embeddings=_require(d, "max_position_embeddings", where),
             attention_bias=bool(d.get("attention_bias", False)),
+            **_experts(d, where),
         )
+
+
+def _experts(d: dict, where: str) -> dict:
+    """The mixture-of-experts fields of a text config (none for a dense model)."""
+    experts = d.get("num_experts") or 0
+    if not experts:
+        return {}
+    top_k = _require(d, "num_experts_per_tok", where)
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"{where}: num_experts_per_tok {top_k} must be in 1..num_experts ({experts})")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": _require(d, "moe_intermediate_size", where),
+            "decoder_sparse_step": d.get("decoder_sparse_step") or 1,
+            "mlp_only_layers": tuple(d.get("mlp_only_layers") or ())}
 
 
 @dataclass(frozen=True)
@@ -150,8 +176,8 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type '{model_type}' is not supported: qvl runs the dense Qwen3-VL "
-                f"models ({', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"model_type '{model_type}' is not supported: qvl runs the Qwen3-VL models "
+                f"({', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         text = _require(d, "text_config", "config.json")
         tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings"))

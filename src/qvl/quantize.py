@@ -256,7 +256,9 @@ def quantized_linear_names(model: nn.Module, spec: QuantSpec) -> list[str]:
 
 
 def _is_text(name: str) -> bool:
-    return name.startswith("language_model.") or name == "lm_head"
+    """The text decoder's linears and the head; not a mixture-of-experts router (`mlp.gate`),
+    whose top-k choice must stay the reference's."""
+    return (name.startswith("language_model.") and not name.endswith(".mlp.gate")) or name == "lm_head"
 
 
 def use_decode_kernels(model: nn.Module) -> None:

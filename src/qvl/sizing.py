@@ -19,7 +19,8 @@ GROUP_SIZE = 128
 class Footprint:
     weights: str
     total_bytes: int  # every tensor as qvl keeps it in memory
-    read_per_token: int  # what one decode step reads: the text decoder's linears and the lm_head
+    read_per_token: int  # what one decode step reads: the text decoder's linears and the lm_head (and the
+    # chosen experts: top-k of each layer's, bf16 as qvl keeps them so far)
     kv_per_token: int  # keys and values of one position, all layers (bf16)
 
     def to_dict(self) -> dict:
@@ -58,13 +59,17 @@ def footprint(cfg: ModelConfig, weights: str, vision_int8: bool = False) -> Foot
         total += size
         read += size if text else 0
         linears.update(id(p) for p in module.parameters())
+    t = cfg.text
     for name, param in model.named_parameters():
         if id(param) in linears:
+            continue
+        if ".experts." in name:  # every expert is held, a decode step reads the k chosen
+            total += 2 * param.numel()
+            read += 2 * param.numel() * t.num_experts_per_tok // t.num_experts
             continue
         if name.endswith("embed_tokens.weight") and cfg.tie_word_embeddings and weights != "bf16":
             continue  # the quantised lm_head is the embedding
         total += 2 * param.numel()
-    t = cfg.text
     if cfg.tie_word_embeddings and weights == "bf16":
         total -= 2 * t.vocab_size * t.hidden_size  # one tensor for both
     kv = 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * 2

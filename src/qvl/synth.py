@@ -55,6 +55,25 @@ SIZE_CHANGES = {
         "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64}},
 }
 
+# Qwen3-VL-30B-A3B (mixture of experts: every layer 128 experts, 8 per token; ../shared/NOTES.md).
+MOE_30B = {
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "tie_word_embeddings": False,
+    "vision_config": {**VISION_27, "out_hidden_size": 2048, "model_type": "qwen3_vl_moe"},
+    "text_config": {"model_type": "qwen3_vl_moe_text", "hidden_size": 2048, "num_hidden_layers": 48,
+                    "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "norm_topk_prob": True},
+}
+# The tiny test layout with experts: 16 of them, 4 per token (2 x 48 != 128 hidden: transformers tells
+# the published expert layout from its own by shape).
+TINY_MOE = {
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "tie_word_embeddings": False,
+    "vision_config": {"model_type": "qwen3_vl_moe"},
+    "text_config": {"model_type": "qwen3_vl_moe_text", "num_experts": 16, "num_experts_per_tok": 4,
+                    "moe_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "norm_topk_prob": True},
+}
+
 # The same layout shrunk for tests: the real vocabulary, tiny layers.
 TINY_CHANGES = {
     "text_config": {
@@ -91,8 +110,10 @@ def _merge(base: dict, changes: dict) -> dict:
 
 
 def preset_config(preset: str, changes: dict | None = None) -> dict:
-    """config.json contents for a preset (tiny, 2b, 4b, 8b, 32b), with optional nested overrides."""
-    presets = {"2b": OFFICIAL_2B, "tiny": _merge(OFFICIAL_2B, TINY_CHANGES),
+    """config.json contents for a preset (tiny, tiny-moe, 2b, 4b, 8b, 32b, 30b-a3b), with optional
+    nested overrides."""
+    tiny = _merge(OFFICIAL_2B, TINY_CHANGES)
+    presets = {"2b": OFFICIAL_2B, "tiny": tiny, "tiny-moe": _merge(tiny, TINY_MOE), "30b-a3b": _merge(OFFICIAL_2B, MOE_30B),
                **{name: _merge(OFFICIAL_2B, size) for name, size in SIZE_CHANGES.items()}}
     if preset not in presets:
         raise ValueError(f"unknown preset '{preset}' (choose from: {', '.join(presets)})")
@@ -124,7 +145,7 @@ def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         elif name.endswith("pos_embed.weight"):
             t = torch.randn(p.shape, generator=gen)
         else:
-            fan_in = p[0].numel()
+            fan_in = p.shape[1] if ".experts." in name else p[0].numel()  # experts: [E, in, out]
             t = torch.randn(p.shape, generator=gen) / fan_in**0.5
         prefix = next(dst for dst in to_checkpoint if name.startswith(dst))
         state[to_checkpoint[prefix] + name[len(prefix) :]] = t.to(torch.bfloat16)

@@ -101,11 +101,52 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts, fused as published: gate_up_proj [E, H, 2I] (gate = the first half
+    of the last dim), down_proj [E, I, H]."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        # x: [n, H] tokens routed to `expert` -> [n, H]
+        gate, up = (x @ self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[expert]
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Qwen3VLMoe): the router scores the E experts per token, the
+    top k by softmax (in float32) run, their outputs summed with the softmax weights
+    renormalised over the k. Tokens are grouped by expert: each expert's weights are read
+    once per call, only for the experts some token chose."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H] -> [..., H]
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float)  # [N, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for expert in chosen.unique().tolist():
+            tokens, slot = (chosen == expert).nonzero(as_tuple=True)
+            out.index_add_(0, tokens, self.experts(flat[tokens], expert) * weights[tokens, slot, None])
+        return out.view(x.shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -200,6 +241,8 @@ class TextModel(nn.Module):
         args, tensors = [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):  # experts: the per-layer path
+                return False
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             if any(n.weight.dtype != dtype for n in norms):
                 return False

@@ -1,0 +1,74 @@
+"""Mixture of experts (Qwen3VLMoe, 30B-A3B's layout) on a tiny checkpoint: the routing rule,
+the layer rule, the default production path (int8 attention, bf16 compute, experts and router
+unquantised) and its sizing. Parity with transformers' Qwen3VLMoe (vision, logits, greedy
+tokens, logprobs) runs in test_model_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qvl.config import ConfigError, ModelConfig, TextConfig
+from qvl.engine import Engine, EngineOptions, Request
+from qvl.model.text import SparseMoE
+from qvl.quantize import Int8Linear
+from qvl.sampling import SamplingParams
+from qvl.sizing import footprint
+from qvl.synth import preset_config
+
+
+def moe_text(**changes) -> TextConfig:
+    return ModelConfig.from_dict(preset_config("tiny-moe", {"text_config": changes})).text
+
+
+def test_which_layers_have_experts():
+    assert [moe_text().is_moe_layer(i) for i in range(4)] == [True] * 4
+    assert [moe_text(decoder_sparse_step=2).is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert [moe_text(mlp_only_layers=[0, 3]).is_moe_layer(i) for i in range(4)] == [False, True, True, False]
+    assert not ModelConfig.from_dict(preset_config("tiny")).text.is_moe_layer(0)  # dense
+    with pytest.raises(ConfigError, match="num_experts_per_tok 17"):
+        moe_text(num_experts_per_tok=17)
+
+
+def test_routing_is_the_renormalised_top_k_of_the_softmax():
+    """The grouped computation equals the definition: every expert on every token, weighted by
+    the softmax over the chosen k renormalised to 1, zero for the others."""
+    cfg = moe_text()
+    moe = SparseMoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 7, cfg.hidden_size)
+    flat = x.reshape(-1, cfg.hidden_size)
+    probs = torch.softmax(moe.gate(flat).float(), -1)
+    top = probs.topk(cfg.num_experts_per_tok, -1)
+    weights = torch.zeros_like(probs).scatter(1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+    every = torch.stack([moe.experts(flat, e) for e in range(cfg.num_experts)], 1)  # [N, E, H]
+    expected = (weights[..., None] * every).sum(1).view_as(x)
+    torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_default_path_runs_experts_unquantised_and_answers_the_same_from_its_cache(tiny_moe_checkpoint):
+    def answer(engine):
+        request = Request([{"role": "user", "content": "Tell me a story."}], SamplingParams(temperature=0,
+                                                                                        max_new_tokens=12))
+        return engine.generate(request).token_ids
+
+    first = Engine.load(EngineOptions(model=str(tiny_moe_checkpoint), threads=2))  # int8, the CPU's dtype
+    layer = first.model.language_model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Int8Linear)
+    assert type(layer.mlp.gate) is torch.nn.Linear  # the router keeps the reference's top-k choice
+    assert layer.mlp.experts.gate_up_proj.dtype == first.model.dtype
+    tokens = answer(first)
+    assert len(tokens) == 12
+    again = Engine.load(EngineOptions(model=str(tiny_moe_checkpoint), threads=2))  # from the quantised-weights cache
+    assert answer(again) == tokens
+
+
+def test_sizing_counts_every_expert_held_and_the_chosen_ones_read():
+    cfg = ModelConfig.from_dict(preset_config("30b-a3b"))
+    bf16 = footprint(cfg, "bf16")
+    assert 61.5e9 < bf16.total_bytes < 62.5e9  # 31.07 B parameters
+    t = cfg.text
+    experts = t.num_hidden_layers * t.num_experts * 3 * t.hidden_size * t.moe_intermediate_size * 2
+    assert bf16.read_per_token > experts * t.num_experts_per_tok // t.num_experts  # plus attention and the head
+    assert bf16.read_per_token < 7e9  # ~3.3 B active parameters
