@@ -255,3 +255,14 @@ def test_batch_takes_each_page_as_an_item_and_resumes_page_by_page(tiny_checkpoi
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["page"] for r in rows) == list(range(1, 21))  # no page lost, none repeated
     assert all(r["id"] == f"report.pdf#page={r['page']}" and r["pdf"] == str(doc) and "text" in r for r in rows)
+
+
+def test_an_absurd_page_selection_is_refused_at_once():
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(PdfError, match="20000000 pages asked for; at most 32"):
+        parse_pages(",".join(["1-1000000"] * 20), 10**6, limit=32)
+    with pytest.raises(PdfError, match="has 5000000 pages; at most 32"):
+        parse_pages(None, 5 * 10**6, limit=32)
+    assert time.perf_counter() - started < 0.1

@@ -381,3 +381,16 @@ def test_qvl_batch_over_videos_and_images(tiny_checkpoint, clips, bad_clips, tmp
     assert rows["b.webm"]["usage"]["video_tokens"] > 0 and rows["c.png"]["usage"]["image_tokens"] > 0
     assert "image" in rows["c.png"] and "video" not in rows["c.png"]
     assert "not a readable video" in rows["broken.mp4"]["error"]
+
+
+@pytest.mark.parametrize("playlist", ["ffconcat version 1.0\nfile {path}\n", "#EXTM3U\n#EXTINF:5,\n{path}\n"])
+def test_a_playlist_posing_as_a_video_reads_no_other_file(pair, clips, tmp_path, monkeypatch, playlist):
+    """FFmpeg's concat and HLS demuxers open the files a playlist names: a "video" sent to the
+    server must not show the model a file of the server's disk."""
+    engine, _ = pair
+    monkeypatch.chdir(clips["short"].parent)
+    for path in (clips["short"].name, str(clips["short"])):
+        data = playlist.format(path=path).encode()
+        with pytest.raises(RequestError, match="not a readable video") as caught:
+            engine.parse(Request([{"role": "user", "content": [{"type": "video", "video": data}]}]))
+        assert caught.value.code == "invalid_video"

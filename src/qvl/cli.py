@@ -21,7 +21,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from qvl.processing.video import DEFAULT_FPS, DEFAULT_MAX_FRAMES, DEFAULT_MAX_VIDEO_TOKENS
+    from qvl.processing.video import DEFAULT_FPS, DEFAULT_MAX_FRAMES, DEFAULT_MAX_VIDEO_TOKENS, VIDEO_TOKENS_CAP
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", help="model folder or Hugging Face id (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)")
@@ -67,12 +67,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--max-video-tokens", type=int, default=DEFAULT_MAX_VIDEO_TOKENS,
                    help="token budget of a whole clip: frames shrink to fit it (default "
                         f"{DEFAULT_MAX_VIDEO_TOKENS}, ~12 s to the first token on 2 cores for the 2B model)")
-    v.add_argument("--video-tokens-cap", type=int, default=16384,
-                   help="the largest clip budget a request may ask for (default 16384)")
+    v.add_argument("--video-tokens-cap", type=int, default=VIDEO_TOKENS_CAP,
+                   help=f"the largest clip budget a request may ask for (default {VIDEO_TOKENS_CAP})")
     v.add_argument("--max-video-seconds", type=float, help="refuse longer clips (default: any length)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    from qvl.tasks import TASKS
+
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
     g.add_argument("--max-new-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy")
@@ -87,7 +89,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--task", choices=["describe", "ocr", "markdown", "html", "detect", "point"],
+    g.add_argument("--task", choices=list(TASKS),
                    help="a preset prompt: describe; ocr (greedy); markdown, html (a document page as Markdown or "
                         "HTML, tables kept); detect, point (the PROMPT names what to find, e.g. \"cats, bicycles\": "
                         "boxes or points in the image's pixels, with --json or --draw)")
@@ -119,9 +121,8 @@ def engine_options(args: argparse.Namespace):
         vision_cache_mb=args.vision_cache_mb,
         prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
         kv_cache_mb=args.kv_cache_mb, deterministic=args.deterministic, reasoning_budget=args.reasoning_budget,
-        video=VideoSettings(fps=args.fps, max_frames=args.max_frames, max_tokens=args.max_video_tokens,
-                            min_frames=min(4, args.max_frames)),
-        video_tokens_cap=args.video_tokens_cap, video_frames_cap=max(768, args.max_frames),
+        video=VideoSettings(fps=args.fps, max_frames=args.max_frames, max_tokens=args.max_video_tokens),
+        video_tokens_cap=args.video_tokens_cap,
         max_video_seconds=args.max_video_seconds,
     )
 
@@ -288,8 +289,7 @@ def answer_boxes(engine, parsed, images: list[str], text: str, draw_to: str | No
     from qvl.processing.image import max_pixels_for_tokens
     from qvl.requests import pictures_of
 
-    stills = [u for u in parsed.images if not u.video]
-    found = grounding(text, stills[-1].shown_size if stills else None)
+    found = grounding(text, parsed.last_image_size)
     if images:
         found["image"] = images[-1]
     if draw_to and images:

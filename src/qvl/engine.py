@@ -28,7 +28,7 @@ from qvl.processing.image import ImageProcessorConfig, ProcessedImage
 from qvl.processing.prompt import load_chat_template
 from qvl.processing.tokenizer import Tokenizer
 from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
-from qvl.processing.video import VideoSettings
+from qvl.processing.video import MAX_VIDEOS, VIDEO_FRAMES_CAP, VIDEO_TOKENS_CAP, VideoSettings
 from qvl.requests import ClipCache, Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
@@ -67,9 +67,9 @@ class EngineOptions:
     deterministic: bool = False  # answers independent of prefill slicing and prefix reuse too (see Scheduler)
     reasoning_budget: int | None = None  # Thinking models: reasoning tokens before </think> is forced (default)
     video: VideoSettings = VideoSettings()  # per clip: sampling fps, frame cap, token budget (defaults)
-    video_tokens_cap: int = 16384  # the most one request may raise a clip's budget to
-    video_frames_cap: int = 768  # ... and its frame cap to
-    max_videos: int = 2
+    video_tokens_cap: int = VIDEO_TOKENS_CAP  # the most one request may raise a clip's budget to
+    video_frames_cap: int = VIDEO_FRAMES_CAP  # ... and its frame cap to
+    max_videos: int = MAX_VIDEOS
     max_video_seconds: float | None = None  # longer clips are refused (None: any length)
     clip_cache_mb: float = 256  # decoded clips kept for follow-up questions
 

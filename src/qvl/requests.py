@@ -19,7 +19,15 @@ from qvl.processing.image import (
 )
 from qvl.processing.pdf import is_pdf, render_pages, split_pages
 from qvl.processing.prompt import tokenize_chat
-from qvl.processing.video import ProcessedVideo, VideoError, VideoSettings, load_video
+from qvl.processing.video import (
+    MAX_VIDEOS,
+    VIDEO_FRAMES_CAP,
+    VIDEO_TOKENS_CAP,
+    ProcessedVideo,
+    VideoError,
+    VideoSettings,
+    load_video,
+)
 from qvl.processing.tokenizer import Tokenizer
 from qvl.sampling import SamplingParams
 
@@ -73,6 +81,12 @@ class ParsedRequest:
         return sum(im.num_tokens for im in self.images if im.video)
 
     @property
+    def last_image_size(self) -> tuple[int, int] | None:
+        """(width, height) of the last still image as shown: the pixels grounding answers are in."""
+        stills = [u for u in self.images if not u.video]
+        return stills[-1].shown_size if stills else None
+
+    @property
     def image_hashes(self) -> list[str]:
         return [im.content_hash for im in self.images]
 
@@ -84,9 +98,9 @@ class Limits:
     max_images: int
     max_context: int
     video: VideoSettings = VideoSettings()  # defaults per clip
-    video_tokens_cap: int = 16384  # the most a request may ask for, per clip
-    video_frames_cap: int = 768
-    max_videos: int = 2
+    video_tokens_cap: int = VIDEO_TOKENS_CAP  # the most a request may ask for, per clip
+    video_frames_cap: int = VIDEO_FRAMES_CAP
+    max_videos: int = MAX_VIDEOS
     max_video_seconds: float | None = None  # longer clips are refused (None: any length)
 
 
@@ -113,12 +127,10 @@ class ClipCache(LRU):
              max_seconds: float | None) -> ProcessedVideo:
         key = self.key(source, settings, cfg) if self.enabled else None
         clip = self.get(key) if key else None
-        if clip is None:
+        if clip is None:  # (an engine's length cap is fixed: a kept clip passed it)
             clip = load_video(source, cfg, settings, max_seconds=max_seconds)
             if key:
                 self.put(key, clip, sum(p.pixels.nbytes for p in clip.pairs))
-        elif max_seconds is not None and clip.info.seconds > max_seconds:  # a stricter cap than when it was kept
-            clip = load_video(source, cfg, settings, max_seconds=max_seconds)
         return clip
 
 
@@ -134,8 +146,7 @@ def video_settings(request: Request, limits: Limits) -> VideoSettings:
         if param is None:
             raise RequestError(f"unknown video setting '{key}' (choose from {', '.join(VIDEO_PARAMS)})", "video")
         try:
-            cap = value if key == "max_frames" and isinstance(value, int) else settings.max_frames
-            settings = replace(settings, **{key: value}, min_frames=min(settings.min_frames, cap))
+            settings = replace(settings, **{key: value})
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc), param) from None
     if settings.max_tokens > limits.video_tokens_cap:
@@ -192,12 +203,11 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
                         units.extend(preprocess(p, image_cfg, max_pixels=max_pixels) for p in pictures)
                         parts.extend({"type": kind} for _ in pictures)
                         continue
-                    else:
-                        if len(layouts) >= limits.max_videos:
-                            raise RequestError(f"too many videos: at most {limits.max_videos} per request", "messages")
-                        clip = (clips or ClipCache(0)).load(part["video"], image_cfg, settings, limits.max_video_seconds)
-                        units.extend(clip.pairs)
-                        layouts.append(clip.layout())
+                    if len(layouts) >= limits.max_videos:
+                        raise RequestError(f"too many videos: at most {limits.max_videos} per request", "messages")
+                    clip = (clips or ClipCache(0)).load(part["video"], image_cfg, settings, limits.max_video_seconds)
+                    units.extend(clip.pairs)
+                    layouts.append(clip.layout())
                 except ImageError as exc:  # named by its place, as a client wrote it
                     code = "invalid_video" if isinstance(exc, VideoError) else "invalid_image"
                     raise RequestError(str(exc), f"messages[{i}].content[{j}]", code) from exc

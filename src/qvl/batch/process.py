@@ -89,8 +89,7 @@ class Worker:
                 except Exception as exc:  # a bad item must not stop the run
                     slot[1] = error_row(item, self.prompt_for(item), exc)
                     continue
-                stills = [u for u in parsed.images if not u.video]
-                self.shown[item.id] = stills[-1].shown_size if stills else None
+                self.shown[item.id] = parsed.last_image_size
                 if (hit := self.engine.cached_answer(parsed)) is not None:
                     slot[1] = self._row(item, hit)
                     continue

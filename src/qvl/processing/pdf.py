@@ -43,11 +43,14 @@ def split_pages(path: str) -> tuple[str, str | None]:
     return (path[:match.start()], match.group(1)) if match else (path, None)
 
 
-def parse_pages(spec: str | None, count: int) -> list[int]:
-    """'2-4,7' -> [2, 3, 4, 7] (1-based, in the order given, no repeats); None -> every page."""
+def parse_pages(spec: str | None, count: int, limit: int = 10**6) -> list[int]:
+    """'2-4,7' -> [2, 3, 4, 7] (1-based, in the order given, no repeats); None -> every page.
+    A selection of more than `limit` pages (repeats counted) is refused before it is listed."""
     if spec is None:
+        if count > limit:
+            raise PdfError(f"the PDF has {count} pages; at most {limit} are taken at once")
         return list(range(1, count + 1))
-    pages: list[int] = []
+    ranges = []
     for part in (p.strip() for p in spec.split(",")):
         match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
         if not match:
@@ -57,8 +60,11 @@ def parse_pages(spec: str | None, count: int) -> list[int]:
             raise PdfError(f"bad page range '{part}' in '{spec}': pages count from 1, ranges go up")
         if last > count:
             raise PdfError(f"page {last} asked for, but the PDF has {count} page{'s' * (count != 1)}")
-        pages += [p for p in range(first, last + 1) if p not in pages]
-    return pages
+        ranges.append(range(first, last + 1))
+    if sum(len(r) for r in ranges) > limit:  # before listing them: a tiny PDF may claim a million pages
+        raise PdfError(f"{sum(len(r) for r in ranges)} pages asked for; at most {limit}")
+    seen: set[int] = set()
+    return [p for r in ranges for p in r if not (p in seen or seen.add(p))]
 
 
 def open_pdf(source):
@@ -110,7 +116,7 @@ def render_pages(source, pages: str | None = None, *, max_pixels: int, max_pages
     with PDFIUM:
         doc = open_pdf(source)
         try:
-            numbers = parse_pages(pages, len(doc))
+            numbers = parse_pages(pages, len(doc), limit=max(max_pages, 1) * 4)
             if len(numbers) > max_pages:
                 raise PdfError(f"{len(numbers)} pages asked for, but only {max_pages} more image(s) fit this "
                                "request (pages count as images): select pages (image_url.pages in the API, "
@@ -134,6 +140,9 @@ def render_page(doc, number: int, max_pixels: int):
                            f"over {MAX_ASPECT_RATIO}")
         scale = min(math.sqrt(max_pixels / (width * height)), MAX_SCALE)
         bitmap = page.render(scale=scale, may_draw_forms=True)
-        return bitmap.to_pil().convert("RGB")
+        try:
+            return bitmap.to_pil().convert("RGB")
+        finally:
+            bitmap.close()  # now, under the lock: not later from another thread
     finally:
         page.close()

@@ -36,11 +36,18 @@ DEFAULT_MAX_FRAMES = 64  # CPU defaults: see docs/benchmarks.md (video)
 DEFAULT_MAX_VIDEO_TOKENS = 1024
 MIN_FRAMES = 4  # the reference's min_frames
 FRAME_TOKEN_CAP = 768  # tokens of one frame at most (qwen-vl-utils' VIDEO_MAX_TOKEN_NUM)
+VIDEO_TOKENS_CAP = 16384  # the largest clip budget a request may ask for, unless the server says otherwise
+VIDEO_FRAMES_CAP = 768  # the most frames a request may ask for (the reference's max_frames)
+MAX_VIDEOS = 2  # clips per request
 MIN_PIXELS = 4096  # the shipped video_preprocessor_config's size.shortest_edge (over T x H x W)
 MAX_FRAME_PIXELS = 8192 * 4320  # frames above 8K are refused before decoding
 MAX_FPS = 1000.0
 FALLBACK_FPS = 24.0  # what the reference assumes when a file declares no frame rate
 SEEK_SECONDS = 4.0  # a gap longer than this between sampled frames is skipped by seeking
+# The containers FFmpeg may open: never its playlist and concat demuxers, which read other files
+# (a "video" of `ffconcat ... file secret.mp4` would show the model a file of the server's disk).
+CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,flv,asf,ogg"
+CONTAINER_NAMES = "MP4/MOV, Matroska/WebM, AVI, MPEG-TS/PS, FLV, ASF/WMV, Ogg"
 
 
 class VideoError(ImageError):
@@ -63,8 +70,8 @@ class VideoSettings:
             raise ValueError(f"max video frames must be an integer >= 2, got {self.max_frames!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max video tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_frames, int) or not 1 <= self.min_frames <= self.max_frames:
-            raise ValueError(f"min video frames must be in 1..max_frames, got {self.min_frames!r}")
+        if not isinstance(self.min_frames, int) or self.min_frames < 1:  # max_frames wins over it
+            raise ValueError(f"min video frames must be a positive integer, got {self.min_frames!r}")
 
 
 @dataclass(frozen=True)
@@ -181,9 +188,9 @@ def _open(source: bytes | str | os.PathLike):
     else:
         raise VideoError(f"unsupported video source type: {type(source).__name__}")
     try:
-        container = av.open(fp, mode="r", metadata_errors="ignore")
+        container = av.open(fp, mode="r", metadata_errors="ignore", options={"format_whitelist": CONTAINERS})
     except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError) as e:
-        raise VideoError(f"not a readable video{where}: {_reason(e)}") from None
+        raise VideoError(f"not a readable video{where} (containers read: {CONTAINER_NAMES}): {_reason(e)}") from None
     return container, where
 
 
@@ -249,6 +256,8 @@ def decode_frames(container, where: str, info: ClipInfo, indices: list[int], siz
             container.seek(base + int(seek_to / info.fps / tb), stream=stream, backward=True, any_frame=False)
         return container.decode(stream)
 
+    seeking, before_seek = True, -1  # a seek that lands at or before where it left is not worth another
+
     try:
         decoder = frames_from(None)
         while k < len(indices):
@@ -256,15 +265,20 @@ def decode_frames(container, where: str, info: ClipInfo, indices: list[int], siz
                 frame = next(decoder)
             except StopIteration:
                 break
+            if frame.width * frame.height > MAX_FRAME_PIXELS:  # a stream may change size after its header
+                raise VideoError(f"video frames of {frame.width}x{frame.height} exceed the limit of "
+                                 f"{MAX_FRAME_PIXELS} pixels{where}")
             at = index_of(frame)
+            if before_seek >= 0:
+                seeking, before_seek = at > before_seek, -1  # the keyframes are too sparse to gain by seeking
             while k < len(indices) and indices[k] <= at:
                 if k and indices[k] == indices[k - 1]:  # sampled twice (a clip shorter than min_frames)
                     out.append(out[-1])
                 else:
                     out.append(resize_frame(frame.to_ndarray(format="rgb24"), size))
                 k += 1
-            if k < len(indices) and (indices[k] - at) / info.fps > SEEK_SECONDS and indices[k] != sought:
-                sought = indices[k]  # once per target: the keyframe before it may be further back still
+            if seeking and k < len(indices) and (indices[k] - at) / info.fps > SEEK_SECONDS and indices[k] != sought:
+                sought, before_seek = indices[k], at  # once per target: the keyframe may be further back still
                 decoder = frames_from(sought)
     except av.FFmpegError as e:
         if not out:

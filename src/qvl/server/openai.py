@@ -54,9 +54,8 @@ class ChatCompletions:
     async def __call__(self, http: HTTPRequest) -> Response:
         sub = await self.submit(http, self.prepare)
         req: ChatCompletionRequest = sub.spec
-        stills = [u for u in sub.parsed.images if not u.video]
         meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), sub.engine.model_name, sub.engine.tokenizer,
-                    tools_offered(req), stills[-1].shown_size if stills else None)
+                    tools_offered(req), sub.parsed.last_image_size)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(sse(sub.events, meta, include_usage, req.n), sub.on_close)
