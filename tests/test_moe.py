@@ -1,6 +1,6 @@
 """Mixture of experts (Qwen3VLMoe, 30B-A3B's layout) on a tiny checkpoint: the routing rule,
-the layer rule, the default production path (int8 attention, bf16 compute, experts and router
-unquantised) and its sizing. Parity with transformers' Qwen3VLMoe (vision, logits, greedy
+the layer rule, int8 experts, the default production path (int8 weights and experts, bf16
+compute, the router unquantised) and its sizing. Parity with transformers' Qwen3VLMoe (vision, logits, greedy
 tokens, logprobs) runs in test_model_parity.py."""
 
 from __future__ import annotations
@@ -47,7 +47,28 @@ def test_routing_is_the_renormalised_top_k_of_the_softmax():
     torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_the_default_path_runs_experts_unquantised_and_answers_the_same_from_its_cache(tiny_moe_checkpoint):
+def test_int8_experts_compute_what_their_float_weights_do():
+    from qvl.quantize import Int8Experts
+
+    cfg = moe_text()
+    float_experts = SparseMoE(cfg).experts
+    torch.nn.init.normal_(float_experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(float_experts.down_proj, std=0.1)
+    quantized = Int8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, torch.float32)
+    for leaf in ("gate_up_proj", "down_proj"):
+        state = Int8Experts.state("x", leaf, getattr(float_experts, leaf).data, torch.float32, stored=False)
+        for key, tensor in state.items():
+            setattr(quantized, key.split(".", 1)[1], tensor)
+    assert quantized.gate_up_proj.dtype == torch.int8
+    x = torch.randn(5, cfg.hidden_size)
+    for expert in (0, 7, 15):
+        want, got = float_experts(x, expert), quantized(x, expert)
+        assert ((got - want).norm() / want.norm()) < 0.02  # int8 per output row: ~1% off
+        # one row (the native GEMV) and many rows (dequantise + GEMM) agree
+        torch.testing.assert_close(quantized(x[:1], expert), got[:1], atol=1e-4, rtol=1e-3)
+
+
+def test_the_default_path_quantises_the_experts_not_the_router_and_reloads_the_same(tiny_moe_checkpoint):
     def answer(engine):
         request = Request([{"role": "user", "content": "Tell me a story."}], SamplingParams(temperature=0,
                                                                                         max_new_tokens=12))
@@ -56,8 +77,8 @@ def test_the_default_path_runs_experts_unquantised_and_answers_the_same_from_its
     first = Engine.load(EngineOptions(model=str(tiny_moe_checkpoint), threads=2))  # int8, the CPU's dtype
     layer = first.model.language_model.layers[0]
     assert isinstance(layer.self_attn.q_proj, Int8Linear)
-    assert type(layer.mlp.gate) is torch.nn.Linear  # the router keeps the reference's top-k choice
-    assert layer.mlp.experts.gate_up_proj.dtype == first.model.dtype
+    assert not isinstance(layer.mlp.gate, Int8Linear)  # the router keeps the reference's top-k choice
+    assert layer.mlp.experts.gate_up_proj.dtype == torch.int8
     tokens = answer(first)
     assert len(tokens) == 12
     again = Engine.load(EngineOptions(model=str(tiny_moe_checkpoint), threads=2))  # from the quantised-weights cache
@@ -66,8 +87,9 @@ def test_the_default_path_runs_experts_unquantised_and_answers_the_same_from_its
 
 def test_sizing_counts_every_expert_held_and_the_chosen_ones_read():
     cfg = ModelConfig.from_dict(preset_config("30b-a3b"))
-    bf16 = footprint(cfg, "bf16")
+    bf16, int8 = footprint(cfg, "bf16"), footprint(cfg, "int8")
     assert 61.5e9 < bf16.total_bytes < 62.5e9  # 31.07 B parameters
+    assert 30.5e9 < int8.total_bytes < 32.5e9 and int8.read_per_token < 0.55 * bf16.read_per_token
     t = cfg.text
     experts = t.num_hidden_layers * t.num_experts * 3 * t.hidden_size * t.moe_intermediate_size * 2
     assert bf16.read_per_token > experts * t.num_experts_per_tok // t.num_experts  # plus attention and the head

@@ -152,10 +152,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or some of its rows) in the compute dtype."""
-        if rows is None and (k := kernels()).dequantize():
-            return native.dequantize(k.lib, native.W_INT8, self.weight, self.scales, None, 0, tuple(self.weight.shape))
-        w, s = (self.weight, self.scales) if rows is None else (self.weight[rows], self.scales[rows])
-        return w.to(s.dtype) * s[..., None]
+        return dequantize_int8(self.weight, self.scales, rows)
 
     def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
@@ -166,20 +163,64 @@ class Int8Linear(nn.Module):
         return F.gelu(y, approximate="tanh") if gelu_tanh else y
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T (+ bias) with the weights' own precision: dequantise + GEMM for many rows."""
-        if _rows(x) > KERNEL_MAX_ROWS:
-            return F.linear(x, self.dequantized(), self.bias)
-        if (lib := _gemv_library(x, self.scales.dtype)) is not None:
-            return native.linear(lib, native.W_INT8, x, self.weight, self.out_features, self.scales, bias=self.bias)
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return int8_product(x, self.weight, self.scales, self.bias)
 
     def native_args(self) -> native.LinearArgs | None:
         if self.scales.dtype not in (torch.bfloat16, torch.float32):
             return None
         return native.LinearArgs.of(native.W_INT8, self.out_features, self.in_features, self.weight, self.scales,
                                     bias=self.bias)
+
+
+def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 weight [O, I] (or some of its rows) with its row scales [O] -> the scales' dtype."""
+    if rows is None and weight.is_contiguous() and (k := kernels()).dequantize():
+        return native.dequantize(k.lib, native.W_INT8, weight, scales, None, 0, tuple(weight.shape))
+    w, s = (weight, scales) if rows is None else (weight[rows], scales[rows])
+    return w.to(s.dtype) * s[..., None]
+
+
+def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O], in the weights' own
+    precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
+    where the native one does not run."""
+    if _rows(x) > KERNEL_MAX_ROWS:
+        return F.linear(x, dequantize_int8(weight, scales), bias)
+    if (lib := _gemv_library(x, scales.dtype)) is not None:
+        return native.linear(lib, native.W_INT8, x, weight, weight.shape[0], scales, bias=bias)
+    y = torch._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+class Int8Experts(nn.Module):
+    """A mixture's experts with int8 weights, one scale per output row of each expert, stored
+    output-major as linears are: gate_up_proj [E, 2I, H] (gate rows first), down_proj
+    [E, H, I], scales [E, 2I] and [E, H]. A call reads only its expert's matrices: memory-mapped
+    from the quantised-weights cache, the experts never chosen are never read."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("gate_up_proj", torch.empty(experts, 2 * inter, hidden, dtype=torch.int8))
+        self.register_buffer("gate_up_proj_scales", torch.empty(experts, 2 * inter, dtype=dtype))
+        self.register_buffer("down_proj", torch.empty(experts, hidden, inter, dtype=torch.int8))
+        self.register_buffer("down_proj_scales", torch.empty(experts, hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        # x: [n, H] tokens routed to `expert` -> [n, H]
+        gate, up = int8_product(x, self.gate_up_proj[expert], self.gate_up_proj_scales[expert]).chunk(2, dim=-1)
+        return int8_product(F.silu(gate) * up, self.down_proj[expert], self.down_proj_scales[expert])
+
+    @staticmethod
+    def state(name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype, stored: bool) -> dict[str, torch.Tensor]:
+        """Module state for one checkpoint tensor: a published float expert tensor ([E, H, 2I] or
+        [E, I, H]) quantised per expert and output row; `stored`: a file qvl wrote, holding
+        the buffers as they are."""
+        if stored:
+            return {f"{name}.{leaf}": _aligned(tensor) if tensor.dtype == torch.int8 else tensor.to(dtype)}
+        quantized = [quantize_int8(w) for w in tensor.transpose(1, 2)]  # each [out, in]
+        return {f"{name}.{leaf}": torch.stack([q for q, _ in quantized]),
+                f"{name}.{leaf}_scales": torch.stack([s for _, s in quantized]).to(dtype)}
 
 
 def int8_linear(linear: nn.Linear, dtype: torch.dtype) -> Int8Linear:
@@ -269,8 +310,16 @@ def use_decode_kernels(model: nn.Module) -> None:
 
 
 def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[str]:
-    """Replace the quantised linears by empty int8/int4 modules (before loading)."""
+    """Replace the quantised linears by empty int8/int4 modules, and a mixture's experts by
+    int8 ones (in either format, so far), before loading. Returns the replaced modules' names."""
+    from qvl.model.text import Experts
+
     names = quantized_linear_names(model, spec)
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
+    for name, module in experts:
+        parent_name, _, attr = name.rpartition(".")
+        e, h, inter2 = module.gate_up_proj.shape
+        setattr(model.get_submodule(parent_name), attr, Int8Experts(e, h, inter2 // 2, dtype))
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -281,7 +330,7 @@ def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[
         else:
             new = Int4Linear(old.in_features, old.out_features, spec.group_size, dtype)
         setattr(parent, attr, new)
-    return names
+    return names + [name for name, _ in experts]
 
 
 def quantized_state(module: nn.Module, name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:

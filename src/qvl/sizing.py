@@ -20,7 +20,7 @@ class Footprint:
     weights: str
     total_bytes: int  # every tensor as qvl keeps it in memory
     read_per_token: int  # what one decode step reads: the text decoder's linears and the lm_head (and the
-    # chosen experts: top-k of each layer's, bf16 as qvl keeps them so far)
+    # chosen experts: top-k of each layer's; int8 unless bf16, as qvl keeps them so far)
     kv_per_token: int  # keys and values of one position, all layers (bf16)
 
     def to_dict(self) -> dict:
@@ -63,9 +63,11 @@ def footprint(cfg: ModelConfig, weights: str, vision_int8: bool = False) -> Foot
     for name, param in model.named_parameters():
         if id(param) in linears:
             continue
-        if ".experts." in name:  # every expert is held, a decode step reads the k chosen
-            total += 2 * param.numel()
-            read += 2 * param.numel() * t.num_experts_per_tok // t.num_experts
+        if ".experts." in name:  # every expert is held (int8 unless bf16), a decode step reads the k chosen
+            e, _, out = param.shape  # published [E, in, out]
+            size = 2 * param.numel() if weights == "bf16" else param.numel() + 2 * e * out
+            total += size
+            read += size * t.num_experts_per_tok // t.num_experts
             continue
         if name.endswith("embed_tokens.weight") and cfg.tie_word_embeddings and weights != "bf16":
             continue  # the quantised lm_head is the embedding

@@ -23,6 +23,7 @@ from qvl.paths import cache_root
 from qvl.model.qwen3_vl import Qwen3VL
 from qvl.quantize import (
     Int4Linear,
+    Int8Experts,
     Int8Linear,
     QuantSpec,
     TiedQuantEmbedding,
@@ -179,6 +180,9 @@ class _TensorSource:
             self.state[target] = tensor
             return
         module = self.model.get_submodule(module_name)
+        if isinstance(module, Int8Experts):
+            self.state.update(module.state(module_name, leaf, tensor, self.dtype, stored=self.from_portable))
+            return
         if not self.from_portable:
             if leaf == "weight":
                 self.state.update(quantized_state(module, module_name, tensor, self.dtype))
@@ -282,6 +286,8 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     """A float tensor as a file keeps it: bf16 (the checkpoint's own dtype), unless that would
     round it (float32 norms divided by smoothing scales stay float32, so a model loaded from
     the file computes exactly as the one that wrote it)."""
+    if not t.is_floating_point():  # int8 experts
+        return t
     if t.dtype != torch.float32:
         return t.to(torch.bfloat16)
     b = t.to(torch.bfloat16)
