@@ -11,7 +11,7 @@ import torch
 from qvl.config import ConfigError, ModelConfig, TextConfig
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.model.text import SparseMoE
-from qvl.quantize import Int8Linear
+from qvl.quantize import Int8Experts, Int8Linear
 from qvl.sampling import SamplingParams
 from qvl.sizing import footprint
 from qvl.synth import preset_config
@@ -47,25 +47,45 @@ def test_routing_is_the_renormalised_top_k_of_the_softmax():
     torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_int8_experts_compute_what_their_float_weights_do():
-    from qvl.quantize import Int8Experts
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantised_experts_compute_what_their_float_weights_do(bits):
+    from qvl.quantize import Int4Experts
 
     cfg = moe_text()
     float_experts = SparseMoE(cfg).experts
     torch.nn.init.normal_(float_experts.gate_up_proj, std=0.1)
     torch.nn.init.normal_(float_experts.down_proj, std=0.1)
-    quantized = Int8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, torch.float32)
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    quantized = Int8Experts(e, h, i, torch.float32) if bits == 8 else Int4Experts(e, h, i, 16, torch.float32)
     for leaf in ("gate_up_proj", "down_proj"):
-        state = Int8Experts.state("x", leaf, getattr(float_experts, leaf).data, torch.float32, stored=False)
+        state = quantized.state("x", leaf, getattr(float_experts, leaf).data, torch.float32, stored=False)
         for key, tensor in state.items():
             setattr(quantized, key.split(".", 1)[1], tensor)
-    assert quantized.gate_up_proj.dtype == torch.int8
+    assert quantized.gate_up_proj.dtype == (torch.int8 if bits == 8 else torch.uint8)
     x = torch.randn(5, cfg.hidden_size)
     for expert in (0, 7, 15):
         want, got = float_experts(x, expert), quantized(x, expert)
-        assert ((got - want).norm() / want.norm()) < 0.02  # int8 per output row: ~1% off
+        assert ((got - want).norm() / want.norm()) < (0.02 if bits == 8 else 0.15)  # per row / per group of 16
         # one row (the native GEMV) and many rows (dequantise + GEMM) agree
         torch.testing.assert_close(quantized(x[:1], expert), got[:1], atol=1e-4, rtol=1e-3)
+
+
+def test_int4_experts_where_the_group_divides_their_sizes(tmp_path):
+    from qvl.quantize import Int4Experts
+    from qvl.synth import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "moe96", "tiny-moe", seed=3, changes={"text_config": {"moe_intermediate_size": 96}})
+    request = Request([{"role": "user", "content": "Tell me a story."}], SamplingParams(temperature=0,
+                                                                                    max_new_tokens=8))
+    answers = []
+    for group, kind in ((32, Int4Experts), (64, Int8Experts)):  # 96 inputs: groups of 32 divide them, of 64 not
+        engine = Engine.load(EngineOptions(model=str(path), weights="int4", group_size=group, dtype="fp32", threads=2))
+        experts = engine.model.language_model.layers[0].mlp.experts
+        assert type(experts) is kind
+        answers.append(engine.generate(request).token_ids)
+        again = Engine.load(EngineOptions(model=str(path), weights="int4", group_size=group, dtype="fp32", threads=2))
+        assert again.generate(request).token_ids == answers[-1]  # from the quantised-weights cache
+    assert all(len(a) == 8 for a in answers)
 
 
 def test_the_default_path_quantises_the_experts_not_the_router_and_reloads_the_same(tiny_moe_checkpoint):
@@ -87,9 +107,10 @@ def test_the_default_path_quantises_the_experts_not_the_router_and_reloads_the_s
 
 def test_sizing_counts_every_expert_held_and_the_chosen_ones_read():
     cfg = ModelConfig.from_dict(preset_config("30b-a3b"))
-    bf16, int8 = footprint(cfg, "bf16"), footprint(cfg, "int8")
+    bf16, int8, int4 = (footprint(cfg, w) for w in ("bf16", "int8", "int4"))
     assert 61.5e9 < bf16.total_bytes < 62.5e9  # 31.07 B parameters
     assert 30.5e9 < int8.total_bytes < 32.5e9 and int8.read_per_token < 0.55 * bf16.read_per_token
+    assert int4.total_bytes < 18e9  # fits a 24 GB machine
     t = cfg.text
     experts = t.num_hidden_layers * t.num_experts * 3 * t.hidden_size * t.moe_intermediate_size * 2
     assert bf16.read_per_token > experts * t.num_experts_per_tok // t.num_experts  # plus attention and the head

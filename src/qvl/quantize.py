@@ -211,8 +211,8 @@ class Int8Experts(nn.Module):
         gate, up = int8_product(x, self.gate_up_proj[expert], self.gate_up_proj_scales[expert]).chunk(2, dim=-1)
         return int8_product(F.silu(gate) * up, self.down_proj[expert], self.down_proj_scales[expert])
 
-    @staticmethod
-    def state(name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype, stored: bool) -> dict[str, torch.Tensor]:
+    def state(self, name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype,
+              stored: bool) -> dict[str, torch.Tensor]:
         """Module state for one checkpoint tensor: a published float expert tensor ([E, H, 2I] or
         [E, I, H]) quantised per expert and output row; `stored`: a file qvl wrote, holding
         the buffers as they are."""
@@ -243,6 +243,61 @@ def quantize_vision(model: nn.Module, dtype: torch.dtype) -> list[str]:
     return names
 
 
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """int4 weight (nibbles [O, I/2], scales and zeros [O, I/g]; or some of its rows) -> the
+    scales' dtype [O, I]."""
+    if rows is None and packed.is_contiguous() and (k := kernels()).dequantize():
+        return native.dequantize(k.lib, native.W_INT4, packed, scales, zeros, group_size,
+                                 (packed.shape[0], 2 * packed.shape[1]))
+    if rows is not None:
+        packed, scales, zeros = packed[rows], scales[rows], zeros[rows]
+    q = unpack_nibbles(packed).view(packed.shape[0], -1, group_size)
+    return (q.to(scales.dtype) - 8).mul_(scales[..., None]).add_(zeros[..., None]).view(packed.shape[0], -1)
+
+
+def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x [..., I] @ the int4 weight's transpose -> [..., O]: the native GEMV for few rows,
+    dequantise + GEMM otherwise."""
+    if (lib := _gemv_library(x, scales.dtype)) is None:
+        return F.linear(x, dequantize_int4(packed, scales, zeros, group_size))
+    return native.linear(lib, native.W_INT4, x, packed, packed.shape[0], scales, zeros, group_size)
+
+
+class Int4Experts(nn.Module):
+    """A mixture's experts with int4 weights (as Int4Linear: nibbles, a scale and a zero per
+    group of `group_size` inputs), output-major: gate_up_proj [E, 2I, H/2], down_proj
+    [E, H, I/2], with scales and zeros per group. A call reads only its expert's matrices."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.group_size = group_size
+        for leaf, out, inp in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+            self.register_buffer(leaf, torch.empty(experts, out, inp // 2, dtype=torch.uint8))
+            self.register_buffer(f"{leaf}_scales", torch.empty(experts, out, inp // group_size, dtype=dtype))
+            self.register_buffer(f"{leaf}_zeros", torch.empty(experts, out, inp // group_size, dtype=dtype))
+
+    def _product(self, x: torch.Tensor, leaf: str, expert: int) -> torch.Tensor:
+        return int4_product(x, getattr(self, leaf)[expert], getattr(self, f"{leaf}_scales")[expert],
+                            getattr(self, f"{leaf}_zeros")[expert], self.group_size)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        # x: [n, H] tokens routed to `expert` -> [n, H]
+        gate, up = self._product(x, "gate_up_proj", expert).chunk(2, dim=-1)
+        return self._product(F.silu(gate) * up, "down_proj", expert)
+
+    def state(self, name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype,
+              stored: bool) -> dict[str, torch.Tensor]:
+        """As Int8Experts.state, in int4."""
+        if stored:
+            return {f"{name}.{leaf}": _aligned(tensor) if tensor.dtype == torch.uint8 else tensor.to(dtype)}
+        quantized = [quantize_int4(w, self.group_size) for w in tensor.transpose(1, 2)]  # each [out, in]
+        return {f"{name}.{leaf}": torch.stack([pack_nibbles(q) for q, _, _ in quantized]),
+                f"{name}.{leaf}_scales": torch.stack([s for _, s, _ in quantized]).to(dtype),
+                f"{name}.{leaf}_zeros": torch.stack([z for _, _, z in quantized]).to(dtype)}
+
+
 class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group_size: int, dtype: torch.dtype):
         super().__init__()
@@ -253,20 +308,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=dtype))
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is None and (k := kernels()).dequantize():
-            return native.dequantize(k.lib, native.W_INT4, self.weight, self.scales, self.zeros, self.group_size,
-                                     (self.out_features, self.in_features))
-        packed, scale, zero = (self.weight, self.scales, self.zeros) if rows is None else \
-            (self.weight[rows], self.scales[rows], self.zeros[rows])
-        q = unpack_nibbles(packed).view(packed.shape[0], -1, self.group_size)
-        w = (q.to(scale.dtype) - 8).mul_(scale[..., None]).add_(zero[..., None])
-        return w.view(packed.shape[0], -1)
+        return dequantize_int4(self.weight, self.scales, self.zeros, self.group_size, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (lib := _gemv_library(x, self.scales.dtype)) is None:
-            return F.linear(x, self.dequantized())
-        return native.linear(lib, native.W_INT4, x, self.weight, self.out_features, self.scales, self.zeros,
-                             self.group_size)
+        return int4_product(x, self.weight, self.scales, self.zeros, self.group_size)
 
     def native_args(self) -> native.LinearArgs | None:
         if self.scales.dtype not in (torch.bfloat16, torch.float32):
@@ -311,15 +356,19 @@ def use_decode_kernels(model: nn.Module) -> None:
 
 def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[str]:
     """Replace the quantised linears by empty int8/int4 modules, and a mixture's experts by
-    int8 ones (in either format, so far), before loading. Returns the replaced modules' names."""
+    experts of the same format (int4 only where the group size divides both of their input
+    sizes, else int8), before loading. Returns the replaced modules' names."""
     from qvl.model.text import Experts
 
     names = quantized_linear_names(model, spec)
     experts = [(name, m) for name, m in model.named_modules() if isinstance(m, Experts)]
     for name, module in experts:
         parent_name, _, attr = name.rpartition(".")
-        e, h, inter2 = module.gate_up_proj.shape
-        setattr(model.get_submodule(parent_name), attr, Int8Experts(e, h, inter2 // 2, dtype))
+        e, h, inter = module.gate_up_proj.shape[0], module.gate_up_proj.shape[1], module.gate_up_proj.shape[2] // 2
+        g = spec.group_size
+        int4 = spec.weights == "int4" and h % g == 0 and inter % g == 0 and g % 2 == 0
+        setattr(model.get_submodule(parent_name), attr,
+                Int4Experts(e, h, inter, g, dtype) if int4 else Int8Experts(e, h, inter, dtype))
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -20,7 +20,7 @@ class Footprint:
     weights: str
     total_bytes: int  # every tensor as qvl keeps it in memory
     read_per_token: int  # what one decode step reads: the text decoder's linears and the lm_head (and the
-    # chosen experts: top-k of each layer's; int8 unless bf16, as qvl keeps them so far)
+    # chosen experts: top-k of each layer's)
     kv_per_token: int  # keys and values of one position, all layers (bf16)
 
     def to_dict(self) -> dict:
@@ -63,9 +63,14 @@ def footprint(cfg: ModelConfig, weights: str, vision_int8: bool = False) -> Foot
     for name, param in model.named_parameters():
         if id(param) in linears:
             continue
-        if ".experts." in name:  # every expert is held (int8 unless bf16), a decode step reads the k chosen
-            e, _, out = param.shape  # published [E, in, out]
-            size = 2 * param.numel() if weights == "bf16" else param.numel() + 2 * e * out
+        if ".experts." in name:  # every expert is held (in `weights`), a decode step reads the k chosen
+            e, inp, out = param.shape  # published [E, in, out]
+            if weights == "bf16":
+                size = 2 * param.numel()
+            elif weights == "int4" and t.hidden_size % GROUP_SIZE == 0 and t.moe_intermediate_size % GROUP_SIZE == 0:
+                size = param.numel() // 2 + 2 * 2 * e * out * (inp // GROUP_SIZE)
+            else:  # int8 (int4 falls back to it where the group does not divide the sizes)
+                size = param.numel() + 2 * e * out
             total += size
             read += size * t.num_experts_per_tok // t.num_experts
             continue

@@ -22,6 +22,7 @@ from qvl.config import ModelConfig
 from qvl.paths import cache_root
 from qvl.model.qwen3_vl import Qwen3VL
 from qvl.quantize import (
+    Int4Experts,
     Int4Linear,
     Int8Experts,
     Int8Linear,
@@ -180,7 +181,7 @@ class _TensorSource:
             self.state[target] = tensor
             return
         module = self.model.get_submodule(module_name)
-        if isinstance(module, Int8Experts):
+        if isinstance(module, (Int8Experts, Int4Experts)):
             self.state.update(module.state(module_name, leaf, tensor, self.dtype, stored=self.from_portable))
             return
         if not self.from_portable:
