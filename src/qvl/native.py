@@ -58,7 +58,10 @@ def tiers(flags: frozenset[str] | None = None, machine: str | None = None) -> li
                         Tier("portable", frozenset(), ("-DQVL_PORTABLE",))]
     avx512 = frozenset({"avx512f", "avx512bw", "avx512vl"})
     bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
-    x86 = [Tier("avx512", avx512, ("-march=native",), bf16=bf16, amx="amx_bf16" in flags),
+    amx = "amx_bf16" in flags
+    x86 = [Tier("avx512", avx512, ("-march=native",), bf16=bf16, amx=amx),
+           # an AMX CPU run as one without (Zen 4, Ice Lake): with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for torch
+           *([Tier("avx512-noamx", avx512, ("-march=native", "-mno-amx-tile"), bf16=bf16)] if amx and bf16 else []),
            Tier("avx512-nobf16", avx512, ("-march=native", "-mno-avx512bf16")),
            Tier("avx2-vnni", frozenset({"avx2", "fma", "avx_vnni"}), ("-march=native", "-mno-avx512f")),
            Tier("avx2", frozenset({"avx2", "fma"}), ("-march=native", "-mno-avx512f", "-mno-avxvnni"))]
