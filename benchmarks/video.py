@@ -82,7 +82,7 @@ def qvl_worker(args) -> dict:
     from qvl.sampling import SamplingParams
 
     caches = NO_CACHES if args.qvl_caches == "off" else {}
-    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads,
+    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, int8_activations=args.int8_activations,
                                        video=VideoSettings(max_tokens=args.video_tokens), **caches))
     load_rss = peak_rss_mb()
     engine.warm_up()
@@ -229,7 +229,7 @@ def clip_path(args, seconds: float) -> Path:
 def run(kind: str, args, clip: Path, video_tokens: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--clip", str(clip),
            "--model", str(args.model), "--threads", str(args.threads), "--video-tokens", str(video_tokens),
-           "--hf-frames", args.hf_frames, "--qvl-caches", args.qvl_caches]
+           "--hf-frames", args.hf_frames, "--qvl-caches", args.qvl_caches, "--int8-activations", args.int8_activations]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{kind} worker failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
@@ -369,6 +369,8 @@ def main() -> None:
                    help="qvl's caches off (default), or as the default options have them (each measurement is a "
                    "fresh process either way, so they cannot hit; on, their bookkeeping is paid: the clip cache "
                    "hashes the whole file, the prefix cache copies the prompt's KV)")
+    p.add_argument("--int8-activations", choices=["auto", "off", "vision", "all"], default="auto",
+                   help="qvl's --int8-activations (default auto, as qvl runs by default)")
     p.add_argument("--worker", choices=["qvl", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--clip", help=argparse.SUPPRESS)
     args = p.parse_args()
