@@ -394,3 +394,30 @@ def test_a_playlist_posing_as_a_video_reads_no_other_file(pair, clips, tmp_path,
         with pytest.raises(RequestError, match="not a readable video") as caught:
             engine.parse(Request([{"role": "user", "content": [{"type": "video", "video": data}]}]))
         assert caught.value.code == "invalid_video"
+
+
+def test_seeking_never_decodes_more_frames_than_the_clip_has(tmp_path, monkeypatch):
+    """Sparse sampling over sparse keyframes: a seek to the keyframe before a target may land
+    before where decoding already was; then seeking stops instead of decoding frames again."""
+    import av
+
+    path = synthetic_clip(tmp_path / "sparse.mp4", 60, 96, 64, fps=25, keyframe_every=1500)  # one keyframe
+    decoded, real_open = [], av.open
+
+    class Counting:
+        def __init__(self, container):
+            self.container = container
+
+        def __getattr__(self, name):
+            return getattr(self.container, name)
+
+        def decode(self, *args, **kwargs):
+            for frame in self.container.decode(*args, **kwargs):
+                decoded.append(frame.pts)
+                yield frame
+
+    monkeypatch.setattr(av, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    clip = load_video(path, CFG, VideoSettings(fps=0.15, max_frames=9))
+    assert len(clip.indices) == 9 and clip.info.total_frames == 1500
+    # one wasted seek at most: back to the only keyframe, then straight on
+    assert len(decoded) <= 1500 + clip.indices[1], f"{len(decoded)} frames decoded for a 1500-frame clip"

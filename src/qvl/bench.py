@@ -26,9 +26,10 @@ def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
 
 
 def synthetic_clip(path, seconds: float, width: int, height: int, fps: int = 30, codec: str = "libx264",
-                   container: str | None = None) -> Path:
+                   container: str | None = None, keyframe_every: int | None = None) -> Path:
     """Write a clip of moving test-card frames (a gradient that scrolls, a square that crosses
-    it, a frame counter bar): every frame differs, and it compresses like footage, not noise."""
+    it, a frame counter bar): every frame differs, and it compresses like footage, not noise.
+    keyframe_every (x264): frames between keyframes, none added at scene changes."""
     import av
 
     path = Path(path)
@@ -41,7 +42,8 @@ def synthetic_clip(path, seconds: float, width: int, height: int, fps: int = 30,
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":
-            stream.options = {"preset": "ultrafast", "crf": "30"}
+            stream.options = {"preset": "ultrafast", "crf": "30",
+                              **({"g": str(keyframe_every), "sc_threshold": "0"} if keyframe_every else {})}
         for i in range(max(1, round(seconds * fps))):
             frame = np.roll(base, i * 4, axis=1)
             top, left = (i * 3) % max(1, height - side), (i * 7) % max(1, width - side)
