@@ -306,6 +306,7 @@ def answer_boxes(engine, parsed, images: list[str], text: str, draw_to: str | No
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat on the terminal; earlier turns are reused from the prefix cache."""
     from qvl.engine import Engine
+    from qvl.processing.pdf import split_pages
 
     check_files(args.image)
     check_files(args.video, "video")
@@ -314,8 +315,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(engine, args, constraint)
     history: list[dict] = []
     pending, clips = list(args.image), list(args.video)
-    print("qvl chat: type a message; /image PATH attaches a picture, /video PATH a clip, /reset forgets, "
-          "/quit leaves.", file=sys.stderr)
+    print("qvl chat: type a message; /image PATH attaches a picture (or a PDF: doc.pdf#pages=2), /video PATH a "
+          "clip, /reset forgets, /quit leaves.", file=sys.stderr)
     while True:
         try:
             line = input("> ").strip()
@@ -328,7 +329,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if line.startswith(("/image ", "/video ")):
             kind, path = line[1:6], line[len("/image "):].strip()
-            if os.path.isfile(path):
+            if os.path.isfile(split_pages(path)[0] if kind == "image" else path):  # doc.pdf#pages=2 too
                 (pending if kind == "image" else clips).append(path)
             else:
                 print(f"[no such {kind} file: {path}]", file=sys.stderr)
