@@ -76,11 +76,23 @@ def test_points_mixed_labels_and_malformed_answers():
         assert grounding(bad, (100, 100)) == {"boxes": [], "points": []}
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text())
-def test_any_text_gives_lists_never_an_error(text):
+BOXY = st.one_of(st.text(), st.lists(st.one_of(
+    st.fixed_dictionaries({"bbox_2d": st.lists(st.one_of(st.integers(-5000, 5000), st.floats(allow_nan=True)),
+                                                min_size=0, max_size=5), "label": st.text(max_size=8)}),
+    st.fixed_dictionaries({"point_2d": st.lists(st.integers(-5000, 5000), min_size=0, max_size=3)}),
+    st.text(max_size=8))).map(lambda items: json.dumps(items)[: len(json.dumps(items)) * 3 // 4]))  # cut off too
+
+
+@settings(max_examples=300, deadline=None)
+@given(BOXY)
+def test_any_answer_gives_boxes_inside_the_image_never_an_error(text):
     found = grounding(text, (640, 480))
-    assert isinstance(found["boxes"], list) and isinstance(found["points"], list)
+    for box in found["boxes"]:
+        x1, y1, x2, y2 = box["bbox_2d"]
+        assert all(isinstance(v, int) for v in box["bbox_2d"]) and 0 <= x1 <= x2 <= 640 and 0 <= y1 <= y2 <= 480
+    for point in found["points"]:
+        x, y = point["point_2d"]
+        assert isinstance(x, int) and isinstance(y, int) and 0 <= x <= 640 and 0 <= y <= 480
 
 
 @pytest.mark.parametrize("width,height", [(1, 1), (7, 3), (640, 480), (480, 640), (1920, 1080), (4032, 3024),
