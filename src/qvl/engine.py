@@ -250,9 +250,10 @@ class Engine:
             pixels = torch.cat([u.pixel_values for u in group])
             embeds, deepstack = yield from self.model.visual.steps(pixels, [u.grid_thw for u in group])
             sizes = [u.num_tokens for u in group]
-            for k, unit in enumerate(group):
+            per_unit = zip(embeds.split(sizes), *(d.split(sizes) for d in deepstack))
+            for unit, (unit_embeds, *unit_deepstack) in zip(group, per_unit):
                 found[unit.content_hash] = features = ImageFeatures(  # copies: the cache counts what it holds
-                    embeds.split(sizes)[k].clone(), [d.split(sizes)[k].clone() for d in deepstack])
+                    unit_embeds.clone(), [d.clone() for d in unit_deepstack])
                 if use_cache:
                     self.vision_cache.add(unit.content_hash, features)
         return [found[u.content_hash] for u in units]

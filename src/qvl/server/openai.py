@@ -20,9 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from qvl.engine import Engine, ParsedRequest, Request, RequestError
 from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
+from qvl.grounding import grounding
+from qvl.requests import VIDEO_PARAMS
 from qvl.sampling import SamplingParams
 from qvl.server.errors import APIError, bad_request
-from qvl.grounding import grounding
 from qvl.server.images import load_image_bytes, load_video_bytes
 from qvl.server.schemas import (AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                 Choice, ChunkChoice, Message, NamedToolChoice, StructuredOutputs, ToolDefinition,
@@ -219,7 +220,7 @@ def sampling(req: ChatCompletionRequest, engine: Engine, constraint: Constraint 
 def video_overrides(req: ChatCompletionRequest) -> dict | None:
     """fps, max_frames, max_video_tokens -> the engine's video settings for this request
     (checked against the server's caps when the request is parsed)."""
-    over = {"fps": req.fps, "max_frames": req.max_frames, "max_tokens": req.max_video_tokens}
+    over = {key: getattr(req, field) for key, field in VIDEO_PARAMS.items()}
     return {k: v for k, v in over.items() if v is not None} or None
 
 
