@@ -42,12 +42,21 @@ def web_page(max_body_bytes: int) -> str:
     return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))
 
 
+def key_matches(authorization: str, key: str) -> bool:
+    """An Authorization header value 'Bearer <key>', compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def wrong_key() -> APIError:
+    return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 def bearer_auth(key: str) -> Callable:
     async def check(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not key_matches(request.headers.get("authorization", ""), key):
+            raise wrong_key()
 
     return check
 

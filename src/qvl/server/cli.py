@@ -66,6 +66,16 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--image-url-timeout", type=float, default=im.url_timeout_s,
                    help="seconds for one image fetch, from connecting to the last byte (default: %(default)g)")
     g.add_argument("--image-dir", type=Path, help="allow file: URLs and paths under this folder (default: none)")
+    g = p.add_argument_group("Ray Serve: several replicas, routed by content (pip install 'qvl[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: each replica one engine; requests about the same image or "
+                        "conversation go to the same replica (see docs/cluster.md)")
+    g.add_argument("--ray-address", help="cluster to join (default: $RAY_ADDRESS, else a local one started here)")
+    g.add_argument("--replicas", type=int, default=1, help="replicas, each of --threads CPUs (default: %(default)s)")
+    g.add_argument("--min-replicas", type=int, help="with --max-replicas: autoscale between the two "
+                                                    "(default: 1)")
+    g.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas on running rows and "
+                                                    "queue depth (default: a fixed --replicas)")
     add_engine_args(p)
     commands["serve"] = cmd_serve
 
@@ -116,5 +126,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"qvl serve: warning: listening on {args.host}, not loopback: anyone who can reach port "
               f"{args.port} can use this model; {risk}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if args.ray:
+        return serve_on_ray(args, config, options)
     app = create_app(config, lambda: Engine.load(options))
     return run(app, args.host, args.port, args.log_level)
+
+
+def serve_on_ray(args: argparse.Namespace, config: ServerSettings, options) -> int:
+    """Each replica reserves --threads CPUs; without it, this machine's physical cores shared
+    by the most replicas there may be (a cluster of other machines: give --threads)."""
+    from qvl.runtime import physical_cores
+
+    try:
+        from qvl.server.cluster import Scale, run
+    except ImportError as exc:
+        raise ValueError(f"--ray needs Ray Serve: pip install 'qvl[ray]'  (or: pip install 'ray[serve]'): {exc}") from None
+    most = args.max_replicas or args.replicas
+    threads = options.threads or max(1, physical_cores() // most)
+    scale = Scale(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas, cpus=threads)
+    return run(config, replace(options, threads=threads), scale, host=args.host, port=args.port,
+               address=args.ray_address)

@@ -118,3 +118,29 @@ class StatusCounter:
             if not started:
                 self.metrics.count_request(scope["path"], 500)
             raise
+
+
+def merge_texts(texts: list[str]) -> str:
+    """Several replicas' render() outputs as one: the samples of each series summed (counters
+    and histograms add up; gauges become cluster totals: queue depth, running rows, bytes)."""
+    order: list[str] = []  # TYPE lines and series, in first-seen order
+    values: dict[str, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                if line not in values:
+                    order.append(line)
+                    values[line] = 0.0
+                continue
+            series, _, value = line.rpartition(" ")
+            if series not in values:
+                order.append(series)
+                values[series] = 0.0
+            values[series] += float(value)
+    def number(v: float) -> str:
+        return str(int(v)) if v.is_integer() else f"{v:.9g}"
+
+    lines = [key if key.startswith("#") else f"{key} {number(values[key])}" for key in order]
+    return "\n".join(lines) + ("\n" if lines else "")

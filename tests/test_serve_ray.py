@@ -1,0 +1,202 @@
+"""`qvl serve --ray`: two replicas on a local Ray cluster behind the same API. The official
+openai client streams and not, with images; follow-ups about an image reach that image's
+replica; errors, limits and metrics keep their single-process shapes; a replica killed
+mid-stream ends the stream with a clean error and the next request is answered elsewhere."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from qvl.server.affinity import routing_key
+from qvl.server.metrics import merge_texts
+from tests.test_server_support import LiveServer, data_uri, image_message, png_bytes
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'qvl[ray]'")
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray.serve", reason="Ray Serve is part of the ray extra: pip install 'qvl[ray]'")
+
+from qvl.server.ray_router import owner  # noqa: E402  (needs ray.serve)
+
+REPLICA = "x-qvl-replica"
+
+
+# --- routing keys and the owner choice (no cluster) ---
+
+def chat_body(*messages: dict) -> bytes:
+    return json.dumps({"model": "m", "messages": list(messages)}).encode()
+
+
+def test_a_follow_up_about_an_image_has_the_image_key_and_other_images_do_not():
+    red, blue = png_bytes(color=(200, 0, 0)), png_bytes(color=(0, 0, 200))
+    first = routing_key("/v1/chat/completions", chat_body(image_message("what is this?", red)))
+    again = routing_key("/v1/chat/completions", chat_body(image_message("and its color?", red)))
+    turn2 = routing_key("/v1/chat/completions", chat_body(image_message("what is this?", red),
+                                                          {"role": "assistant", "content": "a square"},
+                                                          {"role": "user", "content": "bigger?"}))
+    other = routing_key("/v1/chat/completions", chat_body(image_message("what is this?", blue)))
+    assert first == again == turn2 and first != other
+    # the same image through the Responses API and Ollama's keeps its key within each API
+    responses = [routing_key("/v1/responses", json.dumps({"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_uri(red)}, {"type": "input_text", "text": q}]}]}).encode())
+        for q in ("a", "b")]
+    assert responses[0] == responses[1] and responses[0] is not None
+    import base64
+    ollama = [routing_key("/api/chat", json.dumps({"messages": [{"role": "user", "content": q,
+                                                                  "images": [base64.b64encode(red).decode()]}]}).encode())
+              for q in ("a", "b")]
+    assert ollama[0] == ollama[1] and ollama[0] is not None
+
+
+def test_a_conversation_keeps_its_key_and_bodies_without_content_have_none():
+    hello = {"role": "user", "content": "hello"}
+    one = routing_key("/v1/chat/completions", chat_body({"role": "system", "content": "be brief"}, hello))
+    two = routing_key("/v1/chat/completions", chat_body({"role": "system", "content": "be brief"}, hello,
+                                                        {"role": "assistant", "content": "hi"},
+                                                        {"role": "user", "content": "how are you"}))
+    stranger = routing_key("/v1/chat/completions", chat_body({"role": "user", "content": "bonjour"}))
+    assert one == two and one != stranger
+    assert routing_key("/v1/chat/completions", b"{not json") is None
+    assert routing_key("/v1/models", b"") is None
+
+
+def test_owners_move_only_for_keys_a_leaving_replica_held():
+    replicas = ["a1", "b2", "c3"]
+    keys = [f"key{i}" for i in range(300)]
+    before = {k: owner(k, replicas) for k in keys}
+    after = {k: owner(k, ["a1", "c3"]) for k in keys}
+    assert {before[k] for k in keys} == set(replicas)  # every replica owns some keys
+    assert all(after[k] == before[k] for k in keys if before[k] != "b2")
+
+
+def test_metrics_of_replicas_add_up():
+    one = "# TYPE qvl_requests_total counter\nqvl_requests_total{path=\"/\",status=\"200\"} 3\n" \
+          "# TYPE qvl_queue_depth gauge\nqvl_queue_depth 1\n"
+    two = "# TYPE qvl_requests_total counter\nqvl_requests_total{path=\"/\",status=\"200\"} 4\n" \
+          "qvl_requests_total{path=\"/\",status=\"400\"} 1\n# TYPE qvl_queue_depth gauge\nqvl_queue_depth 2\n"
+    merged = merge_texts([one, two])
+    assert 'qvl_requests_total{path="/",status="200"} 7' in merged
+    assert 'qvl_requests_total{path="/",status="400"} 1' in merged
+    assert "qvl_queue_depth 3" in merged and merged.count("# TYPE qvl_queue_depth gauge") == 1
+
+
+# --- a live cluster ---
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint):
+    """A local Ray cluster (this process drives it, to kill a replica) and `qvl serve --ray`
+    joining it with two replicas."""
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR")
+    address = ray.get_runtime_context().gcs_address
+    server = LiveServer(tiny_checkpoint, "--ray", "--ray-address", address, "--replicas", "2", "--max-body-mb", "1")
+    try:
+        server.wait_ready(timeout_s=180)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/health", timeout=5).json().get("replicas") != 2:
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.5)
+        yield server
+    finally:
+        server.proc.terminate()
+        with contextlib.suppress(Exception):
+            server.proc.wait(60)
+        server.stop()
+        ray.shutdown()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_openai_client_streams_and_not_with_images(cluster):
+    c = client(cluster)
+    image = png_bytes(color=(10, 200, 30))
+    answer = c.chat.completions.create(model="m", messages=[image_message("Describe it.", image)], max_tokens=6,
+                                       temperature=0)
+    assert answer.choices[0].message.content and answer.usage.completion_tokens >= 1
+    assert answer.usage.prompt_tokens > 10  # the image's tokens are in the prompt
+    stream = c.chat.completions.create(model="m", messages=[image_message("Describe it.", image)], max_tokens=6,
+                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == answer.choices[0].message.content  # greedy: the same answer either way
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tinyck"] or len(models.data) == 1
+
+
+def test_follow_ups_about_an_image_reach_its_replica(cluster):
+    c = client(cluster)
+    seen: dict[int, set[str]] = {}
+    for i in range(12):
+        image = png_bytes(color=(i * 20, 255 - i * 20, 7))
+        for question in ("What is it?", "What color?", "How big?"):
+            raw = c.chat.completions.with_raw_response.create(model="m", messages=[image_message(question, image)],
+                                                              max_tokens=2)
+            seen.setdefault(i, set()).add(raw.headers[REPLICA])
+    assert all(len(replicas) == 1 for replicas in seen.values()), seen
+    assert len(set().union(*seen.values())) == 2  # and the images are spread over both replicas
+
+
+def test_errors_limits_and_metrics_keep_their_shapes(cluster):
+    url = cluster.url
+    bad = httpx.post(f"{url}/v1/chat/completions", content=b"{oops", headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    big = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (2 * 1024 * 1024),
+                     headers={"Content-Type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+    ollama = httpx.post(f"{url}/api/chat", json={"model": "m", "messages": "nope"})
+    assert ollama.status_code == 400 and isinstance(ollama.json()["error"], str)
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200 and "<html" in page.text.lower()
+
+    def count() -> float:
+        text = httpx.get(f"{url}/metrics").text
+        assert "qvl_replicas 2" in text and "qvl_ready 2" in text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('qvl_requests_total{path="/v1/chat/completions",status="400"}'))
+
+    before = count()
+    httpx.post(f"{url}/v1/chat/completions", content=b"{oops", headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while count() < before + 1:  # replicas report every 2 s
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_a_client_leaving_mid_stream_cancels_its_request(cluster):
+    def cancelled() -> float:
+        text = httpx.get(f"{cluster.url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('qvl_cancelled_total{reason="disconnect"}'))
+
+    before = cancelled()
+    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 20
+    while cancelled() < before + 1:
+        assert time.monotonic() < deadline, "the replica kept generating for a client that left"
+        time.sleep(0.5)
+
+
+def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cluster):
+    c = client(cluster)
+    messages = [{"role": "user", "content": "tell me a long story"}]
+    raw = c.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=4000, stream=True,
+                                                      extra_body={"ignore_eos": True})
+    victim = raw.headers[REPLICA]
+    stream = raw.parse()
+    next(iter(stream))
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::qvl#Replica#{victim}", namespace="serve"), no_restart=True)
+    with pytest.raises(openai.APIError, match="replica"):
+        for _ in stream:
+            pass
+    again = c.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=3)
+    assert again.headers[REPLICA] != victim and again.parse().choices[0].message.content is not None
