@@ -19,24 +19,35 @@ def owner(key: str, replica_ids: list[str]) -> str:
 class ContentRouter(RequestRouter):
     """The key is the request's session id, which the front sets to affinity.routing_key.
     A replica is saturated when its ongoing requests reach `rows` (the engine's --max-batch):
-    a newcomer there would wait for a free row while another replica could start at once."""
+    a newcomer there would wait for a free row while another replica could start at once.
+    An owner whose load is not known (its queue-length probe timed out: a replica busy with
+    a step answers late) is asked again, `patience` times with backoff, before the request
+    goes elsewhere: a miss costs the whole vision encoding and prefill."""
 
-    def initialize_state(self, rows: int = 8, **kwargs) -> None:
-        self.rows = rows
+    def initialize_state(self, rows: int = 8, patience: int = 3, **kwargs) -> None:
+        self.rows, self.patience = rows, patience
+        self.tries: dict[str, int] = {}  # by internal request id, while it is being routed
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True  # all full: back off, then try again
-        key = pending_request.metadata.session_id if pending_request is not None else ""
-        ranks = []
-        if key:
-            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-            first = by_id[owner(key, sorted(by_id))]
-            load = self.replica_queue_len_cache.get(first.replica_id)
-            if load is None or load < self.rows:
-                ranks.append([first])
-        ranks.append(candidate_replicas)  # Serve takes the shortest queue of a rank among those that accept
-        return ranks
+        if pending_request is None or not pending_request.metadata.session_id:
+            return [candidate_replicas]  # Serve takes the shortest queue of a rank among those that accept
+        pending_request.routing_context.should_backoff = True  # all full: back off, then try again
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        first = by_id[owner(pending_request.metadata.session_id, sorted(by_id))]
+        load = self.replica_queue_len_cache.get(first.replica_id)
+        if load is not None and load >= self.rows:
+            return [candidate_replicas]
+        request_id = pending_request.metadata.internal_request_id
+        self.tries[request_id] = tries = self.tries.get(request_id, 0) + 1
+        if load is None and tries <= self.patience:
+            return [[first]]
+        return [[first], candidate_replicas]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self.tries.pop(pending_request.metadata.internal_request_id, None)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.tries.pop(internal_request_id, None)  # also when it was cancelled while being routed

@@ -1,0 +1,157 @@
+"""`qvl serve --ray` on a local Ray cluster: the two figures of the cluster issue, in one run.
+
+1. Affinity: U users, each with their own photo, ask Q questions about it one after the
+   other (all users at once), against 2 replicas routed by content (qvl's router) and by
+   Ray Serve's default (power of two choices). A follow-up hits when the replica that
+   answers it is the one that answered the photo's first question (the header
+   x-qvl-replica says which). Also the follow-ups' median latency: the payoff of a hit.
+2. Throughput: 1 replica against 2, each replica 1 CPU (1 thread) with C clients per
+   replica sending distinct text prompts with fixed-length answers; aggregate completion
+   tokens per second. The sides alternate, R rounds; medians and spreads.
+
+    python benchmarks/cluster.py --model /work/ckpt/qvl-2b
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import statistics
+import threading
+import time
+
+import httpx
+import ray
+from PIL import Image
+from ray import serve
+
+from qvl.engine import EngineOptions
+from qvl.server.cluster import APP, REPLICA_HEADER, Scale, build
+from qvl.server.settings import ServerSettings
+from tests.test_server_support import data_uri, free_port
+
+
+def photo(seed: int, size: int) -> bytes:
+    """A noisy photo-sized picture (random pixels: nothing cacheable but by its bytes)."""
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (size, size), bytes(rng.getrandbits(8) for _ in range(size * size * 3)))
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=85)
+    return buf.getvalue()
+
+
+def deploy(model: str, scale: Scale, port: int) -> str:
+    options = EngineOptions(model=model, threads=scale.cpus)
+    serve.run(build(ServerSettings(queue_size=64, warm_up=True), options, scale), name=APP, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    while httpx.get(f"{url}/health", timeout=10).json().get("replicas") != scale.replicas:
+        time.sleep(0.5)
+    for _ in range(4):  # the front's handle learns the replica set from Ray's controller (a new
+        httpx.get(f"{url}/v1/models", timeout=60)  # router may route its very first requests on a partial set)
+    time.sleep(2)
+    return url
+
+
+def ask(url: str, body: dict) -> tuple[str, float, int]:
+    started = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.headers[REPLICA_HEADER], time.perf_counter() - started, r.json()["usage"]["completion_tokens"]
+
+
+def affinity(url: str, users: int, questions: int, image_px: int, tokens: int) -> tuple[float, float]:
+    """(share of follow-ups answered by the photo's first replica, median follow-up seconds)."""
+    hits, waits = [], []
+    lock = threading.Lock()
+
+    def user(u: int) -> None:
+        uri = data_uri(photo(u, image_px), "image/jpeg")
+        first = None
+        for q in range(questions):
+            body = {"model": "m", "max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": f"Question {q}: what?"}]}]}
+            replica, seconds, _ = ask(url, body)
+            if first is None:
+                first = replica
+                continue
+            with lock:
+                hits.append(replica == first)
+                waits.append(seconds)
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(hits) / len(hits), statistics.median(waits)
+
+
+def throughput(url: str, clients: int, requests_each: int, tokens: int, tag: int) -> float:
+    """Completion tokens per second over the whole run of `clients` concurrent clients."""
+    total = [0]
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for i in range(requests_each):
+            body = {"model": "m", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Run {tag}, client {c}, request {i}: tell a story."}]}
+            _, _, n = ask(url, body)
+            with lock:
+                total[0] += n
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return total[0] / (time.perf_counter() - started)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="/work/ckpt/qvl-2b")
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--image-px", type=int, default=448)
+    p.add_argument("--answer-tokens", type=int, default=8)
+    p.add_argument("--clients-per-replica", type=int, default=4)
+    p.add_argument("--requests-each", type=int, default=3)
+    p.add_argument("--throughput-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        for routed in (True, False):
+            url = deploy(args.model, Scale(replicas=2, cpus=1, affinity=routed), port)
+            share, wait = affinity(url, args.users, args.questions, args.image_px, args.answer_tokens)
+            name = "content (qvl)" if routed else "Ray default (pow-2)"
+            print(f"affinity, {name}: follow-ups on the photo's replica {share:.1%}, "
+                  f"median follow-up {wait:.2f} s", flush=True)
+            serve.delete(APP)
+        rates: dict[int, list[float]] = {1: [], 2: []}
+        for rnd in range(args.rounds):
+            for replicas in ((1, 2) if rnd % 2 == 0 else (2, 1)):
+                url = deploy(args.model, Scale(replicas=replicas, cpus=1), port)
+                rate = throughput(url, args.clients_per_replica * replicas, args.requests_each,
+                                  args.throughput_tokens, tag=rnd)
+                rates[replicas].append(rate)
+                print(f"round {rnd + 1}, {replicas} replica(s), {args.clients_per_replica * replicas} clients: "
+                      f"{rate:.1f} tokens/s", flush=True)
+                serve.delete(APP)
+        for replicas, values in rates.items():
+            print(f"{replicas} replica(s): median {statistics.median(values):.1f} tokens/s "
+                  f"({min(values):.1f}-{max(values):.1f})")
+        ratios = [b / a for a, b in zip(rates[1], rates[2])]
+        print(f"2 replicas / 1 replica, per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+              f"median {statistics.median(ratios):.2f}x")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
