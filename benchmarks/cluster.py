@@ -1,8 +1,8 @@
 """`qvl serve --ray` on a local Ray cluster: the two figures of the cluster issue, in one run.
 
 1. Affinity: U users, each with their own photo, ask Q questions about it one after the
-   other (all users at once), against 2 replicas routed by content (qvl's router) and by
-   Ray Serve's default (power of two choices). A follow-up hits when the replica that
+   other (all users at once), against 2 replicas routed by content (qvl's router), round
+   robin, and Ray Serve's default (power of two choices on queue lengths). A follow-up hits when the replica that
    answers it is the one that answered the photo's first question (the header
    x-qvl-replica says which). Also the follow-ups' median latency: the payoff of a hit.
 2. Throughput: 1 replica against 2, each replica 1 CPU (1 thread) with C clients per
@@ -120,16 +120,17 @@ def main() -> None:
     p.add_argument("--requests-each", type=int, default=3)
     p.add_argument("--throughput-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--routers", nargs="*", default=["content", "round-robin", "pow-2"],
+                   help="routers compared for affinity (none: skip that part)")
     args = p.parse_args()
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        for routed in (True, False):
-            url = deploy(args.model, Scale(replicas=2, cpus=1, affinity=routed), port)
+        for router in args.routers:
+            url = deploy(args.model, Scale(replicas=2, cpus=1, router=router), port)
             share, wait = affinity(url, args.users, args.questions, args.image_px, args.answer_tokens)
-            name = "content (qvl)" if routed else "Ray default (pow-2)"
-            print(f"affinity, {name}: follow-ups on the photo's replica {share:.1%}, "
+            print(f"affinity, router {router}: follow-ups on the photo's replica {share:.1%}, "
                   f"median follow-up {wait:.2f} s", flush=True)
             serve.delete(APP)
         rates: dict[int, list[float]] = {1: [], 2: []}

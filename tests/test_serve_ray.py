@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 
 import httpx
@@ -20,7 +21,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve", reason="Ray Serve is part of the ray extra: pip install 'qvl[ray]'")
 
-from qvl.server.ray_router import owner  # noqa: E402  (needs ray.serve)
+from qvl.server.ray_router import owner, within_bound  # noqa: E402  (needs ray.serve)
 
 REPLICA = "x-qvl-replica"
 
@@ -73,6 +74,13 @@ def test_owners_move_only_for_keys_a_leaving_replica_held():
     assert all(after[k] == before[k] for k in keys if before[k] != "b2")
 
 
+def test_an_owner_holding_more_than_its_share_is_passed_over():
+    assert within_bound(0, [0, 0])  # idle: the owner takes it
+    assert within_bound(4, [4, 3])  # 5 of 8 on one of two replicas: within 1.25 x the mean
+    assert not within_bound(5, [5, 1])  # 6 of 7: the other replica should take it
+    assert not within_bound(3, [3, 0, 0, 0])  # 4 of 4 on one of four replicas
+
+
 def test_metrics_of_replicas_add_up():
     one = "# TYPE qvl_requests_total counter\nqvl_requests_total{path=\"/\",status=\"200\"} 3\n" \
           "# TYPE qvl_queue_depth gauge\nqvl_queue_depth 1\n"
@@ -89,10 +97,11 @@ def test_metrics_of_replicas_add_up():
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint):
     """A local Ray cluster (this process drives it, to kill a replica) and `qvl serve --ray`
-    joining it with two replicas."""
+    joining it with two replicas, autoscaled up to three (2 rows each, so load shows soon)."""
     ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address
-    server = LiveServer(tiny_checkpoint, "--ray", "--ray-address", address, "--replicas", "2", "--max-body-mb", "1")
+    server = LiveServer(tiny_checkpoint, "--ray", "--ray-address", address, "--min-replicas", "2",
+                        "--max-replicas", "3", "--max-batch", "2", "--max-body-mb", "1", "--shutdown-timeout", "3")
     try:
         server.wait_ready(timeout_s=180)
         deadline = time.monotonic() + 60
@@ -100,10 +109,9 @@ def cluster(tiny_checkpoint):
             assert time.monotonic() < deadline, server.output()
             time.sleep(0.5)
         yield server
+        server.proc.terminate()  # SIGTERM: the application is taken down, the command ends cleanly
+        assert server.proc.wait(60) == 0, server.output()
     finally:
-        server.proc.terminate()
-        with contextlib.suppress(Exception):
-            server.proc.wait(60)
         server.stop()
         ray.shutdown()
 
@@ -200,3 +208,26 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cl
             pass
     again = c.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=3)
     assert again.headers[REPLICA] != victim and again.parse().choices[0].message.content is not None
+
+
+def test_load_past_every_row_adds_a_replica(cluster):
+    """Last: it leaves three replicas. Six clients streaming against 2 x 2 rows keep requests
+    waiting; the autoscaler (target: --max-batch per replica) adds the third replica."""
+    stop = time.monotonic() + 90
+    body = {"model": "m", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000, "ignore_eos": True}
+
+    def load(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            while time.monotonic() < stop:
+                with contextlib.suppress(httpx.HTTPError):  # the server may stop under it at the end
+                    http.post(f"{cluster.url}/v1/chat/completions", json={**body, "seed": i})
+
+    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        while httpx.get(f"{cluster.url}/health", timeout=5).json().get("replicas") != 3:
+            assert time.monotonic() < stop, "no third replica after 90 s of load"
+            time.sleep(1)
+    finally:
+        stop = time.monotonic()

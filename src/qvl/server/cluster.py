@@ -43,6 +43,8 @@ REPORT_EVERY_S = 2.0  # replicas post metrics and health this often
 STALE_S = 3 * REPORT_EVERY_S  # a report older than this is a replica that is gone
 REPLICA_HEADER = "x-qvl-replica"  # which replica answered (its Ray Serve id), on every relayed answer
 REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+ROUTERS = {"content": "qvl.server.ray_router:ContentRouter",
+           "round-robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter", "pow-2": None}
 log = logging.getLogger("qvl.server")
 
 
@@ -54,11 +56,13 @@ class Scale:
     min_replicas: int | None = None
     max_replicas: int | None = None  # set: autoscale between min and max
     cpus: int = 1  # CPUs each replica reserves (= its engine's threads)
-    affinity: bool = True  # False: Ray Serve's default router (power of two choices), for comparison
+    router: str = "content"  # or a baseline to compare with: "round-robin", "pow-2" (Ray Serve's default)
 
     def __post_init__(self):
         if self.replicas < 1 or self.cpus < 1:
             raise ValueError("--replicas and the CPUs per replica must be >= 1")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}: one of {', '.join(ROUTERS)}")
         if self.max_replicas is not None:
             low = 1 if self.min_replicas is None else self.min_replicas
             if not 0 <= low <= self.max_replicas or self.max_replicas < 1:
@@ -292,15 +296,17 @@ def build(settings: ServerSettings, options: Any, scale: Scale):
         "graceful_shutdown_timeout_s": settings.shutdown_grace_s + 5,
         "health_check_period_s": 5.0, "logging_config": quiet,  # the front logs each request
     }
-    if scale.affinity:
+    if ROUTERS[scale.router]:
         replica_options["request_router_config"] = RequestRouterConfig(
-            request_router_class="qvl.server.ray_router:ContentRouter", request_router_kwargs={"rows": rows})
+            request_router_class=ROUTERS[scale.router],
+            request_router_kwargs={"rows": rows} if scale.router == "content" else {})
     if scale.max_replicas is not None:
         low = 1 if scale.min_replicas is None else scale.min_replicas
         replica_options["autoscaling_config"] = {
             "min_replicas": low, "initial_replicas": max(1, low), "max_replicas": scale.max_replicas,
             "target_ongoing_requests": rows,  # a replica with every row busy and a queue wants company
-            "upscale_delay_s": 10.0, "downscale_delay_s": 120.0}
+            "metrics_interval_s": 2.0, "look_back_period_s": 10.0, "upscale_delay_s": 5.0,
+            "downscale_delay_s": 120.0}
     else:
         replica_options["num_replicas"] = scale.replicas
     replica = serve.deployment(Replica, **replica_options)

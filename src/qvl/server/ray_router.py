@@ -6,6 +6,7 @@ row, then to the least-loaded replica. Imported by Ray in the process that holds
 from __future__ import annotations
 
 import hashlib
+import math
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -16,10 +17,21 @@ def owner(key: str, replica_ids: list[str]) -> str:
     return max(replica_ids, key=lambda rid: hashlib.blake2b(f"{key}|{rid}".encode(), digest_size=8).digest())
 
 
+BALANCE = 1.25  # bounded loads: an owner may hold at most this times its fair share (+1)
+
+
+def within_bound(load: int, loads: list[int]) -> bool:
+    """Consistent hashing with bounded loads (Mirrokni et al., 2016): one more request on a
+    replica holding `load` keeps it within BALANCE x the mean load after the request."""
+    return load + 1 <= math.ceil(BALANCE * (sum(loads) + 1) / len(loads))
+
+
 class ContentRouter(RequestRouter):
     """The key is the request's session id, which the front sets to affinity.routing_key.
-    A replica is saturated when its ongoing requests reach `rows` (the engine's --max-batch):
-    a newcomer there would wait for a free row while another replica could start at once.
+    The owner is skipped for the least-loaded replica when it is saturated (as many requests
+    as `rows`, the engine's --max-batch: a newcomer would wait for a free row while another
+    replica could start at once) or when it holds more than its bounded share: keys that
+    happen to hash together must not leave a replica idle beside a busy one.
     An owner whose load is not known (its queue-length probe timed out: a replica busy with
     a step answers late) is asked again, `patience` times with backoff, before the request
     goes elsewhere: a miss costs the whole vision encoding and prefill."""
@@ -37,8 +49,9 @@ class ContentRouter(RequestRouter):
         pending_request.routing_context.should_backoff = True  # all full: back off, then try again
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         first = by_id[owner(pending_request.metadata.session_id, sorted(by_id))]
+        loads = [self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas]
         load = self.replica_queue_len_cache.get(first.replica_id)
-        if load is not None and load >= self.rows:
+        if load is not None and (load >= self.rows or not within_bound(load, [n or 0 for n in loads])):
             return [candidate_replicas]
         request_id = pending_request.metadata.internal_request_id
         self.tries[request_id] = tries = self.tries.get(request_id, 0) + 1
