@@ -83,7 +83,8 @@ def to_pixels(boxes: list[Box], points: list[Point], width: int, height: int) ->
     is shown: EXIF orientation applied), rounded half up and clamped to the image."""
 
     def px(v: float, side: int) -> int:
-        return min(max(math.floor(v * side / SCALE + 0.5), 0), side)
+        v = min(max(v, 0.0), SCALE)  # first: a huge coordinate times the side would overflow to inf
+        return min(math.floor(v * side / SCALE + 0.5), side)
 
     return ([Box(px(b.x1, width), px(b.y1, height), px(b.x2, width), px(b.y2, height), b.label) for b in boxes],
             [Point(px(p.x, width), px(p.y, height), p.label) for p in points])
