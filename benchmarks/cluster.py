@@ -8,6 +8,8 @@
 2. Throughput: 1 replica against 2, each replica 1 CPU (1 thread) with C clients per
    replica sending distinct text prompts with fixed-length answers; aggregate completion
    tokens per second. The sides alternate, R rounds; medians and spreads.
+3. (--ceiling) The same without Ray or HTTP: 1 engine process against 2, C rows each, to
+   show what the machine itself allows (its cores share one memory bus).
 
     python benchmarks/cluster.py --model /work/ckpt/qvl-2b
 """
@@ -18,6 +20,8 @@ import argparse
 import io
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -109,6 +113,36 @@ def throughput(url: str, clients: int, requests_each: int, tokens: int, tag: int
     return total[0] / (time.perf_counter() - started)
 
 
+CEILING = r'''
+import sys, time
+from qvl.engine import Engine, EngineOptions, Request
+from qvl.sampling import SamplingParams
+engine = Engine.load(EngineOptions(model=sys.argv[1], threads=1, prefix_cache_mb=0, answer_cache_entries=0))
+engine.warm_up()
+requests = [Request([{"role": "user", "content": f"client {i}: tell a story."}],
+                    SamplingParams(temperature=0, max_new_tokens=int(sys.argv[3]), ignore_eos=True))
+            for i in range(int(sys.argv[2]))]
+print("ready", flush=True)
+sys.stdin.readline()  # start together
+started = time.perf_counter()
+done = engine.generate_batch(requests)
+print(sum(d.usage.completion_tokens for d in done) / (time.perf_counter() - started), flush=True)
+'''
+
+
+def ceiling(model: str, processes: int, rows: int, tokens: int) -> float:
+    """Without Ray or HTTP: `processes` engines of 1 thread each decode `rows` requests
+    together, started at the same moment; their summed tokens per second."""
+    procs = [subprocess.Popen([sys.executable, "-c", CEILING, model, str(rows), str(tokens)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(processes)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    return sum(float(proc.communicate()[0]) for proc in procs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="/work/ckpt/qvl-2b")
@@ -120,6 +154,8 @@ def main() -> None:
     p.add_argument("--requests-each", type=int, default=3)
     p.add_argument("--throughput-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ceiling", action="store_true",
+                   help="also 1 engine against 2 without Ray or HTTP: what the machine allows")
     p.add_argument("--routers", nargs="*", default=["content", "round-robin", "pow-2"],
                    help="routers compared for affinity (none: skip that part)")
     args = p.parse_args()
@@ -149,6 +185,15 @@ def main() -> None:
         ratios = [b / a for a, b in zip(rates[1], rates[2])]
         print(f"2 replicas / 1 replica, per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
               f"median {statistics.median(ratios):.2f}x")
+        if args.ceiling:
+            bare = {1: [], 2: []}
+            for rnd in range(args.rounds):
+                for n in ((1, 2) if rnd % 2 == 0 else (2, 1)):
+                    bare[n].append(ceiling(args.model, n, args.clients_per_replica, args.throughput_tokens))
+            ratios = [b / a for a, b in zip(bare[1], bare[2])]
+            print(f"without Ray or HTTP, 2 engines / 1 engine ({args.clients_per_replica} rows each): "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x "
+                  f"(1 engine {statistics.median(bare[1]):.1f} tokens/s)")
     finally:
         serve.shutdown()
         ray.shutdown()

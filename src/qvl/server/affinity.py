@@ -6,7 +6,8 @@ The key is the first image (or video) the request carries, by its bytes or URL: 
 question about a photo, in a new chat or the same one, goes where the photo's features are.
 A request without one is keyed by its leading messages (the system prompt and the first user
 turn): the next turn of a conversation repeats them, so it goes where its prefix is. A body
-that is not JSON has no key (any replica answers it, with the same 400).
+that is not JSON has no key (any replica answers it, with the same 400). Keys name their kind
+("media:..." or "lead:..."): ray_router holds media keys harder.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def routing_key(path: str, body: bytes) -> str | None:
 
 
 def digest(kind: str, content: Any) -> str:
+    """'<kind>:<hex>': the router holds media keys harder than conversation keys."""
     text = content if isinstance(content, str) else json.dumps(content, sort_keys=True, ensure_ascii=False)
-    return hashlib.blake2b(f"{kind}:{text}".encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return f"{kind}:" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
 def media_source(part: Any) -> str | None:

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from qvl.server.affinity import routing_key
-from qvl.server.errors import APIError, is_ollama
+from qvl.server.errors import APIError, internal, is_ollama
 from qvl.server.metrics import merge_texts
 from qvl.server.settings import ServerSettings
 from qvl.server.submit import read_body
@@ -164,6 +164,8 @@ class Replica:
             gone.set()
             if not app.done():
                 await asyncio.wait({app}, timeout=5.0)
+            if app.done() and not app.cancelled():
+                app.exception()  # retrieved: the app already answered it (its 500) or the client left
 
     def __del__(self):
         """Ray Serve's graceful stop: refuse new work, let running requests finish within the grace period."""
@@ -193,8 +195,8 @@ class Front:
                 self.check_key(request)
                 return await self.metrics()
             return await self.relay(request)
-        except APIError as exc:
-            return exc.response(is_ollama(request))
+        except Exception as exc:  # APIError, or a bug: a 500 in the API's shape
+            return (exc if isinstance(exc, APIError) else internal(exc)).response(is_ollama(request))
 
     def check_key(self, request: Request) -> None:
         from qvl.server.app import key_matches, wrong_key
@@ -264,9 +266,10 @@ class Relay(Response):
                 except StopAsyncIteration:
                     more = False
                     piece = b""
-                except REPLICA_GONE as exc:
+                except Exception as exc:  # the replica lost, or a bug: the route's error event ends the stream
                     more = False
-                    piece = stream_failure(self.path, replica_lost(exc), events)
+                    error = replica_lost(exc) if isinstance(exc, REPLICA_GONE) else internal(exc)
+                    piece = stream_failure(self.path, error, events)
                 events += piece.count(b"event: ")
                 await send({"type": "http.response.body", "body": piece, "more_body": more})
         finally:

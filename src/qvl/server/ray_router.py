@@ -30,8 +30,10 @@ class ContentRouter(RequestRouter):
     """The key is the request's session id, which the front sets to affinity.routing_key.
     The owner is skipped for the least-loaded replica when it is saturated (as many requests
     as `rows`, the engine's --max-batch: a newcomer would wait for a free row while another
-    replica could start at once) or when it holds more than its bounded share: keys that
-    happen to hash together must not leave a replica idle beside a busy one.
+    replica could start at once). A conversation key ("lead:") is also moved when its owner
+    holds more than its bounded share: a text request's cached prefix is cheap to recompute,
+    and keys that happen to hash together must not leave a replica idle beside a busy one.
+    An image's key ("media:") stays: its cached features cost a vision encoding.
     An owner whose load is not known (its queue-length probe timed out: a replica busy with
     a step answers late) is asked again, `patience` times with backoff, before the request
     goes elsewhere: a miss costs the whole vision encoding and prefill."""
@@ -47,11 +49,13 @@ class ContentRouter(RequestRouter):
         if pending_request is None or not pending_request.metadata.session_id:
             return [candidate_replicas]  # Serve takes the shortest queue of a rank among those that accept
         pending_request.routing_context.should_backoff = True  # all full: back off, then try again
+        key = pending_request.metadata.session_id
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        first = by_id[owner(pending_request.metadata.session_id, sorted(by_id))]
-        loads = [self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas]
+        first = by_id[owner(key, sorted(by_id))]
         load = self.replica_queue_len_cache.get(first.replica_id)
-        if load is not None and (load >= self.rows or not within_bound(load, [n or 0 for n in loads])):
+        loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
+        balanced = key.startswith("media:") or within_bound(load or 0, loads)
+        if load is not None and (load >= self.rows or not balanced):
             return [candidate_replicas]
         request_id = pending_request.metadata.internal_request_id
         self.tries[request_id] = tries = self.tries.get(request_id, 0) + 1
