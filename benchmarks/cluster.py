@@ -1,8 +1,9 @@
 """`qvl serve --ray` on a local Ray cluster: the two figures of the cluster issue, in one run.
 
-1. Affinity: U users, each with their own photo, ask Q questions about it one after the
-   other (all users at once), against 2 replicas routed by content (qvl's router), round
-   robin, and Ray Serve's default (power of two choices on queue lengths). A follow-up hits when the replica that
+1. Affinity: U users, each with their own photo, ask a first question about it (all at
+   once), then their Q-1 follow-ups arrive in a shuffled order, W at a time, against 2
+   replicas routed by content (qvl's router), round robin, and Ray Serve's default (power
+   of two choices on queue lengths). A follow-up hits when the replica that
    answers it is the one that answered the photo's first question (the header
    x-qvl-replica says which). Also the follow-ups' median latency: the payoff of a hit.
 2. Throughput: 1 replica against 2, each replica 1 CPU (1 thread) with C clients per
@@ -64,31 +65,46 @@ def ask(url: str, body: dict) -> tuple[str, float, int]:
     return r.headers[REPLICA_HEADER], time.perf_counter() - started, r.json()["usage"]["completion_tokens"]
 
 
-def affinity(url: str, users: int, questions: int, image_px: int, tokens: int) -> tuple[float, float]:
-    """(share of follow-ups answered by the photo's first replica, median follow-up seconds)."""
-    hits, waits = [], []
-    lock = threading.Lock()
+def affinity(url: str, users: int, questions: int, image_px: int, tokens: int, workers: int) -> tuple[float, float]:
+    """Each user's first question about their photo (all users at once), then every follow-up
+    of every user in a shuffled order, `workers` at a time: a follow-up arrives whenever,
+    not right after its own previous answer. Returns (share of follow-ups answered by the
+    replica that answered the photo's first question, median follow-up seconds)."""
+    uris = [data_uri(photo(u, image_px), "image/jpeg") for u in range(users)]
 
-    def user(u: int) -> None:
-        uri = data_uri(photo(u, image_px), "image/jpeg")
-        first = None
-        for q in range(questions):
-            body = {"model": "m", "max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": f"Question {q}: what?"}]}]}
-            replica, seconds, _ = ask(url, body)
-            if first is None:
-                first = replica
-                continue
-            with lock:
-                hits.append(replica == first)
-                waits.append(seconds)
+    def body(u: int, q: int) -> dict:
+        return {"model": "m", "max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": uris[u]}}, {"type": "text", "text": f"Question {q}: what?"}]}]}
 
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(hits) / len(hits), statistics.median(waits)
+    first: dict[int, str] = {}
+
+    def run(jobs: list[tuple[int, int]], threads: int) -> list[tuple[int, str, float]]:
+        out, lock = [], threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not jobs:
+                        return
+                    u, q = jobs.pop()
+                replica, seconds, _ = ask(url, body(u, q))
+                with lock:
+                    out.append((u, replica, seconds))
+
+        pool = [threading.Thread(target=worker) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        return out
+
+    for u, replica, _ in run([(u, 0) for u in range(users)], users):
+        first[u] = replica
+    follow_ups = [(u, q) for u in range(users) for q in range(1, questions)]
+    random.Random(0).shuffle(follow_ups)
+    answers = run(follow_ups, workers)
+    return (sum(replica == first[u] for u, replica, _ in answers) / len(answers),
+            statistics.median(seconds for _, _, seconds in answers))
 
 
 def throughput(url: str, clients: int, requests_each: int, tokens: int, tag: int) -> float:
@@ -149,6 +165,7 @@ def main() -> None:
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--image-px", type=int, default=448)
+    p.add_argument("--workers", type=int, default=2, help="follow-ups in flight at once")
     p.add_argument("--answer-tokens", type=int, default=8)
     p.add_argument("--clients-per-replica", type=int, default=4)
     p.add_argument("--requests-each", type=int, default=3)
@@ -165,10 +182,12 @@ def main() -> None:
     try:
         for router in args.routers:
             url = deploy(args.model, Scale(replicas=2, cpus=1, router=router), port)
-            share, wait = affinity(url, args.users, args.questions, args.image_px, args.answer_tokens)
+            share, wait = affinity(url, args.users, args.questions, args.image_px, args.answer_tokens, args.workers)
             print(f"affinity, router {router}: follow-ups on the photo's replica {share:.1%}, "
                   f"median follow-up {wait:.2f} s", flush=True)
             serve.delete(APP)
+        if not args.rounds:
+            return
         rates: dict[int, list[float]] = {1: [], 2: []}
         for rnd in range(args.rounds):
             for replicas in ((1, 2) if rnd % 2 == 0 else (2, 1)):

@@ -93,6 +93,15 @@ def test_metrics_of_replicas_add_up():
     assert "qvl_queue_depth 3" in merged and merged.count("# TYPE qvl_queue_depth gauge") == 1
 
 
+def test_cluster_flags_without_ray_or_a_maximum_are_refused(tiny_checkpoint, capsys):
+    from qvl.cli import main
+
+    assert main(["serve", "--model", str(tiny_checkpoint), "--replicas", "2"]) == 1
+    assert "need --ray" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_checkpoint), "--ray", "--min-replicas", "2"]) == 1
+    assert "--min-replicas needs --max-replicas" in capsys.readouterr().err
+
+
 # --- a live cluster ---
 
 @pytest.fixture(scope="module")
@@ -102,7 +111,8 @@ def cluster(tiny_checkpoint):
     ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address
     server = LiveServer(tiny_checkpoint, "--ray", "--ray-address", address, "--min-replicas", "2",
-                        "--max-replicas", "3", "--max-batch", "2", "--max-body-mb", "1", "--shutdown-timeout", "3")
+                        "--max-replicas", "3", "--max-batch", "2", "--queue-size", "1", "--max-body-mb", "1",
+                        "--shutdown-timeout", "3")
     try:
         server.wait_ready(timeout_s=180)
         deadline = time.monotonic() + 60
@@ -209,6 +219,33 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cl
             pass
     again = c.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=3)
     assert again.headers[REPLICA] != victim and again.parse().choices[0].message.content is not None
+
+
+def test_past_every_replica_and_queue_the_cluster_answers_429(cluster):
+    """2 rows + 1 waiting per replica, 1 x the most replicas waiting at the front: at most
+    3 x 3 + 3 = 12 requests are held; of 16 at once some get 429 queue_full with Retry-After,
+    as one `qvl serve` answers past its queue."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}
+    statuses: list[tuple[int, dict, str]] = []
+    release = threading.Event()
+
+    def client(i: int) -> None:
+        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json={**body, "seed": i}, timeout=60) as r:
+            statuses.append((r.status_code, dict(r.headers), r.read().decode() if r.status_code != 200 else ""))
+            release.wait(30)  # hold the stream open (a 200 keeps generating) until all have answered
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30  # the held ones answer when rows free up; a refusal comes at once
+    while not any(code == 429 for code, _, _ in statuses) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    release.set()
+    busy = [(h, b) for code, h, b in statuses if code == 429]
+    assert busy, sorted(code for code, _, _ in statuses)
+    headers, text = busy[0]
+    assert json.loads(text)["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
 
 
 def test_load_past_every_row_adds_a_replica(cluster):

@@ -115,6 +115,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from qvl.server.app import create_app
     from qvl.server.serve import run
 
+    if not args.ray and (args.ray_address or args.replicas != 1 or args.min_replicas is not None
+                         or args.max_replicas is not None):
+        raise ValueError("--ray-address, --replicas, --min-replicas and --max-replicas need --ray")
+    if args.min_replicas is not None and args.max_replicas is None:
+        raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
     config = settings(args)
     options = engine_options(args)
     if args.max_images is not None:
