@@ -65,11 +65,12 @@ def ask(url: str, body: dict) -> tuple[str, float, int]:
     return r.headers[REPLICA_HEADER], time.perf_counter() - started, r.json()["usage"]["completion_tokens"]
 
 
-def affinity(url: str, users: int, questions: int, image_px: int, tokens: int, workers: int) -> tuple[float, float]:
+def affinity(url: str, users: int, questions: int, image_px: int, tokens: int, workers: int):
     """Each user's first question about their photo (all users at once), then every follow-up
     of every user in a shuffled order, `workers` at a time: a follow-up arrives whenever,
     not right after its own previous answer. Returns (share of follow-ups answered by the
-    replica that answered the photo's first question, median follow-up seconds)."""
+    replica that answered the photo's first question, mean follow-up seconds, the seconds of
+    those hits, of the misses)."""
     uris = [data_uri(photo(u, image_px), "image/jpeg") for u in range(users)]
 
     def body(u: int, q: int) -> dict:
@@ -103,8 +104,9 @@ def affinity(url: str, users: int, questions: int, image_px: int, tokens: int, w
     follow_ups = [(u, q) for u in range(users) for q in range(1, questions)]
     random.Random(0).shuffle(follow_ups)
     answers = run(follow_ups, workers)
-    return (sum(replica == first[u] for u, replica, _ in answers) / len(answers),
-            statistics.median(seconds for _, _, seconds in answers))
+    hits = [seconds for u, replica, seconds in answers if replica == first[u]]
+    misses = [seconds for u, replica, seconds in answers if replica != first[u]]
+    return len(hits) / len(answers), statistics.mean(hits + misses), hits, misses
 
 
 def throughput(url: str, clients: int, requests_each: int, tokens: int, tag: int) -> float:
@@ -182,9 +184,14 @@ def main() -> None:
     try:
         for router in args.routers:
             url = deploy(args.model, Scale(replicas=2, cpus=1, router=router), port)
-            share, wait = affinity(url, args.users, args.questions, args.image_px, args.answer_tokens, args.workers)
-            print(f"affinity, router {router}: follow-ups on the photo's replica {share:.1%}, "
-                  f"median follow-up {wait:.2f} s", flush=True)
+            share, mean, hits, misses = affinity(url, args.users, args.questions, args.image_px,
+                                                 args.answer_tokens, args.workers)
+
+            def median(values: list[float]) -> str:
+                return f"{statistics.median(values):.2f} s" if values else "-"
+
+            print(f"affinity, router {router}: follow-ups on the photo's replica {share:.1%}; follow-up seconds: "
+                  f"mean {mean:.2f}, median of hits {median(hits)}, of misses {median(misses)}", flush=True)
             serve.delete(APP)
         if not args.rounds:
             return
