@@ -109,6 +109,28 @@ def affinity(url: str, users: int, questions: int, image_px: int, tokens: int, w
     return len(hits) / len(answers), statistics.mean(hits + misses), hits, misses
 
 
+def cpu_seconds() -> dict[str, tuple[float, str]]:
+    """CPU seconds so far of every process on the machine, by pid (with its command)."""
+    out = subprocess.run(["ps", "-eo", "pid,cputimes,args", "--no-headers"], capture_output=True, text=True).stdout
+    seconds = {}
+    for line in out.splitlines():
+        pid, cpu, *command = line.split(None, 2)
+        seconds[pid] = (float(cpu), command[0] if command else "")
+    return seconds
+
+
+def cpu_shares(before: dict, after: dict, wall: float) -> tuple[list[float], float]:
+    """(each replica's share of a core, everything else's) between two cpu_seconds()."""
+    replicas, rest = [], 0.0
+    for pid, (cpu, command) in after.items():
+        used = (cpu - before[pid][0]) / wall if pid in before else 0.0
+        if "ServeReplica:qvl:Replica" in command:
+            replicas.append(used)
+        else:
+            rest += used
+    return sorted(replicas, reverse=True), rest
+
+
 def throughput(url: str, clients: int, requests_each: int, tokens: int, tag: int) -> float:
     """Completion tokens per second over the whole run of `clients` concurrent clients."""
     total = [0]
@@ -199,11 +221,14 @@ def main() -> None:
         for rnd in range(args.rounds):
             for replicas in ((1, 2) if rnd % 2 == 0 else (2, 1)):
                 url = deploy(args.model, Scale(replicas=replicas, cpus=1), port)
+                before, started = cpu_seconds(), time.perf_counter()
                 rate = throughput(url, args.clients_per_replica * replicas, args.requests_each,
                                   args.throughput_tokens, tag=rnd)
+                shares, rest = cpu_shares(before, cpu_seconds(), time.perf_counter() - started)
                 rates[replicas].append(rate)
                 print(f"round {rnd + 1}, {replicas} replica(s), {args.clients_per_replica * replicas} clients: "
-                      f"{rate:.1f} tokens/s", flush=True)
+                      f"{rate:.1f} tokens/s; CPU, in cores: replicas {', '.join(f'{c:.2f}' for c in shares)}, "
+                      f"everything else {rest:.2f}", flush=True)
                 serve.delete(APP)
         for replicas, values in rates.items():
             print(f"{replicas} replica(s): median {statistics.median(values):.1f} tokens/s "
