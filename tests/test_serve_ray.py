@@ -91,6 +91,8 @@ def test_metrics_of_replicas_add_up():
     assert 'qvl_requests_total{path="/",status="200"} 7' in merged
     assert 'qvl_requests_total{path="/",status="400"} 1' in merged
     assert "qvl_queue_depth 3" in merged and merged.count("# TYPE qvl_queue_depth gauge") == 1
+    # a series only the second replica has stays in its family (Prometheus wants families whole)
+    assert merged.index('status="400"') < merged.index("# TYPE qvl_queue_depth")
 
 
 def test_cluster_flags_without_ray_or_a_maximum_are_refused(tiny_checkpoint, capsys):
@@ -173,12 +175,22 @@ def test_errors_limits_and_metrics_keep_their_shapes(cluster):
     page = httpx.get(f"{url}/")
     assert page.status_code == 200 and "<html" in page.text.lower()
 
+    wrong_host = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, headers={"Host": "evil.example"})
+    assert wrong_host.status_code == 421 and wrong_host.json()["error"]["type"]  # refused before the body is read
+    assert httpx.get(f"{url}/metrics", headers={"Host": "evil.example"}).status_code == 421
+    assert httpx.get(f"{url}/health").headers["x-frame-options"] == "DENY"
+    deadline = time.monotonic() + 15
+    while not {"qvl_replicas 2", "qvl_ready 2"} <= set(httpx.get(f"{url}/metrics").text.splitlines()):
+        assert time.monotonic() < deadline  # reports arrive every 2 s
+        time.sleep(0.5)
+
     def count() -> float:
         text = httpx.get(f"{url}/metrics").text
-        assert "qvl_replicas 2" in text and "qvl_ready 2" in text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith('qvl_requests_total{path="/v1/chat/completions",status="400"}'))
 
+    # refusals the front answers itself (the body limit) are counted too
+    assert 'qvl_requests_total{path="/v1/chat/completions",status="413"} 1' in httpx.get(f"{url}/metrics").text
     before = count()
     httpx.post(f"{url}/v1/chat/completions", content=b"{oops", headers={"Content-Type": "application/json"})
     deadline = time.monotonic() + 10
@@ -203,6 +215,12 @@ def test_a_client_leaving_mid_stream_cancels_its_request(cluster):
     while cancelled() < before + 1:
         assert time.monotonic() < deadline, "the replica kept generating for a client that left"
         time.sleep(0.5)
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting for the whole answer
+        httpx.post(f"{cluster.url}/v1/chat/completions", json={**body, "stream": False}, timeout=2)
+    deadline = time.monotonic() + 20
+    while cancelled() < before + 2:
+        assert time.monotonic() < deadline, "the replica kept generating a whole answer for a client that left"
+        time.sleep(0.5)
 
 
 def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cluster):
@@ -219,6 +237,33 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cl
             pass
     again = c.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=3)
     assert again.headers[REPLICA] != victim and again.parse().choices[0].message.content is not None
+
+
+def test_load_past_every_row_adds_a_replica(cluster):
+    """It leaves three replicas. Six clients streaming against 2 x 2 rows keep requests
+    waiting; the autoscaler (target: --max-batch per replica) adds the third replica."""
+    deadline = time.monotonic() + 60  # after the kill test: back to the minimum of 2 first
+    while httpx.get(f"{cluster.url}/health", timeout=5).json().get("replicas") != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    stop = time.monotonic() + 90
+    body = {"model": "m", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000, "ignore_eos": True}
+
+    def load(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            while time.monotonic() < stop:
+                with contextlib.suppress(httpx.HTTPError):  # the server may stop under it at the end
+                    http.post(f"{cluster.url}/v1/chat/completions", json={**body, "seed": i})
+
+    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        while httpx.get(f"{cluster.url}/health", timeout=5).json().get("replicas") != 3:
+            assert time.monotonic() < stop, "no third replica after 90 s of load"
+            time.sleep(1)
+    finally:
+        stop = time.monotonic()
 
 
 def test_past_every_replica_and_queue_the_cluster_answers_429(cluster):
@@ -246,26 +291,3 @@ def test_past_every_replica_and_queue_the_cluster_answers_429(cluster):
     assert busy, sorted(code for code, _, _ in statuses)
     headers, text = busy[0]
     assert json.loads(text)["error"]["code"] == "queue_full" and int(headers["retry-after"]) >= 1
-
-
-def test_load_past_every_row_adds_a_replica(cluster):
-    """Last: it leaves three replicas. Six clients streaming against 2 x 2 rows keep requests
-    waiting; the autoscaler (target: --max-batch per replica) adds the third replica."""
-    stop = time.monotonic() + 90
-    body = {"model": "m", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000, "ignore_eos": True}
-
-    def load(i: int) -> None:
-        with httpx.Client(timeout=120) as http:
-            while time.monotonic() < stop:
-                with contextlib.suppress(httpx.HTTPError):  # the server may stop under it at the end
-                    http.post(f"{cluster.url}/v1/chat/completions", json={**body, "seed": i})
-
-    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(6)]
-    for t in threads:
-        t.start()
-    try:
-        while httpx.get(f"{cluster.url}/health", timeout=5).json().get("replicas") != 3:
-            assert time.monotonic() < stop, "no third replica after 90 s of load"
-            time.sleep(1)
-    finally:
-        stop = time.monotonic()

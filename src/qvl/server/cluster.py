@@ -34,11 +34,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from qvl.server.affinity import routing_key
 from qvl.server.errors import APIError, internal, is_ollama
-from qvl.server.metrics import merge_texts
+from qvl.server.guard import SECURITY_HEADERS, BrowserGuard
+from qvl.server.metrics import Metrics, merge_texts
 from qvl.server.settings import ServerSettings
 from qvl.server.submit import read_body
 
 APP = "qvl"
+KEYED = ("/v1/", "/api/", "/metrics")  # the routes behind --api-key (app.py's API router)
 REPORT_EVERY_S = 2.0  # replicas post metrics and health this often
 STALE_S = 3 * REPORT_EVERY_S  # a report older than this is a replica that is gone
 REPLICA_HEADER = "x-qvl-replica"  # which replica answered (its Ray Serve id), on every relayed answer
@@ -79,10 +81,10 @@ class Board:
     def __init__(self):
         self.reports: dict[str, tuple[float, dict]] = {}
 
-    def post(self, replica: str, report: dict) -> None:
+    async def post(self, replica: str, report: dict) -> None:  # async: run on the one event loop, never racing
         self.reports[replica] = (time.monotonic(), report)
 
-    def fresh(self) -> list[dict]:
+    async def fresh(self) -> list[dict]:
         now = time.monotonic()
         self.reports = {r: (t, rep) for r, (t, rep) in self.reports.items() if now - t < STALE_S}
         return [{"replica": r, **rep} for r, (_, rep) in sorted(self.reports.items())]
@@ -158,13 +160,13 @@ class Replica:
                     yield message["body"]
                 if not more:
                     break
-            if app.done() and app.exception() is not None:
-                raise app.exception()
         finally:
             gone.set()
             if not app.done():
                 await asyncio.wait({app}, timeout=5.0)
-            if app.done() and not app.cancelled():
+            if not app.done():
+                app.cancel()
+            elif not app.cancelled():
                 app.exception()  # retrieved: the app already answered it (its 500) or the client left
 
     def __del__(self):
@@ -185,18 +187,31 @@ class Front:
 
     def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, settings: ServerSettings):
         self.replicas, self.board, self.settings = replicas, board, settings
+        self.counts = Metrics()  # the answers the front gives itself (replicas count the ones they give)
+        self.guard = BrowserGuard(None, settings.allowed_hosts, settings.allowed_origins)
 
     async def __call__(self, request: Request) -> Response:
+        """The host/origin check and the API key come first, as in `qvl serve`: nothing is
+        read from a client that may not call the API."""
+        path = request.url.path
         try:
-            path = request.url.path
+            refusal = self.guard.refusal(dict(request.headers.raw))
+            if refusal is not None:
+                raise refusal
             if path == "/health" and request.method in ("GET", "HEAD"):
-                return await self.health()
-            if path == "/metrics" and request.method == "GET":
-                self.check_key(request)
-                return await self.metrics()
-            return await self.relay(request)
+                answer = await self.health()
+            else:
+                if path.startswith(KEYED):
+                    self.check_key(request)
+                if path == "/metrics" and request.method == "GET":
+                    answer = await self.metrics()
+                else:
+                    return await self.relay(request)
         except Exception as exc:  # APIError, or a bug: a 500 in the API's shape
-            return (exc if isinstance(exc, APIError) else internal(exc)).response(is_ollama(request))
+            answer = (exc if isinstance(exc, APIError) else internal(exc)).response(is_ollama(request))
+        self.counts.count_request(path, answer.status_code)
+        answer.raw_headers += SECURITY_HEADERS
+        return answer
 
     def check_key(self, request: Request) -> None:
         from qvl.server.app import key_matches, wrong_key
@@ -214,7 +229,7 @@ class Front:
 
     async def metrics(self) -> Response:
         reports = await self.board.fresh.remote()
-        text = merge_texts([r["metrics"] for r in reports])
+        text = merge_texts([self.counts.render({}), *(r["metrics"] for r in reports)])
         text += f"# TYPE qvl_replicas gauge\nqvl_replicas {len(reports)}\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -225,11 +240,11 @@ class Front:
         forwarded = {"method": request.method, "path": path, "query": request.url.query.encode(),
                      "headers": list(request.headers.raw), "body": body,
                      "client": [client.host, client.port] if client else None}
-        key = routing_key(path, body) or ""
+        key = (await asyncio.to_thread(routing_key, path, body) if len(body) > 65536 else routing_key(path, body)) or ""
         for attempt in range(2):  # a replica that died before answering: once more, elsewhere
             pieces = self.replicas.options(stream=True, session_id=key).forward.remote(forwarded)
             try:
-                head = await pieces.__anext__()
+                head = await pieces.__anext__()  # a whole answer, when it is not streamed
                 break
             except REPLICA_GONE as exc:
                 if attempt == 1:
@@ -237,6 +252,9 @@ class Front:
             except BackPressureError:
                 raise APIError(429, "the cluster is busy: every replica's queue is full; retry in 5 s",
                                code="queue_full", headers={"Retry-After": "5"}) from None
+            except BaseException:  # the client left (this task cancelled): the replica's request stops too
+                pieces.cancel()
+                raise
         return Relay(head, pieces, path)
 
 
@@ -314,6 +332,7 @@ def build(settings: ServerSettings, options: Any, scale: Scale):
         replica_options["num_replicas"] = scale.replicas
     replica = serve.deployment(Replica, **replica_options)
     front = serve.deployment(Front, name="Front", num_replicas=1, max_ongoing_requests=1000,
+                             graceful_shutdown_timeout_s=settings.shutdown_grace_s + 5,
                              ray_actor_options={"num_cpus": 0})
     posts = board.bind()
     return front.bind(replica.bind(settings, options, posts), posts, settings)
@@ -331,7 +350,8 @@ def run(settings: ServerSettings, options: Any, scale: Scale, *, host: str, port
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     try:
-        serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": settings.connections.keep_alive_s})
+        serve.start(http_options={"host": host, "port": port, "keep_alive_timeout_s": settings.connections.keep_alive_s,
+                                  "request_timeout_s": settings.time_limit_s + 30})  # never a request waiting forever
         log.info("deploying %s on Ray: waiting for the replicas to load the model", APP)
         serve.run(build(settings, options, scale), name=APP, route_prefix="/", blocking=False)
         for sig in (signal.SIGINT, signal.SIGTERM):

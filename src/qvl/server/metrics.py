@@ -121,26 +121,23 @@ class StatusCounter:
 
 
 def merge_texts(texts: list[str]) -> str:
-    """Several replicas' render() outputs as one: the samples of each series summed (counters
-    and histograms add up; gauges become cluster totals: queue depth, running rows, bytes)."""
-    order: list[str] = []  # TYPE lines and series, in first-seen order
-    values: dict[str, float] = {}
+    """Several render() outputs as one: the samples of each series summed (counters and
+    histograms add up; gauges become cluster totals: queue depth, running rows, bytes).
+    Each family's samples stay under its TYPE line, in first-seen order."""
+    families: dict[str, dict[str, float]] = {}  # TYPE line -> series -> value
     for text in texts:
+        family = None
         for line in text.splitlines():
-            if not line:
-                continue
-            if line.startswith("#"):
-                if line not in values:
-                    order.append(line)
-                    values[line] = 0.0
-                continue
-            series, _, value = line.rpartition(" ")
-            if series not in values:
-                order.append(series)
-                values[series] = 0.0
-            values[series] += float(value)
+            if line.startswith("# TYPE "):
+                family = families.setdefault(line, {})
+            elif line and not line.startswith("#") and family is not None:
+                series, _, value = line.rpartition(" ")
+                family[series] = family.get(series, 0.0) + float(value)
+
     def number(v: float) -> str:
         return str(int(v)) if v.is_integer() else f"{v:.9g}"
 
-    lines = [key if key.startswith("#") else f"{key} {number(values[key])}" for key in order]
+    lines = []
+    for type_line, samples in families.items():
+        lines += [type_line, *(f"{series} {number(value)}" for series, value in samples.items())]
     return "\n".join(lines) + ("\n" if lines else "")

@@ -58,6 +58,8 @@ class ContentRouter(RequestRouter):
         if load is not None and (load >= self.rows or not balanced):
             return [candidate_replicas]
         request_id = pending_request.metadata.internal_request_id
+        if len(self.tries) > 4096:  # requests cancelled while being routed never report back
+            self.tries.clear()
         self.tries[request_id] = tries = self.tries.get(request_id, 0) + 1
         if load is None and tries <= self.patience:
             return [[first]]
