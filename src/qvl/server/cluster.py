@@ -269,7 +269,7 @@ class Relay(Response):
     the route's own error event (the client sees a clean error, not a cut connection)."""
 
     def __init__(self, head: dict, pieces, path: str):
-        super().__init__()
+        super().__init__(status_code=head["status"])
         self.head, self.pieces, self.path = head, pieces, path
         self.raw_headers = [(bytes(k), bytes(v)) for k, v in head["headers"]]
 
@@ -295,7 +295,10 @@ class Relay(Response):
 
 
 def stream_failure(path: str, error: APIError, events: int) -> bytes:
-    """The end of a stream whose headers went out, in the route's wire format."""
+    """The end of a stream whose headers went out, in the route's wire format (nothing for
+    files: the page and its scripts just end short)."""
+    if not path.startswith(KEYED):
+        return b""
     if path.startswith("/api/"):
         return (json.dumps({"error": error.message}) + "\n").encode()
     if path == "/v1/responses":
