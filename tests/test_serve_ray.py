@@ -104,6 +104,52 @@ def test_cluster_flags_without_ray_or_a_maximum_are_refused(tiny_checkpoint, cap
     assert "--min-replicas needs --max-replicas" in capsys.readouterr().err
 
 
+def front_request(path: str, headers: dict[str, str], received: list):
+    from starlette.requests import Request
+
+    async def receive() -> dict:
+        received.append(path)  # reading the body: must not happen for a refused client
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": False}
+
+    scope = {"type": "http", "method": "POST" if path.startswith("/v1/") else "GET", "path": path, "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], "client": ("1.2.3.4", 5)}
+    return Request(scope, receive)
+
+
+def test_the_front_refuses_a_wrong_host_or_key_before_reading_the_body():
+    import asyncio
+
+    from qvl.server.cluster import Front
+    from qvl.server.settings import ServerSettings
+
+    front = Front(None, None, ServerSettings(api_key="sesame", allowed_hosts=("localhost",)))
+    received: list = []
+    cases = [("/v1/chat/completions", {"host": "localhost"}, 401),
+             ("/metrics", {"host": "localhost", "authorization": "Bearer wrong"}, 401),
+             ("/api/chat", {"host": "localhost"}, 401),
+             ("/v1/chat/completions", {"host": "evil.example", "authorization": "Bearer sesame"}, 421)]
+    for path, headers, status in cases:
+        answer = asyncio.run(front(front_request(path, headers, received)))
+        assert answer.status_code == status, (path, answer.body)
+        assert (b"x-frame-options", b"DENY") in answer.raw_headers
+        shape = json.loads(answer.body)["error"]
+        assert isinstance(shape, str) if path.startswith("/api/") else shape["code"]  # Ollama's shape or OpenAI's
+    assert received == []
+
+
+def test_a_stream_cut_by_a_lost_replica_ends_in_its_routes_own_error_format():
+    from qvl.server.cluster import replica_lost, stream_failure
+
+    error = replica_lost(RuntimeError("gone"))
+    chat = stream_failure("/v1/chat/completions", error, 3).decode()
+    assert chat.endswith("data: [DONE]\n\n")
+    assert json.loads(chat.split("\n\n")[0].removeprefix("data: "))["error"]["code"] == "replica_unavailable"
+    responses = stream_failure("/v1/responses", error, 7).decode()
+    assert responses.startswith("event: error\n") and json.loads(responses.split("data: ")[1])["sequence_number"] == 7
+    assert json.loads(stream_failure("/api/chat", error, 0)) == {"error": error.message}
+    assert stream_failure("/static/app.js", error, 0) == b""
+
+
 # --- a live cluster ---
 
 @pytest.fixture(scope="module")
