@@ -90,12 +90,16 @@ def ollama_content(request: dict) -> tuple[str | None, list]:
     messages = request.get("messages")
     if isinstance(messages, list):
         for message in messages:
-            images = message.get("images") if isinstance(message, dict) else None
-            if isinstance(images, list) and images and isinstance(images[0], str):
-                return images[0], []
+            if (image := first_image(message)) is not None:
+                return image, []
         return chat_content(messages)
-    images = request.get("images")
-    if isinstance(images, list) and images and isinstance(images[0], str):
-        return images[0], []
+    if (image := first_image(request)) is not None:
+        return image, []
     prompt = request.get("prompt")
     return None, [{"system": request.get("system")}, {"prompt": prompt}] if prompt else []
+
+
+def first_image(holder: Any) -> str | None:
+    """The first base64 image of an Ollama message or request (its `images` list)."""
+    images = holder.get("images") if isinstance(holder, dict) else None
+    return images[0] if isinstance(images, list) and images and isinstance(images[0], str) else None

@@ -65,10 +65,13 @@ class Scale:
             raise ValueError("--replicas and the CPUs per replica must be >= 1")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}: one of {', '.join(ROUTERS)}")
-        if self.max_replicas is not None:
-            low = 1 if self.min_replicas is None else self.min_replicas
-            if not 0 <= low <= self.max_replicas or self.max_replicas < 1:
-                raise ValueError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+        if self.max_replicas is not None and (not 0 <= self.least <= self.max_replicas or self.max_replicas < 1):
+            raise ValueError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
+
+    @property
+    def least(self) -> int:
+        """The autoscaler's minimum (1 unless --min-replicas says otherwise)."""
+        return 1 if self.min_replicas is None else self.min_replicas
 
     @property
     def most(self) -> int:
@@ -325,9 +328,8 @@ def build(settings: ServerSettings, options: Any, scale: Scale):
             request_router_class=ROUTERS[scale.router],
             request_router_kwargs={"rows": rows} if scale.router == "content" else {})
     if scale.max_replicas is not None:
-        low = 1 if scale.min_replicas is None else scale.min_replicas
         replica_options["autoscaling_config"] = {
-            "min_replicas": low, "initial_replicas": max(1, low), "max_replicas": scale.max_replicas,
+            "min_replicas": scale.least, "initial_replicas": max(1, scale.least), "max_replicas": scale.max_replicas,
             "target_ongoing_requests": rows,  # a replica with every row busy and a queue wants company
             "metrics_interval_s": 2.0, "look_back_period_s": 10.0, "upscale_delay_s": 5.0,
             "downscale_delay_s": 120.0}
