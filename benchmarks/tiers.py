@@ -5,9 +5,9 @@ built for the same tier, and the vision tower against transformers with torch he
         --llama avx2=/work/llama/build-avx2/bin --llama avx512-nobf16=/work/llama/build-avx512nobf16/bin \
         --llama avx512=/work/llama/build-native/bin --rounds 3 --out docs/tiers-results.json
 
-A tier is emulated with QVL_ISA (qvl's kernels) plus torch's own switches: ATEN_CPU_CAPABILITY
-and ONEDNN_MAX_CPU_ISA, so that every product torch runs (prefill GEMMs, SDPA) is held to the
-tier too, and --dtype auto picks float32 where the tier has no bf16 products.
+A tier is emulated with QVL_ISA (qvl's kernels) plus torch's own switches: ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (MKL runs the float32 GEMMs), so that every product
+torch runs (prefill GEMMs, SDPA, int8 GEMMs) is held to the tier too, and --dtype auto picks float32 where the tier has no bf16 products.
 
 Each measurement runs in its own process (peak RSS is per process); the sides alternate
 within each round and the tables give medians with the spread (min-max) over the rounds.
@@ -30,11 +30,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # tier -> torch's switches that hold it to the same instruction set
+# (MKL runs torch's float32 GEMMs and ignores oneDNN's switch: without its own it used AVX-512)
 TORCH_ENV = {
     "avx512": {},
-    "avx512-nobf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
+    "avx512-nobf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+                      "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 GGUF = {"int8": "qvl-2b-Q8_0.gguf", "int4": "qvl-2b-Q4_0.gguf"}
 PROMPT = "Describe this image in detail."

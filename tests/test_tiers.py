@@ -177,9 +177,8 @@ def test_dispatch_choices_per_tier(tier_lib):
     for dtype in (torch.float32, torch.bfloat16):
         assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)
     assert k.native_bf16 == bf16_hw
-    # the vision tower's default int8 x int8 products: only where they beat the float GEMM
-    assert k.int8_activations() == (tier.name.startswith("avx512") and bool(lib.features & native.VNNI)
-                                    and not tier.amx)
+    # the vision tower's default int8 x int8 products: where they beat the float GEMM (x86 without AMX)
+    assert k.int8_activations() == (tier.name.startswith("avx") and not tier.amx)
     described = k.describe()
     assert described["tier"].startswith(tier.name)
     assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tier.amx)

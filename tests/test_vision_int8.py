@@ -53,9 +53,10 @@ def features(engine, seed: int = 0) -> torch.Tensor:
 
 
 def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
-    """AVX-512 VNNI without BF16: float32 compute, the vision tower int8 and int8 x int8 (3x the
-    float32 GEMM there); AVX2: int8 vision weights (memory), float products; prefill's layers
-    keep float activations everywhere unless asked."""
+    """x86 without AMX (AVX-512 VNNI, AVX2): float32 compute, the vision tower int8 and
+    int8 x int8 (oneDNN's int8 GEMM beats the float32 one there); portable C: int8 vision
+    weights (memory), float products; prefill's layers keep float activations everywhere
+    unless asked."""
     vnni = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8")
     assert vnni.model.dtype == torch.float32 and vnni.int8_activations == "vision"
     assert vision_layers(vnni) and all(m.int8_activations for m in vision_layers(vnni))
@@ -64,8 +65,12 @@ def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
     assert "vision by default" in dispatch.kernels().describe()["int8_activations"]
 
     avx2 = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int4")
-    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "off"
-    assert vision_layers(avx2) and not any(m.int8_activations for m in vision_layers(avx2))
+    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "vision"
+    assert vision_layers(avx2) and all(m.int8_activations for m in vision_layers(avx2))
+
+    portable = load_on(monkeypatch, tier_kernels("portable"), tiny_checkpoint, weights="int8")
+    assert portable.model.dtype == torch.float32 and portable.int8_activations == "off"
+    assert vision_layers(portable) and not any(m.int8_activations for m in vision_layers(portable))
 
     every = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", int8_activations="all")
     assert all(m.int8_activations for m in vision_layers(every) + text_layers(every))

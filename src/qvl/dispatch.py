@@ -4,8 +4,8 @@ Model and quantisation code ask `kernels()` (for example `kernels().flash_attent
 and never probe the CPU or the build themselves. `qvl info` prints `kernels().describe()`.
 
 QVL_ISA=avx512|avx512-nobf16|avx2-vnni|avx2|neon|neon-nodotprod|portable forces a tier this
-CPU can run (tests and benchmarks use it, with torch's ATEN_CPU_CAPABILITY and
-ONEDNN_MAX_CPU_ISA, to emulate an older CPU); QVL_NATIVE=0 turns the native kernels off."""
+CPU can run (tests and benchmarks use it, with torch's ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
+and MKL_ENABLE_INSTRUCTIONS, to emulate an older CPU); QVL_NATIVE=0 turns the native kernels off."""
 
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ class Kernels:
         return self.lib is not None
 
     def int8_activations(self) -> bool:
-        """Many-row int8 x int8 products beat the tier's float GEMM, so the vision tower runs
-        them by default: AVX-512 VNNI without AMX (oneDNN's int8 GEMM behind torch._int_mm:
-        3.1x float32 on the avx512-nobf16 tier, ~1.6x bf16 on Zen 4). Not with AMX (oneDNN's
-        bf16 tiles are faster), nor on AVX2, with or without AVX-VNNI, where that int8 GEMM is
-        slower than float32 (docs/benchmarks.md, sections 10 and 12); NEON is unmeasured."""
-        return self.int8_gemm() and self.has(native.VNNI) and not self.tier.amx  # VNNI: AVX-512's
+        """Many-row int8 x int8 products (oneDNN's int8 GEMM behind torch._int_mm) beat the
+        tier's float GEMM, so the vision tower runs them by default: on every x86 tier without
+        AMX (against MKL's float32 GEMM held to the same tier: ~3.6x on AVX-512 VNNI, ~1.6x bf16
+        on Zen 4, 2-3x with AVX-VNNI, ~1.6x on plain AVX2; docs/benchmarks.md, section 21). Not
+        with AMX (oneDNN's bf16 tiles are faster); NEON is unmeasured."""
+        return self.int8_gemm() and self.has(native.AVX2) and not self.tier.amx  # AVX2: every x86 build
 
     def decode_attention(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)

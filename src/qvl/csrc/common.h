@@ -103,6 +103,24 @@ static inline __m256 bf16x8_to_ps(__m128i h) { /* 8 bf16 -> 8 float32, exactly *
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+static inline __m256 exp2_ps256(__m256 x) { /* 2^x, x clamped to [-126, 127]: exp2_ps's polynomial */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.f)), _mm256_set1_ps(127.f));
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.3534167e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6588929e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503406e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022217e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314699e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+static inline __m256 div_one_plus_exp2_256(__m256 x, __m256 t) { /* x / (1 + 2^t): SiLU and tanh-GELU */
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp2_ps256(t)));
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -42,6 +42,13 @@ static void gelu_tanh(float* v, int64_t n) {
         __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x), c1);
         _mm512_storeu_ps(v + i, div_one_plus_exp2(x, u));
     }
+#elif defined(QVL_AVX2)
+    const __m256 c1 = _mm256_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm256_set1_ps(0.044715f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(v + i);
+        __m256 u = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(c3, x), _mm256_mul_ps(x, x), x), c1);
+        _mm256_storeu_ps(v + i, div_one_plus_exp2_256(x, u));
+    }
 #endif
     for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
 }
