@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.config import ModelConfig
-from qvl import dispatch, native, paths
+from qvl import dispatch, native, paths, quantize
 from qvl.quantize import (
     Bf16Linear,
     Int4Linear,
@@ -65,6 +65,17 @@ def test_linear_layers_match_dequantised_reference(kernels, kind, dtype, rows):
     if kind != "bf16":  # and the quantisation itself stays close to the float weight
         err = (m.dequantized().float() - w).abs().max() / w.abs().max()
         assert err < (0.01 if kind == "int8" else 0.15)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_float32_products_dequantise_in_blocks_of_rows(kernels, kind, monkeypatch):
+    """float32 compute dequantises DEQUANTIZED_ROWS weight rows per GEMM (a last block shorter):
+    the same product as the whole matrix at once, bias included."""
+    m, _ = _module(kind, 200, 256, torch.float32, bias=kind == "int8")
+    x = torch.randn(3, 30, 256)
+    whole = m(x)
+    monkeypatch.setattr(quantize, "DEQUANTIZED_ROWS", 64)
+    torch.testing.assert_close(m(x), whole, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])

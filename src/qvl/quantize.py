@@ -21,6 +21,10 @@ from qvl.dispatch import kernels
 
 WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
 KERNEL_MAX_ROWS = native.GEMV_MAX_ROWS
+# float32 compute: many-row products dequantise this many weight rows per GEMM, so each block
+# is still in cache when the GEMM reads it (20-35% faster than the whole matrix first on AVX2
+# and AVX-512; on bf16 tiers oneDNN's per-call cost outweighs it: docs/benchmarks.md, section 21)
+DEQUANTIZED_ROWS = 1024
 
 
 SMOOTHING = ("none", "data-free", "calibrated")
@@ -186,7 +190,7 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
     where the native one does not run."""
     if _rows(x) > KERNEL_MAX_ROWS:
-        return F.linear(x, dequantize_int8(weight, scales), bias)
+        return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r]), bias)
     if (lib := _gemv_library(x, scales.dtype)) is not None:
         return native.linear(lib, native.W_INT8, x, weight, weight.shape[0], scales, bias=bias)
     y = torch._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales).view(*x.shape[:-1], weight.shape[0])
@@ -261,8 +265,23 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     """x [..., I] @ the int4 weight's transpose -> [..., O]: the native GEMV for few rows,
     dequantise + GEMM otherwise."""
     if (lib := _gemv_library(x, scales.dtype)) is None:
-        return F.linear(x, dequantize_int4(packed, scales, zeros, group_size))
+        return dequantized_product(x, packed.shape[0],
+                                   lambda r: dequantize_int4(packed[r], scales[r], zeros[r], group_size))
     return native.linear(lib, native.W_INT4, x, packed, packed.shape[0], scales, zeros, group_size)
+
+
+def dequantized_product(x: torch.Tensor, out_features: int, dequantize, bias: torch.Tensor | None = None):
+    """x [..., I] @ W.T (+ bias) -> [..., O] with a float GEMM, W [O, I] given by
+    dequantize(slice of rows): whole for bf16 compute, DEQUANTIZED_ROWS rows at a time for
+    float32 (see DEQUANTIZED_ROWS)."""
+    if x.dtype != torch.float32 or out_features <= DEQUANTIZED_ROWS:
+        return F.linear(x, dequantize(slice(None)), bias)
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    for start in range(0, out_features, DEQUANTIZED_ROWS):
+        block = slice(start, start + DEQUANTIZED_ROWS)
+        y[:, block] = F.linear(rows, dequantize(block), None if bias is None else bias[block])
+    return y.view(*x.shape[:-1], out_features)
 
 
 class Int4Experts(nn.Module):
