@@ -3,7 +3,7 @@ built for the same tier, and the vision tower against transformers with torch he
 
     python benchmarks/tiers.py --model /work/ckpt/qvl-2b --gguf /work/ckpt/gguf \
         --llama avx2=/work/llama/build-avx2/bin --llama avx512-nobf16=/work/llama/build-avx512nobf16/bin \
-        --llama avx512=/work/llama/build-native/bin --rounds 3 --out docs/tiers-results.json
+        --llama avx512=/work/llama/build-native/bin --rounds 3 --variants --out docs/tiers-results.json
 
 A tier is emulated with QVL_ISA (qvl's kernels) plus torch's own switches: ATEN_CPU_CAPABILITY,
 ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (MKL runs the float32 GEMMs), so that every product
@@ -46,9 +46,14 @@ def tier_env(tier: str) -> dict[str, str]:
     return {**os.environ, "QVL_ISA": tier, **TORCH_ENV.get(tier, {})}
 
 
-def run_qvl(args, tier: str, weights: str) -> dict:
+# first-token variants of the int8 model beside the defaults (--variants): the float32 path as
+# it was before int8 activations (every product float, vision weights bf16) and int8 x int8 everywhere
+VARIANTS = {"float": ["--int8-activations", "off", "--no-vision-int8"], "all": ["--int8-activations", "all"]}
+
+
+def run_qvl(args, tier: str, weights: str, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--weights", weights, "--threads",
-           str(args.threads), "--image", "1920x1080", "--new-tokens", "32", "--repeat", "2", "--json"]
+           str(args.threads), "--image", "1920x1080", "--new-tokens", "32", "--repeat", "2", "--json", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=tier_env(tier), timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"qvl bench ({tier}, {weights}) failed:\n{done.stderr[-2000:]}")
@@ -144,6 +149,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-vision", action="store_true")
+    p.add_argument("--variants", action="store_true", help="also the int8 model's first token as the float32 path "
+                   "and with int8 activations everywhere, on the tiers without bf16 products")
     p.add_argument("--out")
     p.add_argument("--vision-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -157,9 +164,12 @@ def main() -> None:
         results.setdefault(key, []).append(value)
         print(f"  {key}: {value}", flush=True)
 
+    variants = {t: VARIANTS if args.variants and t != "avx512" else {} for t in tiers}
     for tier in tiers:  # the first start of a tier's dtype quantises and keeps the weights: not measured
         for w in weights:
-            run_qvl(argparse.Namespace(**{**vars(args), "threads": args.threads}), tier, w)
+            run_qvl(args, tier, w)
+        for extra in variants[tier].values():
+            run_qvl(args, tier, "int8", tuple(extra))
     for rnd in range(args.rounds):
         print(f"round {rnd + 1}", flush=True)
         order = tiers if rnd % 2 == 0 else tiers[::-1]
@@ -170,6 +180,8 @@ def main() -> None:
                     record(f"llama|{tier}|{w}|decode", run_llama_decode(args, llama[tier], w))
                     if w == "int8":
                         record(f"llama|{tier}|{w}|ttft", run_llama_ttft(args, llama[tier], w))
+            for name, extra in variants[tier].items():
+                record(f"qvl|{tier}|int8|{name}", run_qvl(args, tier, "int8", tuple(extra)))
     if not args.skip_vision:
         for tier in tiers:
             if tier == "avx512":
@@ -218,6 +230,17 @@ def report(results, tiers, weights, llama, args) -> None:
         theirs = [r["ttft_ms"] for r in lla]
         print(f"| {tier} | {spread(ours)} | {spread(theirs)} ({statistics.median(r['vision_ms'] for r in lla):.0f}) | "
               f"{statistics.median(theirs) / statistics.median(ours):.2f}× faster |")
+    rows = [t for t in tiers if f"qvl|{t}|int8|float" in results]
+    if rows:
+        print("\n| tier | int8 model's first token ms: float32 path (vision + prefill) | defaults | int8 activations "
+              "everywhere | defaults vs float32 path | everywhere vs float32 path |\n|---|---|---|---|---|---|")
+        for tier in rows:
+            runs = {k: results[f"qvl|{tier}|int8{k}"] for k in ("|float", "", "|all")}
+            med = {k: statistics.median(r["ttft_ms"] for r in v) for k, v in runs.items()}
+            parts = {k: f"{spread([r['ttft_ms'] for r in v])} ({statistics.median(r['vision_ms'] for r in v):.0f} + "
+                        f"{statistics.median(r['prefill_ms'] for r in v):.0f})" for k, v in runs.items()}
+            print(f"| {tier} | {parts['|float']} | {parts['']} | {parts['|all']} | {med['|float'] / med['']:.2f}× | "
+                  f"{med['|float'] / med['|all']:.2f}× |")
     vis = [(t, results[f"vision|{t}"][0]) for t in tiers if f"vision|{t}" in results]
     if vis:
         print("\n| tier | patches | transformers vision s | qvl vision s | speed-up |\n|---|---|---|---|---|")
