@@ -21,10 +21,12 @@ from qvl.dispatch import kernels
 
 WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
 KERNEL_MAX_ROWS = native.GEMV_MAX_ROWS
-# float32 compute: many-row products dequantise this many weight rows per GEMM, so each block
-# is still in cache when the GEMM reads it (20-35% faster than the whole matrix first on AVX2
-# and AVX-512; on bf16 tiers oneDNN's per-call cost outweighs it: docs/benchmarks.md, section 21)
+# float32 compute, up to a prefill chunk of rows: many-row products dequantise this many weight
+# rows per GEMM, so each block is still in cache when the GEMM reads it (prefill's MLP 1.25-1.4x
+# faster on AVX2 and AVX-512; not for vision's 1008 rows, nor on bf16 tiers, where oneDNN's
+# per-call cost outweighs it: docs/benchmarks.md, section 21)
 DEQUANTIZED_ROWS = 1024
+DEQUANTIZED_MAX_ACTIVATIONS = 512
 
 
 SMOOTHING = ("none", "data-free", "calibrated")
@@ -272,9 +274,9 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
 
 def dequantized_product(x: torch.Tensor, out_features: int, dequantize, bias: torch.Tensor | None = None):
     """x [..., I] @ W.T (+ bias) -> [..., O] with a float GEMM, W [O, I] given by
-    dequantize(slice of rows): whole for bf16 compute, DEQUANTIZED_ROWS rows at a time for
-    float32 (see DEQUANTIZED_ROWS)."""
-    if x.dtype != torch.float32 or out_features <= DEQUANTIZED_ROWS:
+    dequantize(slice of rows): whole, or DEQUANTIZED_ROWS rows at a time for up to
+    DEQUANTIZED_MAX_ACTIVATIONS float32 rows (see DEQUANTIZED_ROWS)."""
+    if x.dtype != torch.float32 or out_features <= DEQUANTIZED_ROWS or _rows(x) > DEQUANTIZED_MAX_ACTIVATIONS:
         return F.linear(x, dequantize(slice(None)), bias)
     rows = x.reshape(-1, x.shape[-1])
     y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
