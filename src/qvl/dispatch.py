@@ -51,8 +51,7 @@ class Kernels:
         tier's float GEMM, so the vision tower runs them by default: on every x86 tier without
         AMX (against MKL's float32 GEMM held to the same tier: 2.3-3.4x on AVX-512 VNNI, 2.2-3.1x
         with AVX-VNNI, 1.3-1.7x on plain AVX2, docs/benchmarks.md section 21; ~1.6x bf16 on
-        Zen 4). Not
-        with AMX (oneDNN's bf16 tiles are faster); NEON is unmeasured."""
+        Zen 4). Not with AMX (oneDNN's bf16 tiles are faster); NEON is unmeasured."""
         return self.int8_gemm() and self.has(native.AVX2) and not self.tier.amx  # AVX2: every x86 build
 
     def decode_attention(self, dtype: torch.dtype) -> bool:
