@@ -108,6 +108,24 @@ def test_cancelling_one_row_leaves_the_others_unchanged(engine):
     assert outputs[0][-1].token_ids == alone
 
 
+def test_short_prompts_arriving_together_start_in_one_step(engine, monkeypatch):
+    """Four short prompts submitted at once are all admitted and prefilled in the first step
+    (the slice's leftover goes to the next in line), so every first token comes from the first
+    decode step instead of one per step; the answers are still each request's own."""
+    reqs = [Request([{"role": "user", "content": text}], GREEDY) for text in ("Hi.", "Why?", "Name a colour.", "1+1")]
+    alone = [engine.generate(r).token_ids for r in reqs]
+    outputs: dict[int, list] = {i: [] for i in range(len(reqs))}
+    scheduler = engine.scheduler
+    monkeypatch.setattr(scheduler, "slice_s", 10.0)  # a slice no busy CI machine overruns
+    for i, r in enumerate(reqs):
+        scheduler.submit(Sequence(engine.parse(r), outputs[i].append))
+    scheduler.step()
+    assert all(not s.prefilling for s in scheduler.running) and len(scheduler.running) == len(reqs)
+    while not scheduler.idle:
+        scheduler.step()
+    assert [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in range(len(reqs))] == alone
+
+
 def test_a_closed_stream_leaves_the_scheduler(engine):
     stream = engine.stream(Request([{"role": "user", "content": "Go on."}], GREEDY))
     assert isinstance(next(e for e in stream if isinstance(e, Delta)), Delta)

@@ -152,22 +152,14 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit what fits; give the oldest sequence not yet generating one slice of work (a
-        few vision blocks or a run of prompt tokens, about slice_s while other rows generate,
-        all of it when none do); then one decode step for every generating row. Sequences
-        finish inside, through their `emit`."""
+        """Admit what fits; give the sequences not yet generating one slice of work (vision
+        blocks, then runs of prompt tokens); then one decode step for every generating row.
+        Sequences finish inside, through their `emit`."""
         started = time.perf_counter()
         self.steps += 1
         self._drop_stopped()
         self._admit()
-        generating = self.slice_s is not None and any(not s.prefilling for s in self.running)
-        pending = next((s for s in self.running if s.prefilling), None)
-        if pending is not None and pending.preparing is not None:
-            self._prepare(pending, self.slice_s if generating else float("inf"))
-            if not generating and pending.preparing is None and pending in self.running:
-                self._prefill(pending, PREFILL_TOKENS_ALONE)  # nobody waits: go on in this step
-        elif pending is not None:
-            self._prefill(pending, self._slice_tokens() if generating else PREFILL_TOKENS_ALONE)
+        self._prepare_and_prefill()
         self._decode([s for s in self.running if not s.prefilling])
         if not self.running:
             self.cache = None  # nothing held between bursts of requests
@@ -203,16 +195,21 @@ class Scheduler:
                                "max_tokens", "kv_cache_exceeded")
 
     def _admit(self) -> None:
-        """At most one sequence per step (its images are encoded in the steps after, a few
-        blocks each). The next request waits (first come, first served) until it has a row for each of its
-        n answers and its KV reservation fits the budget beside the running ones', so a
-        running request never runs out of cache; one that could never fit (Engine.parse
-        refuses those) fails at once."""
+        """Every waiting sequence that fits, in order (their images are encoded and prompts
+        prefilled in this step and the next ones, a slice at a time). The next request waits
+        (first come, first served) until it has a row for each of its n answers and its KV
+        reservation fits the budget beside the running ones', so a running request never runs
+        out of cache; one that could never fit (Engine.parse refuses those) fails at once."""
+        while self._admit_next():
+            pass
+
+    def _admit_next(self) -> bool:
+        """Admit (or fail) the first waiting sequence; False when it has to wait or none does."""
         free = self._free_rows()
         refused = None
         with self.lock:
             if not self.waiting:
-                return
+                return False
             seq = self.waiting[0]
             try:
                 self.check_admissible(seq.parsed)
@@ -221,7 +218,7 @@ class Scheduler:
             else:
                 need = self._reserved(self.running) + self.reserved_bytes(seq.parsed)
                 if len(free) < seq.params.n or need > self.kv_budget:
-                    return
+                    return False
             self.waiting.popleft()
         try:
             if refused is not None:
@@ -229,6 +226,7 @@ class Scheduler:
             self._start(seq)
         except Exception as exc:  # one request's images, budget or cancellation: it alone fails
             self._fail(seq, exc)
+        return True
 
     def _start(self, seq: Sequence) -> None:
         """Rows and cache room for its n answers; its images are encoded in later steps
@@ -280,6 +278,36 @@ class Scheduler:
         for s in self.running:
             bigger.copy_row(self.cache, s.row, s.row, s.filled)
         self.cache = bigger
+
+    def _prepare_and_prefill(self) -> None:
+        """One slice of prompt work, oldest sequence first: about slice_s and its tokens while
+        other rows generate, all of the oldest's when none do. What the slice has left goes to
+        the next ones, so several short prompts that arrive together start in one step, not
+        one per step (their first tokens no longer wait for each other's decode steps)."""
+        started = time.perf_counter()
+        generating = self.slice_s is not None and any(not s.prefilling for s in self.running)
+        tokens = self._slice_tokens() if generating else PREFILL_TOKENS_ALONE
+        for i, seq in enumerate([s for s in self.running if s.prefilling]):
+            if i == 0:
+                left_s = self.slice_s if generating else float("inf")
+            else:  # an earlier sequence now waits for its first token: the rest of a slice only
+                if self.slice_s is None:
+                    return
+                left_s, tokens = self.slice_s - (time.perf_counter() - started), min(tokens, self._slice_tokens())
+                if left_s <= 0 or tokens <= 0:
+                    return
+            if seq.preparing is not None:
+                self._prepare(seq, left_s)
+                if seq.preparing is not None or seq not in self.running or (
+                        time.perf_counter() - started >= left_s):
+                    return
+            if i > 0 and tokens < min(MIN_SLICE_TOKENS, len(seq.prompt) - seq.filled):
+                return  # too few tokens left for a useful pass over the weights
+            filled = seq.filled
+            self._prefill(seq, tokens)
+            tokens -= seq.filled - filled
+            if seq.prefilling:  # its prompt goes on in the next step (or it failed): the slice is spent
+                return
 
     def _prepare(self, seq: Sequence, budget_s: float) -> None:
         """Vision blocks of one sequence for about `budget_s`; when its prompt is ready, the
