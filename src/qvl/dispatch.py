@@ -48,11 +48,13 @@ class Kernels:
 
     def int8_activations(self) -> bool:
         """Many-row int8 x int8 products (oneDNN's int8 GEMM behind torch._int_mm) beat the
-        tier's float GEMM, so the vision tower runs them by default: on every x86 tier without
-        AMX (against MKL's float32 GEMM held to the same tier: 2.3-3.4x on AVX-512 VNNI, 2.2-3.1x
-        with AVX-VNNI, 1.3-1.7x on plain AVX2, docs/benchmarks.md section 21; ~1.6x bf16 on
-        Zen 4). Not with AMX (oneDNN's bf16 tiles are faster); NEON is unmeasured."""
-        return self.int8_gemm() and self.has(native.AVX2) and not self.tier.amx  # AVX2: every x86 build
+        tier's float GEMM and are exact, so the vision tower runs them by default: on x86 with
+        VNNI or AVX-VNNI and without AMX (2.3-3.4x MKL's float32 on AVX-512 VNNI, 2.2-3.1x with
+        AVX-VNNI, docs/benchmarks.md section 21; ~1.6x bf16 on Zen 4). Not on plain AVX2 (or
+        AVX-512 without VNNI): oneDNN's vpmaddubsw path there saturates its 16-bit pair sums on
+        full-range int8 and gives wrong products. Not with AMX (oneDNN's bf16 tiles are faster);
+        NEON is unmeasured."""
+        return self.int8_gemm() and (self.has(native.VNNI) or self.has(native.AVX_VNNI)) and not self.tier.amx
 
     def decode_attention(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)

@@ -105,7 +105,7 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
 
     auto: the vision tower's products run int8 x int8 where the tier's integer products beat
-    its float ones (dispatch: x86 without AMX), and its weights are int8 there and
+    its float ones (dispatch: VNNI or AVX-VNNI, no AMX), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
     bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill stays in
     the compute dtype unless asked ("all"): int8 activations there lose top-1 agreement on

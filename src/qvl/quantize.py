@@ -144,7 +144,7 @@ def keep_bf16_storage(model: nn.Module) -> set[str]:
 class Int8Linear(nn.Module):
     """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM,
     or, with `int8_activations`, quantise the activations per row and run an int8 x int8
-    GEMM (oneDNN's; 1.3-3.4x the float32 GEMM on x86 without AMX, slightly less exact)."""
+    GEMM (oneDNN's; 2.2-3.4x the float32 GEMM with VNNI or AVX-VNNI, slightly less exact)."""
 
     int8_activations = False
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
