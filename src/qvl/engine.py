@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from qvl import native
 from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
@@ -114,6 +115,10 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
         raise ValueError(f"int8 activations must be one of {', '.join(INT8_ACTIVATIONS)}, "
                          f"not '{options.int8_activations}'")
     acts = options.int8_activations
+    k = kernels()
+    if acts in ("vision", "all") and k.has(native.AVX2) and not (k.has(native.VNNI) or k.has(native.AVX_VNNI)):
+        print("qvl: warning: without VNNI, oneDNN's int8 GEMM saturates its 16-bit sums on some products "
+              "(docs/benchmarks.md, section 21): --int8-activations is less exact here", file=sys.stderr)
     if acts == "auto":
         acts = "vision" if kernels().int8_activations() else "off"
     vision = stored.vision if stored else options.vision_int8
