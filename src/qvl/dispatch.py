@@ -54,7 +54,11 @@ class Kernels:
         AVX-512 without VNNI): oneDNN's vpmaddubsw path there saturates its 16-bit pair sums on
         full-range int8 and gives wrong products. Not with AMX (oneDNN's bf16 tiles are faster);
         NEON is unmeasured."""
-        return self.int8_gemm() and (self.has(native.VNNI) or self.has(native.AVX_VNNI)) and not self.tier.amx
+        return self.int8_gemm() and self.exact_int8_gemm() and not self.tier.amx
+
+    def exact_int8_gemm(self) -> bool:
+        """oneDNN's int8 GEMM sums exactly: VNNI or AVX-VNNI (without, vpmaddubsw saturates)."""
+        return self.has(native.VNNI) or self.has(native.AVX_VNNI)
 
     def decode_attention(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)

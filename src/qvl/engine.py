@@ -116,11 +116,11 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
                          f"not '{options.int8_activations}'")
     acts = options.int8_activations
     k = kernels()
-    if acts in ("vision", "all") and k.has(native.AVX2) and not (k.has(native.VNNI) or k.has(native.AVX_VNNI)):
+    if acts in ("vision", "all") and k.has(native.AVX2) and not k.exact_int8_gemm():
         print("qvl: warning: without VNNI, oneDNN's int8 GEMM saturates its 16-bit sums on some products "
               "(docs/benchmarks.md, section 21): --int8-activations is less exact here", file=sys.stderr)
     if acts == "auto":
-        acts = "vision" if kernels().int8_activations() else "off"
+        acts = "vision" if k.int8_activations() else "off"
     vision = stored.vision if stored else options.vision_int8
     if vision is None:
         vision = acts != "off" or dtype == torch.float32

@@ -281,28 +281,26 @@ class Scheduler:
 
     def _prepare_and_prefill(self) -> None:
         """One slice of prompt work, oldest sequence first: about slice_s and its tokens while
-        other rows generate, all of the oldest's when none do. What the slice has left goes to
-        the next ones, so several short prompts that arrive together start in one step, not
-        one per step (their first tokens no longer wait for each other's decode steps)."""
+        other rows generate, all of the oldest's when none do. What the slice's time has left
+        goes to the next ones, so several short prompts that arrive together start in one step,
+        not one per step (their first tokens no longer wait for each other's decode steps)."""
         started = time.perf_counter()
         generating = self.slice_s is not None and any(not s.prefilling for s in self.running)
+        deadline = started + self.slice_s if generating else float("inf")
         tokens = self._slice_tokens() if generating else PREFILL_TOKENS_ALONE
         for i, seq in enumerate([s for s in self.running if s.prefilling]):
-            if i == 0:
-                left_s = self.slice_s if generating else float("inf")
-            else:  # an earlier sequence now waits for its first token: the rest of a slice only
-                if self.slice_s is None:
+            if i > 0:  # an earlier sequence now waits for its first token: the rest of a slice only
+                if self.slice_s is None or time.perf_counter() >= started + self.slice_s:
                     return
-                left_s, tokens = self.slice_s - (time.perf_counter() - started), min(tokens, self._slice_tokens())
-                if left_s <= 0 or tokens <= 0:
-                    return
+                deadline = started + self.slice_s
             if seq.preparing is not None:
-                self._prepare(seq, left_s)
-                if seq.preparing is not None or seq not in self.running or (
-                        time.perf_counter() - started >= left_s):
+                self._prepare(seq, deadline - time.perf_counter())
+                if seq.preparing is not None or seq not in self.running or (i == 0 and generating):
+                    return  # its vision goes on, it failed, or it took this step's slice
+            if i > 0:  # the tokens the slice's remaining time allows, if worth a pass over the weights
+                tokens = min(tokens, int(self.prefill_rate * (deadline - time.perf_counter())))
+                if tokens < min(MIN_SLICE_TOKENS, len(seq.prompt) - seq.filled):
                     return
-            if i > 0 and tokens < min(MIN_SLICE_TOKENS, len(seq.prompt) - seq.filled):
-                return  # too few tokens left for a useful pass over the weights
             filled = seq.filled
             self._prefill(seq, tokens)
             tokens -= seq.filled - filled
