@@ -164,7 +164,8 @@ def main() -> None:
         results.setdefault(key, []).append(value)
         print(f"  {key}: {value}", flush=True)
 
-    variants = {t: VARIANTS if args.variants and t != "avx512" else {} for t in tiers}
+    float32_tiers = [t for t in tiers if not t.startswith("avx512") or t == "avx512-nobf16"]  # no bf16 products
+    variants = {t: VARIANTS if args.variants and "int8" in weights and t in float32_tiers else {} for t in tiers}
     for tier in tiers:  # the first start of a tier's dtype quantises and keeps the weights: not measured
         for w in weights:
             run_qvl(args, tier, w)
