@@ -5,6 +5,8 @@ Schemes, all with int8 weights (per output channel) and bf16 compute:
   int8 weights        the default production path: Engine.load(weights="int8", dtype="bf16")
                       (float products, vision tower in bf16)
   + vision int8       the vision tower's linears int8 too (--vision-int8), float products
+  ... 7-bit weights   the vision tower int8 x int8 with its codes narrowed to +-63, as Engine.load
+                      does where oneDNN's int8 GEMM is exact only for those (no VNNI)
   vision ..., smoothed the defaults of the float32 tiers (Engine.load: the vision tower smoothed
                       data-free at load, then int8; float products, or int8 x int8 for it alone)
   int8 act            + vision int8 and int8 x int8 products (activations per row)
@@ -177,6 +179,13 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
                                            int8_activations=acts))  # the loading path's own smoothing
         record(name, run(engine, evaluation))
         del engine
+    engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
+                                       int8_activations="vision"))
+    for module in engine.model.modules():
+        if isinstance(module, Int8Linear) and module.int8_activations:
+            module.narrow(63)  # what Engine.load does where oneDNN multiplies with vpmaddubsw
+    record("vision int8 x int8, 7-bit weights, smoothed (default: AVX2, AVX-512 without VNNI)", run(engine, evaluation))
+    del engine
 
     stats = calibrate(bf16.model, lambda: run(bf16, calibration))
     model = quantize_in_place(copy.deepcopy(bf16.model), False)

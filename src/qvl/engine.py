@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from qvl import native
 from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
@@ -106,7 +105,8 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
 
     auto: the vision tower's products run int8 x int8 where the tier's integer products beat
-    its float ones (dispatch: VNNI or AVX-VNNI, no AMX), and its weights are int8 there and
+    its float ones (dispatch: x86 without AMX; with 7-bit weights where oneDNN's GEMM is exact
+    only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
     bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill stays in
     the compute dtype unless asked ("all"): int8 activations there lose top-1 agreement on
@@ -116,11 +116,16 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
                          f"not '{options.int8_activations}'")
     acts = options.int8_activations
     k = kernels()
-    if acts in ("vision", "all") and k.has(native.AVX2) and not k.exact_int8_gemm():
-        print("qvl: warning: without VNNI, oneDNN's int8 GEMM saturates its 16-bit sums on some products "
-              "(docs/benchmarks.md, section 21): --int8-activations is less exact here", file=sys.stderr)
     if acts == "auto":
         acts = "vision" if k.int8_activations() else "off"
+    elif acts != "off" and k.int8_weight_max == 0:
+        raise ValueError(f"--int8-activations {acts}: torch's int8 GEMM does not sum exactly on this CPU")
+    if acts == "all" and k.int8_weight_max < 127:
+        # exact here only for 7-bit weights, and the text layers' weights also feed decoding
+        print("qvl: without VNNI, oneDNN's int8 GEMM is exact only for 7-bit weights: the vision tower runs "
+              "int8 x int8 with 7-bit weights, prefill keeps float products (docs/benchmarks.md, section 24)",
+              file=sys.stderr)
+        acts = "vision"
     vision = stored.vision if stored else options.vision_int8
     if vision is None:
         vision = acts != "off" or dtype == torch.float32
@@ -186,6 +191,8 @@ class Engine:
         for name, module in model.named_modules():
             if isinstance(module, Int8Linear):
                 module.int8_activations = activations == "all" or (activations == "vision" and name.startswith("visual."))
+                if module.int8_activations and kernels().int8_weight_max < 127:
+                    module.narrow(kernels().int8_weight_max)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)
@@ -207,6 +214,8 @@ class Engine:
         """Identifies what computes the answers: checkpoint, weight format, dtype."""
         vision = "|vision-int8" if isinstance(self.model.visual.blocks[0].attn.qkv, Int8Linear) else ""
         activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
+        if activations and kernels().int8_weight_max < 127:
+            activations += "-7bit-weights"
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 
     @functools.cached_property

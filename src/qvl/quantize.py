@@ -171,11 +171,23 @@ class Int8Linear(nn.Module):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_product(x, self.weight, self.scales, self.bias)
 
+    def narrow(self, limit: int) -> None:
+        """Requantise the codes to +-limit (with scales grown to match), so that an int8 GEMM
+        exact only for such weights sums them exactly (dispatch.Kernels.int8_weight_max)."""
+        self.weight, self.scales = narrow_int8(self.weight, self.scales, limit)
+
     def native_args(self) -> native.LinearArgs | None:
         if self.scales.dtype not in (torch.bfloat16, torch.float32):
             return None
         return native.LinearArgs.of(native.W_INT8, self.out_features, self.in_features, self.weight, self.scales,
                                     bias=self.bias)
+
+
+def narrow_int8(weight: torch.Tensor, scales: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [O, I] within +-127 and row scales [O] -> codes within +-limit, scales [O]
+    (same dtype): code * limit / 127 rounded, scale * 127 / limit."""
+    codes = (weight.float() * (limit / 127)).round_().to(torch.int8)
+    return codes, (scales.float() * (127 / limit)).to(scales.dtype)
 
 
 def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
