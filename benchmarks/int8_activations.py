@@ -5,7 +5,7 @@ Schemes, all with int8 weights (per output channel) and bf16 compute:
   int8 weights        the default production path: Engine.load(weights="int8", dtype="bf16")
                       (float products, vision tower in bf16)
   + vision int8       the vision tower's linears int8 too (--vision-int8), float products
-  ... 7-bit weights   the vision tower int8 x int8 with its codes narrowed to +-63, as Engine.load
+  ... 7-bit act.      the vision tower int8 x int8 with activation codes 0..127, as Engine.load
                       does where oneDNN's int8 GEMM is exact only for those (no VNNI)
   vision ..., smoothed the defaults of the float32 tiers (Engine.load: the vision tower smoothed
                       data-free at load, then int8; float products, or int8 x int8 for it alone)
@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.bench import synthetic_image
+from qvl.dispatch import kernels
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.generate import new_cache
 from qvl.quantize import Int8Linear, QuantSpec, TiedQuantEmbedding, quantize_int8, quantized_linear_names
@@ -132,7 +133,8 @@ def quantize_in_place(model, int8_activations: bool, float_channels: dict[str, t
         new.scales = scales.to(dtype)
         if old.bias is not None:
             new.bias = old.bias.detach().to(dtype)
-        new.int8_activations = int8_activations
+        if int8_activations:
+            new.pack(kernels().int8_levels, keep_weight=True)
         setattr(parent, attr, new)
     if model.cfg.tie_word_embeddings:
         model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
@@ -180,11 +182,12 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
         record(name, run(engine, evaluation))
         del engine
     engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
-                                       int8_activations="vision"))
-    for module in engine.model.modules():
-        if isinstance(module, Int8Linear) and module.int8_activations:
-            module.narrow(63)  # what Engine.load does where oneDNN multiplies with vpmaddubsw
-    record("vision int8 x int8, 7-bit weights, smoothed (default: AVX2, AVX-512 without VNNI)", run(engine, evaluation))
+                                       int8_activations="off"))
+    for name, module in engine.model.named_modules():
+        if isinstance(module, Int8Linear) and name.startswith("visual."):
+            module.pack(127, keep_weight=False)  # what Engine.load does where oneDNN multiplies with vpmaddubsw
+    record("vision int8 x int8, 7-bit activations, smoothed (default: AVX2, AVX-512 without VNNI)",
+           run(engine, evaluation))
     del engine
 
     stats = calibrate(bf16.model, lambda: run(bf16, calibration))

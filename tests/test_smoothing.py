@@ -178,7 +178,8 @@ def test_native_int8_activation_path_keeps_the_smoothed_bound():
     def product(x, w):
         layer = Int8Linear(1024, 512, False, torch.bfloat16)
         q, scale = quantize_int8(w)
-        layer.weight, layer.scales, layer.int8_activations = q, scale.to(torch.bfloat16), True
+        layer.weight, layer.scales = q, scale.to(torch.bfloat16)
+        layer.pack(kernels().int8_levels, keep_weight=False)
         return layer(x.to(torch.bfloat16)).float()
 
     s = smoothing_scales(x.abs().amax(0), w.abs().amax(0))

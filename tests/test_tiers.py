@@ -143,15 +143,16 @@ def test_rms_norm(tier_lib, dtype):
 
 
 def test_int8_activation_matmul(tier_lib):
-    """--int8-activations: activations quantised per row around torch._int_mm, GELU fused."""
+    """--int8-activations: activations quantised per row around oneDNN's int8 GEMM, GELU fused."""
     tier, lib = tier_lib
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(40, 256).to(dtype), torch.randint(-127, 128, (96, 256), dtype=torch.int8)
         scale, bias = (torch.rand(96) / 50).to(dtype), torch.randn(96).to(dtype)
         ref = F.linear(x.float(), w.float() * scale.float()[:, None], bias.float())
-        out = native.int8_matmul(lib, x, w, scale, bias)
+        packed, colsums = native.pack_int8(w), w.sum(1, dtype=torch.int32).float()
+        out = native.int8_matmul(lib, x, packed, colsums, scale, bias, 255)
         assert F.cosine_similarity(out.float().flatten(), ref.flatten(), 0) > 0.999, tier.name
-        fused = native.int8_matmul(lib, x, w, scale, bias, gelu_tanh=True)
+        fused = native.int8_matmul(lib, x, packed, colsums, scale, bias, 255, gelu_tanh=True)
         torch.testing.assert_close(fused.float(), F.gelu(out.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)
 
 
@@ -180,7 +181,7 @@ def test_dispatch_choices_per_tier(tier_lib):
     # the vision tower's default int8 x int8 products: where they beat the float GEMM (x86, no
     # AMX); this CPU's oneDNN sums full-range int8 exactly (VNNI)
     assert k.int8_activations() == (tier.name.startswith(("avx512", "avx2")) and not tier.amx)
-    assert k.int8_weight_max == 127
+    assert k.int8_levels == 255
     described = k.describe()
     assert described["tier"].startswith(tier.name)
     assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tier.amx)

@@ -83,14 +83,16 @@ SATURATING_ONEDNN = """
 import sys
 import torch
 import torch.nn.functional as F
-from qvl import dispatch
+from qvl import dispatch, native
 from qvl.engine import Engine, EngineOptions
 
-# what the tests elsewhere cannot see on a CPU with VNNI: full-range int8 products are wrong here
-a = torch.full((32, 64), 127, dtype=torch.int8)
-assert not torch.equal(torch._int_mm(a, a.t().contiguous()).long(), a.long() @ a.long().t())
-k = dispatch.kernels()
-assert k.int8_weight_max == 63, k.int8_weight_max
+# what the tests elsewhere cannot see on a CPU with VNNI: 8-bit codes saturate here, 7-bit ones do not
+w = torch.full((32, 64), 127, dtype=torch.int8)
+for levels, exact in ((255, False), (127, True)):
+    codes = torch.full((32, 64), levels, dtype=torch.uint8)
+    got = native.int8_gemm(codes, native.pack_int8(w), 32)
+    assert torch.equal(got.double(), codes.double() @ w.double().t()) == exact, levels
+assert dispatch.kernels().int8_levels == 127, dispatch.kernels().int8_levels
 
 def features(engine):
     torch.manual_seed(0)
@@ -101,29 +103,26 @@ def features(engine):
 options = dict(model=sys.argv[1], threads=1, weights="int8", dtype="fp32")
 reference = features(Engine.load(EngineOptions(**options, vision_int8=False, int8_activations="off")))
 engine = Engine.load(EngineOptions(**options, int8_activations="all"))
-assert engine.int8_activations == "vision" and engine.model_id.endswith("-7bit-weights"), engine.model_id
-for name, m in engine.model.named_modules():
-    if hasattr(m, "int8_activations"):
-        assert m.int8_activations == name.startswith("visual."), name
-        assert (m.weight.abs().max() <= 63) == name.startswith("visual."), name
+assert engine.model_id.endswith("|int8-activations-all-7bit"), engine.model_id
+layers = [(n, m) for n, m in engine.model.named_modules() if hasattr(m, "packed")]
+assert layers and all(m.int8_activations and m.levels == 127 for _, m in layers)
+assert all((m.weight is None) == n.startswith("visual.") for n, m in layers)  # decoding keeps the text weights
 cosine = F.cosine_similarity(features(engine), reference, 0).item()
 assert cosine > 0.999, cosine
 print("ok", cosine)
 """
 
 
-def test_without_vnni_the_vision_tower_runs_seven_bit_weights_exactly(tiny_checkpoint):
+def test_without_vnni_activations_run_in_seven_bits_exactly(tiny_checkpoint):
     """oneDNN's int8 GEMM without VNNI (plain AVX2, AVX-512 without VNNI: emulated with
-    ONEDNN_MAX_CPU_ISA=AVX2 in a fresh process) saturates its 16-bit pair sums on full-range
-    int8. dispatch probes it, the vision tower's weights are requantised to 7 bits there (its
-    features stay close to float), and --int8-activations all keeps prefill in float (the
-    text weights also feed decoding) with a warning."""
+    ONEDNN_MAX_CPU_ISA=AVX2 in a fresh process) saturates its 16-bit pair sums on 8-bit
+    activation codes. dispatch probes it, the activations are quantised to 7-bit codes there,
+    and the vision tower's features stay close to float."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     env.pop("QVL_ISA", None)
     ran = subprocess.run([sys.executable, "-c", SATURATING_ONEDNN, str(tiny_checkpoint)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0 and ran.stdout.startswith("ok"), ran.stdout + ran.stderr
-    assert "exact only for 7-bit weights" in ran.stderr
 
 
 def test_bf16_tier_keeps_a_bf16_vision_tower_without_vnni_gain(monkeypatch, tiny_checkpoint, tier_kernels):

@@ -48,24 +48,21 @@ class Kernels:
         return self.lib is not None
 
     def int8_activations(self) -> bool:
-        """Many-row int8 x int8 products (oneDNN's int8 GEMM behind torch._int_mm) beat the
-        tier's float GEMM, so the vision tower runs them by default: on x86 without AMX
-        (2.3-3.4x MKL's float32 on AVX-512 VNNI, 2.2-3.1x with AVX-VNNI, 1.5-1.7x on plain AVX2,
-        docs/benchmarks.md section 21; ~1.6x bf16 on Zen 4), with 7-bit weights where oneDNN's
-        sums are exact only for those (int8_weight_max). Not with AMX (oneDNN's bf16 tiles are
-        faster); NEON is unmeasured."""
-        return (self.int8_gemm() and self.has(native.AVX2) and not self.tier.amx
-                and self.int8_weight_max > 0)
+        """Many-row int8 x int8 products (oneDNN's int8 GEMM, prepacked weights) beat the tier's
+        float GEMM, so the vision tower runs them by default: on x86 without AMX (2.3-3.4x MKL's
+        float32 on AVX-512 VNNI, 2.2-3.1x with AVX-VNNI, 1.5-1.7x on plain AVX2 with 7-bit
+        activations, docs/benchmarks.md sections 21 and 24; ~1.6x bf16 on Zen 4). Not with AMX
+        (kept bf16 there); NEON is unmeasured."""
+        return self.int8_gemm() and self.has(native.AVX2) and not self.tier.amx and self.int8_levels > 0
 
     @functools.cached_property
-    def int8_weight_max(self) -> int:
-        """The largest |weight code| whose products torch._int_mm sums exactly against any int8
-        activations: 127 where oneDNN multiplies with VNNI (AVX-512 VNNI, AVX-VNNI); 63 where it
-        multiplies with vpmaddubsw (plain AVX2, AVX-512 without VNNI), whose 16-bit pair sums of
-        activations shifted to u8 times weights saturate on full-range int8 but not on 7-bit
-        weights (2 * 255 * 64 < 2^15); 0 when neither holds. Probed once, on this process's
-        oneDNN, with the worst case rows and columns."""
-        return next((limit for limit in (127, 63) if _int_mm_is_exact(limit)), 0)
+    def int8_levels(self) -> int:
+        """The activation codes 0..levels whose products oneDNN's int8 GEMM sums exactly against
+        any int8 weights: 255 where it multiplies with VNNI or AMX; 127 where it multiplies with
+        vpmaddubsw (plain AVX2, AVX-512 without VNNI), whose 16-bit pair sums saturate on 8-bit
+        codes (2 * 255 * 127 > 2^15) but not on 7-bit ones; 0 when neither holds or the op is
+        missing. Probed once, on this process's oneDNN, with the worst-case rows and columns."""
+        return next((levels for levels in (255, 127) if _int8_gemm_is_exact(levels)), 0)
 
     def decode_attention(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
@@ -123,26 +120,26 @@ class Kernels:
                                "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
             "decode_step": "all layers in one native call (bf16 and float32)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": "torch._int_mm + native quantise/rescale" + (
-                ", vision by default (faster than the float GEMM here)" + (
-                    "; 7-bit weights (oneDNN multiplies with vpmaddubsw here)" if self.int8_weight_max < 127 else "")
-                if self.int8_activations() else
+            "int8_activations": "oneDNN's int8 GEMM (prepacked weights) + native quantise/rescale, activations "
+                                f"per row in {'8' if self.int8_levels == 255 else '7'} bits" + (
+                ", vision by default (faster than the float GEMM here)" if self.int8_activations() else
                 ", off by default (not faster than the float GEMM here)"),
         }
 
 
-def _int_mm_is_exact(limit: int) -> bool:
-    """torch._int_mm on int8 activations (with all-127 and all-(-128) rows) and weights within
-    +-limit (with columns at both ends) equals the exact integer product."""
+def _int8_gemm_is_exact(levels: int) -> bool:
+    """native.int8_gemm on codes 0..levels (with all-levels and all-0 rows) and int8 weights
+    (with all-127 and all-(-127) rows) equals the exact integer product."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
-    a[0], a[1] = 127, -128
-    w = torch.randint(-limit, limit + 1, (64, 32), dtype=torch.int8, generator=g)
-    w[:, 0], w[:, 1] = limit, -limit
+    codes = torch.randint(0, levels + 1, (32, 64), dtype=torch.uint8, generator=g)
+    codes[0], codes[1] = levels, 0
+    w = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=g)
+    w[0], w[1] = 127, -127
     try:
-        return torch.equal(torch._int_mm(a, w).long(), a.long() @ w.long())
-    except RuntimeError:  # no int8 GEMM in this torch build
+        got = native.int8_gemm(codes, native.pack_int8(w), 32)
+    except (RuntimeError, AttributeError):  # no oneDNN int8 GEMM in this torch build
         return False
+    return torch.equal(got.double(), codes.double() @ w.double().t())
 
 
 def _load() -> Kernels:

@@ -105,8 +105,8 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
 
     auto: the vision tower's products run int8 x int8 where the tier's integer products beat
-    its float ones (dispatch: x86 without AMX; with 7-bit weights where oneDNN's GEMM is exact
-    only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
+    its float ones (dispatch: x86 without AMX; activations in 7 bits where oneDNN's GEMM is
+    exact only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
     bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill stays in
     the compute dtype unless asked ("all"): int8 activations there lose top-1 agreement on
@@ -118,14 +118,8 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     k = kernels()
     if acts == "auto":
         acts = "vision" if k.int8_activations() else "off"
-    elif acts != "off" and k.int8_weight_max == 0:
-        raise ValueError(f"--int8-activations {acts}: torch's int8 GEMM does not sum exactly on this CPU")
-    if acts == "all" and k.int8_weight_max < 127:
-        # exact here only for 7-bit weights, and the text layers' weights also feed decoding
-        print("qvl: without VNNI, oneDNN's int8 GEMM is exact only for 7-bit weights: the vision tower runs "
-              "int8 x int8 with 7-bit weights, prefill keeps float products (docs/benchmarks.md, section 24)",
-              file=sys.stderr)
-        acts = "vision"
+    elif acts != "off" and k.int8_levels == 0:
+        raise ValueError(f"--int8-activations {acts}: torch has no exact int8 GEMM on this CPU")
     vision = stored.vision if stored else options.vision_int8
     if vision is None:
         vision = acts != "off" or dtype == torch.float32
@@ -189,10 +183,9 @@ class Engine:
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
         for name, module in model.named_modules():
-            if isinstance(module, Int8Linear):
-                module.int8_activations = activations == "all" or (activations == "vision" and name.startswith("visual."))
-                if module.int8_activations and kernels().int8_weight_max < 127:
-                    module.narrow(kernels().int8_weight_max)
+            vision = name.startswith("visual.")
+            if isinstance(module, Int8Linear) and (activations == "all" or (activations == "vision" and vision)):
+                module.pack(kernels().int8_levels, keep_weight=not vision)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)
@@ -214,8 +207,8 @@ class Engine:
         """Identifies what computes the answers: checkpoint, weight format, dtype."""
         vision = "|vision-int8" if isinstance(self.model.visual.blocks[0].attn.qkv, Int8Linear) else ""
         activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
-        if activations and kernels().int8_weight_max < 127:
-            activations += "-7bit-weights"
+        if activations and kernels().int8_levels < 255:
+            activations += "-7bit"
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 
     @functools.cached_property

@@ -131,9 +131,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_linear.restype = c_int
     lib.qvl_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.qvl_dequantize.restype = None
-    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, ptr, ptr, c_int]
+    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, c_int, ptr, ptr, ptr, c_int]
     lib.qvl_quantize_rows.restype = c_int
-    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, c_int]
+    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, c_int]
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
@@ -186,22 +186,36 @@ def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.T
     return out
 
 
-def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None, gelu_tanh: bool = False) -> torch.Tensor:
-    """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) with the activations
-    quantised to int8 per row: torch._int_mm (VNNI) between two fused native passes; the
-    second applies tanh-GELU too when `gelu_tanh` (before rounding to x's dtype)."""
-    k, n = x.shape[-1], weight.shape[0]
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] int8 -> oneDNN's prepacked copy of it for int8_gemm (an opaque tensor)."""
+    return torch.ops.onednn.qlinear_prepack(weight, None)
+
+
+def int8_gemm(codes: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """codes [M, K] uint8 @ the packed int8 weight [N, K].T -> [M, N] float32: oneDNN's int8
+    GEMM (VNNI, AMX tiles or vpmaddubsw), the integer sums exact below 2^24."""
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, packed, torch.ones(n), torch.zeros(n, dtype=torch.long),
+                                              None, 1.0, 0, torch.float32, "none", [], "")
+
+
+def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None, levels: int, gelu_tanh: bool = False) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias), the weight given packed
+    (pack_int8) with its codes' sums over K (colsums [N] float32), the activations quantised
+    per row to codes 0..levels over the row's range: two fused native passes around int8_gemm;
+    the second applies tanh-GELU too when `gelu_tanh` (before rounding to x's dtype)."""
+    k, n = x.shape[-1], scale.shape[0]
     rows = x.reshape(-1, k).contiguous()
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
-    xq = torch.empty(m, k, dtype=torch.int8)
-    row_scale = torch.empty(m, dtype=torch.float32)
-    if lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, xq.data_ptr(), row_scale.data_ptr(), threads) != 0:
+    codes = torch.empty(m, k, dtype=torch.uint8)
+    row_scale, row_lo = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
+    if lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, levels, codes.data_ptr(), row_scale.data_ptr(),
+                             row_lo.data_ptr(), threads) != 0:
         raise MemoryError("qvl_quantize_rows could not allocate its row buffers")
-    acc = torch._int_mm(xq, weight.t())
+    acc = int8_gemm(codes, packed, n)
     y = torch.empty(m, n, dtype=x.dtype)
-    if lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), scale.data_ptr(), _ptr(bias), dt, m, n, int(gelu_tanh),
-                       y.data_ptr(), threads) != 0:
+    if lib.qvl_rescale(acc.data_ptr(), row_scale.data_ptr(), row_lo.data_ptr(), colsums.data_ptr(), scale.data_ptr(),
+                       _ptr(bias), dt, m, n, int(gelu_tanh), y.data_ptr(), threads) != 0:
         raise MemoryError("qvl_rescale could not allocate its scale buffers")
     return y.view(*x.shape[:-1], n)
 

@@ -143,11 +143,14 @@ def keep_bf16_storage(model: nn.Module) -> set[str]:
 
 class Int8Linear(nn.Module):
     """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM,
-    or, with `int8_activations`, quantise the activations per row and run an int8 x int8
-    GEMM (oneDNN's; 2.2-3.4x the float32 GEMM with VNNI or AVX-VNNI, slightly less exact)."""
+    or, once packed (`pack`), quantise the activations per row and run oneDNN's int8 x int8
+    GEMM (2.2-3.4x the float32 GEMM with VNNI or AVX-VNNI, 1.5-1.7x on plain AVX2; slightly
+    less exact)."""
 
-    int8_activations = False
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
+    packed: torch.Tensor | None = None  # oneDNN's copy of the weight for int8 x int8 products
+    colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
+    levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -156,38 +159,41 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
 
+    @property
+    def int8_activations(self) -> bool:
+        return self.packed is not None
+
+    def pack(self, levels: int, keep_weight: bool) -> None:
+        """Run many-row products int8 x int8 from now on, activations in codes 0..levels.
+        `keep_weight`: the plain weight stays too (a decoder layer's, for the decode kernels);
+        else it is dropped (the vision tower's: only the packed copy is used)."""
+        self.packed, self.levels = native.pack_int8(self.weight), levels
+        self.colsums = self.weight.sum(1, dtype=torch.int32).float()
+        if not keep_weight:
+            self.weight = None
+
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (or some of its rows) in the compute dtype."""
         return dequantize_int8(self.weight, self.scales, rows)
 
     def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
-        if (_rows(x) > KERNEL_MAX_ROWS and self.int8_activations and x.dtype == self.scales.dtype
-                and (k := kernels()).int8_gemm()):
-            return native.int8_matmul(k.lib, x, self.weight, self.scales, self.bias, gelu_tanh)
+        if self.packed is not None and (self.weight is None or _rows(x) > KERNEL_MAX_ROWS):
+            if x.dtype != self.scales.dtype:
+                raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
+            return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
+                                      self.levels, gelu_tanh)
         y = self._product(x)
         return F.gelu(y, approximate="tanh") if gelu_tanh else y
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_product(x, self.weight, self.scales, self.bias)
 
-    def narrow(self, limit: int) -> None:
-        """Requantise the codes to +-limit (with scales grown to match), so that an int8 GEMM
-        exact only for such weights sums them exactly (dispatch.Kernels.int8_weight_max)."""
-        self.weight, self.scales = narrow_int8(self.weight, self.scales, limit)
-
     def native_args(self) -> native.LinearArgs | None:
         if self.scales.dtype not in (torch.bfloat16, torch.float32):
             return None
         return native.LinearArgs.of(native.W_INT8, self.out_features, self.in_features, self.weight, self.scales,
                                     bias=self.bias)
-
-
-def narrow_int8(weight: torch.Tensor, scales: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes [O, I] within +-127 and row scales [O] -> codes within +-limit, scales [O]
-    (same dtype): code * limit / 127 rounded, scale * 127 / limit."""
-    codes = (weight.float() * (limit / 127)).round_().to(torch.int8)
-    return codes, (scales.float() * (127 / limit)).to(scales.dtype)
 
 
 def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

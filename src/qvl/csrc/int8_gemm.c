@@ -1,10 +1,12 @@
-/* The passes around torch._int_mm for int8 x int8 GEMMs (many rows): activations quantised
- * per row, and the rescale back to float (tanh-GELU fused into it). */
+/* The passes around oneDNN's int8 GEMM (many rows): activations quantised per row to unsigned
+ * codes, and the rescale back to float (tanh-GELU fused into it). */
 #include "common.h"
 
-/* xq[M][K] int8 and scale[M] = x quantised symmetrically per row (x ~= xq * scale).
+/* xq[M][K] = x quantised per row to the unsigned codes 0..levels (255; 127 where the GEMM
+ * sums exactly only 7-bit activations): x ~= lo[m] + scale[m] * xq, lo the row's minimum.
  * Returns 0, or -1 when out of memory. */
-int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, float* scale, int threads) {
+int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, uint8_t* xq, float* scale, float* lo,
+                      int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -20,12 +22,21 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int8_t* xq, f
             } else {
                 memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
             }
-            float amax = absmax(row, K);
-            float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-            int8_t* q = xq + m * K;
+            float mn = row[0], mx = row[0];
+#pragma omp simd reduction(min : mn) reduction(max : mx)
+            for (int64_t k = 0; k < K; k++) {
+                mn = row[k] < mn ? row[k] : mn;
+                mx = row[k] > mx ? row[k] : mx;
+            }
+            float s = mx > mn ? (mx - mn) / (float)levels : 1.f, inv = 1.f / s, top = (float)levels;
+            uint8_t* q = xq + m * K;
 #pragma omp simd
-            for (int64_t k = 0; k < K; k++) q[k] = (int8_t)round_int(row[k] * inv);
+            for (int64_t k = 0; k < K; k++) {
+                float v = (row[k] - mn) * inv + 0.5f; /* >= 0.5: truncation rounds to nearest */
+                q[k] = (uint8_t)(int32_t)(v < top ? v : top);
+            }
             scale[m] = s;
+            lo[m] = mn;
         }
         free(row);
     }
@@ -53,10 +64,12 @@ static void gelu_tanh(float* v, int64_t n) {
     for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
 }
 
-/* y[M][N] (dt) = acc[M][N] * row_scale[m] * col_scale[n] (+ bias[n]), then tanh-GELU when
- * `gelu` (applied before the one rounding to bf16). Returns 0, or -1 when out of memory. */
-int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scale, const void* bias, int dt,
-                int64_t M, int64_t N, int gelu, void* y, int threads) {
+/* y[M][N] (dt) = col_scale[n] * (row_scale[m] * acc[m][n] + row_lo[m] * colsum[n]) (+ bias[n]):
+ * the product of rows lo + scale * codes with weights codes * col_scale, from the codes'
+ * integer product acc (exact in float32 below 2^24) and the weight codes' sums over K; then
+ * tanh-GELU when `gelu` (before the one rounding to bf16). Returns 0, or -1 when out of memory. */
+int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, const float* colsum,
+                const void* col_scale, const void* bias, int dt, int64_t M, int64_t N, int gelu, void* y, int threads) {
     float* cs = malloc((size_t)N * sizeof(float));
     float* b = malloc((size_t)N * sizeof(float));
     if (!cs || !b) {
@@ -75,10 +88,10 @@ int qvl_rescale(const int32_t* acc, const float* row_scale, const void* col_scal
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (!row) continue;
-            const int32_t* a = acc + m * N;
-            float rs = row_scale[m];
+            const float* a = acc + m * N;
+            float rs = row_scale[m], lo = row_lo[m];
 #pragma omp simd
-            for (int64_t n = 0; n < N; n++) row[n] = (float)a[n] * rs * cs[n] + b[n];
+            for (int64_t n = 0; n < N; n++) row[n] = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n];
             if (gelu) gelu_tanh(row, N);
             if (dt == BF16) {
                 uint16_t* o = (uint16_t*)y + m * N;
