@@ -188,3 +188,26 @@ def test_quantised_files_are_64_byte_aligned_and_readable_by_safetensors(tmp_pat
     assert all(header[k]["data_offsets"][0] % 64 == 0 for k in ("a", "b"))
     loaded = load_file(str(path))
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_released_pages_of_a_mapped_tensor_read_back_the_same(tmp_path):
+    """The vision tower's plain int8 weights, once packed, give their file pages back
+    (qvl.mapped.release); a released file-backed tensor still reads the file's values, and
+    anonymous memory is never touched."""
+    import sys
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qvl import mapped
+
+    data = torch.randint(-127, 128, (512, 4096), dtype=torch.int8)
+    save_file({"w": data, "small": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        w = f.get_tensor("w")
+    assert torch.equal(w, data)
+    anonymous = data.clone()
+    assert not mapped.release(anonymous) and torch.equal(anonymous, data)
+    if sys.platform.startswith("linux"):
+        assert mapped.release(w)
+    assert torch.equal(w, data)

@@ -183,8 +183,11 @@ class Engine:
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
         for name, module in model.named_modules():
+            # many-row products: the vision tower's, and with "all" the decoder layers' (not the
+            # head's: prefill computes only its last row's logits)
             vision = name.startswith("visual.")
-            if isinstance(module, Int8Linear) and (activations == "all" or (activations == "vision" and vision)):
+            if isinstance(module, Int8Linear) and (vision or name.startswith("language_model.layers.")) \
+                    and (activations == "all" or (activations == "vision" and vision)):
                 module.pack(kernels().int8_levels, keep_weight=not vision)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")

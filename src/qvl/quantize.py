@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qvl import native
+from qvl import mapped, native
 from qvl.dispatch import kernels
 
 WEIGHT_FORMATS = ("bf16", "fp32", "int8", "int4")
@@ -166,10 +166,12 @@ class Int8Linear(nn.Module):
     def pack(self, levels: int, keep_weight: bool) -> None:
         """Run many-row products int8 x int8 from now on, activations in codes 0..levels.
         `keep_weight`: the plain weight stays too (a decoder layer's, for the decode kernels);
-        else it is dropped (the vision tower's: only the packed copy is used)."""
+        else it is dropped (the vision tower's: only the packed copy is used), its pages too
+        when it was read from a memory-mapped file."""
         self.packed, self.levels = native.pack_int8(self.weight), levels
         self.colsums = self.weight.sum(1, dtype=torch.int32).float()
         if not keep_weight:
+            mapped.release(self.weight)
             self.weight = None
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
