@@ -57,9 +57,9 @@ def features(engine, seed: int = 0) -> torch.Tensor:
 
 
 def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
-    """x86 without AMX: float32 compute, the vision tower int8 and int8 x int8 (oneDNN's int8
-    GEMM beats the float32 one there); portable C: int8 vision weights (memory), float
-    products; prefill's layers keep float activations everywhere unless asked."""
+    """x86 without bf16 products: float32 compute, the vision tower int8 and int8 x int8
+    (oneDNN's int8 GEMM beats the float32 one there); portable C: int8 vision weights (memory),
+    float products; prefill's layers keep float activations everywhere unless asked."""
     vnni = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8")
     assert vnni.model.dtype == torch.float32 and vnni.int8_activations == "vision"
     assert vision_layers(vnni) and all(m.int8_activations for m in vision_layers(vnni))
@@ -125,14 +125,19 @@ def test_without_vnni_activations_run_in_seven_bits_exactly(tiny_checkpoint):
     assert ran.returncode == 0 and ran.stdout.startswith("ok"), ran.stdout + ran.stderr
 
 
-def test_bf16_tier_keeps_a_bf16_vision_tower_without_vnni_gain(monkeypatch, tiny_checkpoint, tier_kernels):
+def test_amx_tier_runs_the_vision_tower_int8_with_bf16_compute(monkeypatch, tiny_checkpoint, tier_kernels):
+    """With AMX, oneDNN's int8 GEMM runs on AMX-INT8 tiles (1.7x its bf16 ones): the vision
+    tower is int8 x int8 there too, in bf16 compute; without the native kernels it stays bf16."""
     avx2 = tier_kernels("avx2")
-    bf16_tier = dispatch.Kernels(native.Tier("avx512", avx2.tier.needs, avx2.tier.flags, bf16=True, amx=True),
-                                 avx2.lib)  # AMX: oneDNN's bf16 tiles beat int8 x int8
-    monkeypatch.setattr(native, "select_tier", lambda: bf16_tier.tier)
-    monkeypatch.setattr(dispatch, "_chosen", [bf16_tier])
+    amx = native.Tier("avx512", avx2.tier.needs, avx2.tier.flags, bf16=True, amx=True)
+    monkeypatch.setattr(native, "select_tier", lambda: amx)
     from qvl.engine import Engine, EngineOptions
 
+    monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(amx, avx2.lib)])
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=1, weights="int8"))
+    assert engine.model.dtype == torch.bfloat16 and engine.int8_activations == "vision"
+    assert vision_layers(engine) and all(m.int8_activations for m in vision_layers(engine))
+    monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(amx, None, "QVL_NATIVE=0")])
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=1, weights="int8"))
     assert engine.model.dtype == torch.bfloat16 and not vision_layers(engine) and engine.int8_activations == "off"
 

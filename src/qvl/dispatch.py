@@ -49,11 +49,11 @@ class Kernels:
 
     def int8_activations(self) -> bool:
         """Many-row int8 x int8 products (oneDNN's int8 GEMM, prepacked weights) beat the tier's
-        float GEMM, so the vision tower runs them by default: on x86 without AMX (2.3-3.4x MKL's
-        float32 on AVX-512 VNNI, 2.2-3.1x with AVX-VNNI, 1.5-1.7x on plain AVX2 with 7-bit
-        activations, docs/benchmarks.md sections 21 and 24; ~1.6x bf16 on Zen 4). Not with AMX
-        (kept bf16 there); NEON is unmeasured."""
-        return self.int8_gemm() and self.has(native.AVX2) and not self.tier.amx and self.int8_levels > 0
+        float GEMM, so the vision tower runs them by default: on x86 (2.3-3.4x MKL's float32 on
+        AVX-512 VNNI, 2.2-3.1x with AVX-VNNI, 1.5-1.7x on plain AVX2 with 7-bit activations,
+        ~1.6x bf16 on Zen 4, 1.7x bf16 on AMX, whose int8 tiles oneDNN uses: docs/benchmarks.md
+        sections 21, 24 and 25). NEON is unmeasured."""
+        return self.int8_gemm() and self.has(native.AVX2) and self.int8_levels > 0
 
     @functools.cached_property
     def int8_levels(self) -> int:

@@ -105,7 +105,7 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
 
     auto: the vision tower's products run int8 x int8 where the tier's integer products beat
-    its float ones (dispatch: x86 without AMX; activations in 7 bits where oneDNN's GEMM is
+    its float ones (dispatch: x86, AMX included; activations in 7 bits where oneDNN's GEMM is
     exact only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
     bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill stays in
