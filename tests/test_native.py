@@ -60,6 +60,19 @@ def test_int8_activation_matmul_close_to_float(dtype, levels):
                                rtol=0)
 
 
+@needs_native
+def test_int8_matmul_in_row_blocks_equals_one_call(monkeypatch):
+    """Large products run oneDNN's GEMM per block of rows (the float32 product stays in cache):
+    every row comes out bit-identical to the single call."""
+    x, w = torch.randn(600, 256), torch.randint(-127, 128, (96, 256), dtype=torch.int8)
+    scale, bias = torch.rand(96) / 50, torch.randn(96)
+    whole = native.int8_matmul(lib, x, native.pack_int8(w), colsums(w), scale, bias, 255, gelu_tanh=True)
+    monkeypatch.setattr(native, "INT8_GEMM_MIN_ROWS", 16)
+    monkeypatch.setattr(native, "INT8_GEMM_OUTPUT_FLOATS", 70 * 96)  # blocks of 70 rows, the last one short
+    assert torch.equal(native.int8_matmul(lib, x, native.pack_int8(w), colsums(w), scale, bias, 255, gelu_tanh=True),
+                       whole)
+
+
 def colsums(w: torch.Tensor) -> torch.Tensor:
     return w.sum(1, dtype=torch.int32).float()
 
