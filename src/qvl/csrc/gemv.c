@@ -685,21 +685,45 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     return failed ? -1 : 0;
 }
 
+/* o[K] (dtype dt) = row[K] * s: one int8 weight row dequantised (bf16 rounded to nearest even,
+ * as torch rounds; in hardware where the CPU has AVX512-BF16). */
+static void dequantize_int8_row(const int8_t* row, float s, int dt, void* o, int64_t K) {
+    int64_t k = 0;
+#if defined(QVL_AVX512)
+    const __m512 vs = _mm512_set1_ps(s);
+#define QVL_I8X16_PS(p) _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p)))), vs)
+    if (dt == BF16) {
+#ifdef __AVX512BF16__
+        for (; k + 32 <= K; k += 32)
+            _mm512_storeu_si512((uint16_t*)o + k, (__m512i)_mm512_cvtne2ps_pbh(QVL_I8X16_PS(row + k + 16),
+                                                                                QVL_I8X16_PS(row + k)));
+#endif
+    } else {
+        for (; k + 16 <= K; k += 16) _mm512_storeu_ps((float*)o + k, QVL_I8X16_PS(row + k));
+    }
+#undef QVL_I8X16_PS
+#elif defined(QVL_AVX2)
+    if (dt != BF16) {
+        const __m256 vs = _mm256_set1_ps(s);
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps((float*)o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_loadl_epi64((const __m128i*)(row + k)))), vs));
+    }
+#endif
+    if (dt == BF16)
+        for (; k < K; k++) ((uint16_t*)o)[k] = f32_to_bf16((float)row[k] * s);
+    else
+        for (; k < K; k++) ((float*)o)[k] = (float)row[k] * s;
+}
+
 /* out[N][K] (dtype dt) = the int8 or int4 weight, dequantised in one pass. */
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         if (kind == W_INT8) {
-            const int8_t* row = (const int8_t*)w + n * K;
-            float s = get(scale, dt, n);
-            if (dt == BF16) {
-                uint16_t* o = (uint16_t*)out + n * K;
-                for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16((float)row[k] * s);
-            } else {
-                float* o = (float*)out + n * K;
-                for (int64_t k = 0; k < K; k++) o[k] = (float)row[k] * s;
-            }
+            dequantize_int8_row((const int8_t*)w + n * K, get(scale, dt, n), dt,
+                                (char*)out + n * K * (dt == BF16 ? 2 : 4), K);
             continue;
         }
         const uint8_t* row = (const uint8_t*)w + n * (K / 2);
