@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ["QVL_CACHE_DIR"] = tempfile.mkdtemp(prefix="qvl-test-cache-")  # quantised weights kept here
+atexit.register(shutil.rmtree, os.environ["QVL_CACHE_DIR"], ignore_errors=True)  # up to 0.4 GB per run
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # An untied, differently shaped variant for parity tests, laid out like 8B and 32B: an untied
