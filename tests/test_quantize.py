@@ -212,3 +212,34 @@ def test_released_pages_of_a_mapped_tensor_read_back_the_same(tmp_path):
     if sys.platform.startswith("linux"):
         assert mapped.release(w)
     assert torch.equal(w, data)
+
+
+def test_quantised_weights_unused_for_a_month_are_removed(tiny_checkpoint, capsys):
+    """Each start marks its quantised-weights entry used and removes the entries beside it that
+    no start used for 30 days (a replaced checkpoint, a format no longer asked for), never one
+    used recently."""
+    import os
+    import time
+
+    from qvl.engine import Engine, EngineOptions
+    from qvl.weights import quantized_cache_dir
+
+    options = EngineOptions(model=str(tiny_checkpoint), weights="int8", threads=1)
+    first = Engine.load(options)
+    vision = isinstance(first.model.visual.blocks[0].attn.qkv, Int8Linear)
+    current = quantized_cache_dir(tiny_checkpoint, QuantSpec("int8", vision=vision), first.model.dtype)
+    old, recent, unmarked = (current.parent / name for name in ("tiny-int8-old", "tiny-int4-recent", "tiny-bf16-x"))
+    month_ago = time.time() - 31 * 86400
+    for entry in (old, recent, unmarked):
+        entry.mkdir()
+        (entry / "model.safetensors").write_bytes(b"x")
+        (entry / ".used").touch()
+    os.utime(old / ".used", (month_ago, month_ago))
+    (unmarked / ".used").unlink()
+    os.utime(unmarked, (month_ago, month_ago))  # written before entries were marked: its own time counts
+    os.utime(current / ".used", (month_ago, month_ago))  # about to be used again
+    capsys.readouterr()
+    Engine.load(options)
+    assert not old.exists() and not unmarked.exists() and recent.exists()
+    assert (current / "model.safetensors").exists() and (current / ".used").stat().st_mtime > month_ago
+    assert "removed 2 quantised-weights cache entries" in capsys.readouterr().err

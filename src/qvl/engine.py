@@ -34,7 +34,8 @@ from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, DETERMINISTIC_CHUNK, Scheduler, Sequence
 from qvl.stream import Delta, Done, Timings
-from qvl.weights import checkpoint_quantization, load_model, quantized_cache_dir, write_quantized
+from qvl.weights import (UNUSED_CACHE_DAYS, checkpoint_quantization, load_model, prune_quantized_cache,
+                         quantized_cache_dir, write_quantized)
 
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
@@ -89,13 +90,17 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
             print(f"qvl: cannot keep quantised weights in {cached}: {exc}", file=sys.stderr)
             return load_model(path, cfg, dtype, quant)
         if (cached / "model.safetensors").exists():
-            return load_model(cached, cfg, dtype)
-        model = load_model(path, cfg, dtype, quant)
-        try:
-            write_quantized(model, quant, path, cached)
-        except OSError as exc:  # a full disk costs only the next start
-            print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
-        return model
+            model = load_model(cached, cfg, dtype)
+        else:
+            model = load_model(path, cfg, dtype, quant)
+            try:
+                write_quantized(model, quant, path, cached)
+            except OSError as exc:  # a full disk costs only the next start
+                print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
+    if removed := prune_quantized_cache(cached):
+        print(f"qvl: removed {len(removed)} quantised-weights cache entries unused for {UNUSED_CACHE_DAYS} days "
+              f"from {cached.parent}", file=sys.stderr)
+    return model
 
 
 INT8_ACTIVATIONS = ("auto", "off", "vision", "all")

@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -320,6 +321,34 @@ def save_aligned(state: dict[str, torch.Tensor], path: Path, metadata: dict[str,
                 f.write(state[name].contiguous().view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
+
+
+UNUSED_CACHE_DAYS = 30  # a quantised-weights entry no start has used for this long is removed
+
+
+def prune_quantized_cache(current: Path, days: float = UNUSED_CACHE_DAYS) -> list[Path]:
+    """Mark `current` (an entry of the quantised-weights cache) used now, and remove the
+    entries beside it that no start has used for `days`: a replaced checkpoint, a format no
+    longer asked for, an older layout (each is 1-30 GB). Returns the removed folders. A
+    running process keeps reading an entry removed under it (POSIX keeps unlinked files that
+    are open); where a file cannot be removed (Windows, open), it stays for the next start."""
+    try:
+        (current / ".used").touch()
+        entries = [e for e in current.parent.iterdir() if e.is_dir() and e != current]
+    except OSError:
+        return []
+    removed, cutoff = [], time.time() - days * 86400
+    for entry in entries:
+        used = entry / ".used"
+        try:
+            last = (used if used.exists() else entry).stat().st_mtime
+        except OSError:
+            continue
+        if last < cutoff:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed.append(entry)
+    return removed
 
 
 def quantized_cache_dir(model_dir: Path, spec: QuantSpec, dtype: torch.dtype) -> Path:
