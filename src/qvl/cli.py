@@ -37,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "off", "vision", "all"],
                    help="which int8 layers run their many-row products int8 x int8 (activations quantised "
                         "per token): auto = the vision tower where that is faster than the float GEMM "
-                        "(VNNI or AVX-VNNI, no AMX), else off; all (the bare flag) adds prefill: a faster "
+                        "(x86: 7-bit activations without VNNI), else off; all (the bare flag) adds prefill: a faster "
                         "first token, slightly less exact")
     g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")

@@ -11,6 +11,7 @@ runs, and what runs each product, is decided once in qvl.dispatch."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -201,8 +202,16 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
 def int8_gemm(codes: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """codes [M, K] uint8 @ the packed int8 weight [N, K].T -> [M, N] float32: oneDNN's int8
     GEMM (VNNI, AMX tiles or vpmaddubsw), the integer sums exact below 2^24."""
-    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, packed, torch.ones(n), torch.zeros(n, dtype=torch.long),
-                                              None, 1.0, 0, torch.float32, "none", [], "")
+    ones, zeros = _unit_weight_scales(n)
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none",
+                                              [], "")
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_weight_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales of 1 and zero points of 0 for n output channels (int8_gemm scales afterwards),
+    made once per width instead of per call; the op only reads them."""
+    return torch.ones(n), torch.zeros(n, dtype=torch.long)
 
 
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
