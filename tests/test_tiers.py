@@ -92,6 +92,52 @@ def test_gemv_every_format(tier_lib, dtype):
     assert _rel_err(native.linear(lib, native.W_INT8, x, q, 40, s.to(dtype)), ref) < bound
 
 
+def _int8_q16_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The int8 GEMV's scheme in float64: activations rounded (half away from zero) to 16 bits
+    per 128 columns, exact integer sums per chunk, scaled per chunk and per weight row."""
+    m, n = x.shape[0], q.shape[0]
+    chunks = x.float().view(m, -1, 128)
+    amax = chunks.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 32767, torch.ones_like(amax))  # float32, as the kernel
+    v = chunks * (1 / scale)
+    codes = (torch.sign(v) * torch.floor(v.abs() + 0.5)).double()
+    sums = torch.einsum("mck,nck->mnc", codes, q.double().view(n, -1, 128))
+    return (sums * scale[..., 0].double()[:, None, :]).sum(-1) * s.double() + bias.double()
+
+
+def test_int8_gemv_exact_scheme_and_rows_independent(tier_lib):
+    """Every tier (AMX tiles included, 16 weight rows at a time with a tail of 4 here) gives the
+    scheme's result up to float rounding, for 1 to 17 rows, and a row's output is bit-identical
+    whatever rows share its call: the scheduler relies on it (answers never depend on what
+    else ran)."""
+    tier, lib = tier_lib
+    torch.manual_seed(3)
+    n, k = 100, 1024
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s, bias = torch.rand(n) / 50, torch.randn(n)
+    x = torch.randn(17, k)
+    x[0, :128] *= 1e4  # a chunk whose codes reach +-32767 (both bytes of the AMX split in use)
+    x[1, 128:256] = 0.0  # an all-zero chunk
+    ref = _int8_q16_reference(x, q, s, bias)
+    for m in (1, 2, 7, 16, 17):
+        out = native.linear(lib, native.W_INT8, x[:m], q, n, s, bias=bias)
+        err = ((out.double() - ref[:m]).abs() / ref[:m].abs().amax(1, keepdim=True)).max().item()
+        assert err < 1e-6, (tier.name, m, err)  # float32 sums of exact chunk sums: ~1.5e-7 measured
+    together = native.linear(lib, native.W_INT8, x, q, n, s, bias=bias)
+    for i in (0, 5, 16):
+        alone = native.linear(lib, native.W_INT8, x[i : i + 1], q, n, s, bias=bias)
+        assert torch.equal(alone[0], together[i]), (tier.name, i)
+
+
+def test_amx_int8_tiles_only_where_the_tier_has_them(tmp_path_factory):
+    """The default build of an AMX CPU takes int8 products on AMX tiles; a tier run as a CPU
+    without them (avx512-noamx, the lower tiers) does not."""
+    for tier in TIERS:
+        features = native.load(tier, tmp_path_factory.getbasetemp() / "tiers").qvl_features()
+        expected = tier.amx and "amx_int8" in native.cpu_flags() and tier.name == "avx512"
+        assert bool(features & native.AMX_INT8) == expected, tier.name
+
+
 def test_integer_products_agree_across_tiers(tmp_path_factory):
     """The tiers quantise activations the same way: they differ only in the order of float sums."""
     torch.manual_seed(1)

@@ -100,7 +100,8 @@ class Kernels:
                     "decode_step": "per-layer modules"}
         f, name = self.features, self.tier.name
         extras = [n for bit, n in ((native.VNNI, "VNNI"), (native.BF16, "BF16"), (native.AVX_VNNI, "AVX-VNNI"),
-                                   (native.DOTPROD, "dot products")) if f & bit]
+                                   (native.DOTPROD, "dot products"), (native.AMX_INT8, "AMX-INT8"))
+                  if f & bit]
         integer = {"avx512": "AVX-512" + (" VNNI" if f & native.VNNI else " (16-bit pairs)"),
                    "avx2": "AVX2 " + ("AVX-VNNI" if f & native.AVX_VNNI else "vpmaddwd / vpmaddubsw"),
                    "neon": "NEON smlal" + (" / sdot" if f & native.DOTPROD else "")}
@@ -110,7 +111,8 @@ class Kernels:
             "tier": name + (f" (+{', +'.join(extras)})" if extras else ""),
             "build": f"{native.compiler()} {' '.join(self.tier.flags)}" + ("" if f & native.OPENMP else
                                                                              " (no OpenMP: one thread)"),
-            "gemv_int8": f"{products}, activations in 16 bits per 128 columns",
+            "gemv_int8": ("AMX int8 tiles (16 weight rows per operation)" if f & native.AMX_INT8 else products)
+                         + ", activations in 16 bits per 128 columns",
             "gemv_int4": f"{products if family != 'neon' or f & native.DOTPROD else 'portable C'}, "
                          "activations in int8 per 128 columns",
             "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),

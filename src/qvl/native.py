@@ -30,7 +30,7 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 W_BF16, W_INT8, W_INT4 = 0, 1, 2
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 # bits of qvl_features(): what the build has
-AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP = 1, 2, 4, 8, 16, 32, 64, 128
+AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP, AMX_INT8 = 1, 2, 4, 8, 16, 32, 64, 128, 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LIBRARY_SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
 
@@ -63,7 +63,7 @@ def tiers(flags: frozenset[str] | None = None, machine: str | None = None) -> li
     x86 = [Tier("avx512", avx512, ("-march=native",), bf16=bf16, amx=amx),
            # an AMX CPU run as one without (Zen 4, Ice Lake): with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for torch
            *([Tier("avx512-noamx", avx512, ("-march=native", "-mno-amx-tile"), bf16=bf16)] if amx and bf16 else []),
-           Tier("avx512-nobf16", avx512, ("-march=native", "-mno-avx512bf16")),
+           Tier("avx512-nobf16", avx512, ("-march=native", "-mno-avx512bf16") + (("-mno-amx-tile",) if amx else ())),
            Tier("avx2-vnni", frozenset({"avx2", "fma", "avx_vnni"}), ("-march=native", "-mno-avx512f")),
            Tier("avx2", frozenset({"avx2", "fma"}), ("-march=native", "-mno-avx512f", "-mno-avxvnni"))]
     found = [t for t in x86 if t.needs <= flags]

@@ -148,6 +148,9 @@ int qvl_decode_attention(const void* q, const void* keys, const void* values, in
                          const int64_t* lengths, int64_t D, void* out, int threads);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 int qvl_features(void);
+int qvl_int8_amx_ready(void);
+int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
+                     const void* scale, const void* bias, int dt, void* y, int threads);
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads);
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,

@@ -665,9 +665,14 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         done = 1;
     }
 #endif
+    int64_t covered = 0; /* weight rows AMX tiles took (int8, where the CPU has them) */
+    if (!failed && !done && a.q16) {
+        covered = qvl_int8_amx(q16, scales, M, K, N, (const int8_t*)w, scale, bias, dt, y, threads);
+        failed = covered < 0;
+    }
     if (!failed && !done) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) {
+        for (int64_t n = covered; n < N; n++) {
             float out[TILE];
             for (int64_t m0 = 0; m0 < M; m0 += TILE) {
                 int64_t mt = M - m0 < TILE ? M - m0 : TILE;

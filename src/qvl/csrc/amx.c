@@ -1,0 +1,147 @@
+/* int8 weights . 16-bit activations on AMX tiles (Sapphire Rapids and later): decoding's
+ * products for 1-16 activation rows, the same exact integer sums per 128-column chunk as the
+ * VNNI kernel of gemv.c, for 16 weight rows per tile operation instead of one.
+ *
+ * AMX multiplies bytes, so each 16-bit code q is split into q = 256 * hi + lo (hi signed,
+ * lo unsigned) and a chunk's sum is 256 * (w . hi) + (w . lo): TDPBSSD and TDPBSUD with the
+ * weights as the A tile (16 weight rows x 64 columns, read in place from the [N][K] layout)
+ * and the activations as B tiles (prepared once per call). Each output is then accumulated
+ * in float32 chunk by chunk, in the same order whatever the number of rows, so a row's result
+ * never depends on the others. */
+#include "common.h"
+
+#if defined(QVL_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_granted;
+
+/* Linux hands a process the tiles' register state only when it asks for it. */
+__attribute__((constructor)) static void amx_request(void) {
+    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+int qvl_int8_amx_ready(void) { return amx_granted; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* The eight tile registers (literal numbers: the intrinsics paste them into the instruction). */
+#define T_HI_SUM 0
+#define T_LO_SUM 1
+#define T_W0 2
+#define T_W1 3
+#define T_HI0 4
+#define T_LO0 5
+#define T_HI1 6
+#define T_LO1 7
+
+/* The B tiles of activation rows m0..m0+mt-1: for each 64-column half g of K, 16 tile rows
+ * (4 columns each) of mt rows x 4 bytes, the high bytes in hi, the low bytes in lo. */
+static void split_codes(const int16_t* q, int64_t m0, int mt, int64_t K, int8_t* hi, uint8_t* lo) {
+    for (int m = 0; m < mt; m++)
+        for (int64_t k = 0; k < K; k++) {
+            const int16_t v = q[(m0 + m) * K + k];
+            const int64_t at = ((k / 64) * 16 + (k % 64) / 4) * mt * 4 + m * 4 + k % 4;
+            hi[at] = (int8_t)(v >> 8);
+            lo[at] = (uint8_t)(v & 0xFF);
+        }
+}
+
+/* out[n][m] (float32, n in 16 weight rows from w, m < mt) = sum over chunks c of
+ * (exact integer chunk sum) * scales[c][m], accumulated in chunk order. */
+static void tile_rows(const int8_t* w, int64_t K, const int8_t* hi, const uint8_t* lo, const float* scales, int mt,
+                      float* out) {
+    const int64_t C = K / CHUNK, stride = mt * 4, half = 16 * stride;
+    const int n_vec = mt; /* 16 * mt int32 sums = mt vectors of 16 */
+    int32_t hs[256], ls[256];
+    __m512 acc[16];
+    for (int i = 0; i < n_vec; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        _tile_zero(T_HI_SUM);
+        _tile_zero(T_LO_SUM);
+        _tile_loadd(T_W0, w + c * CHUNK, K);
+        _tile_loadd(T_W1, w + c * CHUNK + 64, K);
+        _tile_loadd(T_HI0, hi + 2 * c * half, stride);
+        _tile_loadd(T_LO0, lo + 2 * c * half, stride);
+        _tile_loadd(T_HI1, hi + (2 * c + 1) * half, stride);
+        _tile_loadd(T_LO1, lo + (2 * c + 1) * half, stride);
+        _tile_dpbssd(T_HI_SUM, T_W0, T_HI0);
+        _tile_dpbsud(T_LO_SUM, T_W0, T_LO0);
+        _tile_dpbssd(T_HI_SUM, T_W1, T_HI1);
+        _tile_dpbsud(T_LO_SUM, T_W1, T_LO1);
+        _tile_stored(T_HI_SUM, hs, stride);
+        _tile_stored(T_LO_SUM, ls, stride);
+        const float* s = scales + c * 16 * mt;
+        for (int i = 0; i < n_vec; i++) {
+            __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(hs + 16 * i), 8),
+                                           _mm512_loadu_si512(ls + 16 * i));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(s + 16 * i), acc[i]);
+        }
+    }
+    for (int i = 0; i < n_vec; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+/* y[m][n] = (x[m] . w[n]) * scale[n] (+ bias[n]) for the first N16 = N - N % 16 weight rows,
+ * x given as 16-bit codes q [M][K] with per-chunk scales xs [M][K/CHUNK]. Returns the rows it
+ * covered (N16), 0 when AMX is not available, -1 when out of memory. */
+int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
+                     const void* scale, const void* bias, int dt, void* y, int threads) {
+    if (!amx_granted || K % CHUNK || N < 16) return 0;
+    const int64_t C = K / CHUNK, N16 = N - N % 16;
+    int8_t* hi = malloc((size_t)(16 * K));
+    uint8_t* lo = malloc((size_t)(16 * K));
+    float* rep = malloc((size_t)(C * 16 * 16) * sizeof(float));
+    if (!hi || !lo || !rep) {
+        free(hi), free(lo), free(rep);
+        return -1;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int mt = M - m0 < 16 ? (int)(M - m0) : 16;
+        split_codes(q, m0, mt, K, hi, lo);
+        for (int64_t c = 0; c < C; c++) /* each chunk's scales, laid out as the [16][mt] sums */
+            for (int i = 0; i < 16 * mt; i++) rep[c * 16 * mt + i] = xs[(m0 + i % mt) * C + c];
+#pragma omp parallel num_threads(threads)
+        {
+            TileConfig cfg = {0};
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) {
+                cfg.rows[t] = 16;
+                cfg.colsb[t] = (t == T_W0 || t == T_W1) ? 64 : (uint16_t)(mt * 4);
+            }
+            _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < N16 / 16; b++) {
+                float out[256];
+                tile_rows(w + b * 16 * K, K, hi, lo, rep, mt, out);
+                for (int r = 0; r < 16; r++) {
+                    const int64_t n = b * 16 + r;
+                    const float s = get(scale, dt, n), add = bias ? get(bias, dt, n) : 0.f;
+                    for (int m = 0; m < mt; m++) {
+                        float v = out[r * mt + m] * s;
+                        if (bias) v += add;
+                        put(y, dt, (m0 + m) * N + n, v);
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(hi), free(lo), free(rep);
+    return N16;
+}
+#else
+int qvl_int8_amx_ready(void) { return 0; }
+
+int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
+                     const void* scale, const void* bias, int dt, void* y, int threads) {
+    (void)q, (void)xs, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
+    return 0;
+}
+#endif
