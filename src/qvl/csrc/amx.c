@@ -42,9 +42,23 @@ typedef struct {
 #define T_HI1 6
 #define T_LO1 7
 
-/* The B tiles of activation rows m0..m0+mt-1: for each 64-column half g of K, 16 tile rows
- * (4 columns each) of mt rows x 4 bytes, the high bytes in hi, the low bytes in lo. */
-static void split_codes(const int16_t* q, int64_t m0, int mt, int64_t K, int8_t* hi, uint8_t* lo) {
+static void configure(int mt) { /* weights: 16 rows x 64 bytes; activations and sums: mt columns */
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = (t == T_W0 || t == T_W1) ? 64 : (uint16_t)(mt * 4);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The B tiles of activation rows m0..m0+mt-1 (from their 16-bit codes q [M][K]): for each
+ * 64-column half g of K, 16 tile rows (4 columns each) of mt rows x 4 bytes, the high bytes in
+ * hi, the low bytes in lo; and each chunk's activation scales laid out as the [16][mt] sums
+ * (rep [K/CHUNK][16 * mt]). */
+static void split_codes(const int16_t* q, const float* xs, int64_t m0, int mt, int64_t K, int8_t* hi, uint8_t* lo,
+                        float* rep) {
+    const int64_t C = K / CHUNK;
     for (int m = 0; m < mt; m++)
         for (int64_t k = 0; k < K; k++) {
             const int16_t v = q[(m0 + m) * K + k];
@@ -52,6 +66,8 @@ static void split_codes(const int16_t* q, int64_t m0, int mt, int64_t K, int8_t*
             hi[at] = (int8_t)(v >> 8);
             lo[at] = (uint8_t)(v & 0xFF);
         }
+    for (int64_t c = 0; c < C; c++)
+        for (int i = 0; i < 16 * mt; i++) rep[c * 16 * mt + i] = xs[(m0 + i % mt) * C + c];
 }
 
 /* out[n][m] (float32, n in 16 weight rows from w, m < mt) = sum over chunks c of
@@ -59,10 +75,9 @@ static void split_codes(const int16_t* q, int64_t m0, int mt, int64_t K, int8_t*
 static void tile_rows(const int8_t* w, int64_t K, const int8_t* hi, const uint8_t* lo, const float* scales, int mt,
                       float* out) {
     const int64_t C = K / CHUNK, stride = mt * 4, half = 16 * stride;
-    const int n_vec = mt; /* 16 * mt int32 sums = mt vectors of 16 */
     int32_t hs[256], ls[256];
     __m512 acc[16];
-    for (int i = 0; i < n_vec; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps(); /* 16 * mt sums = mt vectors of 16 */
     for (int64_t c = 0; c < C; c++) {
         _tile_zero(T_HI_SUM);
         _tile_zero(T_LO_SUM);
@@ -79,59 +94,76 @@ static void tile_rows(const int8_t* w, int64_t K, const int8_t* hi, const uint8_
         _tile_stored(T_HI_SUM, hs, stride);
         _tile_stored(T_LO_SUM, ls, stride);
         const float* s = scales + c * 16 * mt;
-        for (int i = 0; i < n_vec; i++) {
+        for (int i = 0; i < mt; i++) {
             __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(hs + 16 * i), 8),
                                            _mm512_loadu_si512(ls + 16 * i));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(s + 16 * i), acc[i]);
         }
     }
-    for (int i = 0; i < n_vec; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+    for (int i = 0; i < mt; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+static inline __m512 load16_dt(const void* p, int dt, int64_t i) {
+    return dt == BF16 ? bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)))
+                      : _mm512_loadu_ps((const float*)p + i);
+}
+
+/* y[m0 + m][n0 .. n0+15] = out[.][m] * scale (+ bias), for m < mt (out [16][mt], as tile_rows
+ * leaves it): a gather per activation row, the same operations whatever mt is. */
+static void write_rows(const float* out, int mt, const void* scale, const void* bias, int dt, int64_t n0,
+                       int64_t m0, int64_t N, void* y) {
+    const __m512 s = load16_dt(scale, dt, n0), b = bias ? load16_dt(bias, dt, n0) : _mm512_setzero_ps();
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(mt));
+    for (int m = 0; m < mt; m++) {
+        __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), out, 4), s);
+        if (bias) v = _mm512_add_ps(v, b);
+        if (dt == BF16) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, v);
+            uint16_t* row = (uint16_t*)y + (m0 + m) * N + n0;
+            for (int i = 0; i < 16; i++) row[i] = f32_to_bf16(tmp[i]);
+        } else {
+            _mm512_storeu_ps((float*)y + (m0 + m) * N + n0, v);
+        }
+    }
 }
 
 /* y[m][n] = (x[m] . w[n]) * scale[n] (+ bias[n]) for the first N16 = N - N % 16 weight rows,
- * x given as 16-bit codes q [M][K] with per-chunk scales xs [M][K/CHUNK]. Returns the rows it
- * covered (N16), 0 when AMX is not available, -1 when out of memory. */
+ * x given as 16-bit codes q [M][K] with per-chunk scales xs [M][K/CHUNK]. Each thread takes
+ * blocks of 16 weight rows and runs every block of 16 activation rows over them while they
+ * are in its cache. Returns the rows it covered (N16), 0 when AMX is not available, -1 when
+ * out of memory. */
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
                      const void* scale, const void* bias, int dt, void* y, int threads) {
     if (!amx_granted || K % CHUNK || N < 16) return 0;
-    const int64_t C = K / CHUNK, N16 = N - N % 16;
-    int8_t* hi = malloc((size_t)(16 * K));
-    uint8_t* lo = malloc((size_t)(16 * K));
-    float* rep = malloc((size_t)(C * 16 * 16) * sizeof(float));
+    const int64_t C = K / CHUNK, N16 = N - N % 16, MB = (M + 15) / 16;
+    int8_t* hi = malloc((size_t)(M * K));
+    uint8_t* lo = malloc((size_t)(M * K));
+    float* rep = malloc((size_t)(MB * C * 16 * 16) * sizeof(float));
     if (!hi || !lo || !rep) {
         free(hi), free(lo), free(rep);
         return -1;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const int mt = M - m0 < 16 ? (int)(M - m0) : 16;
-        split_codes(q, m0, mt, K, hi, lo);
-        for (int64_t c = 0; c < C; c++) /* each chunk's scales, laid out as the [16][mt] sums */
-            for (int i = 0; i < 16 * mt; i++) rep[c * 16 * mt + i] = xs[(m0 + i % mt) * C + c];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t mb = 0; mb < MB; mb++) {
+        const int mt = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+        split_codes(q, xs, mb * 16, mt, K, hi + mb * 16 * K, lo + mb * 16 * K, rep + mb * C * 256);
+    }
 #pragma omp parallel num_threads(threads)
-        {
-            TileConfig cfg = {0};
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) {
-                cfg.rows[t] = 16;
-                cfg.colsb[t] = (t == T_W0 || t == T_W1) ? 64 : (uint16_t)(mt * 4);
-            }
-            _tile_loadconfig(&cfg);
+    {
+        int configured = 0;
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < N16 / 16; b++) {
+        for (int64_t b = 0; b < N16 / 16; b++) {
+            for (int64_t mb = 0; mb < MB; mb++) {
+                const int mt = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+                if (mt != configured) configure(mt), configured = mt;
                 float out[256];
-                tile_rows(w + b * 16 * K, K, hi, lo, rep, mt, out);
-                for (int r = 0; r < 16; r++) {
-                    const int64_t n = b * 16 + r;
-                    const float s = get(scale, dt, n), add = bias ? get(bias, dt, n) : 0.f;
-                    for (int m = 0; m < mt; m++) {
-                        float v = out[r * mt + m] * s;
-                        if (bias) v += add;
-                        put(y, dt, (m0 + m) * N + n, v);
-                    }
-                }
+                tile_rows(w + b * 16 * K, K, hi + mb * 16 * K, lo + mb * 16 * K, rep + mb * C * 256, mt, out);
+                write_rows(out, mt, scale, bias, dt, b * 16, mb * 16, N, y);
             }
-            _tile_release();
         }
+        if (configured) _tile_release();
     }
     free(hi), free(lo), free(rep);
     return N16;

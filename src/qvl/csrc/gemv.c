@@ -25,8 +25,9 @@ typedef struct {
     float* scale;  /* [M][K/CHUNK] */
 } Q16;
 
-static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx) {
+static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx, int threads) {
     const int64_t C = K / CHUNK;
+#pragma omp parallel for num_threads(M >= 32 ? threads : 1) schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < C; c++) {
             const float* xc = x + m * K + c * CHUNK;
@@ -621,7 +622,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     Acts a = {xf, NULL, NULL};
     int failed = !xf, done = 0;
     if (!failed && dt == BF16) {
-#pragma omp simd
+#pragma omp parallel for simd num_threads(M >= 32 ? threads : 1) schedule(static)
         for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
     } else if (!failed) {
         memcpy(xf, x, (size_t)(M * K) * sizeof(float));
@@ -634,7 +635,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         failed = !q16 || !scales;
         if (!failed) {
             x16 = (Q16){q16, scales};
-            quantize16(xf, M, K, &x16);
+            quantize16(xf, M, K, &x16, threads);
             a.q16 = &x16;
         }
     }

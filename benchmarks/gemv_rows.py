@@ -1,0 +1,70 @@
+"""The int8 GEMV kernel's cost per activation row count, for two kernel builds alternating in
+one run: what a decode step of B rows costs against one row (the scheduler's batching gain).
+
+    python benchmarks/gemv_rows.py --tiers avx512,avx512-noamx --rounds 5
+
+On an AMX CPU, `avx512` takes int8 products on AMX tiles and `avx512-noamx` is the same CPU
+without them (AVX-512 VNNI, as a Zen 4). The weight is 400 MB of int8 (bigger than what the
+VM's caches hold, as a model's layers are), K = 2048; activations bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from qvl import native, paths
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiers", default="avx512,avx512-noamx")
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n", type=int, default=196608)
+    p.add_argument("--k", type=int, default=2048)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    available = {t.name: t for t in native.tiers()}
+    libs = {name: native.load(available[name], paths.cache_root() / "native") for name in args.tiers.split(",")}
+    rows = [int(r) for r in args.rows.split(",")]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (args.n, args.k), dtype=torch.int8, generator=g)
+    s = (torch.rand(args.n, generator=g) / 100).bfloat16()
+    xs = {m: torch.randn(m, args.k, generator=g).bfloat16() for m in rows}
+    ms: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        order = list(libs) if r % 2 == 0 else list(reversed(libs))
+        for name in order:
+            for m in rows:
+                ms.setdefault((name, m), []).append(
+                    timed(lambda: native.linear(libs[name], native.W_INT8, xs[m], w, args.n, s), 3))
+    print(f"int8 weight {args.n}x{args.k} ({args.n * args.k / 2**20:.0f} MB), {args.threads} threads, "
+          f"{args.rounds} alternating rounds; ms median (min-max), and against the same build's 1 row")
+    print("\n| build | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for name in libs:
+        one = statistics.median(ms[(name, rows[0])])
+        cells = []
+        for m in rows:
+            v = ms[(name, m)]
+            cells.append(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f}) {statistics.median(v) / one:.2f}×")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
