@@ -243,3 +243,26 @@ def test_quantised_weights_unused_for_a_month_are_removed(tiny_checkpoint, capsy
     assert not old.exists() and not unmarked.exists() and recent.exists()
     assert (current / "model.safetensors").exists() and (current / ".used").stat().st_mtime > month_ago
     assert "removed 2 quantised-weights cache entries" in capsys.readouterr().err
+
+
+def test_many_row_products_reuse_one_scratch_buffer_per_thread():
+    """Prefill's products dequantise into a reused buffer: consecutive products with different
+    weights (and shapes) each equal the product with a freshly dequantised weight, and another
+    thread gets a buffer of its own."""
+    import threading
+
+    from qvl.quantize import dequantize_int8, int8_product, quantize_int8, scratch
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 256).bfloat16()
+    weights = [quantize_int8(torch.randn(n, 256)) for n in (384, 128, 384)]
+    fresh = [F.linear(x, dequantize_int8(q, s.bfloat16())) for q, s in weights]
+    got = [int8_product(x, q, s.bfloat16()) for q, s in weights]
+    for a, b in zip(got, fresh):
+        assert torch.equal(a, b)
+    mine = scratch((8, 8), torch.bfloat16).data_ptr()
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(scratch((8, 8), torch.bfloat16).data_ptr()))
+    t.start()
+    t.join()
+    assert theirs[0] != mine and scratch((8, 8), torch.bfloat16).data_ptr() == mine

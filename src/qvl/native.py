@@ -179,9 +179,11 @@ def linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, o
 
 
 def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               group_size: int, shape: tuple[int, int]) -> torch.Tensor:
-    """An int8/int4 weight -> [N, K] in the scales' dtype, in one multi-threaded pass."""
-    out = torch.empty(shape, dtype=scale.dtype)
+               group_size: int, shape: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """An int8/int4 weight -> [N, K] in the scales' dtype (into `out`, contiguous, when
+    given), in one multi-threaded pass."""
+    if out is None:
+        out = torch.empty(shape, dtype=scale.dtype)
     lib.qvl_dequantize(kind, weight.data_ptr(), scale.data_ptr(), _ptr(zero), group_size, shape[0], shape[1],
                        _DTYPES[scale.dtype], out.data_ptr(), torch.get_num_threads())
     return out

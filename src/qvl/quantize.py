@@ -10,6 +10,7 @@ and int4 the dequantised GEMM.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,23 @@ DEQUANTIZED_MAX_ACTIVATIONS = 512
 
 
 SMOOTHING = ("none", "data-free", "calibrated")
+
+# Many-row products dequantise each weight into one reused buffer per thread and dtype (as big
+# as the largest weight, e.g. 25 MB for 2B's MLP in bf16) instead of a fresh allocation, whose
+# pages the kernel would fault in on every product: first token 5% sooner (docs/benchmarks.md,
+# section 28).
+_scratch = threading.local()
+
+
+def scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A [shape] tensor of `dtype` in this thread's reused buffer: valid until the next call
+    from this thread (for a dequantised weight that one GEMM reads, then drops)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    n = shape[0] * shape[1]
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < n:
+        buffers[dtype] = buf = torch.empty(n, dtype=dtype)
+    return buf[:n].view(shape)
 
 
 @dataclass(frozen=True)
@@ -198,10 +216,14 @@ class Int8Linear(nn.Module):
                                     bias=self.bias)
 
 
-def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """int8 weight [O, I] (or some of its rows) with its row scales [O] -> the scales' dtype."""
+def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None,
+                    transient: bool = False) -> torch.Tensor:
+    """int8 weight [O, I] (or some of its rows) with its row scales [O] -> the scales' dtype;
+    `transient`: into this thread's scratch buffer (for one product's use)."""
     if rows is None and weight.is_contiguous() and (k := kernels()).dequantize():
-        return native.dequantize(k.lib, native.W_INT8, weight, scales, None, 0, tuple(weight.shape))
+        shape = tuple(weight.shape)
+        return native.dequantize(k.lib, native.W_INT8, weight, scales, None, 0, shape,
+                                 scratch(shape, scales.dtype) if transient else None)
     w, s = (weight, scales) if rows is None else (weight[rows], scales[rows])
     return w.to(s.dtype) * s[..., None]
 
@@ -212,7 +234,8 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
     where the native one does not run."""
     if _rows(x) > KERNEL_MAX_ROWS:
-        return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r]), bias)
+        return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
+                                   bias)
     if (lib := _gemv_library(x, scales.dtype)) is not None:
         return native.linear(lib, native.W_INT8, x, weight, weight.shape[0], scales, bias=bias)
     y = torch._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales).view(*x.shape[:-1], weight.shape[0])
@@ -270,12 +293,13 @@ def quantize_vision(model: nn.Module, dtype: torch.dtype) -> list[str]:
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    rows: torch.Tensor | None = None) -> torch.Tensor:
+                    rows: torch.Tensor | None = None, transient: bool = False) -> torch.Tensor:
     """int4 weight (nibbles [O, I/2], scales and zeros [O, I/g]; or some of its rows) -> the
-    scales' dtype [O, I]."""
+    scales' dtype [O, I]; `transient`: into this thread's scratch buffer."""
     if rows is None and packed.is_contiguous() and (k := kernels()).dequantize():
-        return native.dequantize(k.lib, native.W_INT4, packed, scales, zeros, group_size,
-                                 (packed.shape[0], 2 * packed.shape[1]))
+        shape = (packed.shape[0], 2 * packed.shape[1])
+        return native.dequantize(k.lib, native.W_INT4, packed, scales, zeros, group_size, shape,
+                                 scratch(shape, scales.dtype) if transient else None)
     if rows is not None:
         packed, scales, zeros = packed[rows], scales[rows], zeros[rows]
     q = unpack_nibbles(packed).view(packed.shape[0], -1, group_size)
@@ -288,7 +312,8 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     dequantise + GEMM otherwise."""
     if (lib := _gemv_library(x, scales.dtype)) is None:
         return dequantized_product(x, packed.shape[0],
-                                   lambda r: dequantize_int4(packed[r], scales[r], zeros[r], group_size))
+                                   lambda r: dequantize_int4(packed[r], scales[r], zeros[r], group_size,
+                                                             transient=True))
     return native.linear(lib, native.W_INT4, x, packed, packed.shape[0], scales, zeros, group_size)
 
 
