@@ -330,12 +330,28 @@ class LinearArgs(ctypes.Structure):
         return args
 
 
+class MoeArgs(ctypes.Structure):
+    """A mixture-of-experts MLP as the decode-step kernel reads it (QvlMoe in common.h): the
+    router, and arrays of the experts' gate_up and down linears; experts 0 in a dense layer."""
+
+    _fields_ = [("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("router", LinearArgs), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, top_k: int, inter: int, router: LinearArgs, gate_up: list[LinearArgs],
+           down: list[LinearArgs]) -> MoeArgs:
+        arrays = [(LinearArgs * len(gate_up))(*gate_up), (LinearArgs * len(down))(*down)]
+        args = cls(len(gate_up), top_k, inter, router, ctypes.addressof(arrays[0]), ctypes.addressof(arrays[1]))
+        args.tensors = [arrays] + router.tensors + [t for a in gate_up + down for t in a.tensors]
+        return args
+
+
 class LayerArgs(ctypes.Structure):
-    """One decoder layer's weights (QvlLayer in kernels.c)."""
+    """One decoder layer's weights (QvlLayer in common.h)."""
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p)] + [(name, LinearArgs) for name in
-                                                ("q", "k", "v", "o", "gate", "up", "down")]
+                                                ("q", "k", "v", "o", "gate", "up", "down")] + [("moe", MoeArgs)]
 
 
 def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

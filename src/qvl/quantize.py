@@ -260,6 +260,12 @@ class Int8Experts(nn.Module):
         gate, up = int8_product(x, self.gate_up_proj[expert], self.gate_up_proj_scales[expert]).chunk(2, dim=-1)
         return int8_product(F.silu(gate) * up, self.down_proj[expert], self.down_proj_scales[expert])
 
+    def native_args(self, expert: int) -> tuple[native.LinearArgs, native.LinearArgs]:
+        """The expert's gate_up and down linears for the one-call decode step."""
+        return tuple(native.LinearArgs.of(native.W_INT8, w.shape[1], w.shape[2], w[expert], s[expert])
+                     for w, s in ((self.gate_up_proj, self.gate_up_proj_scales),
+                                  (self.down_proj, self.down_proj_scales)))
+
     def state(self, name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype,
               stored: bool) -> dict[str, torch.Tensor]:
         """Module state for one checkpoint tensor: a published float expert tensor ([E, H, 2I] or
@@ -353,6 +359,13 @@ class Int4Experts(nn.Module):
         gate, up = self._product(x, "gate_up_proj", expert).chunk(2, dim=-1)
         return self._product(F.silu(gate) * up, "down_proj", expert)
 
+    def native_args(self, expert: int) -> tuple[native.LinearArgs, native.LinearArgs]:
+        """The expert's gate_up and down linears for the one-call decode step."""
+        return tuple(native.LinearArgs.of(native.W_INT4, w.shape[1], 2 * w.shape[2], w[expert],
+                                          getattr(self, f"{leaf}_scales")[expert], getattr(self, f"{leaf}_zeros")[expert],
+                                          self.group_size)
+                     for leaf in ("gate_up_proj", "down_proj") for w in (getattr(self, leaf),))
+
     def state(self, name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype,
               stored: bool) -> dict[str, torch.Tensor]:
         """As Int8Experts.state, in int4."""
@@ -414,9 +427,10 @@ def _is_text(name: str) -> bool:
 
 
 def use_decode_kernels(model: nn.Module) -> None:
-    """The text decoder's float linears (those not quantised) decode with the native GEMV."""
+    """The text decoder's float linears (those not quantised, and a mixture's router) decode
+    with the native GEMV, as the one-call decode step does."""
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and _is_text(name):
+        if type(module) is nn.Linear and (_is_text(name) or name.endswith(".mlp.gate")):
             module.__class__ = Bf16Linear
 
 

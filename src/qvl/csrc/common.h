@@ -135,9 +135,18 @@ typedef struct {
     const void *w, *scale, *zero, *bias;
 } QvlLinear;
 
+/* A mixture-of-experts MLP (experts 0 in a dense layer): the router [experts][D] (bf16 weights)
+ * and each expert's gate_up [2 * inter][D] (gate rows first) and down [D][inter]. */
+typedef struct {
+    int64_t experts, top_k, inter;
+    QvlLinear router;
+    const QvlLinear *gate_up, *down; /* [experts] each */
+} QvlMoe;
+
 typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm;
     QvlLinear q, k, v, o, gate, up, down;
+    QvlMoe moe;
 } QvlLayer;
 
 /* Entry points shared between the files (each defined once). */

@@ -109,6 +109,80 @@ static void silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
     }
 }
 
+/* The experts' MLP of B rows (xn [B][D], normed) -> out [B][D], as qvl.model.text.SparseMoE
+ * computes it: router logits in dt, softmax in float32, the top_k experts (ties to the lower
+ * index) with their probabilities renormalised over the k and rounded to dt; each chosen expert
+ * once for the rows that chose it, in ascending expert order: silu(gate) * up, down, times the
+ * row's weight (rounded), added into the row's output (rounded at each add). Returns 0, or -1
+ * when out of memory. */
+static int moe_mlp(const QvlMoe* m, const void* xn, int dt, int64_t B, int64_t D, void* out, int threads) {
+    const size_t es = dt == BF16 ? 2 : 4;
+    const int64_t E = m->experts, K = m->top_k, I = m->inter;
+    char* logits = malloc((size_t)(B * E) * es);
+    char* rows_x = malloc((size_t)(B * D) * es);
+    char* gu = malloc((size_t)(B * 2 * I) * es);
+    char* h = malloc((size_t)(B * I) * es);
+    char* dn = malloc((size_t)(B * D) * es);
+    int64_t* chosen = malloc((size_t)(B * K) * sizeof(int64_t));
+    float* prob = malloc((size_t)E * sizeof(float));
+    float* weight = malloc((size_t)(B * K) * sizeof(float));
+    int64_t* members = malloc((size_t)B * sizeof(int64_t));
+    int64_t* slot = malloc((size_t)B * sizeof(int64_t));
+    int status = !logits || !rows_x || !gu || !h || !dn || !chosen || !prob || !weight || !members || !slot ? -1 : 0;
+    if (!status) status = layer_linear(&m->router, xn, dt, B, logits, threads);
+    for (int64_t b = 0; b < B && !status; b++) {
+        float top = -INFINITY, total = 0.f, kept = 0.f;
+        for (int64_t e = 0; e < E; e++) top = fmaxf(top, get(logits, dt, b * E + e));
+        for (int64_t e = 0; e < E; e++) total += prob[e] = expf(get(logits, dt, b * E + e) - top);
+        for (int64_t e = 0; e < E; e++) prob[e] /= total;
+        for (int64_t j = 0; j < K; j++) { /* the j-th largest, the lower index among equals */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= chosen[b * K + i] == e;
+                if (!taken && (best < 0 || prob[e] > prob[best])) best = e;
+            }
+            chosen[b * K + j] = best;
+            kept += prob[best];
+        }
+        for (int64_t j = 0; j < K; j++) {
+            float w = prob[chosen[b * K + j]] / kept;
+            weight[b * K + j] = dt == BF16 ? round_bf(w) : w;
+        }
+    }
+    if (!status) memset(out, 0, (size_t)(B * D) * es);
+    for (int64_t e = 0; e < E && !status; e++) {
+        int64_t n = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < K; j++)
+                if (chosen[b * K + j] == e) members[n] = b, slot[n++] = j;
+        if (!n) continue;
+        for (int64_t r = 0; r < n; r++) memcpy(rows_x + r * D * es, (const char*)xn + members[r] * D * es, (size_t)D * es);
+        if (layer_linear(&m->gate_up[e], rows_x, dt, n, gu, threads)) {
+            status = -1;
+            break;
+        }
+        for (int64_t r = 0; r < n; r++) {
+            silu_mul(gu + r * 2 * I * es, gu + (r * 2 * I + I) * es, dt, I, 1);
+            memcpy(h + r * I * es, gu + r * 2 * I * es, (size_t)I * es);
+        }
+        if (layer_linear(&m->down[e], h, dt, n, dn, threads)) {
+            status = -1;
+            break;
+        }
+        for (int64_t r = 0; r < n; r++) {
+            const float w = weight[members[r] * K + slot[r]];
+            for (int64_t i = 0; i < D; i++) {
+                float c = get(dn, dt, r * D + i) * w, o = get(out, dt, members[r] * D + i);
+                put(out, dt, members[r] * D + i, (dt == BF16 ? round_bf(c) : c) + o);
+            }
+        }
+    }
+    free(logits), free(rows_x), free(gu), free(h), free(dn), free(chosen), free(prob), free(weight), free(members),
+        free(slot);
+    return status;
+}
+
 static void add_into(void* x, const void* a, int dt, int64_t n) { /* one loop per dtype: they vectorise */
     if (dt == BF16) {
         uint16_t* xb = (uint16_t*)x;
@@ -128,7 +202,7 @@ static void add_into(void* x, const void* a, int dt, int64_t n) { /* one loop pe
  * the new keys/values of batch row b written into cache row rows[b] at position slots[b]
  * (layer l, cache row r, head h, position j at l*layer_stride + r*row_stride + h*head_stride +
  * j*hd elements), attention of row b over its positions 0..slots[b], o_proj + residual,
- * RMSNorm, SwiGLU MLP + residual. Returns 0, -1 when out of memory, -2 for shapes the decode attention does
+ * RMSNorm, SwiGLU MLP (or the layer's mixture of experts) + residual. Returns 0, -1 when out of memory, -2 for shapes the decode attention does
  * not take (before anything is written). */
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
                       int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
@@ -176,6 +250,14 @@ int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt,
         }
         add_into(x, a, dt, B * D);
         qvl_rmsnorm(x, L->post_norm, xn, dt, B, D, eps, threads);
+        if (L->moe.experts) {
+            if (moe_mlp(&L->moe, xn, dt, B, D, a, threads)) {
+                status = -1;
+                break;
+            }
+            add_into(x, a, dt, B * D);
+            continue;
+        }
         if (layer_linear(&L->gate, xn, dt, B, g, threads) || layer_linear(&L->up, xn, dt, B, u, threads)) {
             status = -1;
             break;

@@ -229,6 +229,19 @@ class TextModel(nn.Module):
         self._native_layers = None  # .to() and friends replace the tensors the table points to
         return super()._apply(fn, *args, **kwargs)
 
+    def _moe_args(self, moe: SparseMoE, dtype: torch.dtype) -> native.MoeArgs | None:
+        """A mixture's router and experts for native.decode_layers, or None (a float router or
+        float experts: the per-layer path)."""
+        cfg, experts = self.cfg, moe.experts
+        router = getattr(moe.gate, "native_args", lambda: None)()
+        if router is None or router.dtype != dtype or not hasattr(experts, "native_args"):
+            return None
+        pairs = [experts.native_args(e) for e in range(cfg.num_experts)]
+        if any(a.dtype != dtype for pair in pairs for a in pair):
+            return None
+        return native.MoeArgs.of(moe.top_k, cfg.moe_intermediate_size, router, [g for g, _ in pairs],
+                                 [d for _, d in pairs])
+
     def _layer_args(self):
         """The layers' weights for native.decode_layers, or False (a plain nn.Linear, mixed
         dtypes, shapes other than the config's). Built once: the weights are fixed after
@@ -241,19 +254,24 @@ class TextModel(nn.Module):
         args, tensors = [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, MLP):  # experts: the per-layer path
-                return False
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             if any(n.weight.dtype != dtype for n in norms):
                 return False
             if [n.weight.numel() for n in norms] != [d, d, hd, hd]:
                 return False
-            linears = [getattr(m, "native_args", lambda: None)() for m in
-                       (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-            if any(a is None or a.dtype != dtype for a in linears) or [(a.n, a.k) for a in linears] != shapes:
+            dense = isinstance(mlp, MLP)
+            modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + (
+                (mlp.gate_proj, mlp.up_proj, mlp.down_proj) if dense else ())
+            linears = [getattr(m, "native_args", lambda: None)() for m in modules]
+            if any(a is None or a.dtype != dtype for a in linears) or [(a.n, a.k) for a in linears] != shapes[:len(linears)]:
                 return False
-            args.append(native.LayerArgs(*(n.weight.data_ptr() for n in norms), *linears))
-            tensors += [n.weight for n in norms] + [t for a in linears for t in a.tensors]
+            moe = native.MoeArgs() if dense else self._moe_args(mlp, dtype)
+            if moe is None:
+                return False
+            linears += [native.LinearArgs()] * (7 - len(linears))  # a mixture's layer: no dense MLP
+            args.append(native.LayerArgs(*(n.weight.data_ptr() for n in norms), *linears, moe))
+            tensors += [n.weight for n in norms] + [t for a in linears for t in getattr(a, "tensors", [])]
+            tensors += getattr(moe, "tensors", [])
         array = (native.LayerArgs * len(args))(*args)
         array.tensors = tensors  # keeps every pointed-to tensor alive as long as the array
         array.dtype = dtype
