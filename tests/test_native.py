@@ -191,6 +191,28 @@ def test_rms_norm_matches_the_reference_formula(shape):
     torch.testing.assert_close(out.float(), reference.float(), atol=0, rtol=1e-2)
 
 
+def _greedy_two_rows(model, steps: int):
+    """Two prompts of different lengths prefilled into rows 0 and 1 of one cache, then `steps`
+    greedy decode steps of both rows together: (logits [steps, 2, V], tokens [steps, 2], the
+    cache, the prompt lengths)."""
+    from qvl.generate import decode_step, new_cache
+
+    ids = torch.tensor([9707, 11, 1879, 0, 108386, 151644, 872, 198, 3838, 374, 13, 42])
+    text, cache = model.language_model, new_cache(model, 2, len(ids) + steps + 4)
+    lengths = torch.tensor([len(ids), len(ids) - 3])  # row 1 holds a shorter prompt
+    with torch.inference_mode():
+        logits = []
+        for r, n in enumerate(lengths.tolist()):
+            cos, sin = model.rope(torch.arange(n).view(1, 1, -1).expand(3, 1, -1))
+            logits.append(model.logits(text(model.embed(ids[None, :n]), cos, sin, cache.row(r), 0))[:, -1])
+        logits, all_logits, tokens = torch.cat(logits), [], []
+        for step in range(steps):
+            tokens.append(logits.argmax(-1))
+            logits = decode_step(model, cache, tokens[-1], lengths + step, lengths + step)
+            all_logits.append(logits)
+    return torch.stack(all_logits), torch.stack(tokens), cache, lengths
+
+
 @needs_native
 @pytest.mark.parametrize("weights,dtype", [("bf16", "bf16"), ("int8", "bf16"), ("int4", "bf16"), ("int8", "fp32"),
                                            ("int4", "fp32")])
@@ -201,31 +223,18 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
     sum in another order than torch's, so within float32 rounding (and the 16-bit activation
     roundings that it can move)."""
     from qvl.engine import Engine, EngineOptions
-    from qvl.generate import decode_step, new_cache
 
     if dtype == "bf16" and (lib is None or not lib.features & native.BF16):
         pytest.skip("bf16 compute is the default only with AVX512-BF16")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights=weights, dtype=dtype, threads=2))
     model, text = engine.model, engine.model.language_model
-    ids = torch.tensor([9707, 11, 1879, 0, 108386, 151644, 872, 198, 3838, 374, 13, 42])
     calls = []
     one_call = native.decode_layers
     monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or one_call(*a, **k))
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        cache = new_cache(model, 2, 32)
-        lengths = torch.tensor([len(ids), len(ids) - 3])  # row 1 holds a shorter prompt
-        with torch.inference_mode():
-            logits = []
-            for r, n in enumerate(lengths.tolist()):
-                cos, sin = model.rope(torch.arange(n).view(1, 1, -1).expand(3, 1, -1))
-                logits.append(model.logits(text(model.embed(ids[None, :n]), cos, sin, cache.row(r), 0))[:, -1])
-            logits, steps = torch.cat(logits), []
-            for step in range(5):
-                logits = decode_step(model, cache, logits.argmax(-1), lengths + step, lengths + step)
-                steps.append(logits)
-        return torch.stack(steps), torch.cat([cache.keys[:, r : r + 1, :, : n + 5] for r, n in enumerate(lengths.tolist())],
-                                             dim=3)
+        logits, _, cache, lengths = _greedy_two_rows(model, 5)
+        return logits, torch.cat([cache.keys[:, r : r + 1, :, : n + 5] for r, n in enumerate(lengths.tolist())], dim=3)
 
     text._native_layers = None
     logits, keys = run()
@@ -252,31 +261,18 @@ def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(tiny_
     softmax sums in another order), the same logits as the per-layer modules, for two rows of
     different lengths."""
     from qvl.engine import Engine, EngineOptions
-    from qvl.generate import decode_step, new_cache
 
     if lib is None or not lib.features & native.BF16:
         pytest.skip("bf16 compute is the default only with AVX512-BF16")
     engine = Engine.load(EngineOptions(model=str(tiny_moe_checkpoint), weights=weights, threads=2))
     model, text = engine.model, engine.model.language_model
-    ids = torch.tensor([9707, 11, 1879, 0, 108386, 151644, 872, 198, 3838, 374, 13, 42])
     calls = []
     one_call = native.decode_layers
     monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or one_call(*a, **k))
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        cache = new_cache(model, 2, 40)
-        lengths = torch.tensor([len(ids), len(ids) - 3])
-        with torch.inference_mode():
-            logits = []
-            for r, n in enumerate(lengths.tolist()):
-                cos, sin = model.rope(torch.arange(n).view(1, 1, -1).expand(3, 1, -1))
-                logits.append(model.logits(text(model.embed(ids[None, :n]), cos, sin, cache.row(r), 0))[:, -1])
-            logits, steps, tokens = torch.cat(logits), [], []
-            for step in range(8):
-                tokens.append(logits.argmax(-1))
-                logits = decode_step(model, cache, tokens[-1], lengths + step, lengths + step)
-                steps.append(logits)
-        return torch.stack(steps), torch.stack(tokens)
+        logits, tokens, _, _ = _greedy_two_rows(model, 8)
+        return logits, tokens
 
     text._native_layers = None
     logits, tokens = run()
