@@ -254,7 +254,7 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread():
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8, scratch
 
     torch.manual_seed(0)
-    x = torch.randn(40, 256).bfloat16()
+    x = torch.randn(dispatch.kernels().int8_gemv_rows + 8, 256).bfloat16()  # past the GEMV kernel's rows
     weights = [quantize_int8(torch.randn(n, 256)) for n in (384, 128, 384)]
     fresh = [F.linear(x, dequantize_int8(q, s.bfloat16())) for q, s in weights]
     got = [int8_product(x, q, s.bfloat16()) for q, s in weights]
@@ -266,3 +266,23 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread():
     t.start()
     t.join()
     assert theirs[0] != mine and scratch((8, 8), torch.bfloat16).data_ptr() == mine
+
+
+def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
+    """Up to Kernels.int8_gemv_rows rows (64 on AMX tiles, 16 elsewhere) an int8 product is the
+    GEMV kernel's exact 16-bit scheme; one row more, the dequantised weight through the float
+    GEMM."""
+    from qvl.quantize import dequantize_int8, int8_product, quantize_int8
+
+    k = dispatch.kernels()
+    if k.lib is None:
+        pytest.skip("no native kernels")
+    assert k.int8_gemv_rows == (64 if k.has(native.AMX_INT8) else native.GEMV_MAX_ROWS)
+    torch.manual_seed(1)
+    q, s = quantize_int8(torch.randn(96, 256))
+    s = s.bfloat16()
+    for rows in (k.int8_gemv_rows, k.int8_gemv_rows + 1):
+        x = torch.randn(rows, 256).bfloat16()
+        kernel = native.linear(k.lib, native.W_INT8, x, q, 96, s)
+        dense = F.linear(x, dequantize_int8(q, s))
+        assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else dense), rows

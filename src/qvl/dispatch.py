@@ -40,6 +40,13 @@ class Kernels:
         """Products of up to native.GEMV_MAX_ROWS rows with bf16/int8/int4 weights (decoding)."""
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
 
+    @property
+    def int8_gemv_rows(self) -> int:
+        """Up to how many rows int8 products take the GEMV kernel rather than dequantising for a
+        float GEMM: 64 on AMX tiles (1.1-2.1x dequantise + oneDNN's bf16 GEMM from 17 to 64
+        rows, 0.7-1.2x at 96-128: docs/benchmarks.md section 29), else native.GEMV_MAX_ROWS."""
+        return 64 if self.has(native.AMX_INT8) else native.GEMV_MAX_ROWS
+
     def dequantize(self) -> bool:
         return self.lib is not None
 

@@ -118,9 +118,9 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def _gemv_library(x: torch.Tensor, dtype: torch.dtype):
-    """The native library when x is few rows of the layer's float dtype, else None."""
-    if _rows(x) > KERNEL_MAX_ROWS or x.dtype != dtype or not (k := kernels()).gemv(dtype):
+def _gemv_library(x: torch.Tensor, dtype: torch.dtype, max_rows: int = KERNEL_MAX_ROWS):
+    """The native library when x is few rows (up to max_rows) of the layer's float dtype, else None."""
+    if _rows(x) > max_rows or x.dtype != dtype or not (k := kernels()).gemv(dtype):
         return None
     return k.lib
 
@@ -198,7 +198,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
         # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
-        if self.packed is not None and (self.weight is None or _rows(x) > KERNEL_MAX_ROWS):
+        if self.packed is not None and (self.weight is None or _rows(x) > kernels().int8_gemv_rows):
             if x.dtype != self.scales.dtype:
                 raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
             return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
@@ -233,10 +233,10 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O], in the weights' own
     precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
     where the native one does not run."""
-    if _rows(x) > KERNEL_MAX_ROWS:
+    if _rows(x) > (max_rows := kernels().int8_gemv_rows):
         return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
                                    bias)
-    if (lib := _gemv_library(x, scales.dtype)) is not None:
+    if (lib := _gemv_library(x, scales.dtype, max_rows)) is not None:
         return native.linear(lib, native.W_INT8, x, weight, weight.shape[0], scales, bias=bias)
     y = torch._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
