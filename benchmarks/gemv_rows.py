@@ -2,6 +2,7 @@
 one run: what a decode step of B rows costs against one row (the scheduler's batching gain).
 
     python benchmarks/gemv_rows.py --tiers avx512,avx512-noamx --rounds 5
+    python benchmarks/gemv_rows.py --crossover --rounds 3
 
 On an AMX CPU, `avx512` takes int8 products on AMX tiles and `avx512-noamx` is the same CPU
 without them (AVX-512 VNNI, as a Zen 4). The weight is 400 MB of int8 (bigger than what the
@@ -29,6 +30,34 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times) * 1000
 
 
+def crossover(rounds: int) -> None:
+    """The default build's int8 GEMV kernel against dequantising + torch's GEMM (oneDNN, bf16)
+    for 16-128 rows, on the 2B decoder's and 30B-A3B's expert shapes: where the kernel's row
+    limit (dispatch.Kernels.int8_gemv_rows) belongs."""
+    import torch.nn.functional as F
+
+    from qvl.dispatch import kernels
+    from qvl.quantize import scratch
+
+    lib, rows = kernels().lib, (16, 24, 32, 48, 64, 96, 128)
+    print(f"dequantise + GEMM time / GEMV kernel time (above 1: the kernel is faster); {rounds} rounds, medians")
+    print("\n| K x N | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for k, n in ((2048, 6144), (6144, 2048), (2048, 2048), (2048, 1536), (768, 2048)):
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        s = (torch.rand(n) / 100).bfloat16()
+        ratios = {m: [] for m in rows}
+        for r in range(rounds):
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                gemm = lambda: F.linear(x, native.dequantize(lib, native.W_INT8, w, s, None, 0, (n, k),  # noqa: E731
+                                                             scratch((n, k), torch.bfloat16)))
+                gemv = lambda: native.linear(lib, native.W_INT8, x, w, n, s)  # noqa: E731
+                pair = [timed(gemm, 5), timed(gemv, 5)] if r % 2 == 0 else [timed(gemv, 5), timed(gemm, 5)][::-1]
+                ratios[m].append(pair[0] / pair[1])
+        print(f"| {k} x {n} | " + " | ".join(f"{statistics.median(ratios[m]):.2f}" for m in rows) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tiers", default="avx512,avx512-noamx")
@@ -37,8 +66,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n", type=int, default=196608)
     p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--crossover", action="store_true", help="the kernel against dequantise + GEMM, 16-128 rows")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.crossover:
+        crossover(args.rounds)
+        return
     available = {t.name: t for t in native.tiers()}
     libs = {name: native.load(available[name], paths.cache_root() / "native") for name in args.tiers.split(",")}
     rows = [int(r) for r in args.rows.split(",")]
