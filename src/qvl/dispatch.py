@@ -127,7 +127,7 @@ class Kernels:
                                 else "float kernel (compiler-vectorised)",
             "flash_attention": "torch SDPA (oneDNN, AMX tiles)" if self.tier.amx else
                                "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
-            "decode_step": "all layers in one native call (bf16 and float32)",
+            "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
             "int8_activations": "oneDNN's int8 GEMM (prepacked weights) + native quantise/rescale, activations "
                                 f"per row in {'8' if self.int8_levels == 255 else '7'} bits" + (

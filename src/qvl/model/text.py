@@ -234,7 +234,8 @@ class TextModel(nn.Module):
         float experts: the per-layer path)."""
         cfg, experts = self.cfg, moe.experts
         router = getattr(moe.gate, "native_args", lambda: None)()
-        if router is None or router.dtype != dtype or not hasattr(experts, "native_args"):
+        if router is None or router.dtype != dtype or not hasattr(experts, "native_args") \
+                or not 0 < moe.top_k <= cfg.num_experts:
             return None
         pairs = [experts.native_args(e) for e in range(cfg.num_experts)]
         if any(a.dtype != dtype for pair in pairs for a in pair):
