@@ -264,7 +264,9 @@ class TextModel(nn.Module):
             modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + (
                 (mlp.gate_proj, mlp.up_proj, mlp.down_proj) if dense else ())
             linears = [getattr(m, "native_args", lambda: None)() for m in modules]
-            if any(a is None or a.dtype != dtype for a in linears) or [(a.n, a.k) for a in linears] != shapes[:len(linears)]:
+            if any(a is None or a.dtype != dtype for a in linears):
+                return False
+            if [(a.n, a.k) for a in linears] != shapes[:len(linears)]:
                 return False
             moe = native.MoeArgs() if dense else self._moe_args(mlp, dtype)
             if moe is None:
