@@ -230,7 +230,13 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
     model, text = engine.model, engine.model.language_model
     calls = []
     one_call = native.decode_layers
-    monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+
+    def counted(*a, **k):
+        out = one_call(*a, **k)
+        calls.append(out is not None)  # None: the kernel declined, the per-op path ran
+        return out
+
+    monkeypatch.setattr(native, "decode_layers", counted)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         logits, _, cache, lengths = _greedy_two_rows(model, 5)
@@ -238,7 +244,7 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
 
     text._native_layers = None
     logits, keys = run()
-    assert len(calls) == 5  # every decode step went through the one-call kernel
+    assert calls == [True] * 5  # every decode step went through the one-call kernel
     text._native_layers = False  # per-op path
     ref_logits, ref_keys = run()
     assert len(calls) == 5
@@ -252,23 +258,41 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
         assert F.cosine_similarity(logits.flatten(1), ref_logits.flatten(1), dim=-1).min() > 0.99
 
 
+@pytest.fixture(scope="module")
+def moe128_checkpoint(tmp_path_factory):
+    """tiny-moe with experts of 128: int4 groups of 128 divide them, and every expert product
+    takes the integer kernels (K a multiple of 128)."""
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("moe128"), "tiny-moe", seed=4,
+                            changes={"text_config": {"moe_intermediate_size": 128}})
+
+
 @needs_native
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(tiny_moe_checkpoint, weights,
+def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(moe128_checkpoint, weights,
                                                                              monkeypatch):
     """A mixture-of-experts model decodes in the one-call step too (router, softmax, top-k and
     the chosen experts in the kernel): the same greedy tokens and, within bf16 roundings (the
     softmax sums in another order), the same logits as the per-layer modules, for two rows of
     different lengths."""
     from qvl.engine import Engine, EngineOptions
+    from qvl.quantize import Int4Experts, Int8Experts
 
     if lib is None or not lib.features & native.BF16:
         pytest.skip("bf16 compute is the default only with AVX512-BF16")
-    engine = Engine.load(EngineOptions(model=str(tiny_moe_checkpoint), weights=weights, threads=2))
+    engine = Engine.load(EngineOptions(model=str(moe128_checkpoint), weights=weights, threads=2))
     model, text = engine.model, engine.model.language_model
+    assert type(text.layers[0].mlp.experts) is (Int8Experts if weights == "int8" else Int4Experts)
     calls = []
     one_call = native.decode_layers
-    monkeypatch.setattr(native, "decode_layers", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+
+    def counted(*a, **k):
+        out = one_call(*a, **k)
+        calls.append(out is not None)  # None: the kernel declined, the per-op path ran
+        return out
+
+    monkeypatch.setattr(native, "decode_layers", counted)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         logits, tokens, _, _ = _greedy_two_rows(model, 8)
@@ -276,7 +300,7 @@ def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(tiny_
 
     text._native_layers = None
     logits, tokens = run()
-    assert len(calls) == 8
+    assert calls == [True] * 8
     text._native_layers = False  # per-op path
     ref_logits, ref_tokens = run()
     assert len(calls) == 8

@@ -260,6 +260,8 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread():
     got = [int8_product(x, q, s.bfloat16()) for q, s in weights]
     for a, b in zip(got, fresh):
         assert torch.equal(a, b)
+    last_q, last_s = weights[-1]  # the buffer holds the last product's weight
+    assert torch.equal(scratch(tuple(last_q.shape), torch.bfloat16), dequantize_int8(last_q, last_s.bfloat16()))
     mine = scratch((8, 8), torch.bfloat16).data_ptr()
     theirs = []
     t = threading.Thread(target=lambda: theirs.append(scratch((8, 8), torch.bfloat16).data_ptr()))

@@ -1,6 +1,7 @@
-/* int8 weights . 16-bit activations on AMX tiles (Sapphire Rapids and later): decoding's
- * products for 1-16 activation rows, the same exact integer sums per 128-column chunk as the
- * VNNI kernel of gemv.c, for 16 weight rows per tile operation instead of one.
+/* int8 weights . 16-bit activations on AMX tiles (Sapphire Rapids and later): the products of
+ * 1-64 activation rows (decoding, short prefill slices: dispatch.Kernels.int8_gemv_rows), with
+ * the same exact integer sums per 128-column chunk as gemv.c's VNNI kernel, for 16 weight rows
+ * per tile operation instead of one.
  *
  * AMX multiplies bytes, so each 16-bit code q is split into q = 256 * hi + lo (hi signed,
  * lo unsigned) and a chunk's sum is 256 * (w . hi) + (w . lo): TDPBSSD and TDPBSUD with the

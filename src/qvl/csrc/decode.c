@@ -4,7 +4,7 @@
 
 /* What this build has, as bits: 1 AVX-512, 2 AVX-512 VNNI, 4 AVX512-BF16 (flash attention),
  * 8 AVX2+FMA, 16 AVX-VNNI, 32 NEON, 64 NEON dot products, 128 OpenMP, 256 AMX int8 tiles
- * (the int8 products of up to 16 rows). */
+ * (the int8 products of up to 64 rows). */
 int qvl_features(void) {
     int f = 0;
 #ifdef QVL_AVX512

@@ -133,7 +133,9 @@ class SparseMoE(nn.Module):
         # x: [..., H] -> [..., H]
         flat = x.reshape(-1, x.shape[-1])
         probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float)  # [N, E]
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
+        # the k largest, ties to the lower index (torch.topk leaves ties unspecified; bf16 router
+        # logits tie often, and the one-call decode step picks the same experts)
+        weights, chosen = (t[:, : self.top_k] for t in probs.sort(dim=-1, descending=True, stable=True))  # [N, k]
         weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
         out = torch.zeros_like(flat)
         for expert in chosen.unique().tolist():
@@ -231,14 +233,17 @@ class TextModel(nn.Module):
 
     def _moe_args(self, moe: SparseMoE, dtype: torch.dtype) -> native.MoeArgs | None:
         """A mixture's router and experts for native.decode_layers, or None (a float router or
-        float experts: the per-layer path)."""
+        float experts, or shapes other than the config's: the per-layer path)."""
         cfg, experts = self.cfg, moe.experts
+        d, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         router = getattr(moe.gate, "native_args", lambda: None)()
-        if router is None or router.dtype != dtype or not hasattr(experts, "native_args") \
-                or not 0 < moe.top_k <= cfg.num_experts:
+        if router is None or router.dtype != dtype or (router.n, router.k) != (e, d) \
+                or not hasattr(experts, "native_args") or not 0 < moe.top_k <= e:
             return None
-        pairs = [experts.native_args(e) for e in range(cfg.num_experts)]
+        pairs = [experts.native_args(i) for i in range(e)]
         if any(a.dtype != dtype for pair in pairs for a in pair):
+            return None
+        if any(((g.n, g.k), (dn.n, dn.k)) != ((2 * inter, d), (d, inter)) for g, dn in pairs):
             return None
         return native.MoeArgs.of(moe.top_k, cfg.moe_intermediate_size, router, [g for g, _ in pairs],
                                  [d for _, d in pairs])
