@@ -4,7 +4,6 @@ default production path (int8 weights, bf16 compute, the one-call native decode 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -125,44 +124,6 @@ def test_short_prompts_arriving_together_start_in_one_step(engine, monkeypatch):
     while not scheduler.idle:
         scheduler.step()
     assert [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in range(len(reqs))] == alone
-
-
-def test_throughput_mode_prefills_new_prompts_together(engine, monkeypatch):
-    """Without slices (`qvl batch`), the prompts admitted in one step, with and without images
-    and of different lengths, prefill in one padded pass, each answer with its own sampling.
-    In float32 every answer is the request's own alone. In bf16 the pass's products round
-    differently (another row count, and bf16 activations where a short prompt alone takes the
-    16-bit GEMV): the greedy first tokens agree, the tiny random model's later tokens may part.
-    --deterministic keeps one prompt per pass."""
-    import qvl.scheduler as sched
-
-    alone = [engine.generate(r).token_ids for r in requests()]
-    passes = []
-    together = sched.prefill_together
-    monkeypatch.setattr(sched, "prefill_together", lambda m, c, prompts, rows: passes.append(len(prompts))
-                        or together(m, c, prompts, rows))
-    scheduler = engine.scheduler
-    monkeypatch.setattr(scheduler, "slice_s", None)
-    outputs: dict[int, list] = {i: [] for i in range(len(alone))}
-    for i, r in enumerate(requests()):
-        scheduler.submit(Sequence(engine.parse(r), outputs[i].append))
-    scheduler.step()
-    assert passes == [len(alone)] and all(not s.prefilling for s in scheduler.running)
-    while not scheduler.idle:
-        scheduler.step()
-    got = [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in range(len(alone))]
-    if engine.model.dtype == torch.float32:
-        assert got == alone
-    else:
-        greedy = [0, 2]  # requests() 0 and 2 are greedy
-        assert [got[i][0] for i in greedy] == [alone[i][0] for i in greedy]
-        assert [len(t) for t in got] == [len(t) for t in alone]
-    monkeypatch.setattr(engine, "options", dataclasses.replace(engine.options, deterministic=True))
-    for i, r in enumerate(requests()[:2]):
-        scheduler.submit(Sequence(engine.parse(r), outputs[i].append))
-    while not scheduler.idle:
-        scheduler.step()
-    assert passes == [len(alone)]
 
 
 def test_a_closed_stream_leaves_the_scheduler(engine):

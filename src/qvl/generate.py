@@ -60,38 +60,6 @@ def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start:
     return model.logits(h_last)[:, -1]
 
 
-@torch.inference_mode()
-def prefill_together(model: Qwen3VL, cache: KVCache, prompts: list[PreparedPrompt], rows: list[int]) -> torch.Tensor:
-    """Whole prompts, none of them in the cache yet, in one pass over the weights: prompt i
-    into slots 0..len-1 of cache row rows[i]. They run as rows of one batch, padded at the end
-    to the longest (causal attention: no token sees the padding; its keys and values are not
-    copied). Returns each prompt's last-token logits [len(prompts), V]."""
-    lengths = [len(p) for p in prompts]
-    longest = max(lengths)
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    positions = torch.zeros(3, len(prompts), longest, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = p.ids
-        positions[:, b, : len(p)] = p.positions
-        positions[:, b, len(p):] = p.next_position  # padding: any position (nothing attends to it)
-    vis = model.cfg.is_vision_token(ids)
-    for b, p in enumerate(prompts):
-        vis[b, len(p):] = False
-    with_images = [p for p in prompts if p.image_embeds is not None and p.image_embeds.shape[0] > 0]
-    embeds = torch.cat([p.image_embeds for p in with_images]) if with_images else None
-    deepstack = [torch.cat(layer) for layer in zip(*(p.deepstack for p in with_images))] if with_images else None
-    h = model.language_model.embed_tokens(ids)
-    if embeds is not None:
-        h[vis] = embeds.to(h.dtype)
-    cos, sin = model.rope(positions)
-    group = new_cache(model, len(prompts), longest)
-    h = model.language_model(h, cos, sin, group, 0, vis if embeds is not None else None, deepstack)
-    for b, (row, n) in enumerate(zip(rows, lengths)):
-        cache.copy_row(group, b, row, n)
-    last = h[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # [B, D]
-    return model.logits(last[:, None])[:, -1]
-
-
 def prefill(
     model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, *, skip: int = 0, chunk: int = PREFILL_CHUNK,
     cancel: CancelCheck | None = None,

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qvl.generate import (PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, new_cache, prefill_slice,
-                          prefill_together)
+from qvl.generate import PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, new_cache, prefill_slice
 from qvl.grammar import Guide
 from qvl.kv_cache import KVCache
 from qvl.requests import ParsedRequest, RequestError
@@ -38,11 +37,6 @@ PREFILL_TOKENS_ALONE = 4 * PREFILL_CHUNK
 SLICE_S = 0.3  # while rows are generating: vision or prefill work per step (their next token waits for it)
 MIN_SLICE_TOKENS = 64  # smaller prefill calls waste their weight passes (and would measure a falsely low rate)
 DETERMINISTIC_CHUNK = 128  # with --deterministic: prefill runs in these aligned chunks, whatever the slice
-# Throughput first (`qvl batch`): new prompts prefill together, up to this many tokens per pass
-# (padded to the longest): a pass costs about as much for one 100-token prompt as for several
-# (dequantising and repacking the weights: ~0.33 s of 2B's 0.45 s at 92 tokens,
-# docs/benchmarks.md section 30)
-GROUP_TOKENS = 2048
 
 Event = Delta | Done | BaseException  # what a sequence emits; an exception ends it unanswered
 
@@ -286,63 +280,6 @@ class Scheduler:
         self.cache = bigger
 
     def _prepare_and_prefill(self) -> None:
-        if self.slice_s is None and not self.engine.options.deterministic:
-            self._prefill_together()
-            return
-        self._prefill_in_slices()
-
-    def _prefill_together(self) -> None:
-        """Throughput first (no slices): every new sequence's vision, then the whole prompts of
-        those that reuse nothing, together in passes of up to GROUP_TOKENS padded tokens; the
-        rest (a reused prefix, a longer prompt) one at a time. A row's answer can then differ
-        in the last bits from the same request alone (the products' sums run in other blocks
-        for other row counts); --deterministic keeps one prompt per pass."""
-        for seq in [s for s in self.running if s.prefilling and s.preparing is not None]:
-            self._prepare(seq, float("inf"))
-        ready = [s for s in self.running if s.prefilling and s.preparing is None]
-        alone = [s for s in ready if s.filled > 0 or len(s.prompt) > PREFILL_TOKENS_ALONE // 2]
-        for seq in alone:
-            self._prefill(seq, PREFILL_TOKENS_ALONE)
-        group: list[Sequence] = []
-        for seq in [s for s in ready if s not in alone]:
-            longest = max([len(seq.prompt)] + [len(s.prompt) for s in group])
-            if group and longest * (len(group) + 1) > GROUP_TOKENS:
-                self._prefill_group(group)
-                group = []
-            group.append(seq)
-        if group:
-            self._prefill_group(group)
-
-    def _prefill_group(self, group: list[Sequence]) -> None:
-        """Whole prompts of several sequences in one pass (one alone as _prefill does)."""
-        group = [s for s in group if not self._cancelled(s)]
-        if len(group) == 1:
-            self._prefill(group[0], PREFILL_TOKENS_ALONE)
-            return
-        if not group:
-            return
-        try:
-            logits = prefill_together(self.model, self.cache, [s.prompt for s in group], [s.row for s in group])
-        except Exception:  # e.g. out of memory for the padded batch: the same prompts one by one
-            for seq in group:
-                self._prefill(seq, PREFILL_TOKENS_ALONE)
-            return
-        for seq, row_logits in zip(group, logits):
-            seq.filled = len(seq.prompt)
-            seq.logits = row_logits.float()
-            self._fork(seq)
-
-    def _cancelled(self, seq: Sequence) -> bool:
-        """Retire seq when its request was cancelled; whether it was."""
-        try:
-            if seq.cancel is not None and seq.cancel():
-                raise Cancelled()
-        except Exception as exc:
-            self._retire(seq, exc)
-            return True
-        return False
-
-    def _prefill_in_slices(self) -> None:
         """One slice of prompt work, oldest sequence first: about slice_s and its tokens while
         other rows generate, all of the oldest's when none do. What the slice's time has left
         goes to the next ones, so several short prompts that arrive together start in one step,
