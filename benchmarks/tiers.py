@@ -74,10 +74,11 @@ def run_llama_decode(args, bin_dir: str, weights: str) -> float:
     return 1000.0 / rows[0]["avg_ts"]
 
 
-def run_llama_ttft(args, bin_dir: str, weights: str) -> dict:
+def run_llama_ttft(args, bin_dir: str, weights: str, gguf: str | None = None) -> dict:
     """Time to first token of llama-mtmd-cli on the photo: image encode + image and text
-    prefill + one token, read from its own timing lines (model loading excluded)."""
-    cmd = [os.path.join(bin_dir, "llama-mtmd-cli"), "-m", os.path.join(args.gguf, GGUF[weights]), "--mmproj",
+    prefill + one token, read from its own timing lines (model loading excluded). gguf: the
+    model file in args.gguf (default: the 2B one of `weights`)."""
+    cmd = [os.path.join(bin_dir, "llama-mtmd-cli"), "-m", os.path.join(args.gguf, gguf or GGUF[weights]), "--mmproj",
            os.path.join(args.gguf, args.mmproj), "-c", "4096", "-n", "1", "-t", str(args.threads), "--temp", "0",
            "--image", args.photo, "-p", PROMPT, "--image-max-tokens", "256", "--perf", "-lv", "4"]
     started = time.perf_counter()
