@@ -28,7 +28,7 @@ from qvl.runtime import cpu_flags
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 W_BF16, W_INT8, W_INT4 = 0, 1, 2
-GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
+GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM (int8 on AMX: 64)
 # bits of qvl_features(): what the build has
 AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP, AMX_INT8 = 1, 2, 4, 8, 16, 32, 64, 128, 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
