@@ -60,12 +60,20 @@ static void configure(int mt) { /* weights: 16 rows x 64 bytes; activations and 
 static void split_codes(const int16_t* q, const float* xs, int64_t m0, int mt, int64_t K, int8_t* hi, uint8_t* lo,
                         float* rep) {
     const int64_t C = K / CHUNK;
+    /* per 64 columns of a row: its 16 runs of 4 bytes go to tile rows 0..15, mt * 4 bytes apart */
+    const __m512i runs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(mt));
     for (int m = 0; m < mt; m++)
-        for (int64_t k = 0; k < K; k++) {
-            const int16_t v = q[(m0 + m) * K + k];
-            const int64_t at = ((k / 64) * 16 + (k % 64) / 4) * mt * 4 + m * 4 + k % 4;
-            hi[at] = (int8_t)(v >> 8);
-            lo[at] = (uint8_t)(v & 0xFF);
+        for (int64_t g = 0; g < K / 64; g++) {
+            const int16_t* v = q + (m0 + m) * K + g * 64;
+            const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + 32);
+            const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(a, 8))),
+                                                 _mm512_cvtepi16_epi8(_mm512_srai_epi16(b, 8)), 1);
+            const __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)),
+                                                 _mm512_cvtepi16_epi8(b), 1); /* truncation keeps the low byte */
+            const int64_t at = g * 16 * mt * 4 + m * 4;
+            _mm512_i32scatter_epi32(hi + at, runs, h, 4);
+            _mm512_i32scatter_epi32(lo + at, runs, l, 4);
         }
     for (int64_t c = 0; c < C; c++)
         for (int i = 0; i < 16 * mt; i++) rep[c * 16 * mt + i] = xs[(m0 + i % mt) * C + c];
