@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+
+from compare import median_time  # benchmarks/ is the script's folder, first on sys.path
 
 from qvl import native, paths
 
 
 def timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    """Median ms of `repeat` calls after a warm-up one."""
+    return median_time(fn, repeat) * 1000
 
 
 def crossover(rounds: int) -> None:

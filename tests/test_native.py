@@ -191,6 +191,21 @@ def test_rms_norm_matches_the_reference_formula(shape):
     torch.testing.assert_close(out.float(), reference.float(), atol=0, rtol=1e-2)
 
 
+def _count_one_calls(monkeypatch) -> list[bool]:
+    """Record each native.decode_layers call: True when the one-call kernel ran the step, False
+    when it declined (None) and the per-op path ran it."""
+    calls = []
+    one_call = native.decode_layers
+
+    def counted(*a, **k):
+        out = one_call(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native, "decode_layers", counted)
+    return calls
+
+
 def _greedy_two_rows(model, steps: int):
     """Two prompts of different lengths prefilled into rows 0 and 1 of one cache, then `steps`
     greedy decode steps of both rows together: (logits [steps, 2, V], tokens [steps, 2], the
@@ -228,15 +243,7 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
         pytest.skip("bf16 compute is the default only with AVX512-BF16")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights=weights, dtype=dtype, threads=2))
     model, text = engine.model, engine.model.language_model
-    calls = []
-    one_call = native.decode_layers
-
-    def counted(*a, **k):
-        out = one_call(*a, **k)
-        calls.append(out is not None)  # None: the kernel declined, the per-op path ran
-        return out
-
-    monkeypatch.setattr(native, "decode_layers", counted)
+    calls = _count_one_calls(monkeypatch)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         logits, _, cache, lengths = _greedy_two_rows(model, 5)
@@ -284,15 +291,7 @@ def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(moe12
     engine = Engine.load(EngineOptions(model=str(moe128_checkpoint), weights=weights, threads=2))
     model, text = engine.model, engine.model.language_model
     assert type(text.layers[0].mlp.experts) is (Int8Experts if weights == "int8" else Int4Experts)
-    calls = []
-    one_call = native.decode_layers
-
-    def counted(*a, **k):
-        out = one_call(*a, **k)
-        calls.append(out is not None)  # None: the kernel declined, the per-op path ran
-        return out
-
-    monkeypatch.setattr(native, "decode_layers", counted)
+    calls = _count_one_calls(monkeypatch)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         logits, tokens, _, _ = _greedy_two_rows(model, 8)

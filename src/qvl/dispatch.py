@@ -43,8 +43,8 @@ class Kernels:
     @property
     def int8_gemv_rows(self) -> int:
         """Up to how many rows int8 products take the GEMV kernel rather than dequantising for a
-        float GEMM: 64 on AMX tiles (1.1-2.1x dequantise + oneDNN's bf16 GEMM from 17 to 64
-        rows, 0.7-1.2x at 96-128: docs/benchmarks.md section 29), else native.GEMV_MAX_ROWS."""
+        float GEMM: 64 on AMX tiles (1.05-3.6x dequantise + oneDNN's bf16 GEMM from 16 to 64
+        rows, 0.7-1.25x at 96-128: docs/benchmarks.md section 29), else native.GEMV_MAX_ROWS."""
         return 64 if self.has(native.AMX_INT8) else native.GEMV_MAX_ROWS
 
     def dequantize(self) -> bool:

@@ -34,7 +34,7 @@ SMOOTHING = ("none", "data-free", "calibrated")
 
 # Many-row products dequantise each weight into one reused buffer per thread and dtype (as big
 # as the largest weight, e.g. 25 MB for 2B's MLP in bf16) instead of a fresh allocation, whose
-# pages the kernel would fault in on every product: first token 5% sooner (docs/benchmarks.md,
+# pages the kernel would fault in on every product: first token 3% sooner (docs/benchmarks.md,
 # section 28).
 _scratch = threading.local()
 
@@ -361,10 +361,13 @@ class Int4Experts(nn.Module):
 
     def native_args(self, expert: int) -> tuple[native.LinearArgs, native.LinearArgs]:
         """The expert's gate_up and down linears for the one-call decode step."""
-        return tuple(native.LinearArgs.of(native.W_INT4, w.shape[1], 2 * w.shape[2], w[expert],
-                                          getattr(self, f"{leaf}_scales")[expert], getattr(self, f"{leaf}_zeros")[expert],
-                                          self.group_size)
-                     for leaf in ("gate_up_proj", "down_proj") for w in (getattr(self, leaf),))
+        def linear(leaf: str) -> native.LinearArgs:
+            w = getattr(self, leaf)
+            return native.LinearArgs.of(native.W_INT4, w.shape[1], 2 * w.shape[2], w[expert],
+                                        getattr(self, f"{leaf}_scales")[expert], getattr(self, f"{leaf}_zeros")[expert],
+                                        self.group_size)
+
+        return linear("gate_up_proj"), linear("down_proj")
 
     def state(self, name: str, leaf: str, tensor: torch.Tensor, dtype: torch.dtype,
               stored: bool) -> dict[str, torch.Tensor]:

@@ -43,6 +43,11 @@ typedef struct {
 #define T_HI1 6
 #define T_LO1 7
 
+static inline __m512i lanes_times(int step) { /* lane i holds i * step */
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32(step));
+}
+
 static void configure(int mt) { /* weights: 16 rows x 64 bytes; activations and sums: mt columns */
     TileConfig cfg = {0};
     cfg.palette = 1;
@@ -61,8 +66,7 @@ static void split_codes(const int16_t* q, const float* xs, int64_t m0, int mt, i
                         float* rep) {
     const int64_t C = K / CHUNK;
     /* per 64 columns of a row: its 16 runs of 4 bytes go to tile rows 0..15, mt * 4 bytes apart */
-    const __m512i runs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(mt));
+    const __m512i runs = lanes_times(mt);
     for (int m = 0; m < mt; m++)
         for (int64_t g = 0; g < K / 64; g++) {
             const int16_t* v = q + (m0 + m) * K + g * 64;
@@ -122,8 +126,7 @@ static inline __m512 load16_dt(const void* p, int dt, int64_t i) {
 static void write_rows(const float* out, int mt, const void* scale, const void* bias, int dt, int64_t n0,
                        int64_t m0, int64_t N, void* y) {
     const __m512 s = load16_dt(scale, dt, n0), b = bias ? load16_dt(bias, dt, n0) : _mm512_setzero_ps();
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(mt));
+    const __m512i column = lanes_times(mt);
     for (int m = 0; m < mt; m++) {
         __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), out, 4), s);
         if (bias) v = _mm512_add_ps(v, b);

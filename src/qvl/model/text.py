@@ -245,7 +245,7 @@ class TextModel(nn.Module):
             return None
         if any(((g.n, g.k), (dn.n, dn.k)) != ((2 * inter, d), (d, inter)) for g, dn in pairs):
             return None
-        return native.MoeArgs.of(moe.top_k, cfg.moe_intermediate_size, router, [g for g, _ in pairs],
+        return native.MoeArgs.of(moe.top_k, inter, router, [g for g, _ in pairs],
                                  [d for _, d in pairs])
 
     def _layer_args(self):
