@@ -11,6 +11,7 @@ from qvl.config import ModelConfig
 from qvl import dispatch, native, paths, quantize
 from qvl.quantize import (
     Bf16Linear,
+    Int4Experts,
     Int4Linear,
     Int8Linear,
     QuantSpec,
@@ -288,3 +289,27 @@ def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
         kernel = native.linear(k.lib, native.W_INT8, x, q, 96, s)
         dense = F.linear(x, dequantize_int8(q, s))
         assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else dense), rows
+
+
+@pytest.mark.parametrize("preset,changes,spec", [
+    ("tiny", None, QuantSpec("int8")),  # tied head: the embeddings are stored once, as the int8 head
+    ("tiny-moe", {"text_config": {"moe_intermediate_size": 64}}, QuantSpec("int4", 32)),  # int4 experts
+])
+def test_synth_writes_the_prequantised_checkpoint_qvl_quantize_makes(preset, changes, spec, tmp_path):
+    from qvl.synth import write_checkpoint
+    from qvl.weights import checkpoint_files, iter_tensors, read_metadata
+
+    bf16 = write_checkpoint(tmp_path / "bf16", preset, seed=3, changes=changes)
+    quantized = save_quantized(bf16, tmp_path / "quantized", spec)
+    direct = write_checkpoint(tmp_path / "direct", preset, seed=3, changes=changes, quant=spec, shard_bytes=1 << 20)
+    files = checkpoint_files(direct)
+    assert len(files) > 1 and (direct / "model.safetensors.index.json").exists()  # sharded as published
+    assert QuantSpec.from_metadata(read_metadata(files)) == spec
+    made, written = dict(iter_tensors(checkpoint_files(quantized))), dict(iter_tensors(files))
+    assert made.keys() == written.keys()
+    assert all(made[k].dtype == written[k].dtype and torch.equal(made[k], written[k]) for k in made)
+    cfg = ModelConfig.from_file(direct / "config.json")
+    model = load_model(direct, cfg, torch.bfloat16)
+    experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
+    assert isinstance(model.lm_head, Int8Linear if spec.weights == "int8" else Int4Linear)
+    assert bool(experts) == (preset == "tiny-moe")

@@ -474,6 +474,13 @@ def quantized_state(module: nn.Module, name: str, w: torch.Tensor, dtype: torch.
     return {f"{name}.weight": q, f"{name}.scales": scale.to(dtype)}
 
 
+def portable_quantized(module: nn.Module, name: str, w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A float weight [O, I] -> the tensors portable_state gives for it once loaded."""
+    state = quantized_state(module, name, w, dtype)
+    leaves = {"weight": "weight", "scales": "weight_scale", "zeros": "weight_zero"}
+    return {f"{name}.{leaves[key.rpartition('.')[2]]}": t for key, t in state.items()}
+
+
 def portable_state(module: nn.Module, name: str) -> dict[str, torch.Tensor]:
     """A quantised module's tensors for a file: int8: weight (int8) + weight_scale;
     int4: weight (nibbles) + weight_scale + weight_zero."""

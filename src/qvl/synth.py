@@ -7,15 +7,15 @@ import copy
 import itertools
 import json
 import shutil
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from qvl.config import ModelConfig
 from qvl.model.qwen3_vl import Qwen3VL
-from qvl.weights import NAME_PREFIXES
+from qvl.quantize import QuantSpec
+from qvl.weights import NAME_PREFIXES, SHARD_BYTES, quantized_tensors, write_shards
 
 # config.json of Qwen/Qwen3-VL-2B-Instruct as published.
 OFFICIAL_2B = {
@@ -125,14 +125,14 @@ def preset_config(preset: str, changes: dict | None = None) -> dict:
 EMBED_STD = 0.05  # small next to the layers' outputs, so a tied lm_head does not just echo the input
 
 
-def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Random bf16 weights under checkpoint names. Linear weights ~ N(0, 1/fan_in) so
-    activations keep their scale and logits are peaked (greedy decoding has margins)."""
+def random_tensors(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random bf16 weights under checkpoint names, one tensor at a time. Linear weights
+    ~ N(0, 1/fan_in) so activations keep their scale and logits are peaked (greedy decoding
+    has margins)."""
     with torch.device("meta"):
         model = Qwen3VL(cfg)
     gen = torch.Generator().manual_seed(seed)
     to_checkpoint = {dst: src for src, dst in NAME_PREFIXES}
-    state = {}
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -148,8 +148,7 @@ def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             fan_in = p.shape[1] if ".experts." in name else p[0].numel()  # experts: [E, in, out]
             t = torch.randn(p.shape, generator=gen) / fan_in**0.5
         prefix = next(dst for dst in to_checkpoint if name.startswith(dst))
-        state[to_checkpoint[prefix] + name[len(prefix) :]] = t.to(torch.bfloat16)
-    return state
+        yield to_checkpoint[prefix] + name[len(prefix) :], t.to(torch.bfloat16)
 
 
 # -- a stress checkpoint: trained-model-like outliers --------------------------------------
@@ -211,11 +210,14 @@ def _present(state: dict[str, torch.Tensor], module: str) -> list[str]:
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, changes: dict | None = None,
-                     outliers: bool = False, thinking: bool = False) -> Path:
+                     outliers: bool = False, thinking: bool = False, quant: QuantSpec | None = None,
+                     shard_bytes: int = SHARD_BYTES) -> Path:
     """Write a complete checkpoint folder (config, weights, tokenizer, template, preprocessor);
     `outliers` plants trained-model-like outliers (see plant_outliers) and records them in
     the safetensors metadata under "qvl_outliers"; `thinking` gives it a Thinking variant's
-    chat template (the answer opens `<think>`) and sampling defaults."""
+    chat template (the answer opens `<think>`) and sampling defaults; `quant` writes the
+    pre-quantised checkpoint `qvl quantize` would make of the bf16 one, tensor by tensor
+    (a 30B model without its 62 GB bf16 file). Weights are sharded as published ones are."""
     from qvl.processing.tokenizer import write_tokenizer_files
 
     out = Path(out)
@@ -231,8 +233,12 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
     with resources.as_file(template) as path:
         shutil.copyfile(path, out / "chat_template.jinja")
     write_tokenizer_files(out)
-    state, metadata = random_state(cfg, seed), {"format": "pt"}
+    tensors, metadata = random_tensors(cfg, seed), {"format": "pt"}
     if outliers:
+        state = dict(tensors)
         metadata["qvl_outliers"] = json.dumps(plant_outliers(state, cfg, seed))
-    save_file(state, str(out / "model.safetensors"), metadata=metadata)
+        tensors = iter(state.items())
+    if quant is not None:
+        tensors, metadata = quantized_tensors(tensors, cfg, quant), {**metadata, **quant.metadata()}
+    write_shards(tensors, out, metadata, shard_bytes)
     return out

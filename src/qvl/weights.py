@@ -30,6 +30,7 @@ from qvl.quantize import (
     QuantSpec,
     TiedQuantEmbedding,
     keep_bf16_storage,
+    portable_quantized,
     portable_state,
     quantize_vision,
     quantized_state,
@@ -294,6 +295,77 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16)
     b = t.to(torch.bfloat16)
     return b if torch.equal(b.float(), t) else t
+
+
+def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
+                      spec: QuantSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Float checkpoint tensors -> the tensors of the pre-quantised checkpoint `write_quantized`
+    writes for the same weights (text linears and experts quantised as at load; vision float),
+    one tensor at a time: a model of any size is quantised in the memory of its largest tensor."""
+    if spec.vision:
+        raise ValueError("an int8 vision tower is smoothed from the loaded model: use `qvl quantize --vision-int8`")
+    with torch.device("meta"), skipped_init():
+        model = Qwen3VL(cfg)
+        quantized = set(swap_modules(model, spec, torch.bfloat16))
+    tied_quant = cfg.tie_word_embeddings and "lm_head" in quantized
+    for name, tensor in tensors:
+        target = to_module_name(name)
+        if tied_quant and target == "language_model.embed_tokens.weight":
+            target = "lm_head.weight"  # stored once, as the quantised head (see load_model)
+        module_name, _, leaf = (target or "").rpartition(".")
+        module = model.get_submodule(module_name) if module_name in quantized else None
+        if isinstance(module, (Int8Experts, Int4Experts)):
+            state = module.state(module_name, leaf, tensor, torch.bfloat16, stored=False)
+        elif module is not None and leaf == "weight":
+            state = portable_quantized(module, module_name, tensor, torch.bfloat16)
+        else:  # float tensors (and a quantised linear's bias) are stored as they are
+            yield name, tensor
+            continue
+        for key, value in state.items():
+            yield to_checkpoint_name(key), value
+
+
+SHARD_BYTES = 4 << 30  # the official checkpoints' shard size
+
+
+def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, metadata: dict[str, str],
+                 shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Write a stream of tensors as safetensors shards of about `shard_bytes` (save_aligned,
+    each holding `metadata`): one `model.safetensors`, or `model-0000i-of-0000N.safetensors`
+    with the Hugging Face index. Only one shard is held in memory. Returns the files."""
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        path = out_dir / f".shard-{len(parts)}.partial"
+        save_aligned(shard, path, metadata)
+        parts.append((path, list(shard)))
+        shard.clear()
+
+    size = 0
+    for name, tensor in tensors:
+        if shard and size + tensor.nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = tensor.contiguous()
+        size += tensor.nbytes
+    if shard or not parts:
+        flush()
+    for stale in [*out_dir.glob("model-*-of-*.safetensors"), *out_dir.glob("model.safetensors*")]:
+        stale.unlink()  # an earlier checkpoint's weights in the same folder
+    if len(parts) == 1:
+        os.replace(parts[0][0], out_dir / "model.safetensors")
+        return [out_dir / "model.safetensors"]
+    files, weight_map = [], {}
+    for i, (path, names) in enumerate(parts):
+        final = out_dir / f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(path, final)
+        files.append(final)
+        weight_map.update(dict.fromkeys(names, final.name))
+    total = sum(f.stat().st_size for f in files)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
 
 
 SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",
