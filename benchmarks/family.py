@@ -5,9 +5,12 @@ memory; a decode step's bytes scale with the layers, so the ratio to the floor c
     python benchmarks/family.py --presets 4b 8b --layers 8 --rounds 3
     python benchmarks/family.py --presets 8b --llama-bin /work/llama/native-bin --gguf-dir /work/ckpt/gguf
 
-With --llama-bin, llama.cpp's llama-bench decodes the same checkpoint converted to GGUF Q8_0
-(`convert_hf_to_gguf.py CKPT --outtype q8_0 --outfile GGUF_DIR/qvl-P-Llayers-Q8_0.gguf`) in
-the same rounds, and the qvl / llama.cpp ratio is printed.
+    python benchmarks/family.py --presets 30b-a3b --layers 4 --weights int4 --gguf-type Q4_K_M \
+        --llama-bin /work/llama/native-bin --gguf-dir /work/ckpt/gguf
+
+With --llama-bin, llama.cpp's llama-bench decodes the same checkpoint converted to GGUF
+(`convert_hf_to_gguf.py CKPT --outtype q8_0 --outfile GGUF_DIR/qvl-P-Llayers-Q8_0.gguf`; Q4_K_M:
+`--outtype bf16`, then `llama-quantize`) in the same rounds, and the qvl / llama.cpp ratio is printed.
 
 Per preset: `qvl synth --preset P --layers L` (once, into --dir), then per round the read
 bandwidth (compare.machine_rates: a streaming sum over 1 GiB in weight-sized pieces) and
@@ -54,16 +57,17 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dir", type=Path, default=Path("/work/ckpt"))
     p.add_argument("--llama-bin", type=Path, help="a llama.cpp build's bin folder (llama-bench)")
-    p.add_argument("--gguf-dir", type=Path, help="where the Q8_0 conversions are")
+    p.add_argument("--gguf-dir", type=Path, help="where the GGUF conversions are")
+    p.add_argument("--gguf-type", default="Q8_0", help="the GGUF's type, in its name qvl-P-Llayers-TYPE.gguf")
     args = p.parse_args()
     for preset in args.presets:
         model = args.dir / f"qvl-{preset}-{args.layers}layers"
-        if not (model / "model.safetensors").exists():
+        if not any(model.glob("model*.safetensors*")):
             subprocess.run([sys.executable, "-m", "qvl.cli", "synth", str(model), "--preset", preset,
                             "--layers", str(args.layers)], check=True)
         read = footprint(ModelConfig.from_file(model / "config.json"), args.weights).read_per_token
         bench(model, args.threads, args.weights, 4)  # the first start quantises and builds: not measured
-        gguf = args.gguf_dir / f"{model.name}-Q8_0.gguf" if args.gguf_dir else None
+        gguf = args.gguf_dir / f"{model.name}-{args.gguf_type}.gguf" if args.gguf_dir else None
         ratios, times, floors, llama = [], [], [], []
         for rnd in range(args.rounds):
             if rnd % 2 == 0:
@@ -81,7 +85,7 @@ def main() -> None:
             times.append(ms)
             floors.append(floor)
             print(f"{preset} round {rnd + 1}: {ms:.1f} ms/token, read {gb_s:.1f} GB/s, floor {floor:.1f} ms, "
-                  f"{ms / floor:.2f}x floor" + (f", llama.cpp Q8_0 {llama[-1]:.1f} ms/token" if llama else ""),
+                  f"{ms / floor:.2f}x floor" + (f", llama.cpp {args.gguf_type} {llama[-1]:.1f} ms/token" if llama else ""),
                   flush=True)
 
         def spread(values):
@@ -90,7 +94,7 @@ def main() -> None:
         print(f"{preset}, {args.layers} of its layers, {args.weights}: {read / 1e9:.2f} GB read per token; "
               f"decode {spread(times)} ms/token, floor {spread(floors)} ms, x floor {spread(ratios)}")
         if llama:
-            print(f"llama.cpp Q8_0 decode {spread(llama)} ms/token; qvl / llama.cpp "
+            print(f"llama.cpp {args.gguf_type} decode {spread(llama)} ms/token; qvl / llama.cpp "
                   f"{spread([q / l for q, l in zip(times, llama)])}")
 
 

@@ -6,8 +6,13 @@ and mmproj converted from the same checkpoint, alternating, model loading exclud
     python benchmarks/family_ttft.py --model /work/ckpt/qvl-8b-8layers --gguf-dir /work/ckpt/gguf \\
         --gguf qvl-8b-8layers-Q8_0.gguf --mmproj mmproj-qvl-8b-f16.gguf --llama-bin /work/llama/native-bin
 
+    python benchmarks/family_ttft.py --model /work/ckpt/qvl-30b-a3b-4layers --weights int4 \
+        --gguf-dir /work/ckpt/gguf --gguf qvl-30b-a3b-4layers-Q4_K_M.gguf --mmproj mmproj-qvl-30b-a3b-f16.gguf \
+        --llama-bin /work/llama/native-bin
+
 Conversions: `convert_hf_to_gguf.py CKPT --outtype q8_0 --outfile DIR/qvl-8b-8layers-Q8_0.gguf` and
-`convert_hf_to_gguf.py CKPT --mmproj --outtype f16 --outfile DIR/mmproj-qvl-8b-f16.gguf`.
+`convert_hf_to_gguf.py CKPT --mmproj --outtype f16 --outfile DIR/mmproj-qvl-8b-f16.gguf`; Q4_K_M:
+`--outtype bf16`, then `llama-quantize BF16_FILE OUT Q4_K_M`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from tiers import run_llama_ttft  # noqa: E402
 
 def qvl_ttft(args) -> dict:
     out = subprocess.run([sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--threads",
-                          str(args.threads), "--image", "1920x1080", "--new-tokens", "1", "--repeat", "2", "--json"],
+                          str(args.threads), "--weights", args.weights, "--image", "1920x1080", "--new-tokens", "1",
+                          "--repeat", "2", "--json"],
                          capture_output=True, text=True, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     return {"ttft_ms": r["ttft_ms"], "vision_ms": r["vision_ms"], "image_tokens": r["image_tokens"]}
@@ -35,7 +41,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--gguf-dir", required=True)
-    p.add_argument("--gguf", required=True, help="the Q8_0 model file in --gguf-dir")
+    p.add_argument("--gguf", required=True, help="the model file in --gguf-dir (Q8_0 beside int8, Q4_K_M beside int4)")
+    p.add_argument("--weights", default="int8", help="qvl's weight format (default int8)")
     p.add_argument("--mmproj", required=True, help="the mmproj file in --gguf-dir")
     p.add_argument("--llama-bin", required=True, help="a llama.cpp build's bin folder (llama-mtmd-cli)")
     p.add_argument("--photo", default="/work/ckpt/photo-1920x1080.jpg")
