@@ -292,24 +292,35 @@ def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
 
 
 @pytest.mark.parametrize("preset,changes,spec", [
-    ("tiny", None, QuantSpec("int8")),  # tied head: the embeddings are stored once, as the int8 head
+    ("tiny", None, QuantSpec("int8", vision=True)),  # tied head stored once, as the int8 head; smoothed int8 vision
     ("tiny-moe", {"text_config": {"moe_intermediate_size": 64}}, QuantSpec("int4", 32)),  # int4 experts
 ])
-def test_synth_writes_the_prequantised_checkpoint_qvl_quantize_makes(preset, changes, spec, tmp_path):
+def test_quantising_tensor_by_tensor_writes_what_the_loaded_model_holds(preset, changes, spec, tmp_path):
+    """`qvl quantize`, the first start's cache and `qvl synth --weights` quantise a tensor at a
+    time (a 30B model on a 24 GB machine); the files are those of the whole model quantised in
+    memory and written, for bf16 and float32 scales alike."""
     from qvl.synth import write_checkpoint
-    from qvl.weights import checkpoint_files, iter_tensors, read_metadata
+    from qvl.weights import checkpoint_files, iter_tensors, read_metadata, write_quantized, write_streamed
+
+    def tensors(folder):
+        return dict(iter_tensors(checkpoint_files(folder)))
 
     bf16 = write_checkpoint(tmp_path / "bf16", preset, seed=3, changes=changes)
-    quantized = save_quantized(bf16, tmp_path / "quantized", spec)
+    cfg = ModelConfig.from_file(bf16 / "config.json")
+    for dtype in (torch.bfloat16, torch.float32):
+        whole = tensors(write_quantized(load_model(bf16, cfg, dtype, spec), spec, bf16, tmp_path / f"whole-{dtype}"))
+        streamed = tensors(write_streamed(bf16, tmp_path / f"streamed-{dtype}", spec, dtype))
+        assert whole.keys() == streamed.keys()
+        assert all(whole[k].dtype == streamed[k].dtype and torch.equal(whole[k], streamed[k]) for k in whole)
     direct = write_checkpoint(tmp_path / "direct", preset, seed=3, changes=changes, quant=spec, shard_bytes=1 << 20)
     files = checkpoint_files(direct)
     assert len(files) > 1 and (direct / "model.safetensors.index.json").exists()  # sharded as published
     assert QuantSpec.from_metadata(read_metadata(files)) == spec
-    made, written = dict(iter_tensors(checkpoint_files(quantized))), dict(iter_tensors(files))
+    made = tensors(save_quantized(bf16, tmp_path / "quantized", spec))
+    written = tensors(direct)
     assert made.keys() == written.keys()
     assert all(made[k].dtype == written[k].dtype and torch.equal(made[k], written[k]) for k in made)
-    cfg = ModelConfig.from_file(direct / "config.json")
     model = load_model(direct, cfg, torch.bfloat16)
-    experts = [m for m in model.modules() if isinstance(m, Int4Experts)]
     assert isinstance(model.lm_head, Int8Linear if spec.weights == "int8" else Int4Linear)
-    assert bool(experts) == (preset == "tiny-moe")
+    assert isinstance(model.visual.blocks[0].attn.qkv, Int8Linear) == spec.vision
+    assert any(isinstance(m, Int4Experts) for m in model.modules()) == (preset == "tiny-moe")

@@ -399,7 +399,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from qvl.synth import write_checkpoint
 
     changes = {"text_config": {"num_hidden_layers": args.layers}} if args.layers else None
-    quant = QuantSpec(args.weights, args.group_size) if args.weights != "bf16" else None
+    if args.vision_int8 and args.weights == "bf16":
+        raise ValueError("--vision-int8 quantises the vision tower of an int8 or int4 checkpoint: add --weights")
+    quant = QuantSpec(args.weights, args.group_size, args.vision_int8) if args.weights != "bf16" else None
     out = write_checkpoint(args.out, args.preset, args.seed, changes, outliers=args.outliers, thinking=args.thinking,
                            quant=quant)
     kind = "an outlier stress" if args.outliers else "a random-weight Thinking" if args.thinking else "a random-weight"
@@ -583,6 +585,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                    help="int8/int4: write the pre-quantised checkpoint `qvl quantize` would make of the bf16 one, "
                         "tensor by tensor, without the bf16 file (30b-a3b in int4: ~17 GB instead of 62 GB)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size (default 128)")
+    p.add_argument("--vision-int8", action="store_true",
+                   help="with --weights: the vision tower int8 too, smoothed from its norms (as `qvl quantize`)")
     commands["synth"] = cmd_synth
 
     p = sub.add_parser("quantize", help="write a pre-quantised int8/int4 checkpoint that loads without re-quantising")

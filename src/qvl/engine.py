@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import shutil
 import sys
 import time
 from collections import deque
@@ -34,8 +35,8 @@ from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, DETERMINISTIC_CHUNK, Scheduler, Sequence
 from qvl.stream import Delta, Done, Timings
-from qvl.weights import (UNUSED_CACHE_DAYS, checkpoint_quantization, load_model, prune_quantized_cache,
-                         quantized_cache_dir, write_quantized)
+from qvl.weights import (UNUSED_CACHE_DAYS, CheckpointError, checkpoint_quantization, load_model,
+                         prune_quantized_cache, quantized_cache_dir, write_streamed)
 
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
@@ -89,14 +90,19 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
         except OSError as exc:  # not even the temporary cache folder can be written: quantise every time
             print(f"qvl: cannot keep quantised weights in {cached}: {exc}", file=sys.stderr)
             return load_model(path, cfg, dtype, quant)
-        if (cached / "model.safetensors").exists():
-            model = load_model(cached, cfg, dtype)
-        else:
-            model = load_model(path, cfg, dtype, quant)
-            try:
-                write_quantized(model, quant, path, cached)
+        fresh = not any((cached / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
+        if fresh:
+            try:  # quantised tensor by tensor into the cache, then mapped from it like any later start
+                write_streamed(path, cached, quant, dtype)
             except OSError as exc:  # a full disk costs only the next start
                 print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
+                return load_model(path, cfg, dtype, quant)
+        try:
+            model = load_model(cached, cfg, dtype)
+        except CheckpointError:  # the checkpoint's own fault (missing or unexpected tensors): keep nothing
+            if fresh:
+                shutil.rmtree(cached, ignore_errors=True)
+            raise
     if removed := prune_quantized_cache(cached):
         print(f"qvl: removed {len(removed)} quantised-weights cache entries unused for {UNUSED_CACHE_DAYS} days "
               f"from {cached.parent}", file=sys.stderr)

@@ -235,10 +235,11 @@ def save_quantized(model_dir: Path, out_dir: Path, spec: QuantSpec,
     (preprocessed images: patches [N, C*T*P*P] and grid), the int8 vision tower is smoothed
     from those images' activations instead of from its norms."""
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    if QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir))) is not None:
+    files = checkpoint_files(model_dir)
+    if QuantSpec.from_metadata(read_metadata(files)) is not None:
         raise CheckpointError(f"{model_dir} is already quantised; quantise the original bf16 checkpoint")
     if not calibration:
-        return write_quantized(load_model(model_dir, cfg, torch.bfloat16, spec), spec, model_dir, out_dir)
+        return write_streamed(model_dir, out_dir, spec, torch.bfloat16)
     if not spec.vision:
         raise CheckpointError("calibration smooths the int8 vision tower: quantise it too (--vision-int8)")
     spec = replace(spec, smoothing="calibrated")
@@ -270,10 +271,7 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
         state[to_checkpoint_name(name)] = _stored(tensor).contiguous()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for path in model_dir.iterdir():
-        if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
-            shutil.copyfile(path, out_dir / path.name)
+    copy_side_files(model_dir, out_dir)
     fd, partial = tempfile.mkstemp(dir=out_dir, prefix=".model.", suffix=".partial")
     os.close(fd)
     try:
@@ -283,6 +281,25 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
         if os.path.exists(partial):
             os.unlink(partial)
     return out_dir
+
+
+def write_streamed(model_dir: Path, out_dir: Path, spec: QuantSpec, dtype: torch.dtype) -> Path:
+    """The checkpoint write_quantized writes for `load_model(model_dir, cfg, dtype, spec)`,
+    quantised tensor by tensor (quantized_tensors) into shards (write_shards): peak memory is
+    a shard, not the model, so a 62 GB bf16 checkpoint quantises on a 24 GB machine."""
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    copy_side_files(model_dir, out_dir)
+    tensors = quantized_tensors(iter_tensors(checkpoint_files(model_dir)), cfg, spec, dtype)
+    write_shards(tensors, out_dir, {"format": "pt", **spec.metadata()})
+    return out_dir
+
+
+def copy_side_files(model_dir: Path, out_dir: Path) -> None:
+    """Everything of a checkpoint folder but its weights (config, tokenizer, template, ...)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.is_file() and not path.name.startswith(("model.safetensors", "model-")):
+            shutil.copyfile(path, out_dir / path.name)
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
@@ -297,32 +314,57 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     return b if torch.equal(b.float(), t) else t
 
 
-def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
-                      spec: QuantSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Float checkpoint tensors -> the tensors of the pre-quantised checkpoint `write_quantized`
-    writes for the same weights (text linears and experts quantised as at load; vision float),
-    one tensor at a time: a model of any size is quantised in the memory of its largest tensor."""
-    if spec.vision:
-        raise ValueError("an int8 vision tower is smoothed from the loaded model: use `qvl quantize --vision-int8`")
+def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig, spec: QuantSpec,
+                      dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """Float checkpoint tensors -> the tensors `write_quantized` writes for the model loaded with
+    `spec` in `dtype` (scales in dtype), one at a time: the text decoder's linears and experts
+    are quantised as they come, so a model of any size needs the memory of its largest tensor;
+    an int8 vision tower is gathered (under 1 GB), smoothed from its norms, quantised, and
+    comes last. Calibrated smoothing needs images: see save_quantized."""
     with torch.device("meta"), skipped_init():
         model = Qwen3VL(cfg)
-        quantized = set(swap_modules(model, spec, torch.bfloat16))
+        quantized = set(swap_modules(model, replace(spec, vision=False), dtype))
+        kept_bf16 = keep_bf16_storage(model) if spec.vision and dtype == torch.float32 else set()  # as load_model
     tied_quant = cfg.tie_word_embeddings and "lm_head" in quantized
+    vision: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         target = to_module_name(name)
         if tied_quant and target == "language_model.embed_tokens.weight":
             target = "lm_head.weight"  # stored once, as the quantised head (see load_model)
+        if spec.vision and target and target.startswith("visual."):
+            keep = target in kept_bf16 and tensor.dtype == torch.bfloat16
+            vision[target] = tensor.to(torch.bfloat16 if keep else dtype)
+            continue
         module_name, _, leaf = (target or "").rpartition(".")
         module = model.get_submodule(module_name) if module_name in quantized else None
         if isinstance(module, (Int8Experts, Int4Experts)):
-            state = module.state(module_name, leaf, tensor, torch.bfloat16, stored=False)
+            state = module.state(module_name, leaf, tensor, dtype, stored=False)
         elif module is not None and leaf == "weight":
-            state = portable_quantized(module, module_name, tensor, torch.bfloat16)
-        else:  # float tensors (and a quantised linear's bias) are stored as they are
-            yield name, tensor
+            state = portable_quantized(module, module_name, tensor, dtype)
+        else:  # float tensors (and a quantised linear's bias) as the loaded model holds them
+            yield name, _stored(tensor.to(dtype)) if tensor.is_floating_point() else tensor
             continue
         for key, value in state.items():
             yield to_checkpoint_name(key), value
+    if spec.vision:
+        yield from _int8_vision(model, vision, dtype)
+
+
+def _int8_vision(model: Qwen3VL, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float vision tower's tensors (module names) -> its int8 checkpoint tensors, smoothed
+    from its norms as load_model does; `model` is a meta model whose tower takes them."""
+    expected = set(model.visual.state_dict(prefix="visual."))
+    if expected != state.keys():
+        raise CheckpointError(_mismatch_message(sorted(expected - state.keys()), sorted(state.keys() - expected)))
+    model.visual.load_state_dict({k.removeprefix("visual."): t for k, t in state.items()}, assign=True)
+    smoothing.smooth(model, text=False, vision=True)
+    quantize_vision(model, dtype)
+    for name, module in model.visual.named_modules(prefix="visual"):
+        if isinstance(module, Int8Linear):
+            yield from ((to_checkpoint_name(k), t) for k, t in portable_state(module, name).items())
+    for name, tensor in model.visual.state_dict(prefix="visual.").items():
+        if not isinstance(model.get_submodule(name.rpartition(".")[0]), Int8Linear):
+            yield to_checkpoint_name(name), _stored(tensor)
 
 
 SHARD_BYTES = 4 << 30  # the official checkpoints' shard size
@@ -332,7 +374,8 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, met
                  shard_bytes: int = SHARD_BYTES) -> list[Path]:
     """Write a stream of tensors as safetensors shards of about `shard_bytes` (save_aligned,
     each holding `metadata`): one `model.safetensors`, or `model-0000i-of-0000N.safetensors`
-    with the Hugging Face index. Only one shard is held in memory. Returns the files."""
+    with the Hugging Face index (written last: a complete set has it). Only one shard is held
+    in memory; on an error no partial file stays. Returns the files."""
     parts: list[tuple[Path, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
 
@@ -343,14 +386,20 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, met
         shard.clear()
 
     size = 0
-    for name, tensor in tensors:
-        if shard and size + tensor.nbytes > shard_bytes:
+    try:
+        for name, tensor in tensors:
+            if shard and size + tensor.nbytes > shard_bytes:
+                flush()
+                size = 0
+            shard[name] = tensor.contiguous()
+            size += tensor.nbytes
+        if shard or not parts:
             flush()
-            size = 0
-        shard[name] = tensor.contiguous()
-        size += tensor.nbytes
-    if shard or not parts:
-        flush()
+    except BaseException:
+        for path, _ in parts:
+            path.unlink(missing_ok=True)
+        (out_dir / f".shard-{len(parts)}.partial").unlink(missing_ok=True)
+        raise
     for stale in [*out_dir.glob("model-*-of-*.safetensors"), *out_dir.glob("model.safetensors*")]:
         stale.unlink()  # an earlier checkpoint's weights in the same folder
     if len(parts) == 1:
