@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qvl import smoothing
+from qvl import mapped, smoothing
 from qvl.config import ModelConfig
 from qvl.paths import cache_root
 from qvl.model.qwen3_vl import Qwen3VL
@@ -290,7 +290,7 @@ def write_streamed(model_dir: Path, out_dir: Path, spec: QuantSpec, dtype: torch
     cfg = ModelConfig.from_file(model_dir / "config.json")
     copy_side_files(model_dir, out_dir)
     tensors = quantized_tensors(iter_tensors(checkpoint_files(model_dir)), cfg, spec, dtype)
-    write_shards(tensors, out_dir, {"format": "pt", **spec.metadata()})
+    write_shards(tensors, out_dir, {"format": "pt", **spec.metadata()}, STREAMED_SHARD_BYTES)
     return out_dir
 
 
@@ -344,6 +344,7 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
         else:  # float tensors (and a quantised linear's bias) as the loaded model holds them
             yield name, _stored(tensor.to(dtype)) if tensor.is_floating_point() else tensor
             continue
+        mapped.release(tensor)  # a mapped checkpoint's pages of it are read for good
         for key, value in state.items():
             yield to_checkpoint_name(key), value
     if spec.vision:
@@ -368,6 +369,7 @@ def _int8_vision(model: Qwen3VL, state: dict[str, torch.Tensor], dtype: torch.dt
 
 
 SHARD_BYTES = 4 << 30  # the official checkpoints' shard size
+STREAMED_SHARD_BYTES = 1 << 30  # quantising at the first start: a shard is held in memory beside the mapped source
 
 
 def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, metadata: dict[str, str],
