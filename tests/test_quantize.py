@@ -246,11 +246,13 @@ def test_quantised_weights_unused_for_a_month_are_removed(tiny_checkpoint, capsy
     assert "removed 2 quantised-weights cache entries" in capsys.readouterr().err
 
 
-def test_many_row_products_reuse_one_scratch_buffer_per_thread():
-    """Prefill's products dequantise into a reused buffer: consecutive products with different
-    weights (and shapes) each equal the product with a freshly dequantised weight, and another
-    thread gets a buffer of its own."""
+def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
+    """Prefill's products dequantise into a reused buffer (int4; int8 where there are no AMX
+    tiles): consecutive products with different weights (and shapes) each equal the product
+    with a freshly dequantised weight, and another thread gets a buffer of its own."""
     import threading
+
+    monkeypatch.setattr(native, "int8_amx_bf16", lambda *args: None)  # the path of CPUs without AMX
 
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8, scratch
 
@@ -273,8 +275,8 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread():
 
 def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
     """Up to Kernels.int8_gemv_rows rows (64 on AMX tiles, 16 elsewhere) an int8 product is the
-    GEMV kernel's exact 16-bit scheme; one row more, the dequantised weight through the float
-    GEMM."""
+    GEMV kernel's exact 16-bit scheme; one row more, the bf16 tile kernel on AMX, elsewhere the
+    dequantised weight through the float GEMM."""
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8
 
     k = dispatch.kernels()
@@ -287,8 +289,8 @@ def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
     for rows in (k.int8_gemv_rows, k.int8_gemv_rows + 1):
         x = torch.randn(rows, 256).bfloat16()
         kernel = native.linear(k.lib, native.W_INT8, x, q, 96, s)
-        dense = F.linear(x, dequantize_int8(q, s))
-        assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else dense), rows
+        many = native.int8_amx_bf16(k.lib, x, q, s) if k.has(native.AMX_INT8) else F.linear(x, dequantize_int8(q, s))
+        assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else many), rows
 
 
 @pytest.mark.parametrize("preset,changes,spec", [
@@ -324,3 +326,23 @@ def test_quantising_tensor_by_tensor_writes_what_the_loaded_model_holds(preset, 
     assert isinstance(model.lm_head, Int8Linear if spec.weights == "int8" else Int4Linear)
     assert isinstance(model.visual.blocks[0].attn.qkv, Int8Linear) == spec.vision
     assert any(isinstance(m, Int4Experts) for m in model.modules()) == (preset == "tiny-moe")
+
+
+@pytest.mark.parametrize("rows", [65, 97, 300])
+def test_many_row_int8_products_on_amx_tiles_round_only_their_outputs(rows):
+    """Prefill's int8 products on AMX convert the codes to bf16 (exact) and sum in float32 over
+    all of K before the row scale: within an output's bf16 rounding of the exact product, and a
+    row's result is the same alone as among others."""
+    k = dispatch.kernels()
+    if k.lib is None or not k.has(native.AMX_INT8):
+        pytest.skip("no AMX tiles on this CPU")
+    q, s = quantize_int8(torch.randn(96, 256))
+    s, bias = s.to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    y = native.int8_amx_bf16(k.lib, x, q, s, bias)
+    exact = (x.double() @ q.double().T) * s.double() + bias.double()
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+    torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-4 * exact.abs().max().item())
+    assert torch.equal(native.int8_amx_bf16(k.lib, x[-1:], q, s, bias), y[-1:])
+    assert torch.equal(quantize.int8_product(x, q, s, bias), y)  # what prefill runs
+    assert native.int8_amx_bf16(k.lib, x[:, :240].contiguous(), q[:, :240].contiguous(), s) is None  # K % 32

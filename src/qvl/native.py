@@ -147,6 +147,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
                                       ptr, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
+    lib.qvl_int8_amx_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int]
+    lib.qvl_int8_amx_bf16.restype = c_int
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
     lib.features = lib.qvl_features()  # fixed for the build: read once, not per call
@@ -176,6 +178,19 @@ def linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, o
     if status != 0:
         raise MemoryError("qvl_linear could not allocate its activation buffers")
     return y.view(*x.shape[:-1], out_features)
+
+
+def int8_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] bf16 on AMX
+    tiles, the int8 codes converted to bf16 panel by panel (many rows: prefill); None where the
+    kernel does not run (no AMX, K or N not a multiple of 32)."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, k).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    status = lib.qvl_int8_amx_bf16(rows.data_ptr(), rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
+                                   _ptr(bias), _DTYPES[scale.dtype], y.data_ptr(), torch.get_num_threads())
+    return y.view(*x.shape[:-1], n) if status == 1 else None
 
 
 def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

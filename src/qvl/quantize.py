@@ -234,6 +234,9 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
     where the native one does not run."""
     if _rows(x) > (max_rows := kernels().int8_gemv_rows):
+        if x.dtype == torch.bfloat16 and kernels().has(native.AMX_INT8) and weight.is_contiguous() \
+                and (y := native.int8_amx_bf16(kernels().lib, x, weight, scales, bias)) is not None:
+            return y
         return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
                                    bias)
     if (lib := _gemv_library(x, scales.dtype, max_rows)) is not None:

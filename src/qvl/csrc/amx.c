@@ -180,8 +180,139 @@ int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, in
     free(hi), free(lo), free(rep);
     return N16;
 }
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* Many-row products with int8 weights in bf16 (prefill): y = (x . w^T) * scale (+ bias), x and
+ * y bf16 [M][K] and [M][N]. int8 codes are exact in bf16, so each thread converts 32 weight rows
+ * at a time into two A tiles' panel (no dequantised copy of the whole matrix, no repacking) and
+ * runs every 32 activation rows over them, float32 sums over all of K; the row scale comes after
+ * the sum. Tiles: sums 0-3 ([n-block][m-block]), weights 4-5, activations 6-7. */
+static void configure_bf16(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* Activation rows m0..m0+15 as B tiles: per 32 columns, 16 tile rows (column pairs) of 16 rows x
+ * 2 bf16 (xb [K/32][16][16] pairs); rows past M are zero. */
+static void pack_rows_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uint32_t* xb) {
+    const __m512i pair_rows = lanes_times(16);
+    for (int m = 0; m < 16; m++)
+        for (int64_t kb = 0; kb < K / 32; kb++) {
+            const __m512i v = m0 + m < M ? _mm512_loadu_si512(x + (m0 + m) * K + kb * 32) : _mm512_setzero_si512();
+            _mm512_i32scatter_epi32(xb + kb * 256 + m, pair_rows, v, 4);
+        }
+}
+
+/* 32 weight rows [32][K] -> two A tiles' panels of 16 rows, each 32 columns after 32 columns
+ * as contiguous 16 x 32 blocks ([2][K/32][16][32] bf16): every tile load reads 1 KB in a row
+ * (16 rows K apart would share cache sets). */
+static void convert_rows_bf16(const int8_t* w, int64_t K, uint16_t* panel) {
+    const int64_t KB = K / 32;
+    for (int r = 0; r < 32; r++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i*)(w + r * K + kb * 32));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+            uint16_t* at = panel + (((r / 16) * KB + kb) * 16 + r % 16) * 32;
+            _mm512_store_si512(at, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+}
+
+/* y[m0 + m][n0 .. n0+15] for m < 16 and m0 + m < M from a sums tile out [16 n][16 m]. */
+static void write_tile_bf16(const float* out, const void* scale, const void* bias, int dt, int64_t n0, int64_t m0,
+                            int64_t M, int64_t N, uint16_t* y) {
+    const __m512 s = load16_dt(scale, dt, n0), b = bias ? load16_dt(bias, dt, n0) : _mm512_setzero_ps();
+    const __m512i column = lanes_times(16);
+    for (int m = 0; m < 16 && m0 + m < M; m++) {
+        const __m512 v = _mm512_fmadd_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), out, 4),
+                                         s, b);
+        _mm256_storeu_si256((__m256i*)(y + (m0 + m) * N + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* The sums of 32 weight rows (panel [32][K]) over 32 activation rows (x0, x1: their B tiles)
+ * written to y: rows m0.. and columns n0.. */
+static void tile_pair_bf16(const uint16_t* panel, const uint32_t* x0, const uint32_t* x1, int64_t K, const void* scale,
+                           const void* bias, int dt, int64_t n0, int64_t m0, int64_t M, int64_t N, uint16_t* y) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < K / 32; kb++) {
+        _tile_loadd(4, panel + kb * 512, 64);
+        _tile_loadd(5, panel + (K / 32 + kb) * 512, 64);
+        _tile_loadd(6, x0 + kb * 256, 64);
+        _tile_loadd(7, x1 + kb * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    float out[4][256];
+    _tile_stored(0, out[0], 64);
+    _tile_stored(1, out[1], 64);
+    _tile_stored(2, out[2], 64);
+    _tile_stored(3, out[3], 64);
+    for (int t = 0; t < 4; t++) write_tile_bf16(out[t], scale, bias, dt, n0 + (t / 2) * 16, m0 + (t % 2) * 16, M, N, y);
+}
+
+#define PANEL_BYTES (1 << 20) /* weight rows converted at a time per thread: L2-resident beside 32 activation rows */
+
+/* Returns 1 when done, 0 when the shapes or the CPU do not suit it, -1 when out of memory. */
+int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                      const void* bias, int dt, uint16_t* y, int threads) {
+    if (!amx_granted || K % 32 || N % 32 || M < 1) return 0;
+    const int64_t MP = (M + 31) / 32, KB = K / 32; /* pairs of 16-row activation blocks */
+    int64_t pairs = PANEL_BYTES / (64 * K); /* 32-row weight blocks per panel */
+    pairs = pairs < 1 ? 1 : pairs;
+    while (pairs > 1 && (N / 32 + pairs - 1) / pairs < threads) pairs /= 2; /* every thread gets panels */
+    const int64_t panels = (N / 32 + pairs - 1) / pairs;
+    uint32_t* xb = aligned_alloc(64, (size_t)(MP * 2 * KB * 256) * 4);
+    if (!xb) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t mb = 0; mb < 2 * MP; mb++) pack_rows_bf16(x, M, K, mb * 16, xb + mb * KB * 256);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t* panel = aligned_alloc(64, (size_t)(pairs * 32 * K) * 2);
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        configure_bf16();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t first = p * pairs, count = first + pairs <= N / 32 ? pairs : N / 32 - first;
+            if (!panel) continue;
+            for (int64_t j = 0; j < count; j++) convert_rows_bf16(w + (first + j) * 32 * K, K, panel + j * 32 * K);
+            for (int64_t mp = 0; mp < MP; mp++)
+                for (int64_t j = 0; j < count; j++)
+                    tile_pair_bf16(panel + j * 32 * K, xb + 2 * mp * KB * 256, xb + (2 * mp + 1) * KB * 256, K,
+                                   scale, bias, dt, (first + j) * 32, mp * 32, M, N, y);
+        }
+        _tile_release();
+        free(panel);
+    }
+    free(xb);
+    return failed ? -1 : 1;
+}
+#else
+int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                      const void* bias, int dt, uint16_t* y, int threads) {
+    (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
+    return 0;
+}
+#endif
 #else
 int qvl_int8_amx_ready(void) { return 0; }
+
+int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                      const void* bias, int dt, uint16_t* y, int threads) {
+    (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
+    return 0;
+}
 
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
                      const void* scale, const void* bias, int dt, void* y, int threads) {

@@ -1,0 +1,59 @@
+"""Prefill's int8 products on AMX: the bf16 tile kernel (codes converted to bf16 panel by panel,
+`native.int8_amx_bf16`) against dequantising the weight and running oneDNN's bf16 GEMM (what
+CPUs without AMX run), on 2B's and 8B's layer shapes, alternating in every round.
+
+    python benchmarks/prefill_products.py --rows 100 264 1000 --rounds 5
+
+Prints per shape the median ms (min-max) of each side and the kernel / dequantise ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from compare import median_time
+
+from qvl import dispatch, native
+from qvl.quantize import dequantize_int8, quantize_int8
+
+SHAPES = {"2B q/o (2048 -> 2048)": (2048, 2048), "2B gate/up (2048 -> 6144)": (2048, 6144),
+          "2B down (6144 -> 2048)": (6144, 2048), "8B gate/up (4096 -> 12288)": (4096, 12288)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[100, 264, 1000])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    k = dispatch.kernels()
+    if k.lib is None or not k.has(native.AMX_INT8):
+        raise SystemExit("this CPU (or build) has no AMX tiles")
+    print("| shape | rows | AMX bf16 tiles ms | dequantise + GEMM ms | ratio |\n|---|---|---|---|---|")
+    for name, (K, N) in SHAPES.items():
+        q, s = quantize_int8(torch.randn(N, K) / K**0.5)
+        s = s.to(torch.bfloat16)
+        for rows in args.rows:
+            x = torch.randn(rows, K).to(torch.bfloat16)
+            sides = {"tiles": lambda: native.int8_amx_bf16(k.lib, x, q, s),
+                     "dequant": lambda: F.linear(x, dequantize_int8(q, s, transient=True))}
+            times = {side: [] for side in sides}
+            for rnd in range(args.rounds):
+                for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
+                    times[side].append(median_time(sides[side], 3) * 1000)
+            ratios = [a / b for a, b in zip(times["tiles"], times["dequant"])]
+
+            def spread(v):
+                return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
+            print(f"| {name} | {rows} | {spread(times['tiles'])} | {spread(times['dequant'])} | "
+                  f"{statistics.median(ratios):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
