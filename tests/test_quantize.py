@@ -346,3 +346,4 @@ def test_many_row_int8_products_on_amx_tiles_round_only_their_outputs(rows):
     assert torch.equal(native.int8_amx_bf16(k.lib, x[-1:], q, s, bias), y[-1:])
     assert torch.equal(quantize.int8_product(x, q, s, bias), y)  # what prefill runs
     assert native.int8_amx_bf16(k.lib, x[:, :240].contiguous(), q[:, :240].contiguous(), s) is None  # K % 32
+    assert native.int8_amx_bf16(k.lib, torch.zeros(8193, 256, dtype=torch.bfloat16), q, s) is None  # > 2^21 values

@@ -184,7 +184,7 @@ def int8_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] bf16 on AMX
     tiles, the int8 codes converted to bf16 panel by panel (many rows: prefill); None where the
-    kernel does not run (no AMX, K or N not a multiple of 32)."""
+    kernel does not run (no AMX, K or N not a multiple of 32, more than 2^21 activation values)."""
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)

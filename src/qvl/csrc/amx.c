@@ -259,11 +259,15 @@ static void tile_pair_bf16(const uint16_t* panel, const uint32_t* x0, const uint
 }
 
 #define PANEL_BYTES (1 << 20) /* weight rows converted at a time per thread: L2-resident beside 32 activation rows */
+/* Beyond 2^21 activation values (4 MB) every panel re-reads them from L3, and dequantising
+ * once + oneDNN's GEMM wins: 2B's down_proj (K 6144) from 384 rows, 1.07-1.26x slower there;
+ * 0.5-0.9x below (docs/benchmarks.md section 32). */
+#define MAX_ACTIVATIONS (1 << 21)
 
 /* Returns 1 when done, 0 when the shapes or the CPU do not suit it, -1 when out of memory. */
 int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                       const void* bias, int dt, uint16_t* y, int threads) {
-    if (!amx_granted || K % 32 || N % 32 || M < 1) return 0;
+    if (!amx_granted || K % 32 || N % 32 || M < 1 || M * K > MAX_ACTIVATIONS) return 0;
     const int64_t MP = (M + 31) / 32, KB = K / 32; /* pairs of 16-row activation blocks */
     int64_t pairs = PANEL_BYTES / (64 * K); /* 32-row weight blocks per panel */
     pairs = pairs < 1 ? 1 : pairs;
