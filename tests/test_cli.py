@@ -89,3 +89,19 @@ def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):
     assert reused[0] == 0  # first turn: nothing to reuse
     assert reused[1] > 64  # second turn: the image and the first exchange come from the prefix cache
     assert reused[2] < reused[1]  # after /reset the conversation starts over
+
+
+def test_synth_writes_a_prequantised_checkpoint_that_answers(tmp_path, photo):
+    out = tmp_path / "int4"
+    r = qvl("synth", out, "--preset", "tiny", "--weights", "int4", "--group-size", "32", "--vision-int8")
+    assert r.returncode == 0, r.stderr
+    assert "int4 weights" in r.stdout and not (out / "model.safetensors.index.json").exists()  # one small shard
+    r = qvl("ask", "--model", out, "-i", photo, "--json", "--max-new-tokens", "3", "--temperature", "0", "Describe.")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["usage"]["completion_tokens"] == 3
+    from qvl.quantize import QuantSpec
+    from qvl.weights import checkpoint_quantization
+
+    assert checkpoint_quantization(out) == QuantSpec("int4", 32, vision=True)
+    r = qvl("synth", tmp_path / "bad", "--vision-int8")
+    assert r.returncode != 0 and "--vision-int8" in r.stderr and "--weights" in r.stderr

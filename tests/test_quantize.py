@@ -162,10 +162,15 @@ def test_weights_quantised_at_load_are_kept_for_the_next_start(tiny_checkpoint):
     options = EngineOptions(model=str(tiny_checkpoint), weights="int4", group_size=64, threads=1)
     first = Engine.load(options)
     vision = isinstance(first.model.visual.blocks[0].attn.qkv, Int8Linear)  # the tier decides (int8 x int8 on x86)
-    kept = quantized_cache_dir(tiny_checkpoint, QuantSpec("int4", 64, vision), first.model.dtype)
+    spec = QuantSpec("int4", 64, vision)
+    kept = quantized_cache_dir(tiny_checkpoint, spec, first.model.dtype)
     assert (kept / "model.safetensors").exists() and (kept / "tokenizer.json").exists()
     second = Engine.load(options)
     a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cfg = ModelConfig.from_file(tiny_checkpoint / "config.json")  # the first start streamed what quantising at load gives
+    a, b = load_model(kept, cfg, first.model.dtype).state_dict(), load_model(tiny_checkpoint, cfg, first.model.dtype,
+                                                                             spec).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert quantized_cache_dir(tiny_checkpoint, QuantSpec("int4", 128, vision), first.model.dtype) != kept  # other format
     assert quantized_cache_dir(tiny_checkpoint, QuantSpec("int4", 64, vision), torch.float16) != kept  # other scales dtype
@@ -347,3 +352,25 @@ def test_many_row_int8_products_on_amx_tiles_round_only_their_outputs(rows):
     assert torch.equal(quantize.int8_product(x, q, s, bias), y)  # what prefill runs
     assert native.int8_amx_bf16(k.lib, x[:, :240].contiguous(), q[:, :240].contiguous(), s) is None  # K % 32
     assert native.int8_amx_bf16(k.lib, torch.zeros(8193, 256, dtype=torch.bfloat16), q, s) is None  # > 2^21 values
+
+
+def test_a_broken_checkpoint_names_its_tensors_and_leaves_no_cache_entry(tiny_checkpoint, tmp_path):
+    """The first start quantises into the cache: a checkpoint missing a tensor fails with the
+    loader's message, and nothing is kept that a later start would load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qvl.engine import Engine, EngineOptions
+    from qvl.weights import quantized_cache_dir
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken, ignore=shutil.ignore_patterns("model.safetensors"))
+    state = load_file(tiny_checkpoint / "model.safetensors")
+    del state["model.language_model.layers.1.mlp.down_proj.weight"]
+    save_file(state, str(broken / "model.safetensors"))
+    options = EngineOptions(model=str(broken), weights="int8", threads=1)
+    with pytest.raises(CheckpointError, match="language_model.layers.1.mlp.down_proj.weight"):
+        Engine.load(options)
+    caches = quantized_cache_dir(broken, QuantSpec("int8"), torch.bfloat16).parent
+    assert not [p for p in caches.glob("broken-*")]
