@@ -373,4 +373,51 @@ def test_a_broken_checkpoint_names_its_tensors_and_leaves_no_cache_entry(tiny_ch
     with pytest.raises(CheckpointError, match="language_model.layers.1.mlp.down_proj.weight"):
         Engine.load(options)
     caches = quantized_cache_dir(broken, QuantSpec("int8"), torch.bfloat16).parent
-    assert not [p for p in caches.glob("broken-*")]
+    assert not list(caches.glob("broken-*/model*")) and not list(caches.glob("broken-*/.shard-*"))
+
+
+def test_a_damaged_cache_entry_is_quantised_again(tiny_checkpoint, capsys):
+    """Kept quantised weights that no longer read (a crash, a disk error) cost one more
+    quantisation, not a start that fails until someone deletes the cache."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.weights import quantized_cache_dir
+
+    options = EngineOptions(model=str(tiny_checkpoint), weights="int8", threads=1)
+    first = Engine.load(options)
+    vision = isinstance(first.model.visual.blocks[0].attn.qkv, Int8Linear)
+    kept = quantized_cache_dir(tiny_checkpoint, QuantSpec("int8", vision=vision), first.model.dtype)
+    (kept / "model.safetensors").unlink()  # a new file, as a crash leaves it (the first engine keeps its mapping)
+    (kept / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    second = Engine.load(options)
+    assert "unreadable" in capsys.readouterr().err
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_streamed_quantisation_checks_the_checkpoint_and_keeps_the_source(tiny_checkpoint, tmp_path):
+    """`qvl quantize` names missing, unexpected and misshapen tensors before writing anything,
+    and refuses to write into the checkpoint's own folder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qvl.weights import write_streamed
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad, ignore=shutil.ignore_patterns("model.safetensors"))
+    state = load_file(tiny_checkpoint / "model.safetensors")
+    del state["model.language_model.layers.0.mlp.down_proj.weight"]
+    state["model.language_model.layers.0.mlp.weight_scale_inv"] = torch.ones(2)
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="1 missing tensors: language_model.layers.0.mlp.down_proj.weight.*"
+                                              "1 unexpected tensors: model.language_model.layers.0.mlp.weight_scale_inv"):
+        save_quantized(bad, tmp_path / "out", QuantSpec("int8"))
+    assert not list((tmp_path / "out").glob("*"))  # nothing half-written
+    state = load_file(tiny_checkpoint / "model.safetensors")
+    state["model.language_model.layers.0.mlp.up_proj.weight"] = state["model.language_model.layers.0.mlp.up_proj.weight"][:8]
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="shapes do not match"):
+        save_quantized(bad, tmp_path / "out", QuantSpec("int8"))
+    with pytest.raises(CheckpointError, match="own folder"):
+        write_streamed(bad, bad, QuantSpec("int8"), torch.bfloat16)
+    assert (bad / "model.safetensors").exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import shutil
 import sys
 import time
 from collections import deque
@@ -15,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
@@ -35,8 +35,8 @@ from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, DETERMINISTIC_CHUNK, Scheduler, Sequence
 from qvl.stream import Delta, Done, Timings
-from qvl.weights import (UNUSED_CACHE_DAYS, CheckpointError, checkpoint_quantization, load_model,
-                         prune_quantized_cache, quantized_cache_dir, write_streamed)
+from qvl.weights import (UNUSED_CACHE_DAYS, checkpoint_quantization, load_model, prune_quantized_cache,
+                         quantized_cache_dir, write_streamed)
 
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
@@ -90,19 +90,25 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
         except OSError as exc:  # not even the temporary cache folder can be written: quantise every time
             print(f"qvl: cannot keep quantised weights in {cached}: {exc}", file=sys.stderr)
             return load_model(path, cfg, dtype, quant)
-        fresh = not any((cached / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
-        if fresh:
+        model = None
+        if any((cached / name).exists() for name in ("model.safetensors", "model.safetensors.index.json")):
+            try:
+                model = load_model(cached, cfg, dtype)
+            except (ValueError, OSError, SafetensorError) as exc:  # damaged (a crash, a disk error): quantise again
+                print(f"qvl: the quantised weights kept in {cached} are unreadable ({exc}); quantising again",
+                      file=sys.stderr)
+                for stale in cached.glob("model*.safetensors*"):
+                    stale.unlink(missing_ok=True)
+        if model is None:
+            failed = None
             try:  # quantised tensor by tensor into the cache, then mapped from it like any later start
                 write_streamed(path, cached, quant, dtype)
             except OSError as exc:  # a full disk costs only the next start
-                print(f"qvl: could not keep the quantised weights in {cached}: {exc}", file=sys.stderr)
+                failed = str(exc)  # the message only: the writer's buffers go with the traceback
+            if failed is not None:
+                print(f"qvl: could not keep the quantised weights in {cached}: {failed}", file=sys.stderr)
                 return load_model(path, cfg, dtype, quant)
-        try:
             model = load_model(cached, cfg, dtype)
-        except CheckpointError:  # the checkpoint's own fault (missing or unexpected tensors): keep nothing
-            if fresh:
-                shutil.rmtree(cached, ignore_errors=True)
-            raise
     if removed := prune_quantized_cache(cached):
         print(f"qvl: removed {len(removed)} quantised-weights cache entries unused for {UNUSED_CACHE_DAYS} days "
               f"from {cached.parent}", file=sys.stderr)

@@ -180,12 +180,19 @@ def linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, o
     return y.view(*x.shape[:-1], out_features)
 
 
+INT8_AMX_BF16_MAX_VALUES = 1 << 21  # amx.c's MAX_ACTIVATIONS
+
+
 def int8_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] bf16 on AMX
     tiles, the int8 codes converted to bf16 panel by panel (many rows: prefill); None where the
     kernel does not run (no AMX, K or N not a multiple of 32, more than 2^21 activation values)."""
     k, n = x.shape[-1], weight.shape[0]
+    if x.numel() > INT8_AMX_BF16_MAX_VALUES or k % 32 or n % 32:
+        return None
+    assert x.dtype == torch.bfloat16 and weight.dtype == torch.int8 and scale.is_contiguous()
+    assert bias is None or (bias.dtype == scale.dtype and bias.is_contiguous())  # the kernel reads both in one dtype
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     status = lib.qvl_int8_amx_bf16(rows.data_ptr(), rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),

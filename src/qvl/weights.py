@@ -271,15 +271,9 @@ def write_quantized(model: Qwen3VL, spec: QuantSpec, model_dir: Path, out_dir: P
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
         state[to_checkpoint_name(name)] = _stored(tensor).contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_shards(iter(state.items()), out_dir, {"format": "pt", **spec.metadata()}, STREAMED_SHARD_BYTES)
     copy_side_files(model_dir, out_dir)
-    fd, partial = tempfile.mkstemp(dir=out_dir, prefix=".model.", suffix=".partial")
-    os.close(fd)
-    try:
-        save_aligned(state, Path(partial), {"format": "pt", **spec.metadata()})
-        os.replace(partial, out_dir / "model.safetensors")  # readers see all of it or nothing
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
     return out_dir
 
 
@@ -288,9 +282,12 @@ def write_streamed(model_dir: Path, out_dir: Path, spec: QuantSpec, dtype: torch
     quantised tensor by tensor (quantized_tensors) into shards (write_shards): peak memory is
     a shard, not the model, so a 62 GB bf16 checkpoint quantises on a 24 GB machine."""
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    copy_side_files(model_dir, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.resolve() == model_dir.resolve():
+        raise CheckpointError(f"{out_dir} is the checkpoint's own folder: write the quantised one elsewhere")
     tensors = quantized_tensors(iter_tensors(checkpoint_files(model_dir)), cfg, spec, dtype)
     write_shards(tensors, out_dir, {"format": "pt", **spec.metadata()}, STREAMED_SHARD_BYTES)
+    copy_side_files(model_dir, out_dir)  # last: a failed write leaves an earlier checkpoint there whole
     return out_dir
 
 
@@ -320,22 +317,39 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
     `spec` in `dtype` (scales in dtype), one at a time: the text decoder's linears and experts
     are quantised as they come, so a model of any size needs the memory of its largest tensor;
     an int8 vision tower is gathered (under 1 GB), smoothed from its norms, quantised, and
-    comes last. Calibrated smoothing needs images: see save_quantized."""
+    comes last. Names and shapes are checked against the config as load_model does
+    (CheckpointError, before the last tensor is given). Calibrated smoothing needs images:
+    see save_quantized."""
+    if spec.vision and spec.smoothing == "calibrated":
+        raise CheckpointError("calibrated smoothing needs images: write the checkpoint with `qvl quantize --calibrate DIR`")
     with torch.device("meta"), skipped_init():
+        shapes = {k: tuple(t.shape) for k, t in Qwen3VL(cfg).state_dict().items()}  # as the checkpoint holds them
         model = Qwen3VL(cfg)
         quantized = set(swap_modules(model, replace(spec, vision=False), dtype))
         kept_bf16 = keep_bf16_storage(model) if spec.vision and dtype == torch.float32 else set()  # as load_model
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
     tied_quant = cfg.tie_word_embeddings and "lm_head" in quantized
     vision: dict[str, torch.Tensor] = {}
+    seen, unexpected, wrong = set(), [], []
     for name, tensor in tensors:
         target = to_module_name(name)
+        if target == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied checkpoint may still carry the duplicate
+        if target not in shapes:
+            unexpected.append(name)
+            continue
+        seen.add(target)
+        if tuple(tensor.shape) != shapes[target]:
+            wrong.append(f"{target}: checkpoint {tuple(tensor.shape)} vs config {shapes[target]}")
+            continue
         if tied_quant and target == "language_model.embed_tokens.weight":
             target = "lm_head.weight"  # stored once, as the quantised head (see load_model)
-        if spec.vision and target and target.startswith("visual."):
+        if spec.vision and target.startswith("visual."):
             keep = target in kept_bf16 and tensor.dtype == torch.bfloat16
             vision[target] = tensor.to(torch.bfloat16 if keep else dtype)
             continue
-        module_name, _, leaf = (target or "").rpartition(".")
+        module_name, _, leaf = target.rpartition(".")
         module = model.get_submodule(module_name) if module_name in quantized else None
         if isinstance(module, (Int8Experts, Int4Experts)):
             state = module.state(module_name, leaf, tensor, dtype, stored=False)
@@ -345,20 +359,26 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
             yield name, _stored(tensor.to(dtype)) if tensor.is_floating_point() else tensor
             continue
         mapped.release(tensor)  # a mapped checkpoint's pages of it are read for good
-        for key, value in state.items():
-            yield to_checkpoint_name(key), value
+        del tensor
+        for key in list(state):
+            yield to_checkpoint_name(key), state.pop(key)
+    missing = sorted(set(shapes) - seen)
+    if missing or unexpected:
+        raise CheckpointError(_mismatch_message(missing, unexpected))
+    if wrong:
+        raise CheckpointError("tensor shapes do not match config.json:\n  " + "\n  ".join(wrong[:20]))
     if spec.vision:
-        yield from _int8_vision(model, vision, dtype)
+        yield from _int8_vision(model, vision, dtype, smooth=spec.smoothing != "none")
 
 
-def _int8_vision(model: Qwen3VL, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The float vision tower's tensors (module names) -> its int8 checkpoint tensors, smoothed
-    from its norms as load_model does; `model` is a meta model whose tower takes them."""
-    expected = set(model.visual.state_dict(prefix="visual."))
-    if expected != state.keys():
-        raise CheckpointError(_mismatch_message(sorted(expected - state.keys()), sorted(state.keys() - expected)))
+def _int8_vision(model: Qwen3VL, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 smooth: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float vision tower's tensors (module names, all checked) -> its int8 checkpoint
+    tensors, smoothed from its norms as load_model does; `model` is a meta model whose tower
+    takes them."""
     model.visual.load_state_dict({k.removeprefix("visual."): t for k, t in state.items()}, assign=True)
-    smoothing.smooth(model, text=False, vision=True)
+    if smooth:
+        smoothing.smooth(model, text=False, vision=True)
     quantize_vision(model, dtype)
     for name, module in model.visual.named_modules(prefix="visual"):
         if isinstance(module, Int8Linear):
@@ -382,9 +402,10 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, met
     shard: dict[str, torch.Tensor] = {}
 
     def flush() -> None:
-        path = out_dir / f".shard-{len(parts)}.partial"
-        save_aligned(shard, path, metadata)
-        parts.append((path, list(shard)))
+        fd, path = tempfile.mkstemp(dir=out_dir, prefix=".shard-", suffix=".partial")  # unique: writers never clash
+        os.close(fd)
+        parts.append((Path(path), list(shard)))
+        save_aligned(shard, Path(path), metadata)
         shard.clear()
 
     size = 0
@@ -398,9 +419,9 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, met
         if shard or not parts:
             flush()
     except BaseException:
+        shard.clear()
         for path, _ in parts:
             path.unlink(missing_ok=True)
-        (out_dir / f".shard-{len(parts)}.partial").unlink(missing_ok=True)
         raise
     for stale in [*out_dir.glob("model-*-of-*.safetensors"), *out_dir.glob("model.safetensors*")]:
         stale.unlink()  # an earlier checkpoint's weights in the same folder
@@ -415,7 +436,12 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, met
         weight_map.update(dict.fromkeys(names, final.name))
     total = sum(f.stat().st_size for f in files)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    fd, partial = tempfile.mkstemp(dir=out_dir, prefix=".index-", suffix=".partial")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(index, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, out_dir / "model.safetensors.index.json")  # whole or absent: it marks a complete set
     return files
 
 
