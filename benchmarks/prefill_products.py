@@ -1,8 +1,9 @@
-"""Prefill's int8 products on AMX: the bf16 tile kernel (codes converted to bf16 panel by panel,
-`native.int8_amx_bf16`) against dequantising the weight and running oneDNN's bf16 GEMM (what
-CPUs without AMX run), on 2B's and 8B's layer shapes, alternating in every round.
+"""Prefill's int8 (or int4) products on AMX: the bf16 tile kernel (weights converted to bf16
+panel by panel, `native.amx_bf16_linear`) against dequantising the weight and running oneDNN's
+bf16 GEMM (what CPUs without AMX run), on 2B's and 8B's layer shapes, alternating in every round.
 
     python benchmarks/prefill_products.py --rows 100 264 1000 --rounds 5
+    python benchmarks/prefill_products.py --kind int4 --rows 100 264 512 --rounds 3
 
 Prints per shape the median ms (min-max) of each side and the kernel / dequantise ratio; "n/a"
 where the kernel does not take the product (more than 2^21 activation values: see amx.c).
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from compare import median_time
 
 from qvl import dispatch, native
-from qvl.quantize import dequantize_int8, quantize_int8
+from qvl.quantize import dequantize_int4, dequantize_int8, pack_nibbles, quantize_int4, quantize_int8
 
 SHAPES = {"2B q/o (2048 -> 2048)": (2048, 2048), "2B gate/up (2048 -> 6144)": (2048, 6144),
           "2B down (6144 -> 2048)": (6144, 2048), "8B gate/up (4096 -> 12288)": (4096, 12288)}
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[100, 264, 1000])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kind", choices=["int8", "int4"], default="int8")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = dispatch.kernels()
@@ -37,15 +39,22 @@ def main() -> None:
         raise SystemExit("this CPU (or build) has no AMX tiles")
     print("| shape | rows | AMX bf16 tiles ms | dequantise + GEMM ms | ratio |\n|---|---|---|---|---|")
     for name, (K, N) in SHAPES.items():
-        q, s = quantize_int8(torch.randn(N, K) / K**0.5)
-        s = s.to(torch.bfloat16)
+        w = torch.randn(N, K) / K**0.5
+        if args.kind == "int8":
+            q, s = quantize_int8(w)
+            s, z, code = s.to(torch.bfloat16), None, native.W_INT8
+            dequantized = lambda: dequantize_int8(q, s, transient=True)  # noqa: E731
+        else:
+            codes, s, z = quantize_int4(w, 128)
+            q, s, z, code = pack_nibbles(codes), s.to(torch.bfloat16), z.to(torch.bfloat16), native.W_INT4
+            dequantized = lambda: dequantize_int4(q, s, z, 128, transient=True)  # noqa: E731
         for rows in args.rows:
             x = torch.randn(rows, K).to(torch.bfloat16)
-            if native.int8_amx_bf16(k.lib, x, q, s) is None:  # past the kernel's 2^21 activation values
+            if native.amx_bf16_linear(k.lib, code, x, q, s, z, 128) is None:  # past the kernel's 2^21 activation values
                 print(f"| {name} | {rows} | n/a (not taken) | | |", flush=True)
                 continue
-            sides = {"tiles": lambda: native.int8_amx_bf16(k.lib, x, q, s),
-                     "dequant": lambda: F.linear(x, dequantize_int8(q, s, transient=True))}
+            sides = {"tiles": lambda: native.amx_bf16_linear(k.lib, code, x, q, s, z, 128),
+                     "dequant": lambda: F.linear(x, dequantized())}
             times = {side: [] for side in sides}
             for rnd in range(args.rounds):
                 for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):

@@ -147,8 +147,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
                                       ptr, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
-    lib.qvl_int8_amx_bf16.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, c_int, ptr, c_int]
-    lib.qvl_int8_amx_bf16.restype = c_int
+    lib.qvl_amx_bf16_linear.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr, c_int]
+    lib.qvl_amx_bf16_linear.restype = c_int
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
     lib.features = lib.qvl_features()  # fixed for the build: read once, not per call
@@ -180,23 +180,27 @@ def linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, o
     return y.view(*x.shape[:-1], out_features)
 
 
-INT8_AMX_BF16_MAX_VALUES = 1 << 21  # amx.c's MAX_ACTIVATIONS
+AMX_BF16_MAX_VALUES = 1 << 21  # amx.c's MAX_ACTIVATIONS
 
 
-def int8_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] bf16 on AMX
-    tiles, the int8 codes converted to bf16 panel by panel (many rows: prefill); None where the
-    kernel does not run (no AMX, K or N not a multiple of 32, more than 2^21 activation values)."""
+def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    zero: torch.Tensor | None = None, group_size: int = 0,
+                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] bf16 @ the int8 (W_INT8: [N, K], a scale per row) or int4 (W_INT4: nibbles
+    [N, K/2], a scale and a zero per group) weight's transpose (+ bias) -> [..., N] bf16 on AMX
+    tiles, the weight converted to bf16 panel by panel (many rows: prefill); None where the
+    kernel does not run (no AMX, K or N not a multiple of 32, int4 groups not a multiple of 32,
+    more than 2^21 activation values)."""
     k, n = x.shape[-1], weight.shape[0]
-    if x.numel() > INT8_AMX_BF16_MAX_VALUES or k % 32 or n % 32:
+    if x.numel() > AMX_BF16_MAX_VALUES or k % 32 or n % 32 or (kind == W_INT4 and group_size % 32):
         return None
-    assert x.dtype == torch.bfloat16 and weight.dtype == torch.int8 and scale.is_contiguous()
-    assert bias is None or (bias.dtype == scale.dtype and bias.is_contiguous())  # the kernel reads both in one dtype
+    assert x.dtype == torch.bfloat16 and weight.dtype == (torch.int8 if kind == W_INT8 else torch.uint8)
+    assert all(t is None or (t.dtype == scale.dtype and t.is_contiguous()) for t in (scale, zero, bias))  # one dtype
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    status = lib.qvl_int8_amx_bf16(rows.data_ptr(), rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
-                                   _ptr(bias), _DTYPES[scale.dtype], y.data_ptr(), torch.get_num_threads())
+    status = lib.qvl_amx_bf16_linear(kind, rows.data_ptr(), rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
+                                     _ptr(zero), group_size, _ptr(bias), _DTYPES[scale.dtype], y.data_ptr(),
+                                     torch.get_num_threads())
     return y.view(*x.shape[:-1], n) if status == 1 else None
 
 

@@ -118,6 +118,15 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+def _amx_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
+    """Many rows of bf16 activations times an int8/int4 weight on AMX bf16 tiles, or None
+    where that kernel does not run (no AMX, other shapes: dequantise + GEMM then)."""
+    if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8) or not weight.is_contiguous():
+        return None
+    return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
+
+
 def _gemv_library(x: torch.Tensor, dtype: torch.dtype, max_rows: int = KERNEL_MAX_ROWS):
     """The native library when x is few rows (up to max_rows) of the layer's float dtype, else None."""
     if _rows(x) > max_rows or x.dtype != dtype or not (k := kernels()).gemv(dtype):
@@ -234,8 +243,7 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
     where the native one does not run."""
     if _rows(x) > (max_rows := kernels().int8_gemv_rows):
-        if x.dtype == torch.bfloat16 and kernels().has(native.AMX_INT8) and weight.is_contiguous() \
-                and (y := native.int8_amx_bf16(kernels().lib, x, weight, scales, bias)) is not None:
+        if (y := _amx_product(x, native.W_INT8, weight, scales, bias=bias)) is not None:
             return y
         return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
                                    bias)
@@ -320,6 +328,8 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     """x [..., I] @ the int4 weight's transpose -> [..., O]: the native GEMV for few rows,
     dequantise + GEMM otherwise."""
     if (lib := _gemv_library(x, scales.dtype)) is None:
+        if (y := _amx_product(x, native.W_INT4, packed, scales, zeros, group_size)) is not None:
+            return y
         return dequantized_product(x, packed.shape[0],
                                    lambda r: dequantize_int4(packed[r], scales[r], zeros[r], group_size,
                                                              transient=True))

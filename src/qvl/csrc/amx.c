@@ -182,11 +182,11 @@ int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, in
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-/* Many-row products with int8 weights in bf16 (prefill): y = (x . w^T) * scale (+ bias), x and
- * y bf16 [M][K] and [M][N]. int8 codes are exact in bf16, so each thread converts 32 weight rows
- * at a time into two A tiles' panel (no dequantised copy of the whole matrix, no repacking) and
- * runs every 32 activation rows over them, float32 sums over all of K; the row scale comes after
- * the sum. Tiles: sums 0-3 ([n-block][m-block]), weights 4-5, activations 6-7. */
+/* Many-row products with int8 or int4 weights in bf16 (prefill): y = x . w^T (+ bias), x and
+ * y bf16 [M][K] and [M][N]. Each thread converts 32 weight rows at a time into two A tiles'
+ * panel (no dequantised copy of the whole matrix, no repacking) and runs every 32 activation
+ * rows over them, float32 sums over all of K. int8 codes are exact in bf16, so their row scale
+ * comes after the sum; int4 groups are dequantised into the panel as qvl_dequantize does. Tiles: sums 0-3 ([n-block][m-block]), weights 4-5, activations 6-7. */
 static void configure_bf16(void) {
     TileConfig cfg = {0};
     cfg.palette = 1;
@@ -220,10 +220,32 @@ static void convert_rows_bf16(const int8_t* w, int64_t K, uint16_t* panel) {
         }
 }
 
+/* The same panel from 32 rows of int4 nibbles [32][K/2] (even column in the low nibble), each
+ * group of gs columns dequantised as q * s + (z - 8 s) with its scale and zero (as
+ * qvl_dequantize), then rounded to bf16. */
+static void convert_rows_int4(const uint8_t* w, const void* scale, const void* zero, int64_t gs, int dt, int64_t K,
+                              uint16_t* panel) {
+    const int64_t KB = K / 32, G = K / gs;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int r = 0; r < 32; r++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const int64_t g = r * G + kb * 32 / gs;
+            const float sc = get(scale, dt, g);
+            const __m512 s = _mm512_set1_ps(sc), z = _mm512_set1_ps(get(zero, dt, g) - 8.f * sc);
+            const __m128i b = _mm_loadu_si128((const __m128i*)(w + r * (K / 2) + kb * 16));
+            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+            const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+            uint16_t* at = panel + (((r / 16) * KB + kb) * 16 + r % 16) * 32;
+            _mm512_store_si512(at, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(c, s, z), _mm512_fmadd_ps(a, s, z)));
+        }
+}
+
 /* y[m0 + m][n0 .. n0+15] for m < 16 and m0 + m < M from a sums tile out [16 n][16 m]. */
 static void write_tile_bf16(const float* out, const void* scale, const void* bias, int dt, int64_t n0, int64_t m0,
-                            int64_t M, int64_t N, uint16_t* y) {
-    const __m512 s = load16_dt(scale, dt, n0), b = bias ? load16_dt(bias, dt, n0) : _mm512_setzero_ps();
+                            int64_t M, int64_t N, uint16_t* y) { /* scale NULL: the panel holds scaled weights */
+    const __m512 s = scale ? load16_dt(scale, dt, n0) : _mm512_set1_ps(1.f),
+                 b = bias ? load16_dt(bias, dt, n0) : _mm512_setzero_ps();
     const __m512i column = lanes_times(16);
     for (int m = 0; m < 16 && m0 + m < M; m++) {
         const __m512 v = _mm512_fmadd_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), out, 4),
@@ -264,15 +286,18 @@ static void tile_pair_bf16(const uint16_t* panel, const uint32_t* x0, const uint
  * 0.5-0.9x below (docs/benchmarks.md section 32). */
 #define MAX_ACTIVATIONS (1 << 21)
 
-/* Returns 1 when done, 0 when the shapes or the CPU do not suit it, -1 when out of memory. */
-int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                      const void* bias, int dt, uint16_t* y, int threads) {
+/* kind W_INT8: w int8 [N][K] with a scale per row; W_INT4: nibbles [N][K/2] with a scale and a
+ * zero per gs columns (gs a multiple of 32). Returns 1 when done, 0 when the shapes or the CPU
+ * do not suit it, -1 when out of memory. */
+int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+                        const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
     if (!amx_granted || K % 32 || N % 32 || M < 1 || M * K > MAX_ACTIVATIONS) return 0;
+    if (kind == W_INT4 && (gs % 32 || K % gs)) return 0;
     const int64_t MP = (M + 31) / 32, KB = K / 32; /* pairs of 16-row activation blocks */
     int64_t pairs = PANEL_BYTES / (64 * K); /* 32-row weight blocks per panel */
     pairs = pairs < 1 ? 1 : pairs;
     while (pairs > 1 && (N / 32 + pairs - 1) / pairs < threads) pairs /= 2; /* every thread gets panels */
-    const int64_t panels = (N / 32 + pairs - 1) / pairs;
+    const int64_t panels = (N / 32 + pairs - 1) / pairs, esize = dt == BF16 ? 2 : 4;
     uint32_t* xb = aligned_alloc(64, (size_t)(MP * 2 * KB * 256) * 4);
     if (!xb) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -290,11 +315,18 @@ int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const 
         for (int64_t p = 0; p < panels; p++) {
             const int64_t first = p * pairs, count = first + pairs <= N / 32 ? pairs : N / 32 - first;
             if (!panel) continue;
-            for (int64_t j = 0; j < count; j++) convert_rows_bf16(w + (first + j) * 32 * K, K, panel + j * 32 * K);
+            for (int64_t j = 0; j < count; j++) {
+                const int64_t n0 = (first + j) * 32;
+                if (kind == W_INT4)
+                    convert_rows_int4((const uint8_t*)w + n0 * (K / 2), (const char*)scale + n0 * (K / gs) * esize,
+                                      (const char*)zero + n0 * (K / gs) * esize, gs, dt, K, panel + j * 32 * K);
+                else
+                    convert_rows_bf16((const int8_t*)w + n0 * K, K, panel + j * 32 * K);
+            }
             for (int64_t mp = 0; mp < MP; mp++)
                 for (int64_t j = 0; j < count; j++)
                     tile_pair_bf16(panel + j * 32 * K, xb + 2 * mp * KB * 256, xb + (2 * mp + 1) * KB * 256, K,
-                                   scale, bias, dt, (first + j) * 32, mp * 32, M, N, y);
+                                   kind == W_INT4 ? NULL : scale, bias, dt, (first + j) * 32, mp * 32, M, N, y);
         }
         _tile_release();
         free(panel);
@@ -303,18 +335,20 @@ int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const 
     return failed ? -1 : 1;
 }
 #else
-int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                      const void* bias, int dt, uint16_t* y, int threads) {
-    (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
+int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+                        const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
+    (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
+    (void)y, (void)threads;
     return 0;
 }
 #endif
 #else
 int qvl_int8_amx_ready(void) { return 0; }
 
-int qvl_int8_amx_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                      const void* bias, int dt, uint16_t* y, int threads) {
-    (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
+int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+                        const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
+    (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
+    (void)y, (void)threads;
     return 0;
 }
 
