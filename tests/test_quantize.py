@@ -372,62 +372,6 @@ def test_many_row_products_on_amx_tiles_round_only_their_outputs(kind, rows):
     assert native.amx_bf16_linear(k.lib, code, many, q, s, z, 64) is None  # more than 2^21 activation values
 
 
-@pytest.mark.parametrize("preset,changes,spec", [
-    ("tiny", None, QuantSpec("int8", vision=True)),  # tied head stored once, as the int8 head; smoothed int8 vision
-    ("tiny-moe", {"text_config": {"moe_intermediate_size": 64}}, QuantSpec("int4", 32)),  # int4 experts
-])
-def test_quantising_tensor_by_tensor_writes_what_the_loaded_model_holds(preset, changes, spec, tmp_path):
-    """`qvl quantize`, the first start's cache and `qvl synth --weights` quantise a tensor at a
-    time (a 30B model on a 24 GB machine); the files are those of the whole model quantised in
-    memory and written, for bf16 and float32 scales alike."""
-    from qvl.synth import write_checkpoint
-    from qvl.weights import checkpoint_files, iter_tensors, read_metadata, write_quantized, write_streamed
-
-    def tensors(folder):
-        return dict(iter_tensors(checkpoint_files(folder)))
-
-    bf16 = write_checkpoint(tmp_path / "bf16", preset, seed=3, changes=changes)
-    cfg = ModelConfig.from_file(bf16 / "config.json")
-    for dtype in (torch.bfloat16, torch.float32):
-        whole = tensors(write_quantized(load_model(bf16, cfg, dtype, spec), spec, bf16, tmp_path / f"whole-{dtype}"))
-        streamed = tensors(write_streamed(bf16, tmp_path / f"streamed-{dtype}", spec, dtype))
-        assert whole.keys() == streamed.keys()
-        assert all(whole[k].dtype == streamed[k].dtype and torch.equal(whole[k], streamed[k]) for k in whole)
-    direct = write_checkpoint(tmp_path / "direct", preset, seed=3, changes=changes, quant=spec, shard_bytes=1 << 20)
-    files = checkpoint_files(direct)
-    assert len(files) > 1 and (direct / "model.safetensors.index.json").exists()  # sharded as published
-    assert QuantSpec.from_metadata(read_metadata(files)) == spec
-    made = tensors(save_quantized(bf16, tmp_path / "quantized", spec))
-    written = tensors(direct)
-    assert made.keys() == written.keys()
-    assert all(made[k].dtype == written[k].dtype and torch.equal(made[k], written[k]) for k in made)
-    model = load_model(direct, cfg, torch.bfloat16)
-    assert isinstance(model.lm_head, Int8Linear if spec.weights == "int8" else Int4Linear)
-    assert isinstance(model.visual.blocks[0].attn.qkv, Int8Linear) == spec.vision
-    assert any(isinstance(m, Int4Experts) for m in model.modules()) == (preset == "tiny-moe")
-
-
-@pytest.mark.parametrize("rows", [65, 97, 300])
-def test_many_row_int8_products_on_amx_tiles_round_only_their_outputs(rows):
-    """Prefill's int8 products on AMX convert the codes to bf16 (exact) and sum in float32 over
-    all of K before the row scale: within an output's bf16 rounding of the exact product, and a
-    row's result is the same alone as among others."""
-    k = dispatch.kernels()
-    if k.lib is None or not k.has(native.AMX_INT8):
-        pytest.skip("no AMX tiles on this CPU")
-    q, s = quantize_int8(torch.randn(96, 256))
-    s, bias = s.to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
-    x = torch.randn(rows, 256).to(torch.bfloat16)
-    y = native.amx_bf16_linear(k.lib, native.W_INT8, x, q, s, bias=bias)
-    exact = (x.double() @ q.double().T) * s.double() + bias.double()
-    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, 96)
-    torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-4 * exact.abs().max().item())
-    assert torch.equal(native.amx_bf16_linear(k.lib, native.W_INT8, x[-1:], q, s, bias=bias), y[-1:])
-    assert torch.equal(quantize.int8_product(x, q, s, bias), y)  # what prefill runs
-    assert native.amx_bf16_linear(k.lib, native.W_INT8, x[:, :240].contiguous(), q[:, :240].contiguous(), s) is None  # K % 32
-    assert native.amx_bf16_linear(k.lib, native.W_INT8, torch.zeros(8193, 256, dtype=torch.bfloat16), q, s) is None  # > 2^21 values
-
-
 def test_a_broken_checkpoint_names_its_tensors_and_leaves_no_cache_entry(tiny_checkpoint, tmp_path):
     """The first start quantises into the cache: a checkpoint missing a tensor fails with the
     loader's message, and nothing is kept that a later start would load."""
