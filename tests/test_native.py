@@ -396,3 +396,17 @@ def test_one_call_decode_step_leaves_what_it_does_not_cover_to_the_layers(tiny_c
         assert not calls
         decode_step(model, new_cache(model, 2, 8), torch.full((2,), 5), torch.full((2,), 0), torch.full((2,), 0))
         assert len(calls) == 1
+
+
+def test_the_kernel_library_name_is_the_same_in_every_process():
+    """The built library is found again by the next start: its name must not depend on the
+    per-process order of a set (string hashing is randomised per process), or most starts
+    would compile the kernels again (seconds) and the cache would grow with each."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from qvl import native; print(native.library_name(native.select_tier(), 'cc 1'))"
+    names = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
+    assert len(names) == 1, names

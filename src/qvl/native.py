@@ -93,6 +93,16 @@ def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
 
 
+def library_name(tier: Tier, compiler_version: str) -> str:
+    """The built library's file name, keyed by the sources, the tier, the compiler and the CPU's
+    flags; the same in every process (no set's iteration order, which string hashing randomises
+    per process, goes into it)."""
+    described = f"{tier.name}|{sorted(tier.needs)}|{tier.flags}|{tier.bf16}|{tier.amx}"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources()) + described.encode() + compiler_version.encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    return f"qvl_kernels-{tier.name}-{key}{LIBRARY_SUFFIX}"
+
+
 def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
     """Compile the kernels for `tier` into out_dir (atomically) and return the library's path.
     OpenMP where the compiler has it, else its SIMD pragmas only, else neither. Raises
@@ -101,9 +111,7 @@ def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources()) + repr(tier).encode() + version.encode()
-                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    lib = out_dir / f"qvl_kernels-{tier.name}-{key}{LIBRARY_SUFFIX}"
+    lib = out_dir / library_name(tier, version)
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
