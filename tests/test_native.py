@@ -310,7 +310,7 @@ def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(moe12
 
 
 @needs_attention
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 72, 128])  # 72: the 1152-wide tower of 4B and larger (16 heads)
 def test_vision_rotary_native_pass_equals_the_reference(d):
     """Bit for bit, over enough values (~0.5M) that a product fused into an FMA would show."""
     from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
@@ -324,6 +324,8 @@ def test_vision_rotary_native_pass_equals_the_reference(d):
     out = vision_rotary(q, cos, sin)
     assert out.is_contiguous() and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, apply_rotary(q.float(), cos, sin).bfloat16(), atol=0, rtol=0)
+    if dispatch.kernels().vision_rope(torch.bfloat16):  # and it was the native pass, not the fallback
+        assert torch.equal(native.vision_rope(dispatch.kernels().lib, q, cos, sin), out)
 
 
 def test_fused_linear_gelu_matches_linear_then_gelu():

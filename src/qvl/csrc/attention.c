@@ -185,8 +185,8 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
  * out: [N][H][D] bf16. Returns 0, or -2 when D is not a multiple of 32 up to 256. */
 int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
                     const float* sin, uint16_t* out, int threads) {
-    if (D % 32 != 0 || D > 256) return -2;
-    const int half = (int)(D / 32); /* 16-lane vectors per half */
+    if (D % 2 != 0) return -2;
+    const int64_t half = D / 2; /* rotate_half pairs column j with j + half; 16 lanes at a time, the last masked */
     const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -194,13 +194,19 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
         for (int64_t h = 0; h < H; h++) {
             const uint16_t* xr = x + n * tok + h * head;
             uint16_t* o = out + (n * H + h) * D;
-            __m512 v[16];
-            for (int j = 0; j < 2 * half; j++) v[j] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(xr + 16 * j)));
-            for (int j = 0; j < 2 * half; j++) {
-                __m512 rot = j < half ? _mm512_sub_ps(_mm512_setzero_ps(), v[j + half]) : v[j - half];
-                __m512 y = _mm512_add_round_ps(_mm512_mul_round_ps(v[j], _mm512_loadu_ps(c + 16 * j), rn),
-                                               _mm512_mul_round_ps(rot, _mm512_loadu_ps(s + 16 * j), rn), rn);
-                _mm256_storeu_si256((__m256i*)(o + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
+            for (int64_t i = 0; i < half; i += 16) {
+                const __mmask16 m = half - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (half - i)) - 1);
+                const __m512 a = bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, xr + i));
+                const __m512 b = bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, xr + half + i));
+                /* first half: a cos - b sin; second: b cos + a sin (each product rounded, then the sum) */
+                const __m512 y1 = _mm512_add_round_ps(_mm512_mul_round_ps(a, _mm512_maskz_loadu_ps(m, c + i), rn),
+                                                      _mm512_mul_round_ps(_mm512_sub_ps(_mm512_setzero_ps(), b),
+                                                                          _mm512_maskz_loadu_ps(m, s + i), rn), rn);
+                const __m512 y2 = _mm512_add_round_ps(_mm512_mul_round_ps(b, _mm512_maskz_loadu_ps(m, c + half + i), rn),
+                                                      _mm512_mul_round_ps(a, _mm512_maskz_loadu_ps(m, s + half + i), rn),
+                                                      rn);
+                _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(y1));
+                _mm256_mask_storeu_epi16(o + half + i, m, (__m256i)_mm512_cvtneps_pbh(y2));
             }
         }
     }
