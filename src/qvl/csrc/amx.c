@@ -241,17 +241,43 @@ static void convert_rows_int4(const uint8_t* w, const void* scale, const void* z
         }
 }
 
-/* y[m0 + m][n0 .. n0+15] for m < 16 and m0 + m < M from a sums tile out [16 n][16 m]. */
+/* r[i] (row i of a 16 x 16 float32 block) -> r[j] = column j, in registers. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* y[m0 + m][n0 .. n0+15] for m < 16 and m0 + m < M from a sums tile out [16 n][16 m]
+ * (transposed in registers). */
 static void write_tile_bf16(const float* out, const void* scale, const void* bias, int dt, int64_t n0, int64_t m0,
                             int64_t M, int64_t N, uint16_t* y) { /* scale NULL: the panel holds scaled weights */
     const __m512 s = scale ? load16_dt(scale, dt, n0) : _mm512_set1_ps(1.f),
                  b = bias ? load16_dt(bias, dt, n0) : _mm512_setzero_ps();
-    const __m512i column = lanes_times(16);
-    for (int m = 0; m < 16 && m0 + m < M; m++) {
-        const __m512 v = _mm512_fmadd_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), out, 4),
-                                         s, b);
-        _mm256_storeu_si256((__m256i*)(y + (m0 + m) * N + n0), (__m256i)_mm512_cvtneps_pbh(v));
-    }
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(out + 16 * i);
+    transpose16(r);
+    for (int m = 0; m < 16 && m0 + m < M; m++)
+        _mm256_storeu_si256((__m256i*)(y + (m0 + m) * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(r[m], s, b)));
 }
 
 /* The sums of 32 weight rows (panel [32][K]) over 32 activation rows (x0, x1: their B tiles)
