@@ -8,7 +8,10 @@
  * weights as the A tile (16 weight rows x 64 columns, read in place from the [N][K] layout)
  * and the activations as B tiles (prepared once per call). Each output is then accumulated
  * in float32 chunk by chunk, in the same order whatever the number of rows, so a row's result
- * never depends on the others. */
+ * never depends on the others.
+ *
+ * Also here: qvl_amx_bf16_linear, prefill's many-row int8/int4 products on AMX-BF16 tiles (see
+ * its comment below). */
 #include "common.h"
 
 #if defined(QVL_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -186,7 +189,8 @@ int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, in
  * y bf16 [M][K] and [M][N]. Each thread converts 32 weight rows at a time into two A tiles'
  * panel (no dequantised copy of the whole matrix, no repacking) and runs every 32 activation
  * rows over them, float32 sums over all of K. int8 codes are exact in bf16, so their row scale
- * comes after the sum; int4 groups are dequantised into the panel as qvl_dequantize does. Tiles: sums 0-3 ([n-block][m-block]), weights 4-5, activations 6-7. */
+ * comes after the sum; int4 groups are dequantised into the panel as qvl_dequantize does.
+ * Tiles: sums 0-3 ([n-block][m-block]), weights 4-5, activations 6-7. */
 static void configure_bf16(void) {
     TileConfig cfg = {0};
     cfg.palette = 1;
