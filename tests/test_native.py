@@ -412,3 +412,28 @@ def test_the_kernel_library_name_is_the_same_in_every_process():
     names = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
     assert len(names) == 1, names
+
+
+def test_kernel_libraries_no_start_has_loaded_for_a_month_are_removed(tmp_path):
+    """Each qvl version (and compiler, and tier) builds its own library: the one a start loads
+    is marked used; others beside it unused for UNUSED_LIBRARY_DAYS go."""
+    import os
+    import subprocess
+    import time
+
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    tier = native.select_tier()
+    current = tmp_path / native.library_name(tier, subprocess.run([cc, "--version"], capture_output=True,
+                                                                   text=True).stdout)
+    current.write_bytes(b"built")  # present: build() returns it without compiling
+    month = time.time() - (native.UNUSED_LIBRARY_DAYS + 1) * 86400
+    old = tmp_path / f"qvl_kernels-avx2-0123{native.LIBRARY_SUFFIX}"
+    recent = tmp_path / f"qvl_kernels-avx2-4567{native.LIBRARY_SUFFIX}"
+    for path in (old, recent):
+        path.write_bytes(b"x")
+    os.utime(old, (month, month))
+    os.utime(current, (month, month))
+    assert native.build(tmp_path, tier) == current
+    assert not old.exists() and recent.exists() and current.stat().st_mtime > month + 86400

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,23 @@ def library_name(tier: Tier, compiler_version: str) -> str:
     return f"qvl_kernels-{tier.name}-{key}{LIBRARY_SUFFIX}"
 
 
+UNUSED_LIBRARY_DAYS = 30  # a built library no start has loaded for this long is removed
+
+
+def _keep_only_used(lib: Path) -> None:
+    """Mark `lib` used now and remove the libraries beside it that no start has loaded for
+    UNUSED_LIBRARY_DAYS (one per qvl version, compiler and tier ever run; a process still
+    running one keeps its mapping). Best effort: a file that cannot be touched stays."""
+    try:
+        os.utime(lib)
+        cutoff = time.time() - UNUSED_LIBRARY_DAYS * 86400
+        for other in lib.parent.glob(f"qvl_kernels-*{LIBRARY_SUFFIX}"):
+            if other != lib and other.stat().st_mtime < cutoff:
+                other.unlink()
+    except OSError:
+        pass
+
+
 def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
     """Compile the kernels for `tier` into out_dir (atomically) and return the library's path.
     OpenMP where the compiler has it, else its SIMD pragmas only, else neither. Raises
@@ -113,6 +131,7 @@ def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     lib = out_dir / library_name(tier, version)
     if lib.exists():
+        _keep_only_used(lib)
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=out_dir, suffix=LIBRARY_SUFFIX + ".partial")
@@ -125,6 +144,7 @@ def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(partial, lib)  # other processes see the whole library or none
+                _keep_only_used(lib)
                 return lib
             errors.append(done.stderr.strip())
         raise RuntimeError(f"compiling the kernels for {tier.name} failed:\n{errors[0]}")
