@@ -107,18 +107,25 @@ def library_name(tier: Tier, compiler_version: str) -> str:
 UNUSED_LIBRARY_DAYS = 30  # a built library no start has loaded for this long is removed
 
 
-def _keep_only_used(lib: Path) -> None:
+def _mark_used(lib: Path) -> bool:
     """Mark `lib` used now and remove the libraries beside it that no start has loaded for
     UNUSED_LIBRARY_DAYS (one per qvl version, compiler and tier ever run; a process still
-    running one keeps its mapping). Best effort: a file that cannot be touched stays."""
+    running one keeps its mapping). False when `lib` itself is gone (another process removed
+    it a moment ago: build it again). Best effort otherwise: a file that cannot be removed stays."""
     try:
         os.utime(lib)
-        cutoff = time.time() - UNUSED_LIBRARY_DAYS * 86400
-        for other in lib.parent.glob(f"qvl_kernels-*{LIBRARY_SUFFIX}"):
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    cutoff = time.time() - UNUSED_LIBRARY_DAYS * 86400
+    for other in lib.parent.glob(f"qvl_kernels-*{LIBRARY_SUFFIX}"):
+        try:
             if other != lib and other.stat().st_mtime < cutoff:
                 other.unlink()
-    except OSError:
-        pass
+        except OSError:
+            pass
+    return True
 
 
 def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
@@ -130,8 +137,7 @@ def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     lib = out_dir / library_name(tier, version)
-    if lib.exists():
-        _keep_only_used(lib)
+    if lib.exists() and _mark_used(lib):
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=out_dir, suffix=LIBRARY_SUFFIX + ".partial")
@@ -144,7 +150,7 @@ def build(out_dir: Path, tier: Tier, cc: str | None = None) -> Path:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(partial, lib)  # other processes see the whole library or none
-                _keep_only_used(lib)
+                _mark_used(lib)
                 return lib
             errors.append(done.stderr.strip())
         raise RuntimeError(f"compiling the kernels for {tier.name} failed:\n{errors[0]}")
@@ -220,7 +226,9 @@ def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.
     kernel does not run (no AMX, K or N not a multiple of 32, int4 groups not a multiple of 32,
     more than 2^21 activation values)."""
     k, n = x.shape[-1], weight.shape[0]
-    if x.numel() > AMX_BF16_MAX_VALUES or k % 32 or n % 32 or (kind == W_INT4 and group_size % 32):
+    if x.numel() > AMX_BF16_MAX_VALUES or k % 32 or n % 32:
+        return None
+    if kind == W_INT4 and (zero is None or group_size <= 0 or group_size % 32):
         return None
     assert x.dtype == torch.bfloat16 and weight.dtype == (torch.int8 if kind == W_INT8 else torch.uint8)
     assert all(t is None or (t.dtype == scale.dtype and t.is_contiguous()) for t in (scale, zero, bias))  # one dtype

@@ -124,6 +124,8 @@ def _amx_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch
     where that kernel does not run (no AMX, other shapes: dequantise + GEMM then)."""
     if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8) or not weight.is_contiguous():
         return None
+    if not all(t is None or (t.is_contiguous() and t.dtype == scales.dtype) for t in (scales, zeros, bias)):
+        return None  # the kernel reads them as one contiguous dtype
     return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
 
 

@@ -322,7 +322,7 @@ static void tile_pair_bf16(const uint16_t* panel, const uint32_t* x0, const uint
 int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                         const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
     if (!amx_granted || K % 32 || N % 32 || M < 1 || M * K > MAX_ACTIVATIONS) return 0;
-    if (kind == W_INT4 && (gs % 32 || K % gs)) return 0;
+    if (kind == W_INT4 && (gs <= 0 || gs % 32 || K % gs || !zero)) return 0;
     const int64_t MP = (M + 31) / 32, KB = K / 32; /* pairs of 16-row activation blocks */
     int64_t pairs = PANEL_BYTES / (64 * K); /* 32-row weight blocks per panel */
     pairs = pairs < 1 ? 1 : pairs;

@@ -182,7 +182,8 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
  * x*cos + rotate_half(x)*sin (two products and a sum, each rounded: the explicit-rounding
  * intrinsics keep the compiler from fusing them into one FMA), rounded once to bf16.
  * x: bf16, row n head h at n*tok + h*head (D contiguous); cos/sin: [N][D] float32;
- * out: [N][H][D] bf16. Returns 0, or -2 when D is not a multiple of 32 up to 256. */
+ * out: [N][H][D] bf16. Any even D (the last 16 lanes of each half masked). Returns 0, or -2
+ * when D is odd. */
 int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
                     const float* sin, uint16_t* out, int threads) {
     if (D % 2 != 0) return -2;
