@@ -299,6 +299,24 @@ def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
         assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else many), rows
 
 
+def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _edited_copy(src, dst, edit):
+    """A copy of checkpoint folder `src` at `dst` whose tensors `edit(state)` changed in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"), dirs_exist_ok=True)
+    state = load_file(src / "model.safetensors")
+    edit(state)
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
 @pytest.mark.parametrize("preset,changes,spec", [
     ("tiny", None, QuantSpec("int8", vision=True)),  # tied head stored once, as the int8 head; smoothed int8 vision
     ("tiny-moe", {"text_config": {"moe_intermediate_size": 64}}, QuantSpec("int4", 32)),  # int4 experts
@@ -317,17 +335,12 @@ def test_quantising_tensor_by_tensor_writes_what_the_loaded_model_holds(preset, 
     cfg = ModelConfig.from_file(bf16 / "config.json")
     for dtype in (torch.bfloat16, torch.float32):
         whole = tensors(write_quantized(load_model(bf16, cfg, dtype, spec), spec, bf16, tmp_path / f"whole-{dtype}"))
-        streamed = tensors(write_streamed(bf16, tmp_path / f"streamed-{dtype}", spec, dtype))
-        assert whole.keys() == streamed.keys()
-        assert all(whole[k].dtype == streamed[k].dtype and torch.equal(whole[k], streamed[k]) for k in whole)
+        _assert_same_tensors(whole, tensors(write_streamed(bf16, tmp_path / f"streamed-{dtype}", spec, dtype)))
     direct = write_checkpoint(tmp_path / "direct", preset, seed=3, changes=changes, quant=spec, shard_bytes=1 << 20)
     files = checkpoint_files(direct)
     assert len(files) > 1 and (direct / "model.safetensors.index.json").exists()  # sharded as published
     assert QuantSpec.from_metadata(read_metadata(files)) == spec
-    made = tensors(save_quantized(bf16, tmp_path / "quantized", spec))
-    written = tensors(direct)
-    assert made.keys() == written.keys()
-    assert all(made[k].dtype == written[k].dtype and torch.equal(made[k], written[k]) for k in made)
+    _assert_same_tensors(tensors(save_quantized(bf16, tmp_path / "quantized", spec)), tensors(direct))
     model = load_model(direct, cfg, torch.bfloat16)
     assert isinstance(model.lm_head, Int8Linear if spec.weights == "int8" else Int4Linear)
     assert isinstance(model.visual.blocks[0].attn.qkv, Int8Linear) == spec.vision
@@ -381,18 +394,11 @@ def test_many_row_products_on_amx_tiles_round_only_their_outputs(kind, rows, mon
 def test_a_broken_checkpoint_names_its_tensors_and_leaves_no_cache_entry(tiny_checkpoint, tmp_path):
     """The first start quantises into the cache: a checkpoint missing a tensor fails with the
     loader's message, and nothing is kept that a later start would load."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from qvl.engine import Engine, EngineOptions
     from qvl.weights import quantized_cache_dir
 
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_checkpoint, broken, ignore=shutil.ignore_patterns("model.safetensors"))
-    state = load_file(tiny_checkpoint / "model.safetensors")
-    del state["model.language_model.layers.1.mlp.down_proj.weight"]
-    save_file(state, str(broken / "model.safetensors"))
+    broken = _edited_copy(tiny_checkpoint, tmp_path / "broken",
+                          lambda state: state.pop("model.language_model.layers.1.mlp.down_proj.weight"))
     options = EngineOptions(model=str(broken), weights="int8", threads=1)
     with pytest.raises(CheckpointError, match="language_model.layers.1.mlp.down_proj.weight"):
         Engine.load(options)
@@ -421,25 +427,22 @@ def test_a_damaged_cache_entry_is_quantised_again(tiny_checkpoint, capsys):
 def test_streamed_quantisation_checks_the_checkpoint_and_keeps_the_source(tiny_checkpoint, tmp_path):
     """`qvl quantize` names missing, unexpected and misshapen tensors before writing anything,
     and refuses to write into the checkpoint's own folder."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from qvl.weights import write_streamed
 
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_checkpoint, bad, ignore=shutil.ignore_patterns("model.safetensors"))
-    state = load_file(tiny_checkpoint / "model.safetensors")
-    del state["model.language_model.layers.0.mlp.down_proj.weight"]
-    state["model.language_model.layers.0.mlp.weight_scale_inv"] = torch.ones(2)
-    save_file(state, str(bad / "model.safetensors"))
+    def missing_and_unexpected(state):
+        del state["model.language_model.layers.0.mlp.down_proj.weight"]
+        state["model.language_model.layers.0.mlp.weight_scale_inv"] = torch.ones(2)
+
+    def misshapen(state):
+        name = "model.language_model.layers.0.mlp.up_proj.weight"
+        state[name] = state[name][:8]
+
+    bad = _edited_copy(tiny_checkpoint, tmp_path / "bad", missing_and_unexpected)
     with pytest.raises(CheckpointError, match="1 missing tensors: language_model.layers.0.mlp.down_proj.weight.*"
                                               "1 unexpected tensors: model.language_model.layers.0.mlp.weight_scale_inv"):
         save_quantized(bad, tmp_path / "out", QuantSpec("int8"))
     assert not list((tmp_path / "out").glob("*"))  # nothing half-written
-    state = load_file(tiny_checkpoint / "model.safetensors")
-    state["model.language_model.layers.0.mlp.up_proj.weight"] = state["model.language_model.layers.0.mlp.up_proj.weight"][:8]
-    save_file(state, str(bad / "model.safetensors"))
+    _edited_copy(tiny_checkpoint, bad, misshapen)
     with pytest.raises(CheckpointError, match="shapes do not match"):
         save_quantized(bad, tmp_path / "out", QuantSpec("int8"))
     with pytest.raises(CheckpointError, match="own folder"):

@@ -224,14 +224,15 @@ def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.
     [N, K/2], a scale and a zero per group) weight's transpose (+ bias) -> [..., N] bf16 on AMX
     tiles, the weight converted to bf16 panel by panel (many rows: prefill); None where the
     kernel does not run (no AMX, K or N not a multiple of 32, int4 groups not a multiple of 32,
-    more than 2^21 activation values)."""
+    more than 2^21 activation values, tensors not contiguous or scale/zero/bias dtypes apart)."""
     k, n = x.shape[-1], weight.shape[0]
-    if x.numel() > AMX_BF16_MAX_VALUES or k % 32 or n % 32:
+    if x.numel() > AMX_BF16_MAX_VALUES or k % 32 or n % 32 or not weight.is_contiguous():
         return None
     if kind == W_INT4 and (zero is None or group_size <= 0 or group_size % 32):
         return None
+    if not all(t is None or (t.dtype == scale.dtype and t.is_contiguous()) for t in (scale, zero, bias)):
+        return None  # the kernel reads them as one contiguous dtype
     assert x.dtype == torch.bfloat16 and weight.dtype == (torch.int8 if kind == W_INT8 else torch.uint8)
-    assert all(t is None or (t.dtype == scale.dtype and t.is_contiguous()) for t in (scale, zero, bias))  # one dtype
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     status = lib.qvl_amx_bf16_linear(kind, rows.data_ptr(), rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),

@@ -122,10 +122,8 @@ def _amx_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch
                  zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
     """Many rows of bf16 activations times an int8/int4 weight on AMX bf16 tiles, or None
     where that kernel does not run (no AMX, other shapes: dequantise + GEMM then)."""
-    if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8) or not weight.is_contiguous():
+    if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8):
         return None
-    if not all(t is None or (t.is_contiguous() and t.dtype == scales.dtype) for t in (scales, zeros, bias)):
-        return None  # the kernel reads them as one contiguous dtype
     return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
 
 

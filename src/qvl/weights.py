@@ -202,11 +202,15 @@ class _TensorSource:
 
 
 def _check_shapes(model: Qwen3VL, state: dict[str, torch.Tensor]) -> None:
-    wrong = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(p.shape)}"
-        for k, p in model.state_dict().items()
-        if k in state and tuple(state[k].shape) != tuple(p.shape)
-    ]
+    _raise_wrong_shapes([_wrong_shape(k, state[k].shape, p.shape) for k, p in model.state_dict().items()
+                         if k in state and tuple(state[k].shape) != tuple(p.shape)])
+
+
+def _wrong_shape(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    return f"{name}: checkpoint {tuple(found)} vs config {tuple(expected)}"
+
+
+def _raise_wrong_shapes(wrong: list[str]) -> None:
     if wrong:
         raise CheckpointError("tensor shapes do not match config.json:\n  " + "\n  ".join(wrong[:20]))
 
@@ -235,8 +239,7 @@ def save_quantized(model_dir: Path, out_dir: Path, spec: QuantSpec,
     (preprocessed images: patches [N, C*T*P*P] and grid), the int8 vision tower is smoothed
     from those images' activations instead of from its norms."""
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    files = checkpoint_files(model_dir)
-    if QuantSpec.from_metadata(read_metadata(files)) is not None:
+    if QuantSpec.from_metadata(read_metadata(checkpoint_files(model_dir))) is not None:
         raise CheckpointError(f"{model_dir} is already quantised; quantise the original bf16 checkpoint")
     if not calibration:
         return write_streamed(model_dir, out_dir, spec, torch.bfloat16)
@@ -323,8 +326,8 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
     if spec.vision and spec.smoothing == "calibrated":
         raise CheckpointError("calibrated smoothing needs images: write the checkpoint with `qvl quantize --calibrate DIR`")
     with torch.device("meta"), skipped_init():
-        shapes = {k: tuple(t.shape) for k, t in Qwen3VL(cfg).state_dict().items()}  # as the checkpoint holds them
         model = Qwen3VL(cfg)
+        shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}  # float, as the checkpoint holds them
         quantized = set(swap_modules(model, replace(spec, vision=False), dtype))
         kept_bf16 = keep_bf16_storage(model) if spec.vision and dtype == torch.float32 else set()  # as load_model
     if cfg.tie_word_embeddings:
@@ -341,7 +344,7 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
             continue
         seen.add(target)
         if tuple(tensor.shape) != shapes[target]:
-            wrong.append(f"{target}: checkpoint {tuple(tensor.shape)} vs config {shapes[target]}")
+            wrong.append(_wrong_shape(target, tensor.shape, shapes[target]))
             continue
         if tied_quant and target == "language_model.embed_tokens.weight":
             target = "lm_head.weight"  # stored once, as the quantised head (see load_model)
@@ -365,8 +368,7 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
     missing = sorted(set(shapes) - seen)
     if missing or unexpected:
         raise CheckpointError(_mismatch_message(missing, unexpected))
-    if wrong:
-        raise CheckpointError("tensor shapes do not match config.json:\n  " + "\n  ".join(wrong[:20]))
+    _raise_wrong_shapes(wrong)
     if spec.vision:
         yield from _int8_vision(model, vision, dtype, smooth=spec.smoothing != "none")
 
