@@ -21,22 +21,55 @@ def _reference_attention(q, k, v):
     return F.scaled_dot_product_attention(*(t.float().transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
 
 
+needs_amx = pytest.mark.skipif(lib is None or not lib.features & native.AMX_INT8, reason="no AMX tiles")
+AMX = lib is not None and bool(lib.features & native.AMX_INT8)
+
+
+def _vision_covers(d: int) -> bool:
+    """The head sizes the vision kernel takes: AMX tiles up to 80 (2B's 64, the 1152-wide
+    towers' 72), AVX512-BF16 dot products 64 and 128."""
+    return d <= 80 if AMX else d in (64, 128)
+
+
 @needs_attention
 @settings(max_examples=25, deadline=None)
-@given(s=st.integers(1, 200), h=st.integers(1, 4), d=st.sampled_from([64, 128]), scale=st.floats(0.1, 4.0))
+@given(s=st.integers(1, 200), h=st.integers(1, 4), d=st.sampled_from([64, 72, 128]), scale=st.floats(0.1, 4.0))
 def test_attention_matches_float_reference(s, h, d, scale):
     qkv = (torch.randn(s, 3, h, d) * scale).bfloat16()
     q, k, v = qkv.unbind(1)  # strided rows, as the vision tower's fused qkv gives them
     out = native.attention(lib, q, k, v)
+    if not _vision_covers(d):
+        assert out is None  # the caller takes SDPA
+        return
     ref = _reference_attention(q, k, v)
     assert out.shape == (s, h, d) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=2e-2 * max(1.0, ref.abs().max().item()), rtol=2e-2)
 
 
+@needs_amx
+@pytest.mark.parametrize("d", [64, 72, 80, 40])
+def test_amx_vision_attention_over_a_whole_image(d):
+    """A full-budget-like image (1000 patches: many 16-row query blocks, 32-key blocks and a
+    padded last one) with a few very large keys late in the sequence, so each row's running
+    max moves after its output has accumulated (the rescaled path): as SDPA in float32, to
+    bf16's precision, and grouped heads read their shared keys."""
+    n, h = 1000, 4
+    qkv = torch.randn(n, 3, h, d)
+    qkv[900:905, 1] *= 6  # late keys that dominate: the running max moves
+    q, k, v = qkv.bfloat16().unbind(1)
+    out = native.attention(lib, q, k, v)
+    ref = _reference_attention(q, k, v)
+    assert out is not None and out.shape == (n, h, d)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=2e-2)
+    grouped = native.attention(lib, q, k[:, :2], v[:, :2])  # 4 query heads over 2 key/value heads
+    ref = _reference_attention(q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1))
+    torch.testing.assert_close(grouped.float(), ref, atol=1e-2, rtol=2e-2)
+
+
 @needs_attention
 def test_attention_declines_what_it_does_not_cover():
-    q = torch.randn(10, 2, 80).bfloat16()
-    assert native.attention(lib, q, q, q) is None  # head_dim 80
+    q = torch.randn(10, 2, 96).bfloat16()
+    assert native.attention(lib, q, q, q) is None  # head_dim 96: neither kernel
     assert native.attention(lib, q[..., :64].float(), q[..., :64].float(), q[..., :64].float()) is None  # fp32
     x = torch.randn(10, 2, 64)
     torch.testing.assert_close(image_attention(x, x, x), _reference_attention(x, x, x))  # SDPA takes over

@@ -220,6 +220,9 @@ def test_dispatch_choices_per_tier(tier_lib):
     k = Kernels(tier, lib)
     bf16_hw = tier.name in ("avx512", "avx512-noamx") and tier.bf16  # the tiers with bf16 products
     assert k.flash_attention(torch.bfloat16) == (bf16_hw and not tier.amx) and not k.flash_attention(torch.float32)
+    # the vision tower's: on AMX tiles where the process has them, else the AVX512-BF16 kernel
+    assert k.vision_attention(torch.bfloat16) == (bf16_hw and (not tier.amx or bool(lib.features & native.AMX_INT8)))
+    assert not k.vision_attention(torch.float32)
     assert k.vision_rope(torch.bfloat16) == bf16_hw
     for dtype in (torch.float32, torch.bfloat16):
         assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)

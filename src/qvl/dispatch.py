@@ -75,10 +75,16 @@ class Kernels:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
 
     def flash_attention(self, dtype: torch.dtype) -> bool:
-        """Vision and causal prefill attention: qvl's AVX512-BF16 flash kernel; elsewhere, and
-        where the CPU has AMX (whose tiles torch's oneDNN-backed SDPA uses, ~3x faster than
-        vdpbf16ps), torch's SDPA, which runs its own flash kernel vectorised for the CPU."""
+        """Causal prefill attention: qvl's AVX512-BF16 flash kernel; elsewhere, and where the
+        CPU has AMX (whose tiles torch's oneDNN-backed SDPA uses, ~3x faster than vdpbf16ps),
+        torch's SDPA, which runs its own flash kernel vectorised for the CPU."""
         return self._bf16_products(dtype) and not self.tier.amx
+
+    def vision_attention(self, dtype: torch.dtype) -> bool:
+        """The vision tower's attention (no mask): qvl's flash kernel on AMX-BF16 tiles where
+        the process has them (head size up to 80), else on AVX512-BF16 dot products except on
+        an AMX CPU; elsewhere torch's SDPA."""
+        return self._bf16_products(dtype) and (not self.tier.amx or self.has(native.AMX_INT8))
 
     def vision_rope(self, dtype: torch.dtype) -> bool:
         return self._bf16_products(dtype)
@@ -129,6 +135,8 @@ class Kernels:
                                 else "float kernel (compiler-vectorised)",
             "flash_attention": "torch SDPA (oneDNN, AMX tiles)" if self.tier.amx else
                                "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
+            "vision_attention": "AMX-BF16 flash kernel (head size <= 80)" if self.vision_attention(torch.bfloat16)
+                                and self.tier.amx else "as flash_attention",
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
             "int8_activations": "oneDNN's int8 GEMM (prepacked weights) + native quantise/rescale, activations "

@@ -309,11 +309,12 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               causal_from: int | None = None) -> torch.Tensor | None:
     """Attention of T queries over S keys (AVX512-BF16 builds): q [T, H, D], k and v
     [S, H_kv, D] bf16 (any token/head strides, D contiguous) -> [T, H, D] contiguous.
-    causal_from=None: every query sees every key (vision); an int p: query t sits at position
-    p + t and sees keys 0..p+t (prefill over a cache). None when the shapes do not apply."""
+    causal_from=None: every query sees every key (vision; on AMX tiles where the CPU has them,
+    D <= 80); an int p: query t sits at position p + t and sees keys 0..p+t (prefill over a
+    cache; D 64 or 128). None when the shapes do not apply."""
     t, h, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
-    if d not in (64, 128) or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
+    if d % 2 or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
         return None
     out = torch.empty(t, h, d, dtype=torch.bfloat16)
     status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, hkv, d,

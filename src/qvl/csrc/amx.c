@@ -364,12 +364,221 @@ int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64
     free(xb);
     return failed ? -1 : 1;
 }
+/* Vision attention on AMX-BF16 tiles: flash attention over one image's patches (every query
+ * sees every key), 16 query rows at a time. Per 32 keys: the scores (q . k in float32 over D,
+ * two 16 x 16 tiles) go to memory for the online softmax in AVX-512 (base 2; the running max
+ * moves only past AMX_SLACK, as in attention.c), whose bf16 probabilities are the A tile of the
+ * value product, accumulated in the output tiles over all keys. The next 32 keys' scores are
+ * issued before this block's softmax, so the tiles and the vector units work at once. D up to
+ * 80 (2B: 64; the 1152-wide towers: 72): q and k are zero-padded to a multiple of 32 columns,
+ * the values to a multiple of 16. Tiles: output 0-4, scores 5, q / probabilities 6, keys /
+ * values 7. */
+#define AMX_SLACK 8.f
+
+static inline __m512 exp2_ps3(__m512 x) { /* 2^x within 8e-5 (degree 3; the result is rounded to bf16) */
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* x - floor(x) */
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(7.79071638e-2f), f, _mm512_set1_ps(2.26233194e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.95777096e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99927827e-1f));
+    return _mm512_scalef_ps(p, x); /* p * 2^floor(x); x of -1e30 (masked keys) gives 0 */
+}
+
+#define OUT_TILES(op) \
+    do { op(0); if (ND > 1) op(1); if (ND > 2) op(2); if (ND > 3) op(3); if (ND > 4) op(4); } while (0)
+#define ZERO_OUT(t) _tile_zero(t)
+#define STORE_OUT(t) _tile_stored(t, ob + 16 * t, DV * 4)
+#define LOAD_OUT(t) _tile_loadd(t, ob + 16 * t, DV * 4)
+#define VALUES(t) { _tile_loadd(7, vb + 16 * t, DV * 4); _tile_dpbf16ps(t, 6, 7); }
+
+/* Scores of the 16 query rows (qb [DP/32][16][32]) against keys kb..kb+31 -> sc [16][32]. */
+static inline void amx_scores(const uint16_t* qb, const uint32_t* kp, int64_t kb, int64_t S_pad, int64_t DP,
+                              float* sc) {
+    for (int half = 0; half < 2; half++) {
+        _tile_zero(5);
+        for (int64_t c = 0; c < DP / 32; c++) {
+            _tile_loadd(6, qb + c * 512, 64);
+            _tile_loadd(7, kp + 16 * c * S_pad + kb + 16 * half, S_pad * 4);
+            _tile_dpbf16ps(5, 6, 7);
+        }
+        _tile_stored(5, sc + 16 * half, 128);
+    }
+}
+
+/* The online softmax of one block of scores (sc [16][32]) -> bf16 probabilities pb [16][32];
+ * sums l, maxima mx (scaled; raw: the unscaled score that would move it) and corrections corr
+ * per row; returns whether a row's max moved after its first block. `left` = keys of the block
+ * below S (masked only when < 32). */
+static inline __attribute__((always_inline)) int amx_softmax(const float* sc, int64_t left, float scale2, float* mx,
+                                                             float* raw, float* corr, __m512* l, uint16_t* pb,
+                                                             const int masked) {
+    const __mmask16 m0 = !masked || left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 m1 = !masked || left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    const __m512 scale = _mm512_set1_ps(scale2), low = _mm512_set1_ps(-1e30f);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bf16 pairs of 1 */
+    int rescale = 0;
+    for (int i = 0; i < 16; i++) {
+        /* unscaled scores: scale > 0 commutes with the max; x * scale - max is one FMA below */
+        const __m512 a = masked ? _mm512_mask_mov_ps(low, m0, _mm512_load_ps(sc + 32 * i)) : _mm512_load_ps(sc + 32 * i);
+        const __m512 b = masked ? _mm512_mask_mov_ps(low, m1, _mm512_load_ps(sc + 32 * i + 16))
+                                : _mm512_load_ps(sc + 32 * i + 16);
+        const __m512 top = _mm512_max_ps(a, b);
+        corr[i] = 1.f;
+        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(raw[i]), _CMP_GT_OQ)) {
+            const float now = _mm512_reduce_max_ps(top) * scale2;
+            if (mx[i] > -1e29f) corr[i] = exp2f(mx[i] - now), rescale = 1;
+            l[i] = _mm512_mul_ps(l[i], _mm512_set1_ps(corr[i]));
+            mx[i] = now, raw[i] = (now + AMX_SLACK) / scale2;
+        }
+        const __m512 m = _mm512_set1_ps(mx[i]);
+        const __m512bh p = _mm512_cvtne2ps_pbh(exp2_ps3(_mm512_fmsub_ps(b, scale, m)),
+                                               exp2_ps3(_mm512_fmsub_ps(a, scale, m)));
+        l[i] = _mm512_dpbf16_ps(l[i], p, ones); /* summed as the value product weighs them */
+        _mm512_store_si512(pb + 32 * i, (__m512i)p);
+    }
+    return rescale;
+}
+
+/* Query rows (up to 16) of one head: qb [DP/32][16][32] bf16 (zero-padded); kp [DP/2][S_pad]
+ * key pairs; vp [S_pad/2][DV] value pairs; out rows `out_stride` apart, D columns. */
+static void amx_attention_rows(const uint16_t* qb, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
+                               int64_t S_pad, int64_t D, int64_t DP, int64_t DV, float scale2, uint16_t* out,
+                               int64_t out_stride) {
+    const int ND = (int)(DV / 16);
+    float sc[2][16 * 32] __attribute__((aligned(64))), ob[16 * 80] __attribute__((aligned(64)));
+    uint16_t pb[16 * 32] __attribute__((aligned(64)));
+    float mx[16], raw[16], corr[16];
+    __m512 l[16];
+    for (int i = 0; i < 16; i++) mx[i] = raw[i] = -1e30f, l[i] = _mm512_setzero_ps();
+    OUT_TILES(ZERO_OUT);
+    amx_scores(qb, kp, 0, S_pad, DP, sc[0]);
+    for (int64_t kb = 0; kb < S_pad; kb += 32) {
+        const float* cur = sc[(kb / 32) & 1];
+        if (kb + 32 < S_pad) amx_scores(qb, kp, kb + 32, S_pad, DP, sc[((kb / 32) + 1) & 1]);
+        const int rescale = S - kb >= 32 ? amx_softmax(cur, 32, scale2, mx, raw, corr, l, pb, 0)
+                                         : amx_softmax(cur, S - kb, scale2, mx, raw, corr, l, pb, 1);
+        if (rescale) { /* a row's max moved: its output so far is scaled down to the new max */
+            OUT_TILES(STORE_OUT);
+            for (int i = 0; i < 16; i++)
+                if (corr[i] != 1.f)
+                    for (int64_t d = 0; d < DV; d += 16)
+                        _mm512_storeu_ps(ob + i * DV + d,
+                                         _mm512_mul_ps(_mm512_loadu_ps(ob + i * DV + d), _mm512_set1_ps(corr[i])));
+            OUT_TILES(LOAD_OUT);
+        }
+        const uint32_t* vb = vp + (kb / 2) * DV;
+        _tile_loadd(6, pb, 64);
+        OUT_TILES(VALUES);
+    }
+    OUT_TILES(STORE_OUT);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+        for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 m = D - d >= 16 ? 0xFFFF : (__mmask16)((1u << (D - d)) - 1);
+            _mm256_mask_storeu_epi16(out + r * out_stride + d, m,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + r * DV + d), inv)));
+        }
+    }
+}
+
+/* One head's keys as B tiles of the scores: kh [DP/2][S_pad] pairs (k[n][2p], k[n][2p+1]), 16
+ * keys by 16 pairs at a time transposed in registers; zero past S and past D. */
+static void pack_keys(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DP,
+                      uint32_t* kh) {
+    for (int64_t n = 0; n < S_pad; n += 16)
+        for (int64_t p = 0; p < DP / 2; p += 16) {
+            const int64_t pairs = D / 2 - p; /* valid pairs in this block */
+            const __mmask16 m = pairs >= 16 ? 0xFFFF : pairs <= 0 ? 0 : (__mmask16)((1u << pairs) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = n + i < S ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, k + (n + i) * k_tok + 2 * p))
+                                 : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_store_ps((float*)(kh + (p + j) * S_pad + n), r[j]);
+        }
+}
+
+/* One head's values as B tiles of the value product: vh [S_pad/2][DV] pairs (v[2j][d],
+ * v[2j+1][d]); zero past S and past D. */
+static void pack_values(const uint16_t* v, int64_t v_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DV,
+                        uint32_t* vh) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < S_pad; j += 2)
+        for (int64_t d = 0; d < DV; d += 32) {
+            const int64_t cols = D - d;
+            const __mmask32 m = cols >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << cols) - 1);
+            const __m512i a = j < S ? _mm512_maskz_loadu_epi16(m, v + j * v_tok + d) : _mm512_setzero_si512();
+            const __m512i b = j + 1 < S ? _mm512_maskz_loadu_epi16(m, v + (j + 1) * v_tok + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vh + (j / 2) * DV + d, _mm512_permutex2var_epi16(a, first, b));
+            if (d + 16 < DV) _mm512_storeu_si512(vh + (j / 2) * DV + d + 16, _mm512_permutex2var_epi16(a, second, b));
+        }
+}
+
+/* softmax(q k^T / sqrt(D)) v for T queries over S keys, no mask (the vision tower), grouped
+ * heads as qvl_attention (same arguments and strides). Returns 0, -1 when out of memory, -2
+ * when the CPU or D does not suit it (D > 80, or odd). */
+int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    if (!amx_granted || D > 80 || D % 2 || D < 2 || Hkv < 1 || H % Hkv || S < 1 || T < 1) return -2;
+    const int64_t S_pad = (S + 31) / 32 * 32, DP = (D + 31) / 32 * 32, DV = (D + 15) / 16 * 16, G = H / Hkv;
+    const int64_t blocks = (T + 15) / 16;
+    uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * DP * 2));
+    uint32_t* vp = aligned_alloc(64, (size_t)(Hkv * S_pad * DV * 2));
+    uint16_t* qp = aligned_alloc(64, (size_t)(H * blocks * 16 * DP * 2));
+    if (!kp || !vp || !qp) {
+        free(kp), free(vp), free(qp);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < Hkv; h++) {
+        pack_keys(k + h * k_head, k_tok, S, S_pad, D, DP, kp + h * (DP / 2) * S_pad);
+        pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vp + h * (S_pad / 2) * DV);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < H * blocks; item++) { /* [DP/32][16][32] per 16 query rows of a head */
+        const int64_t h = item / blocks, r0 = (item % blocks) * 16;
+        uint16_t* qb = qp + item * 16 * DP;
+        for (int64_t c = 0; c < DP / 32; c++) {
+            const int64_t cols = D - c * 32;
+            const __mmask32 m = cols >= 32 ? 0xFFFFFFFFu : cols <= 0 ? 0 : (__mmask32)((1u << cols) - 1);
+            for (int64_t r = 0; r < 16; r++)
+                _mm512_store_si512(qb + (c * 16 + r) * 32,
+                                   r0 + r < T ? _mm512_maskz_loadu_epi16(m, q + (r0 + r) * q_tok + h * q_head + c * 32)
+                                              : _mm512_setzero_si512());
+        }
+    }
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
+#pragma omp parallel num_threads(threads)
+    {
+        configure_bf16();
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < H * blocks; item++) { /* head by head: its keys and values stay in L2 */
+            const int64_t h = item / blocks, r0 = (item % blocks) * 16;
+            amx_attention_rows(qp + item * 16 * DP, T - r0 < 16 ? T - r0 : 16, kp + (h / G) * (DP / 2) * S_pad,
+                               vp + (h / G) * (S_pad / 2) * DV, S, S_pad, D, DP, DV, scale2,
+                               out + r0 * o_tok + h * o_head, o_tok);
+        }
+        _tile_release();
+    }
+    free(kp), free(vp), free(qp);
+    return 0;
+}
 #else
 int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                         const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
     (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
     (void)y, (void)threads;
     return 0;
+}
+
+int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head;
+    (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
+    return -2;
 }
 #endif
 #else
@@ -380,6 +589,14 @@ int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64
     (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
     (void)y, (void)threads;
     return 0;
+}
+
+int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head;
+    (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
+    return -2;
 }
 
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,

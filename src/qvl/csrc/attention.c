@@ -129,11 +129,15 @@ static inline __attribute__((always_inline)) void attention_block(
  * uses key/value head h / (H / Hkv)). Every tensor is bf16 with D contiguous and strides
  * in elements: q[t][h] at t*q_tok + h*q_head, likewise k, v (positions j), out.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
- * over a cache of S = causal + T); -1: no mask (vision). D = 64 or 128.
+ * over a cache of S = causal + T); -1: no mask (vision), on AMX tiles where the CPU has them
+ * (qvl_amx_attention, D <= 80). D = 64 or 128.
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
                   int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
+    if (causal < 0 && qvl_int8_amx_ready()) /* tiles: ~3x these dot products (and torch's SDPA) */
+        return qvl_amx_attention(q, k, v, out, T, S, H, Hkv, D, q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok,
+                                 o_head, threads);
     if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -2;
     const int64_t S_pad = (S + ABK - 1) / ABK * ABK, G = H / Hkv;
     uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
