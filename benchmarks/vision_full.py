@@ -68,13 +68,13 @@ def main() -> None:
                 started = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - started)
-                print(f"  {name}: {times[name][-1]:.1f} s", flush=True)
+                print(f"  {name}: {times[name][-1]:.3f} s", flush=True)
     base = statistics.median(times["transformers bf16"])
     print(f"\n{processed.grid_thw[1] * processed.grid_thw[2]} patches, {args.threads} threads, median of "
           f"{args.repeat} alternating runs\n\n| vision encoder, {args.tokens} tokens | seconds (runs) | speed-up |\n|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {med:.1f} ({', '.join(f'{t:.1f}' for t in ts)}) | {base / med:.2f}× |")
+        print(f"| {name} | {med:.3f} ({', '.join(f'{t:.3f}' for t in ts)}) | {base / med:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,31 @@ def test_vision_and_deepstack_features_match(pair):
 
 
 @torch.inference_mode()
+def test_grid_tables_are_kept_per_grid_within_their_byte_budget(pair, monkeypatch):
+    """The position embeddings and RoPE tables of a grid are computed once and reused (the
+    interpolation costs ~30 ms per 1008-patch image on an 8B tower): a repeated image gives
+    the same features bit for bit, and the kept tables stay within GRID_TABLES_BYTES, the
+    most recently used grid always kept."""
+    from qvl.model import vision
+
+    engine, _ = pair
+    visual = engine.model.visual
+    parsed = engine.parse(two_image_request())
+    patches = [image.pixel_values for image in parsed.images]
+    grids = [tuple(image.grid_thw) for image in parsed.images]
+    visual._grid_tables.clear()
+    first = visual(torch.cat(patches), grids)[0]
+    assert list(visual._grid_tables) == grids
+    torch.testing.assert_close(visual(torch.cat(patches), grids)[0], first, rtol=0, atol=0)
+    monkeypatch.setattr(vision, "GRID_TABLES_BYTES", 1)  # room for one grid's tables only
+    visual(patches[1], grids[1:])
+    assert list(visual._grid_tables) == grids[1:]
+    alone = visual(patches[0], grids[:1])[0]  # computed again after eviction
+    torch.testing.assert_close(alone, first[: len(alone)], rtol=0, atol=0)
+    assert list(visual._grid_tables) == grids[:1]
+
+
+@torch.inference_mode()
 def test_logits_match(pair):
     from qvl.generate import new_cache, prefill
     from qvl.stream import Timings

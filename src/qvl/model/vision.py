@@ -15,7 +15,7 @@ from qvl.config import VisionConfig
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
-GRID_TABLES_KEPT = 64
+GRID_TABLES_BYTES = 128 << 20  # per-grid tables kept (most recent first): ~50 grids of 256 tokens, ~6 full-budget
 # torch's fused CPU linear + pointwise op (oneDNN), which torch.compile emits; None without oneDNN's
 # native bf16 support (as torch.compile gates it)
 LINEAR_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
@@ -163,21 +163,27 @@ class VisionModel(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim // 2, cfg.rope_theta), persistent=False)
         self._grid_tables: dict[Grid, tuple[torch.Tensor, ...]] = {}
 
-    def grid_tables(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-grid constants, computed once per grid size: position-embedding taps
-        [N, 4] and weights [N, 4], RoPE cos and sin [N, 1, head_dim]."""
-        if grid not in self._grid_tables:
-            if len(self._grid_tables) >= GRID_TABLES_KEPT:  # many sizes over time: keep the recent ones
-                self._grid_tables.pop(next(iter(self._grid_tables)))
+    def grid_tables(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-grid constants, computed once per grid size: the interpolated position
+        embeddings [N, hidden] (in the tower's dtype, as the reference rounds them) and the
+        RoPE cos and sin [N, 1, head_dim]. The recently used grids' tables are kept, up to
+        GRID_TABLES_BYTES."""
+        tables = self._grid_tables.pop(grid, None)
+        if tables is None:
             t, h, w = grid
             rows, cols = _block_order(h, w, self.cfg.spatial_merge_size)
             rt, rw = _axis_taps(rows, h, self.side)
             ct, cw = _axis_taps(cols, w, self.side)
-            taps = (rt[:, :, None] * self.side + ct[:, None, :]).reshape(-1, 4).repeat(t, 1)
-            weights = (rw[:, :, None] * cw[:, None, :]).reshape(-1, 4).repeat(t, 1)
+            taps = (rt[:, :, None] * self.side + ct[:, None, :]).reshape(-1, 4)
+            weights = (rw[:, :, None] * cw[:, None, :]).reshape(-1, 4)
+            pos = (self.pos_embed(taps) * weights[..., None]).sum(1).to(self.patch_embed.proj.weight.dtype)
             cos, sin = vision_cos_sin(torch.stack([rows, cols], -1).repeat(t, 1), self.inv_freq)
-            self._grid_tables[grid] = (taps, weights, cos, sin)
-        return self._grid_tables[grid]
+            tables = (pos.repeat(t, 1), cos, sin)
+        self._grid_tables[grid] = tables  # most recent last
+        held = sum(x.nbytes for kept in self._grid_tables.values() for x in kept)
+        while held > GRID_TABLES_BYTES and len(self._grid_tables) > 1:
+            held -= sum(x.nbytes for x in self._grid_tables.pop(next(iter(self._grid_tables))))
+        return tables
 
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """patches: [N, C*T*P*P] for all images, concatenated in order.
@@ -189,11 +195,9 @@ class VisionModel(nn.Module):
         """`forward` one block at a time: yields after each block (the caller may do other
         work in between), returns what forward returns."""
         tables = [self.grid_tables(tuple(g)) for g in grids]
-        taps, weights, cos, sin = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*tables))
+        pos, cos, sin = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*tables))
         lengths = [t * h * w for t, h, w in grids]
-        x = self.patch_embed(patches)
-        pos = (self.pos_embed(taps) * weights[..., None]).sum(1)
-        x = x + pos.to(x.dtype)
+        x = self.patch_embed(patches) + pos
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, lengths)
