@@ -106,6 +106,24 @@ def test_int8_matmul_in_row_blocks_equals_one_call(monkeypatch):
                        whole)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_int8_matmul_adds_the_residual_as_the_separate_add_would(dtype, gelu, monkeypatch):
+    """The vision blocks' `x + proj(...)` and `x + fc2(...)` fused into the rescale pass: bit
+    for bit the product rounded to the dtype and then added, across row blocks and a width
+    that is not a multiple of 16 (the pass's scalar tail)."""
+    x, w = torch.randn(300, 256).to(dtype), torch.randint(-127, 128, (99, 256), dtype=torch.int8)
+    scale, bias, residual = (torch.rand(99) / 50).to(dtype), torch.randn(99).to(dtype), torch.randn(300, 99).to(dtype)
+    monkeypatch.setattr(native, "INT8_GEMM_MIN_ROWS", 16)
+    monkeypatch.setattr(native, "INT8_GEMM_OUTPUT_FLOATS", 70 * 99)  # several row blocks
+    args = (lib, x, native.pack_int8(w), colsums(w), scale, bias, 255, gelu)
+    fused = native.int8_matmul(*args, residual=residual)
+    assert torch.equal(fused, residual + native.int8_matmul(*args))
+    with pytest.raises(ValueError, match="residual"):
+        native.int8_matmul(*args, residual=residual[:10])
+
+
 def colsums(w: torch.Tensor) -> torch.Tensor:
     return w.sum(1, dtype=torch.int32).float()
 

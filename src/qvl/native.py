@@ -168,7 +168,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_dequantize.restype = None
     lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, c_int, ptr, ptr, ptr, c_int]
     lib.qvl_quantize_rows.restype = c_int
-    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, c_int]
+    lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, ptr, c_int]
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
     lib.qvl_attention.restype = c_int
@@ -280,13 +280,19 @@ def _unit_weight_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None, levels: int, gelu_tanh: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None, levels: int, gelu_tanh: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias), the weight given packed
     (pack_int8) with its codes' sums over K (colsums [N] float32), the activations quantised
     per row to codes 0..levels over the row's range: two fused native passes around int8_gemm;
-    the second applies tanh-GELU too when `gelu_tanh` (before rounding to x's dtype)."""
+    the second applies tanh-GELU too when `gelu_tanh` (before rounding to x's dtype), and adds
+    the result to `residual` ([..., N], x's dtype) when given, as `residual + product` would."""
     k, n = x.shape[-1], scale.shape[0]
     rows = x.reshape(-1, k).contiguous()
+    if residual is not None:
+        residual = residual.reshape(-1, n).contiguous()
+        if residual.dtype != x.dtype or residual.shape[0] != rows.shape[0]:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's rows")
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
     codes = torch.empty(m, k, dtype=torch.uint8)
     row_scale, row_lo = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
@@ -299,8 +305,8 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
         r1 = min(m, r0 + block)
         acc = int8_gemm(codes[r0:r1], packed, n)
         if lib.qvl_rescale(acc.data_ptr(), row_scale[r0:].data_ptr(), row_lo[r0:].data_ptr(), colsums.data_ptr(),
-                           scale.data_ptr(), _ptr(bias), dt, r1 - r0, n, int(gelu_tanh), y[r0:].data_ptr(),
-                           threads) != 0:
+                           scale.data_ptr(), _ptr(bias), dt, r1 - r0, n, int(gelu_tanh),
+                           None if residual is None else residual[r0:].data_ptr(), y[r0:].data_ptr(), threads) != 0:
             raise MemoryError("qvl_rescale could not allocate its scale buffers")
     return y.view(*x.shape[:-1], n)
 

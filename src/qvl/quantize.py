@@ -175,6 +175,7 @@ class Int8Linear(nn.Module):
     on AMX; slightly less exact)."""
 
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
+    fuses_residual = True  # forward(x, residual=r) = r + forward(x): see vision.residual_linear
     packed: torch.Tensor | None = None  # oneDNN's copy of the weight for int8 x int8 products
     colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
     levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
@@ -205,15 +206,17 @@ class Int8Linear(nn.Module):
         """The weight (or some of its rows) in the compute dtype."""
         return dequantize_int8(self.weight, self.scales, rows)
 
-    def forward(self, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
-        # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh (fused into the int8 x int8 path)
+    def forward(self, x: torch.Tensor, gelu_tanh: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh, then residual + that when
+        # given ([..., O]); both fused into the int8 x int8 path's rescale pass
         if self.packed is not None and (self.weight is None or _rows(x) > kernels().int8_gemv_rows):
             if x.dtype != self.scales.dtype:
                 raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
             return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
-                                      self.levels, gelu_tanh)
+                                      self.levels, gelu_tanh, residual)
         y = self._product(x)
-        return F.gelu(y, approximate="tanh") if gelu_tanh else y
+        y = F.gelu(y, approximate="tanh") if gelu_tanh else y
+        return y if residual is None else residual + y
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_product(x, self.weight, self.scales, self.bias)

@@ -67,9 +67,12 @@ static void gelu_tanh(float* v, int64_t n) {
 /* y[M][N] (dt) = col_scale[n] * (row_scale[m] * acc[m][n] + row_lo[m] * colsum[n]) (+ bias[n]):
  * the product of rows lo + scale * codes with weights codes * col_scale, from the codes'
  * integer product acc (exact in float32 below 2^24) and the weight codes' sums over K; then
- * tanh-GELU when `gelu` (before the one rounding to bf16). Returns 0, or -1 when out of memory. */
+ * tanh-GELU when `gelu` (before the one rounding to dt); then, when `residual` ([M][N], dt) is
+ * given, residual + that rounded value, rounded again (as adding the layer's output to the
+ * residual stream). Returns 0, or -1 when out of memory. */
 int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, const float* colsum,
-                const void* col_scale, const void* bias, int dt, int64_t M, int64_t N, int gelu, void* y, int threads) {
+                const void* col_scale, const void* bias, int dt, int64_t M, int64_t N, int gelu, const void* residual,
+                void* y, int threads) {
     float* cs = malloc((size_t)N * sizeof(float));
     float* b = malloc((size_t)N * sizeof(float));
     if (!cs || !b) {
@@ -89,16 +92,45 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
         for (int64_t m = 0; m < M; m++) {
             if (!row) continue;
             const float* a = acc + m * N;
-            float rs = row_scale[m], lo = row_lo[m];
-#pragma omp simd
-            for (int64_t n = 0; n < N; n++) row[n] = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n];
-            if (gelu) gelu_tanh(row, N);
-            if (dt == BF16) {
+            const float rs = row_scale[m], lo = row_lo[m];
+            int64_t done = 0;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+            if (dt == BF16) { /* one pass in registers: the product, GELU, rounding, residual */
+                const __m512 r = _mm512_set1_ps(rs), l = _mm512_set1_ps(lo);
+                const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
+                const uint16_t* res = residual ? (const uint16_t*)residual + m * N : NULL;
                 uint16_t* o = (uint16_t*)y + m * N;
+                for (; done + 16 <= N; done += 16) {
+                    const int64_t n = done;
+                    __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cs + n),
+                                               _mm512_add_ps(_mm512_mul_ps(r, _mm512_loadu_ps(a + n)),
+                                                             _mm512_mul_ps(l, _mm512_loadu_ps(colsum + n))),
+                                               _mm512_loadu_ps(b + n));
+                    if (gelu) {
+                        const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v), c1);
+                        v = div_one_plus_exp2(v, u);
+                    }
+                    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+                    if (res)
+                        h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(bf16x16_to_ps(h),
+                                                                      bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(res + n)))));
+                    _mm256_storeu_si256((__m256i*)(o + n), h);
+                }
+            }
+#endif
+            const int64_t rest = N - done;
 #pragma omp simd
-                for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(row[n]);
+            for (int64_t n = done; n < N; n++) row[n - done] = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n];
+            if (gelu) gelu_tanh(row, rest);
+            if (dt == BF16) {
+                uint16_t* o = (uint16_t*)y + m * N + done;
+                const uint16_t* res = residual ? (const uint16_t*)residual + m * N + done : NULL;
+                for (int64_t n = 0; n < rest; n++)
+                    o[n] = res ? f32_to_bf16(bf16_to_f32(f32_to_bf16(row[n])) + bf16_to_f32(res[n])) : f32_to_bf16(row[n]);
             } else {
-                memcpy((float*)y + m * N, row, (size_t)N * sizeof(float));
+                float* o = (float*)y + m * N;
+                const float* res = residual ? (const float*)residual + m * N : NULL;
+                for (int64_t n = 0; n < N; n++) o[n] = res ? row[n] + res[n] : row[n];
             }
         }
         free(row);

@@ -62,14 +62,25 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        # x: [N, D]; cos/sin: [N, 1, head_dim]; lengths: patches per image (attention stays inside each)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
+                residual: torch.Tensor) -> torch.Tensor:
+        # x: [N, D]; cos/sin: [N, 1, head_dim]; lengths: patches per image (attention stays inside
+        # each) -> residual + attention(x), [N, D]
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
         q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
         outs = [image_attention(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.proj(out.reshape(n, -1))
+        return residual_linear(self.proj, out.reshape(n, -1), residual)
+
+
+def residual_linear(fc: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + fc(x). Layers that say `fuses_residual` (qvl.quantize's Int8Linear) add it
+    in their last pass over the output (one read and write of [N, D] less per block, ~0.3 ms
+    per 1008 patches of 1152), rounding the product and then the sum, as the two steps do."""
+    if getattr(fc, "fuses_residual", False):
+        return fc(x, residual=residual)
+    return residual + fc(x)
 
 
 def linear_gelu_tanh(fc: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +103,9 @@ class VisionMLP(nn.Module):
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(linear_gelu_tanh(self.linear_fc1, x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # x, residual: [N, D] -> residual + mlp(x)
+        return residual_linear(self.linear_fc2, linear_gelu_tanh(self.linear_fc1, x), residual)
 
 
 class VisionBlock(nn.Module):
@@ -105,8 +117,8 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
-        return x + self.mlp(self.norm2(x))
+        x = self.attn(self.norm1(x), cos, sin, lengths, residual=x)
+        return self.mlp(self.norm2(x), residual=x)
 
 
 class PatchMerger(nn.Module):
