@@ -108,7 +108,12 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
                                                _mm512_loadu_ps(b + n));
                     if (gelu) {
                         const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v), c1);
-                        v = div_one_plus_exp2(v, u);
+                        /* v / (1 + 2^u) with a refined reciprocal (~2^-28) instead of vdivps, whose
+                         * throughput bound this pass on the vision tower's fc1; u capped at 64 so
+                         * that 1 + 2^u stays finite (far negative v: ~1e-19 v where the reference gives 0) */
+                        const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(_mm512_min_ps(u, _mm512_set1_ps(64.f))));
+                        const __m512 e = _mm512_rcp14_ps(d);
+                        v = _mm512_mul_ps(v, _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, _mm512_set1_ps(2.f))));
                     }
                     __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
                     if (res)
