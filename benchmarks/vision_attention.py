@@ -1,0 +1,65 @@
+"""The vision tower's attention, one call per shape: qvl's native kernel (on AMX-BF16 tiles
+where the CPU has them) against torch's SDPA, alternating, medians (min-max) of --rounds; and
+each side's largest difference from SDPA in float32.
+
+    python benchmarks/vision_attention.py --rounds 7
+
+Shapes: 2B's tower at 256 and 1024 image tokens (1008 and 4032 patches, 16 heads of 64) and
+the 1152-wide towers' at 256 (16 heads of 72).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qvl import native
+from qvl.dispatch import kernels
+
+SHAPES = [(1008, 16, 64), (4032, 16, 64), (1008, 16, 72)]
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+
+
+def spread(ts: list[float]) -> str:
+    return f"{statistics.median(ts) * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    k = kernels()
+    print(f"vision attention: {k.describe()['vision_attention']}; {args.threads} threads\n")
+    print("| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs float32) |")
+    print("|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for n, h, d in SHAPES:
+        q, kk, v = torch.randn(n, 3, h, d).bfloat16().unbind(1)  # strided, as the fused qkv gives them
+        ours = native.attention(k.lib, q, kk, v) if k.vision_attention(torch.bfloat16) else None
+        if ours is None:
+            print(f"| {n}, {h} x {d} | - | - | (no native kernel for this shape) | |")
+            continue
+        ref = sdpa(q.float(), kk.float(), v.float())
+        diffs = [(sdpa(q, kk, v).float() - ref).abs().max().item(), (ours.float() - ref).abs().max().item()]
+        times = {"sdpa": [], "qvl": []}
+        for _ in range(args.rounds):
+            for side, run in (("sdpa", lambda: sdpa(q, kk, v)), ("qvl", lambda: native.attention(k.lib, q, kk, v))):
+                started = time.perf_counter()
+                run()
+                times[side].append(time.perf_counter() - started)
+        ratio = statistics.median(times["qvl"]) / statistics.median(times["sdpa"])
+        print(f"| {n}, {h} x {d} | {spread(times['sdpa'])} | {spread(times['qvl'])} | {ratio:.2f} | "
+              f"{diffs[0]:.4f}, {diffs[1]:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
