@@ -127,6 +127,30 @@ def test_int8_matmul_adds_the_residual_as_the_separate_add_would(dtype, gelu, mo
         native.int8_matmul(*args, residual=residual[:10])
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_matmul_layer_normalises_its_rows_in_the_quantise_pass(dtype):
+    """The vision blocks' norm1 -> qkv and norm2 -> fc1 fused: the rows are normalised (float32
+    moments, rounded to the dtype as torch's LayerNorm rounds) inside the quantise pass. In bf16
+    the normalised rows match torch's to the last bit almost everywhere; the products match
+    within a code's rounding; a norm of the wrong width or dtype is refused."""
+    x = (torch.randn(300, 256) * 3 + 1).to(dtype)
+    w = torch.randint(-127, 128, (96, 256), dtype=torch.int8)
+    scale, bias = (torch.rand(96) / 50).to(dtype), torch.randn(96).to(dtype)
+    norm = torch.nn.LayerNorm(256, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256) + 0.5)
+        norm.bias.copy_(torch.randn(256) / 4)
+    args = (lib, x, native.pack_int8(w), colsums(w), scale, bias, 255)
+    fused = native.int8_matmul(*args, layer_norm=(norm.weight.detach(), norm.bias.detach(), norm.eps)).float()
+    apart = native.int8_matmul(lib, norm(x).detach(), *args[2:]).float()
+    torch.testing.assert_close(fused, apart, atol=2e-2 * apart.abs().max().item(), rtol=0)
+    if dtype == torch.bfloat16:  # the same bf16 rows almost everywhere, so mostly the same outputs
+        assert (fused == apart).float().mean() > 0.9
+    with pytest.raises(ValueError, match="layer norm"):
+        native.int8_matmul(*args, layer_norm=(norm.weight.detach()[:128], None, 1e-6))
+
+
 def colsums(w: torch.Tensor) -> torch.Tensor:
     return w.sum(1, dtype=torch.int32).float()
 

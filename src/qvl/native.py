@@ -166,7 +166,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_linear.restype = c_int
     lib.qvl_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.qvl_dequantize.restype = None
-    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, c_int, ptr, ptr, ptr, c_int]
+    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, c_int, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, c_int]
     lib.qvl_quantize_rows.restype = c_int
     lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, ptr, c_int]
     lib.qvl_rescale.restype = c_int
@@ -280,16 +280,27 @@ def _unit_weight_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(n), torch.zeros(n, dtype=torch.long)
 
 
+LayerNormArgs = tuple[torch.Tensor, "torch.Tensor | None", float]  # weight [K], bias [K] or None, eps
+
+
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None, levels: int, gelu_tanh: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias), the weight given packed
     (pack_int8) with its codes' sums over K (colsums [N] float32), the activations quantised
-    per row to codes 0..levels over the row's range: two fused native passes around int8_gemm;
-    the second applies tanh-GELU too when `gelu_tanh` (before rounding to x's dtype), and adds
-    the result to `residual` ([..., N], x's dtype) when given, as `residual + product` would."""
+    per row to codes 0..levels over the row's range: two fused native passes around int8_gemm.
+    The first layer-normalises the rows first when `layer_norm` is given (its weight and bias in
+    x's dtype); the second applies tanh-GELU when `gelu_tanh` (before rounding to x's dtype), and
+    adds the result to `residual` ([..., N], x's dtype) when given, as `residual + product` would."""
     k, n = x.shape[-1], scale.shape[0]
     rows = x.reshape(-1, k).contiguous()
+    norm_w, norm_b, eps = None, None, 0.0
+    if layer_norm is not None:
+        norm_w, norm_b, eps = layer_norm
+        if norm_w.dtype != x.dtype or norm_w.shape != (k,) or (norm_b is not None and norm_b.dtype != x.dtype):
+            raise ValueError(f"the layer norm's weight {tuple(norm_w.shape)} {norm_w.dtype} does not suit rows of "
+                             f"{k} {x.dtype}")
+        norm_w, norm_b = norm_w.contiguous(), None if norm_b is None else norm_b.contiguous()
     if residual is not None:
         residual = residual.reshape(-1, n).contiguous()
         if residual.dtype != x.dtype or residual.shape[0] != rows.shape[0]:
@@ -297,7 +308,8 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
     codes = torch.empty(m, k, dtype=torch.uint8)
     row_scale, row_lo = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
-    if lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, levels, codes.data_ptr(), row_scale.data_ptr(),
+    if lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, levels, _ptr(norm_w), _ptr(norm_b),
+                             eps, codes.data_ptr(), row_scale.data_ptr(),
                              row_lo.data_ptr(), threads) != 0:
         raise MemoryError("qvl_quantize_rows could not allocate its row buffers")
     y = torch.empty(m, n, dtype=x.dtype)

@@ -176,6 +176,7 @@ class Int8Linear(nn.Module):
 
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
     fuses_residual = True  # forward(x, residual=r) = r + forward(x): see vision.residual_linear
+    fuses_layer_norm = True  # forward(x, norm=n) = forward(n(x)) for an nn.LayerNorm n: see vision.norm_linear
     packed: torch.Tensor | None = None  # oneDNN's copy of the weight for int8 x int8 products
     colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
     levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
@@ -206,14 +207,22 @@ class Int8Linear(nn.Module):
         """The weight (or some of its rows) in the compute dtype."""
         return dequantize_int8(self.weight, self.scales, rows)
 
-    def forward(self, x: torch.Tensor, gelu_tanh: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [..., I] -> [..., O], then tanh-GELU when gelu_tanh, then residual + that when
-        # given ([..., O]); both fused into the int8 x int8 path's rescale pass
+    def forward(self, x: torch.Tensor, gelu_tanh: bool = False, residual: torch.Tensor | None = None,
+                norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        # x: [..., I] -> [..., O]: norm(x) first when given, then the product, tanh-GELU when
+        # gelu_tanh, residual + that when given ([..., O]); the int8 x int8 path fuses the norm
+        # into its quantise pass and the rest into its rescale pass
         if self.packed is not None and (self.weight is None or _rows(x) > kernels().int8_gemv_rows):
             if x.dtype != self.scales.dtype:
                 raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
+            fused = norm is not None and norm.weight is not None and norm.weight.dtype == x.dtype
+            if norm is not None and not fused:
+                x, norm = norm(x), None
             return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
-                                      self.levels, gelu_tanh, residual)
+                                      self.levels, gelu_tanh, residual,
+                                      (norm.weight, norm.bias, norm.eps) if fused else None)
+        if norm is not None:
+            x = norm(x)
         y = self._product(x)
         y = F.gelu(y, approximate="tanh") if gelu_tanh else y
         return y if residual is None else residual + y

@@ -4,9 +4,20 @@
 
 /* xq[M][K] = x quantised per row to the unsigned codes 0..levels (255; 127 where the GEMM
  * sums exactly only 7-bit activations): x ~= lo[m] + scale[m] * xq, lo the row's minimum.
- * Returns 0, or -1 when out of memory. */
-int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, uint8_t* xq, float* scale, float* lo,
-                      int threads) {
+ * With norm_w (dt [K], and norm_b or NULL): each row is first layer-normalised as the model's
+ * LayerNorm does (float32 mean and variance, the result rounded to dt), so the normalised rows
+ * are never written. Returns 0, or -1 when out of memory. */
+int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, const void* norm_w, const void* norm_b,
+                      float eps, uint8_t* xq, float* scale, float* lo, int threads) {
+    float *nw = NULL, *nb = NULL;
+    if (norm_w) {
+        nw = malloc((size_t)K * sizeof(float)), nb = malloc((size_t)K * sizeof(float));
+        if (!nw || !nb) {
+            free(nw), free(nb);
+            return -1;
+        }
+        for (int64_t k = 0; k < K; k++) nw[k] = get(norm_w, dt, k), nb[k] = norm_b ? get(norm_b, dt, k) : 0.f;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -21,6 +32,22 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, u
                 for (int64_t k = 0; k < K; k++) row[k] = bf16_to_f32(xr[k]);
             } else {
                 memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
+            }
+            if (nw) {
+                float sum = 0.f, sq = 0.f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t k = 0; k < K; k++) sum += row[k];
+                const float mean = sum / (float)K;
+#pragma omp simd reduction(+ : sq)
+                for (int64_t k = 0; k < K; k++) sq += (row[k] - mean) * (row[k] - mean);
+                const float rstd = 1.f / sqrtf(sq / (float)K + eps);
+                if (dt == BF16) {
+#pragma omp simd
+                    for (int64_t k = 0; k < K; k++) row[k] = round_bf((row[k] - mean) * rstd * nw[k] + nb[k]);
+                } else {
+#pragma omp simd
+                    for (int64_t k = 0; k < K; k++) row[k] = (row[k] - mean) * rstd * nw[k] + nb[k];
+                }
             }
             float mn = row[0], mx = row[0];
 #pragma omp simd reduction(min : mn) reduction(max : mx)
@@ -40,6 +67,7 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, u
         }
         free(row);
     }
+    free(nw), free(nb);
     return failed ? -1 : 0;
 }
 

@@ -63,15 +63,24 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
-                residual: torch.Tensor) -> torch.Tensor:
+                norm: nn.LayerNorm) -> torch.Tensor:
         # x: [N, D]; cos/sin: [N, 1, head_dim]; lengths: patches per image (attention stays inside
-        # each) -> residual + attention(x), [N, D]
+        # each) -> x + attention(norm(x)), [N, D]
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
+        q, k, v = norm_linear(norm, self.qkv, x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
         q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
         outs = [image_attention(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return residual_linear(self.proj, out.reshape(n, -1), residual)
+        return residual_linear(self.proj, out.reshape(n, -1), x)
+
+
+def norm_linear(norm: nn.LayerNorm, fc: nn.Module, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """fc(norm(x)), tanh-GELU'd when `gelu_tanh`. Layers that say `fuses_layer_norm`
+    (qvl.quantize's Int8Linear) take the norm and apply it in their quantise pass: the
+    normalised rows are never written (one write and read of [N, D] less per use)."""
+    if getattr(fc, "fuses_layer_norm", False):
+        return fc(x, gelu_tanh=gelu_tanh, norm=norm)
+    return linear_gelu_tanh(fc, norm(x)) if gelu_tanh else fc(norm(x))
 
 
 def residual_linear(fc: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -103,9 +112,9 @@ class VisionMLP(nn.Module):
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # x, residual: [N, D] -> residual + mlp(x)
-        return residual_linear(self.linear_fc2, linear_gelu_tanh(self.linear_fc1, x), residual)
+    def forward(self, x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        # x: [N, D] -> x + mlp(norm(x))
+        return residual_linear(self.linear_fc2, norm_linear(norm, self.linear_fc1, x, gelu_tanh=True), x)
 
 
 class VisionBlock(nn.Module):
@@ -117,8 +126,8 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = self.attn(self.norm1(x), cos, sin, lengths, residual=x)
-        return self.mlp(self.norm2(x), residual=x)
+        x = self.attn(x, cos, sin, lengths, self.norm1)
+        return self.mlp(x, self.norm2)
 
 
 class PatchMerger(nn.Module):
