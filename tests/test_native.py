@@ -101,7 +101,7 @@ def test_int8_matmul_in_row_blocks_equals_one_call(monkeypatch):
     scale, bias = torch.rand(96) / 50, torch.randn(96)
     whole = native.int8_matmul(lib, x, native.pack_int8(w), colsums(w), scale, bias, 255, gelu_tanh=True)
     monkeypatch.setattr(native, "INT8_GEMM_MIN_ROWS", 16)
-    monkeypatch.setattr(native, "INT8_GEMM_OUTPUT_FLOATS", 70 * 96)  # up to 70 rows: 9 blocks of 67 (the last 64)
+    monkeypatch.setattr(native, "INT8_GEMM_OUTPUT_FLOATS", 70 * 96)  # blocks of 70 rows, the last one short
     assert torch.equal(native.int8_matmul(lib, x, native.pack_int8(w), colsums(w), scale, bias, 255, gelu_tanh=True),
                        whole)
 

@@ -254,8 +254,9 @@ def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.T
 
 # int8_matmul runs oneDNN's GEMM on blocks of rows whose float32 product fits 8 MB (512 rows
 # of vision fc1): fc1 on 3968 patches 2.1x faster on AMX than in one call, 1.2x on AVX2; never
-# fewer than 256 rows (the per-call cost); the rows shared equally among the blocks (a short last
-# block ran at half the rate: ~2% of 8B's tower, section 36). docs/benchmarks.md, section 26.
+# fewer than 256 rows (the per-call cost). docs/benchmarks.md, section 26. Equal blocks (1008
+# rows as 3 x 336, not 487 + 487 + 34) were tried and were slower: oneDNN ran 336 rows at 1.07
+# TOPS against 1.47 at 487 (section 35).
 INT8_GEMM_OUTPUT_FLOATS = 2 << 20
 INT8_GEMM_MIN_ROWS = 256
 
@@ -314,7 +315,6 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
         raise MemoryError("qvl_quantize_rows could not allocate its row buffers")
     y = torch.empty(m, n, dtype=x.dtype)
     block = max(INT8_GEMM_MIN_ROWS, INT8_GEMM_OUTPUT_FLOATS // n)
-    block = -(-m // -(-m // block))  # as many blocks of equal rows: 1008 = 3 x 336, not 487 + 487 + 34
     for r0 in range(0, m, block):  # each block's float32 product is rescaled while still in cache
         r1 = min(m, r0 + block)
         acc = int8_gemm(codes[r0:r1], packed, n)
