@@ -200,6 +200,13 @@ def test_int8_activation_matmul(tier_lib):
         assert F.cosine_similarity(out.float().flatten(), ref.flatten(), 0) > 0.999, tier.name
         fused = native.int8_matmul(lib, x, packed, colsums, scale, bias, 255, gelu_tanh=True)
         torch.testing.assert_close(fused.float(), F.gelu(out.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)
+        norm_w, norm_b = (torch.rand(256) + 0.5).to(dtype), torch.randn(256).to(dtype)  # the LayerNorm before it, fused
+        normed = native.int8_matmul(lib, x, packed, colsums, scale, bias, 255, layer_norm=(norm_w, norm_b, 1e-6))
+        apart = native.int8_matmul(lib, F.layer_norm(x, (256,), norm_w, norm_b, 1e-6), packed, colsums, scale, bias, 255)
+        torch.testing.assert_close(normed.float(), apart.float(), atol=2e-2 * apart.abs().max().item(), rtol=0)
+        residual = torch.randn(40, 96).to(dtype)  # and the residual add after it
+        added = native.int8_matmul(lib, x, packed, colsums, scale, bias, 255, residual=residual)
+        torch.testing.assert_close(added, residual + out, atol=0, rtol=0)
 
 
 def test_check_program_on_every_tier(tier_lib, tmp_path):
