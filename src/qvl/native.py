@@ -298,14 +298,15 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
     norm_w, norm_b, eps = None, None, 0.0
     if layer_norm is not None:
         norm_w, norm_b, eps = layer_norm
-        if norm_w.dtype != x.dtype or norm_w.shape != (k,) or (norm_b is not None and norm_b.dtype != x.dtype):
+        if norm_w.dtype != x.dtype or norm_w.shape != (k,) or (
+                norm_b is not None and (norm_b.dtype != x.dtype or norm_b.shape != (k,))):
             raise ValueError(f"the layer norm's weight {tuple(norm_w.shape)} {norm_w.dtype} does not suit rows of "
                              f"{k} {x.dtype}")
         norm_w, norm_b = norm_w.contiguous(), None if norm_b is None else norm_b.contiguous()
     if residual is not None:
+        if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], n):
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's {(*x.shape[:-1], n)} {x.dtype}")
         residual = residual.reshape(-1, n).contiguous()
-        if residual.dtype != x.dtype or residual.shape[0] != rows.shape[0]:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's rows")
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
     codes = torch.empty(m, k, dtype=torch.uint8)
     row_scale, row_lo = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)

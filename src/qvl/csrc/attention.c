@@ -129,8 +129,9 @@ static inline __attribute__((always_inline)) void attention_block(
  * uses key/value head h / (H / Hkv)). Every tensor is bf16 with D contiguous and strides
  * in elements: q[t][h] at t*q_tok + h*q_head, likewise k, v (positions j), out.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
- * over a cache of S = causal + T); -1: no mask (vision), on AMX tiles where the CPU has them
- * (qvl_amx_attention, D <= 80). D = 64 or 128.
+ * over a cache of S = causal + T); -1: no mask (vision). D = 64 or 128; where the process has
+ * AMX tiles, vision attention runs only on them (qvl_amx_attention, D <= 80; -2 otherwise, and
+ * the caller takes torch's SDPA, faster there than these dot products).
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,

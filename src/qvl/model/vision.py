@@ -15,7 +15,7 @@ from qvl.config import VisionConfig
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
-GRID_TABLES_BYTES = 128 << 20  # per-grid tables kept (most recent first): ~50 grids of 256 tokens, ~6 full-budget
+GRID_TABLES_BYTES = 128 << 20  # per-grid tables kept (least recent evicted): ~50 grids of 256 tokens, ~6 full-budget
 # torch's fused CPU linear + pointwise op (oneDNN), which torch.compile emits; None without oneDNN's
 # native bf16 support (as torch.compile gates it)
 LINEAR_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
@@ -39,7 +39,7 @@ class PatchEmbed(nn.Module):
 
 def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full attention over one image's patches: q, k, v [n, H, hd] -> [n, H, hd]. qvl's native
-    flash kernel where it applies (bf16; AMX tiles: hd <= 80, ~3x torch's; AVX512-BF16: hd
+    flash kernel where it applies (bf16; AMX tiles: hd <= 80, 1.7-2x torch's; AVX512-BF16: hd
     64/128, ~1.9x), else SDPA (4-D: a 3-D call silently takes torch's slow math path)."""
     out = native.attention(kernels().lib, q, k, v) if kernels().vision_attention(q.dtype) else None
     if out is None:
@@ -188,7 +188,8 @@ class VisionModel(nn.Module):
         """Per-grid constants, computed once per grid size: the interpolated position
         embeddings [N, hidden] (in the tower's dtype, as the reference rounds them) and the
         RoPE cos and sin [N, 1, head_dim]. The recently used grids' tables are kept, up to
-        GRID_TABLES_BYTES."""
+        GRID_TABLES_BYTES; whoever changes the tower's weights or dtype clears them
+        (Qwen3VL.init_buffers, as the loader does)."""
         tables = self._grid_tables.pop(grid, None)
         if tables is None:
             t, h, w = grid
