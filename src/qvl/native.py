@@ -305,7 +305,8 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
         norm_w, norm_b = norm_w.contiguous(), None if norm_b is None else norm_b.contiguous()
     if residual is not None:
         if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], n):
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's {(*x.shape[:-1], n)} {x.dtype}")
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's "
+                             f"{(*x.shape[:-1], n)} {x.dtype}")
         residual = residual.reshape(-1, n).contiguous()
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
     codes = torch.empty(m, k, dtype=torch.uint8)

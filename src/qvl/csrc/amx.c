@@ -185,6 +185,7 @@ int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, in
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QVL_AMX_BF16 1
 /* Many-row products with int8 or int4 weights in bf16 (prefill): y = x . w^T (+ bias), x and
  * y bf16 [M][K] and [M][N]. Each thread converts 32 weight rows at a time into two A tiles'
  * panel (no dequantised copy of the whole matrix, no repacking) and runs every 32 activation
@@ -565,43 +566,30 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     free(kp), free(vp), free(qp);
     return 0;
 }
-#else
-int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
-                        const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
-    (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
-    (void)y, (void)threads;
-    return 0;
-}
-
-int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
-                      int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
-                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
-    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head;
-    (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
-    return -2;
-}
 #endif
 #else
 int qvl_int8_amx_ready(void) { return 0; }
-
-int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
-                        const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
-    (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
-    (void)y, (void)threads;
-    return 0;
-}
-
-int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
-                      int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
-                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
-    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head;
-    (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
-    return -2;
-}
 
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
                      const void* scale, const void* bias, int dt, void* y, int threads) {
     (void)q, (void)xs, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
     return 0;
+}
+#endif
+
+#ifndef QVL_AMX_BF16 /* no AMX-BF16 tiles in this build: the callers take their other paths */
+int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
+                        const void* zero, int64_t gs, const void* bias, int dt, uint16_t* y, int threads) {
+    (void)kind, (void)x, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)dt;
+    (void)y, (void)threads;
+    return 0;
+}
+
+int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head;
+    (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
+    return -2;
 }
 #endif

@@ -93,7 +93,7 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, 
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 div_one_plus_exp2(__m512 x, __m512 t) { /* x / (1 + 2^t): SiLU and tanh-GELU */
+static inline __m512 div_one_plus_exp2(__m512 x, __m512 t) { /* x / (1 + 2^t): SiLU */
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(t)));
 }
 #endif

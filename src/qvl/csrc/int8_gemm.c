@@ -71,16 +71,25 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
     return failed ? -1 : 0;
 }
 
+#ifdef QVL_AVX512
+/* tanh-GELU(v) = v / (1 + 2^u), u = -2 log2(e) sqrt(2/pi) (v + 0.044715 v^3), with a refined
+ * reciprocal (~2^-28) instead of vdivps, whose throughput bound the rescale on the vision
+ * tower's fc1; u capped at 64 so that 1 + 2^u stays finite (far negative v: ~1e-19 v where the
+ * reference gives 0). */
+static inline __m512 gelu_tanh_ps(__m512 v) {
+    const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
+    const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v), c1);
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(_mm512_min_ps(u, _mm512_set1_ps(64.f))));
+    const __m512 e = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(v, _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, _mm512_set1_ps(2.f))));
+}
+#endif
+
 /* v[n] <- tanh-GELU(v[n]) = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3), in float32. */
 static void gelu_tanh(float* v, int64_t n) {
     int64_t i = 0;
 #ifdef QVL_AVX512
-    const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_loadu_ps(v + i);
-        __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, x), _mm512_mul_ps(x, x), x), c1);
-        _mm512_storeu_ps(v + i, div_one_plus_exp2(x, u));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, gelu_tanh_ps(_mm512_loadu_ps(v + i)));
 #elif defined(QVL_AVX2)
     const __m256 c1 = _mm256_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm256_set1_ps(0.044715f);
     for (; i + 8 <= n; i += 8) {
@@ -125,7 +134,6 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
             if (dt == BF16) { /* one pass in registers: the product, GELU, rounding, residual */
                 const __m512 r = _mm512_set1_ps(rs), l = _mm512_set1_ps(lo);
-                const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
                 const uint16_t* res = residual ? (const uint16_t*)residual + m * N : NULL;
                 uint16_t* o = (uint16_t*)y + m * N;
                 for (; done + 16 <= N; done += 16) {
@@ -134,15 +142,7 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
                                                _mm512_add_ps(_mm512_mul_ps(r, _mm512_loadu_ps(a + n)),
                                                              _mm512_mul_ps(l, _mm512_loadu_ps(colsum + n))),
                                                _mm512_loadu_ps(b + n));
-                    if (gelu) {
-                        const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v), c1);
-                        /* v / (1 + 2^u) with a refined reciprocal (~2^-28) instead of vdivps, whose
-                         * throughput bound this pass on the vision tower's fc1; u capped at 64 so
-                         * that 1 + 2^u stays finite (far negative v: ~1e-19 v where the reference gives 0) */
-                        const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(_mm512_min_ps(u, _mm512_set1_ps(64.f))));
-                        const __m512 e = _mm512_rcp14_ps(d);
-                        v = _mm512_mul_ps(v, _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, _mm512_set1_ps(2.f))));
-                    }
+                    if (gelu) v = gelu_tanh_ps(v);
                     __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
                     if (res)
                         h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(bf16x16_to_ps(h),
@@ -159,7 +159,7 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
                 uint16_t* o = (uint16_t*)y + m * N + done;
                 const uint16_t* res = residual ? (const uint16_t*)residual + m * N + done : NULL;
                 for (int64_t n = 0; n < rest; n++)
-                    o[n] = res ? f32_to_bf16(bf16_to_f32(f32_to_bf16(row[n])) + bf16_to_f32(res[n])) : f32_to_bf16(row[n]);
+                    o[n] = f32_to_bf16(res ? round_bf(row[n]) + bf16_to_f32(res[n]) : row[n]);
             } else {
                 float* o = (float*)y + m * N;
                 const float* res = residual ? (const float*)residual + m * N : NULL;
