@@ -3,6 +3,8 @@ int8 x int8 GEMM around oneDNN's int8 GEMM."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,6 +143,58 @@ def test_int8_matmul_adds_the_residual_as_the_separate_add_would(dtype, gelu, mo
     for wrong in (residual[:10], residual.reshape(150, 198)):  # too few rows; the right size, wrong shape
         with pytest.raises(ValueError, match="residual"):
             native.int8_matmul(*args, residual=wrong)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,n", [(77, 100, 48), (5, 64, 16), (300, 256, 96), (64, 200, 1040)])
+def test_amx_int8_matmul_equals_the_onednn_path(dtype, m, k, n):
+    """qvl's AMX int8 kernel (each 32 x 32 block of sums rescaled in cache) gives bit for bit
+    what oneDNN's GEMM and the separate rescale pass give, with the norm, GELU and residual
+    fused, for rows and depths that are not whole tiles (zero-padded codes), a last block of 16
+    columns, one thread or two."""
+    x = (torch.randn(m, k) * 2 + 0.5).to(dtype)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale, bias, residual = (torch.rand(n) / 50).to(dtype), torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
+    norm = ((torch.rand(k) + 0.5).to(dtype), torch.randn(k).to(dtype), 1e-6)
+    tiles = native.amx_pack_int8(lib, w)
+    assert tiles.shape == (n, -(-k // 64) * 64)
+    for gelu, res, ln in [(False, None, None), (True, None, norm), (False, residual, norm), (True, residual, None)]:
+        args = (scale, bias, 255, gelu, res, ln)
+        want = native.int8_matmul(lib, x, native.pack_int8(w), colsums(w), *args)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                assert torch.equal(native.int8_matmul(lib, x, tiles, colsums(w), *args, amx=True), want)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.amx_pack_int8(lib, w[:15])
+
+
+@needs_native
+def test_int8_linear_packs_amx_tiles_where_the_cpu_has_them():
+    """Int8Linear.pack asks dispatch: AMX tiles for widths of a multiple of 16 on AMX CPUs,
+    oneDNN's packing otherwise; either way the product is the same."""
+    from qvl.quantize import Int8Linear
+
+    layer = Int8Linear(128, 48, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randint(-127, 128, (48, 128), dtype=torch.int8))
+        layer.scales.copy_(torch.rand(48) / 50)
+        layer.bias.copy_(torch.randn(48))
+    x = torch.randn(100, 128).bfloat16()
+    before = layer(x)
+    layer.pack(255, keep_weight=False)
+    assert layer.amx == AMX
+    torch.testing.assert_close(layer(x).float(), before.float(), atol=3e-2 * before.abs().max().item(), rtol=0)
 
 
 @needs_native

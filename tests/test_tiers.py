@@ -207,6 +207,9 @@ def test_int8_activation_matmul(tier_lib):
         residual = torch.randn(40, 96).to(dtype)  # and the residual add after it
         added = native.int8_matmul(lib, x, packed, colsums, scale, bias, 255, residual=residual)
         torch.testing.assert_close(added, residual + out, atol=0, rtol=0)
+        if lib.features & native.AMX_INT8:  # the AMX kernel, where the tier has the tiles: the same bits
+            tiles = native.amx_pack_int8(lib, w)
+            assert torch.equal(native.int8_matmul(lib, x, tiles, colsums, scale, bias, 255, amx=True), out), tier.name
 
 
 def test_check_program_on_every_tier(tier_lib, tmp_path):

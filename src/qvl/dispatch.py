@@ -62,6 +62,12 @@ class Kernels:
         sections 21, 24 and 25). NEON is unmeasured."""
         return self.int8_gemm() and self.has(native.AVX2) and self.int8_levels > 0
 
+    def int8_tiles(self, out_features: int) -> bool:
+        """Many-row int8 x int8 products run qvl's AMX kernel (int8 tiles, each block of sums
+        rescaled while in cache: docs/benchmarks.md section 36) rather than oneDNN's GEMM and a
+        separate rescale pass; it takes weights of a multiple of 16 rows."""
+        return self.has(native.AMX_INT8) and out_features % 16 == 0
+
     @functools.cached_property
     def int8_levels(self) -> int:
         """The activation codes 0..levels whose products oneDNN's int8 GEMM sums exactly against
@@ -139,7 +145,8 @@ class Kernels:
                                 and self.tier.amx else "as flash_attention",
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": "oneDNN's int8 GEMM (prepacked weights) + native quantise/rescale, activations "
+            "int8_activations": ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else
+                                 "oneDNN's int8 GEMM (prepacked weights)") + " + native quantise/rescale, activations "
                                 f"per row in {'8' if self.int8_levels == 255 else '7'} bits" + (
                 ", vision by default (faster than the float GEMM here)" if self.int8_activations() else
                 ", off by default (not faster than the float GEMM here)"),

@@ -166,7 +166,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_linear.restype = c_int
     lib.qvl_dequantize.argtypes = [c_int, ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.qvl_dequantize.restype = None
-    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, c_int, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, c_int]
+    lib.qvl_quantize_rows.argtypes = [ptr, c_int, i64, i64, c_int, ptr, ptr, ctypes.c_float, ptr, i64, ptr, ptr, c_int]
     lib.qvl_quantize_rows.restype = c_int
     lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, ptr, c_int]
     lib.qvl_rescale.restype = c_int
@@ -183,6 +183,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_decode_layers.restype = c_int
     lib.qvl_amx_bf16_linear.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr, c_int]
     lib.qvl_amx_bf16_linear.restype = c_int
+    lib.qvl_amx_int8_matmul.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
+    lib.qvl_amx_int8_matmul.restype = c_int
+    lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
+    lib.qvl_amx_pack_int8.restype = None
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
     lib.features = lib.qvl_features()  # fixed for the build: read once, not per call
@@ -266,6 +270,18 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_prepack(weight, None)
 
 
+def amx_pack_int8(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] int8 (N % 16 == 0) -> its AMX tiles for int8_matmul(amx=True): [N, Kp] int8,
+    K zero-padded to Kp, a multiple of 64 (amx.c's qvl_amx_pack_int8 layout)."""
+    n, k = weight.shape
+    if n % 16:
+        raise ValueError(f"AMX int8 tiles take weights of a multiple of 16 rows, not {n}")
+    weight = weight.contiguous()
+    packed = torch.empty(n, -(-k // 64) * 64, dtype=torch.int8)
+    lib.qvl_amx_pack_int8(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
 def int8_gemm(codes: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """codes [M, K] uint8 @ the packed int8 weight [N, K].T -> [M, N] float32: oneDNN's int8
     GEMM (VNNI, AMX tiles or vpmaddubsw), the integer sums exact below 2^24."""
@@ -286,10 +302,13 @@ LayerNormArgs = tuple[torch.Tensor, "torch.Tensor | None", float]  # weight [K],
 
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None, levels: int, gelu_tanh: bool = False,
-                residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None,
+                amx: bool = False) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias), the weight given packed
-    (pack_int8) with its codes' sums over K (colsums [N] float32), the activations quantised
-    per row to codes 0..levels over the row's range: two fused native passes around int8_gemm.
+    (pack_int8; amx_pack_int8 when `amx`) with its codes' sums over K (colsums [N] float32), the
+    activations quantised per row to codes 0..levels over the row's range: two fused native
+    passes around int8_gemm, or (amx) the quantise pass and one AMX kernel that rescales each
+    block of sums while it is in cache.
     The first layer-normalises the rows first when `layer_norm` is given (its weight and bias in
     x's dtype); the second applies tanh-GELU when `gelu_tanh` (before rounding to x's dtype), and
     adds the result to `residual` ([..., N], x's dtype) when given, as `residual + product` would."""
@@ -309,13 +328,25 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
                              f"{(*x.shape[:-1], n)} {x.dtype}")
         residual = residual.reshape(-1, n).contiguous()
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
-    codes = torch.empty(m, k, dtype=torch.uint8)
+    # the AMX kernel reads whole tiles: rows padded to 32 and columns to 64 with zero codes
+    kp = packed.shape[1] if amx else k
+    codes = torch.empty(-(-m // 32) * 32 if amx else m, kp, dtype=torch.uint8)
+    codes[m:] = 0
     row_scale, row_lo = torch.empty(m, dtype=torch.float32), torch.empty(m, dtype=torch.float32)
     if lib.qvl_quantize_rows(rows.data_ptr(), dt, m, k, levels, _ptr(norm_w), _ptr(norm_b),
-                             eps, codes.data_ptr(), row_scale.data_ptr(),
+                             eps, codes.data_ptr(), kp, row_scale.data_ptr(),
                              row_lo.data_ptr(), threads) != 0:
         raise MemoryError("qvl_quantize_rows could not allocate its row buffers")
     y = torch.empty(m, n, dtype=x.dtype)
+    if amx:
+        status = lib.qvl_amx_int8_matmul(codes.data_ptr(), packed.data_ptr(), m, kp, n, row_scale.data_ptr(),
+                                         row_lo.data_ptr(), colsums.data_ptr(), scale.data_ptr(), _ptr(bias), dt,
+                                         int(gelu_tanh), _ptr(residual), y.data_ptr(), threads)
+        if status == -1:
+            raise MemoryError("qvl_amx_int8_matmul could not allocate its scale buffers")
+        if status != 0:
+            raise RuntimeError(f"qvl_amx_int8_matmul refused [{m}, {kp}] x [{n}, {kp}] (no AMX tiles here?)")
+        return y.view(*x.shape[:-1], n)
     block = max(INT8_GEMM_MIN_ROWS, INT8_GEMM_OUTPUT_FLOATS // n)
     for r0 in range(0, m, block):  # each block's float32 product is rescaled while still in cache
         r1 = min(m, r0 + block)

@@ -177,7 +177,8 @@ class Int8Linear(nn.Module):
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
     fuses_residual = True  # forward(x, residual=r) = r + forward(x): see vision.residual_linear
     fuses_layer_norm = True  # forward(x, norm=n) = forward(n(x)) for an nn.LayerNorm n: see vision.norm_linear
-    packed: torch.Tensor | None = None  # oneDNN's copy of the weight for int8 x int8 products
+    packed: torch.Tensor | None = None  # the weight for int8 x int8 products: AMX tiles or oneDNN's copy
+    amx = False  # packed holds AMX tiles (dispatch.Kernels.int8_tiles)
     colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
     levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
 
@@ -197,7 +198,10 @@ class Int8Linear(nn.Module):
         `keep_weight`: the plain weight stays too (a decoder layer's, for the decode kernels);
         else it is dropped (the vision tower's: only the packed copy is used), its pages too
         when it was read from a memory-mapped file."""
-        self.packed, self.levels = native.pack_int8(self.weight), levels
+        k = kernels()
+        self.amx = k.int8_tiles(self.out_features)
+        self.packed = native.amx_pack_int8(k.lib, self.weight) if self.amx else native.pack_int8(self.weight)
+        self.levels = levels
         self.colsums = self.weight.sum(1, dtype=torch.int32).float()
         if not keep_weight:
             mapped.release(self.weight)
@@ -220,7 +224,7 @@ class Int8Linear(nn.Module):
                 x, norm = norm(x), None
             return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
                                       self.levels, gelu_tanh, residual,
-                                      (norm.weight, norm.bias, norm.eps) if fused else None)
+                                      (norm.weight, norm.bias, norm.eps) if fused else None, self.amx)
         if norm is not None:
             x = norm(x)
         y = self._product(x)

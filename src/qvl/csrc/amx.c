@@ -184,6 +184,124 @@ int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, in
     return N16;
 }
 
+/* ---- many-row int8 x int8 products (the vision tower, int8-activation prefill) ----
+ * u8 activation codes [Mp][Kp] (Mp, Kp multiples of 32 and 64, zero-padded) times the int8
+ * weight packed by qvl_amx_pack_int8, exact int32 sums (TDPBUSD), and the rescale of each
+ * 32 x 32 block of sums while it is in L1 (qvl_rescale_row, as qvl_rescale does after oneDNN's
+ * GEMM: the int32 sums converted to float32 as oneDNN converts them). Tiles: sums 0-3
+ * ([m-half][n-half]), activations 4-5, weights 6-7. */
+#define I8_PANEL 8 /* 32-column blocks per panel: a thread's weight panel (256 x Kp) stays in L2 */
+
+static void configure_int8(void) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* Tiles 0-3 = codes rows m0..m0+31 (a) . weight columns n0..n0+31 (b0, b1; n0..n0+15 when
+ * !two); the products are queued, and sums_store waits for them. */
+static inline void int8_block(const uint8_t* a, int64_t Kp, const int8_t* b0, const int8_t* b1, int two) {
+    const int64_t KC = Kp / 64;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < KC; kc++) {
+        _tile_loadd(4, a + kc * 64, Kp);
+        _tile_loadd(5, a + 16 * Kp + kc * 64, Kp);
+        _tile_loadd(6, b0 + kc * 1024, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, b1 + kc * 1024, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+}
+
+static inline void sums_store(int two, int32_t* sums) { /* [32][32] */
+    _tile_stored(0, sums, 128);
+    _tile_stored(2, sums + 16 * 32, 128);
+    if (two) {
+        _tile_stored(1, sums + 16, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    }
+}
+
+/* The first `rows` rows and `cols` (16 or 32) columns of a block of sums [32][32], rescaled as
+ * qvl_rescale_row does into y and with res (row stride N, both dt); rs, lo: the rows' scales,
+ * colsum, cs, b: the columns'. bf16 with the column vectors held across the rows. */
+static inline void rescale_block(int32_t* sums, int64_t rows, int cols, const float* rs, const float* lo,
+                                 const float* colsum, const float* cs, const float* b, int dt, int gelu,
+                                 const char* res, char* y, int64_t N, float* tmp) {
+#ifdef __AVX512BF16__
+    if (dt == BF16) {
+        const __m512 c0 = _mm512_loadu_ps(cs), s0 = _mm512_loadu_ps(colsum), b0 = _mm512_loadu_ps(b);
+        const __m512 c1 = cols > 16 ? _mm512_loadu_ps(cs + 16) : c0, s1 = cols > 16 ? _mm512_loadu_ps(colsum + 16) : s0;
+        const __m512 b1 = cols > 16 ? _mm512_loadu_ps(b + 16) : b0;
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512 r_s = _mm512_set1_ps(rs[r]), r_lo = _mm512_set1_ps(lo[r]);
+            const uint16_t* rr = res ? (const uint16_t*)res + r * N : NULL;
+            uint16_t* o = (uint16_t*)y + r * N;
+            rescale16_bf16(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + r * 32)), r_s, r_lo, c0, s0, b0, gelu, rr, o);
+            if (cols > 16)
+                rescale16_bf16(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + r * 32 + 16)), r_s, r_lo, c1, s1, b1, gelu,
+                               rr ? rr + 16 : NULL, o + 16);
+        }
+        return;
+    }
+#endif
+    const size_t es = dt == BF16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        float* a = (float*)sums + r * 32;
+        for (int c = 0; c < cols; c += 16)
+            _mm512_storeu_ps(a + c, _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + r * 32 + c)));
+        qvl_rescale_row(a, rs[r], lo[r], colsum, cs, b, dt, cols, gelu, res ? res + r * N * es : NULL,
+                        y + r * N * es, tmp);
+    }
+}
+
+/* y[M][N] (dt) = the rescaled product of the codes ([Mp][Kp], Mp = M rounded up to 32) with
+ * the packed weight, its scales, bias, GELU and residual as qvl_rescale takes them. Returns 0,
+ * -1 when out of memory, -2 without AMX tiles or for Kp % 64, N % 16. */
+int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64_t Kp, int64_t N,
+                        const float* row_scale, const float* row_lo, const float* colsum, const void* col_scale,
+                        const void* bias, int dt, int gelu, const void* residual, void* y, int threads) {
+    if (!amx_granted) return -2;
+    if (Kp % 64 || N % 16) return -2;
+    float *cs, *b;
+    if (qvl_rescale_columns(col_scale, bias, dt, N, &cs, &b)) return -1;
+    const size_t es = dt == BF16 ? 2 : 4;
+    const int64_t MB = (M + 31) / 32, NB = (N + 31) / 32, panels = (NB + I8_PANEL - 1) / I8_PANEL;
+    const int64_t units = panels * MB, KC = Kp / 64;
+    const int64_t T = threads < 1 ? 1 : threads;
+#pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int64_t t = 0; t < T; t++) { /* each thread a run of units, panel-major: its panel's weights stay put */
+        const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
+        _Alignas(64) int32_t sums[32 * 32];
+        float tmp[32];
+        if (u1 > u0) configure_int8();
+        for (int64_t u = u0; u < u1; u++) {
+            const int64_t p = u / MB, m0 = u % MB * 32, rows = M - m0 < 32 ? M - m0 : 32;
+            for (int64_t nb = p * I8_PANEL; nb < NB && nb < (p + 1) * I8_PANEL; nb++) {
+                const int64_t n0 = nb * 32;
+                const int two = N - n0 >= 32;
+                const int8_t* b0 = wp + (n0 / 16) * KC * 1024;
+                int8_block(codes + m0 * Kp, Kp, b0, b0 + KC * 1024, two);
+                sums_store(two, sums);
+                rescale_block(sums, rows, two ? 32 : 16, row_scale + m0, row_lo + m0, colsum + n0, cs + n0, b + n0,
+                              dt, gelu, residual ? (const char*)residual + (m0 * N + n0) * es : NULL,
+                              (char*)y + (m0 * N + n0) * es, N, tmp);
+            }
+        }
+        if (u1 > u0) _tile_release();
+    }
+    free(cs);
+    return 0;
+}
+
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QVL_AMX_BF16 1
 /* Many-row products with int8 or int4 weights in bf16 (prefill): y = x . w^T (+ bias), x and
@@ -570,6 +688,14 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
 #else
 int qvl_int8_amx_ready(void) { return 0; }
 
+int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64_t Kp, int64_t N,
+                        const float* row_scale, const float* row_lo, const float* colsum, const void* col_scale,
+                        const void* bias, int dt, int gelu, const void* residual, void* y, int threads) {
+    (void)codes, (void)wp, (void)M, (void)Kp, (void)N, (void)row_scale, (void)row_lo, (void)colsum, (void)col_scale;
+    (void)bias, (void)dt, (void)gelu, (void)residual, (void)y, (void)threads;
+    return -2;
+}
+
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
                      const void* scale, const void* bias, int dt, void* y, int threads) {
     (void)q, (void)xs, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
@@ -593,3 +719,20 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     return -2;
 }
 #endif
+
+/* w [N][K] int8 -> wp, the B tiles of qvl_amx_int8_matmul: per 16 weight rows (output
+ * columns) and 64 of K, 16 tile rows of 16 x 4 bytes (wp[nb][kc][r][c][i] = w[16 nb + c][64 kc
+ * + 4 r + i]), K zero-padded to Kp = K rounded up to 64. N % 16 == 0; wp holds N * Kp bytes. */
+void qvl_amx_pack_int8(const int8_t* w, int64_t N, int64_t K, int8_t* wp) {
+    const int64_t KC = (K + 63) / 64;
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kc = 0; kc < KC; kc++) {
+            int8_t* t = wp + (nb * KC + kc) * 1024;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int i = 0; i < 4; i++) {
+                        const int64_t k = kc * 64 + 4 * r + i;
+                        t[(r * 16 + c) * 4 + i] = k < K ? w[(nb * 16 + c) * K + k] : 0;
+                    }
+        }
+}

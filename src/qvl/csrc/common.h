@@ -96,6 +96,32 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, relative error ~2e-6 (minimax, 
 static inline __m512 div_one_plus_exp2(__m512 x, __m512 t) { /* x / (1 + 2^t): SiLU */
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(t)));
 }
+
+/* tanh-GELU(v) = v / (1 + 2^u), u = -2 log2(e) sqrt(2/pi) (v + 0.044715 v^3), with a refined
+ * reciprocal (~2^-28) instead of vdivps, whose throughput bound the rescale on the vision
+ * tower's fc1; u capped at 64 so that 1 + 2^u stays finite (far negative v: ~1e-19 v where the
+ * reference gives 0). */
+static inline __m512 gelu_tanh_ps(__m512 v) {
+    const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
+    const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v), c1);
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(_mm512_min_ps(u, _mm512_set1_ps(64.f))));
+    const __m512 e = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(v, _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, _mm512_set1_ps(2.f))));
+}
+
+#ifdef __AVX512BF16__
+/* 16 outputs of the int8 x int8 rescale (qvl_rescale_row): cs * (rs * a + lo * colsum) + b,
+ * tanh-GELU when `gelu`, rounded to bf16, then res + that, rounded again when res is given. */
+static inline void rescale16_bf16(__m512 a, __m512 rs, __m512 lo, __m512 cs, __m512 colsum, __m512 b, int gelu,
+                                  const uint16_t* res, uint16_t* out) {
+    __m512 v = _mm512_fmadd_ps(cs, _mm512_add_ps(_mm512_mul_ps(rs, a), _mm512_mul_ps(lo, colsum)), b);
+    if (gelu) v = gelu_tanh_ps(v);
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    if (res)
+        h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(bf16x16_to_ps(h), bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)res))));
+    _mm256_storeu_si256((__m256i*)out, h);
+}
+#endif
 #endif
 
 #if defined(QVL_AVX2) || defined(QVL_AVX512) /* the AVX-512 tier has AVX2 too */
@@ -163,6 +189,9 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
                       int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads);
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
                      const void* scale, const void* bias, int dt, void* y, int threads);
+void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, const float* cs, const float* b, int dt,
+                     int64_t N, int gelu, const void* res, void* y, float* tmp);
+int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b);
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads);
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,

@@ -4,11 +4,12 @@
 
 /* xq[M][K] = x quantised per row to the unsigned codes 0..levels (255; 127 where the GEMM
  * sums exactly only 7-bit activations): x ~= lo[m] + scale[m] * xq, lo the row's minimum.
+ * Rows of xq are ldq >= K bytes apart, codes K..ldq-1 zero (the AMX kernel's padding).
  * With norm_w (dt [K], and norm_b or NULL): each row is first layer-normalised as the model's
  * LayerNorm does (float32 mean and variance, the result rounded to dt), so the normalised rows
  * are never written. Returns 0, or -1 when out of memory. */
 int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, const void* norm_w, const void* norm_b,
-                      float eps, uint8_t* xq, float* scale, float* lo, int threads) {
+                      float eps, uint8_t* xq, int64_t ldq, float* scale, float* lo, int threads) {
     float *nw = NULL, *nb = NULL;
     if (norm_w) {
         nw = malloc((size_t)K * sizeof(float)), nb = malloc((size_t)K * sizeof(float));
@@ -56,7 +57,8 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
                 mx = row[k] > mx ? row[k] : mx;
             }
             float s = mx > mn ? (mx - mn) / (float)levels : 1.f, inv = 1.f / s, top = (float)levels;
-            uint8_t* q = xq + m * K;
+            uint8_t* q = xq + m * ldq;
+            memset(q + K, 0, (size_t)(ldq - K));
 #pragma omp simd
             for (int64_t k = 0; k < K; k++) {
                 float v = (row[k] - mn) * inv + 0.5f; /* >= 0.5: truncation rounds to nearest */
@@ -71,19 +73,6 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
     return failed ? -1 : 0;
 }
 
-#ifdef QVL_AVX512
-/* tanh-GELU(v) = v / (1 + 2^u), u = -2 log2(e) sqrt(2/pi) (v + 0.044715 v^3), with a refined
- * reciprocal (~2^-28) instead of vdivps, whose throughput bound the rescale on the vision
- * tower's fc1; u capped at 64 so that 1 + 2^u stays finite (far negative v: ~1e-19 v where the
- * reference gives 0). */
-static inline __m512 gelu_tanh_ps(__m512 v) {
-    const __m512 c1 = _mm512_set1_ps(-2.f * 0.7978845608f * 1.4426950409f), c3 = _mm512_set1_ps(0.044715f);
-    const __m512 u = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(c3, v), _mm512_mul_ps(v, v), v), c1);
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp2_ps(_mm512_min_ps(u, _mm512_set1_ps(64.f))));
-    const __m512 e = _mm512_rcp14_ps(d);
-    return _mm512_mul_ps(v, _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, _mm512_set1_ps(2.f))));
-}
-#endif
 
 /* v[n] <- tanh-GELU(v[n]) = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3), in float32. */
 static void gelu_tanh(float* v, int64_t n) {
@@ -101,6 +90,52 @@ static void gelu_tanh(float* v, int64_t n) {
     for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
 }
 
+/* One row of the rescale: y[n] (dt) = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n] for n < N,
+ * then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given (N
+ * values of dt), res[n] + that rounded value, rounded again. cs, b: float32 [N]; tmp: N floats
+ * of scratch. The same operations whichever caller passes the row (qvl_rescale's whole rows, or
+ * the AMX kernel's 16- and 32-column blocks): vectors of 16, the scalar tail. */
+void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, const float* cs, const float* b, int dt,
+                     int64_t N, int gelu, const void* res, void* y, float* tmp) {
+    int64_t done = 0;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+    if (dt == BF16) { /* one pass in registers: the product, GELU, rounding, residual */
+        const __m512 r = _mm512_set1_ps(rs), l = _mm512_set1_ps(lo);
+        const uint16_t* rb = (const uint16_t*)res;
+        uint16_t* o = (uint16_t*)y;
+        for (; done + 16 <= N; done += 16)
+            rescale16_bf16(_mm512_loadu_ps(a + done), r, l, _mm512_loadu_ps(cs + done), _mm512_loadu_ps(colsum + done),
+                           _mm512_loadu_ps(b + done), gelu, rb ? rb + done : NULL, o + done);
+    }
+#endif
+    const int64_t rest = N - done;
+#pragma omp simd
+    for (int64_t n = done; n < N; n++) tmp[n - done] = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n];
+    if (gelu) gelu_tanh(tmp, rest);
+    if (dt == BF16) {
+        uint16_t* o = (uint16_t*)y + done;
+        const uint16_t* rb = res ? (const uint16_t*)res + done : NULL;
+        for (int64_t n = 0; n < rest; n++) o[n] = f32_to_bf16(rb ? round_bf(tmp[n]) + bf16_to_f32(rb[n]) : tmp[n]);
+    } else {
+        float* o = (float*)y + done;
+        const float* rf = res ? (const float*)res + done : NULL;
+        for (int64_t n = 0; n < rest; n++) o[n] = rf ? tmp[n] + rf[n] : tmp[n];
+    }
+}
+
+/* col_scale and bias (dt [N], bias may be NULL) as float32 arrays for qvl_rescale_row; NULL
+ * when out of memory (free with free(*cs); *b is in the same block). */
+int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b) {
+    *cs = malloc((size_t)(2 * N) * sizeof(float));
+    if (!*cs) return -1;
+    *b = *cs + N;
+    for (int64_t n = 0; n < N; n++) {
+        (*cs)[n] = get(col_scale, dt, n);
+        (*b)[n] = bias ? get(bias, dt, n) : 0.f;
+    }
+    return 0;
+}
+
 /* y[M][N] (dt) = col_scale[n] * (row_scale[m] * acc[m][n] + row_lo[m] * colsum[n]) (+ bias[n]):
  * the product of rows lo + scale * codes with weights codes * col_scale, from the codes'
  * integer product acc (exact in float32 below 2^24) and the weight codes' sums over K; then
@@ -110,16 +145,9 @@ static void gelu_tanh(float* v, int64_t n) {
 int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, const float* colsum,
                 const void* col_scale, const void* bias, int dt, int64_t M, int64_t N, int gelu, const void* residual,
                 void* y, int threads) {
-    float* cs = malloc((size_t)N * sizeof(float));
-    float* b = malloc((size_t)N * sizeof(float));
-    if (!cs || !b) {
-        free(cs), free(b);
-        return -1;
-    }
-    for (int64_t n = 0; n < N; n++) {
-        cs[n] = get(col_scale, dt, n);
-        b[n] = bias ? get(bias, dt, n) : 0.f;
-    }
+    float *cs, *b;
+    if (qvl_rescale_columns(col_scale, bias, dt, N, &cs, &b)) return -1;
+    const size_t es = dt == BF16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -128,46 +156,11 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (!row) continue;
-            const float* a = acc + m * N;
-            const float rs = row_scale[m], lo = row_lo[m];
-            int64_t done = 0;
-#if defined(QVL_AVX512) && defined(__AVX512BF16__)
-            if (dt == BF16) { /* one pass in registers: the product, GELU, rounding, residual */
-                const __m512 r = _mm512_set1_ps(rs), l = _mm512_set1_ps(lo);
-                const uint16_t* res = residual ? (const uint16_t*)residual + m * N : NULL;
-                uint16_t* o = (uint16_t*)y + m * N;
-                for (; done + 16 <= N; done += 16) {
-                    const int64_t n = done;
-                    __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cs + n),
-                                               _mm512_add_ps(_mm512_mul_ps(r, _mm512_loadu_ps(a + n)),
-                                                             _mm512_mul_ps(l, _mm512_loadu_ps(colsum + n))),
-                                               _mm512_loadu_ps(b + n));
-                    if (gelu) v = gelu_tanh_ps(v);
-                    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-                    if (res)
-                        h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(bf16x16_to_ps(h),
-                                                                      bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(res + n)))));
-                    _mm256_storeu_si256((__m256i*)(o + n), h);
-                }
-            }
-#endif
-            const int64_t rest = N - done;
-#pragma omp simd
-            for (int64_t n = done; n < N; n++) row[n - done] = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n];
-            if (gelu) gelu_tanh(row, rest);
-            if (dt == BF16) {
-                uint16_t* o = (uint16_t*)y + m * N + done;
-                const uint16_t* res = residual ? (const uint16_t*)residual + m * N + done : NULL;
-                for (int64_t n = 0; n < rest; n++)
-                    o[n] = f32_to_bf16(res ? round_bf(row[n]) + bf16_to_f32(res[n]) : row[n]);
-            } else {
-                float* o = (float*)y + m * N;
-                const float* res = residual ? (const float*)residual + m * N : NULL;
-                for (int64_t n = 0; n < N; n++) o[n] = res ? row[n] + res[n] : row[n];
-            }
+            qvl_rescale_row(acc + m * N, row_scale[m], row_lo[m], colsum, cs, b, dt, N, gelu,
+                            residual ? (const char*)residual + m * N * es : NULL, (char*)y + m * N * es, row);
         }
         free(row);
     }
-    free(cs), free(b);
+    free(cs);
     return failed ? -1 : 0;
 }
