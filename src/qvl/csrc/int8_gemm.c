@@ -29,8 +29,12 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
             if (!row) continue;
             if (dt == BF16) {
                 const uint16_t* xr = (const uint16_t*)x + m * K;
-#pragma omp simd
-                for (int64_t k = 0; k < K; k++) row[k] = bf16_to_f32(xr[k]);
+                int64_t k = 0;
+#ifdef QVL_AVX512
+                for (; k + 16 <= K; k += 16)
+                    _mm512_storeu_ps(row + k, bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(xr + k))));
+#endif
+                for (; k < K; k++) row[k] = bf16_to_f32(xr[k]);
             } else {
                 memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
             }
@@ -51,17 +55,33 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
                 }
             }
             float mn = row[0], mx = row[0];
-#pragma omp simd reduction(min : mn) reduction(max : mx)
-            for (int64_t k = 0; k < K; k++) {
+            int64_t k = 0;
+#ifdef QVL_AVX512
+            __m512 vmn = _mm512_set1_ps(mn), vmx = vmn;
+            for (; k + 16 <= K; k += 16) {
+                const __m512 r = _mm512_loadu_ps(row + k);
+                vmn = _mm512_min_ps(vmn, r), vmx = _mm512_max_ps(vmx, r);
+            }
+            mn = _mm512_reduce_min_ps(vmn), mx = _mm512_reduce_max_ps(vmx);
+#endif
+            for (; k < K; k++) {
                 mn = row[k] < mn ? row[k] : mn;
                 mx = row[k] > mx ? row[k] : mx;
             }
             float s = mx > mn ? (mx - mn) / (float)levels : 1.f, inv = 1.f / s, top = (float)levels;
             uint8_t* q = xq + m * ldq;
             memset(q + K, 0, (size_t)(ldq - K));
-#pragma omp simd
-            for (int64_t k = 0; k < K; k++) {
-                float v = (row[k] - mn) * inv + 0.5f; /* >= 0.5: truncation rounds to nearest */
+            k = 0; /* v = (x - mn) * inv + 0.5 >= 0.5: truncation rounds to nearest */
+#ifdef QVL_AVX512
+            const __m512 vlo = _mm512_set1_ps(mn), vinv = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f),
+                         vtop = _mm512_set1_ps(top);
+            for (; k + 16 <= K; k += 16) {
+                const __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_loadu_ps(row + k), vlo), vinv, half);
+                _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(v, vtop))));
+            }
+#endif
+            for (; k < K; k++) {
+                const float v = fmaf(row[k] - mn, inv, 0.5f);
                 q[k] = (uint8_t)(int32_t)(v < top ? v : top);
             }
             scale[m] = s;
