@@ -1,12 +1,14 @@
 """Prefill's int8 (or int4) products on AMX: the bf16 tile kernel (weights converted to bf16
 panel by panel, `native.amx_bf16_linear`) against dequantising the weight and running oneDNN's
-bf16 GEMM (what CPUs without AMX run), on 2B's and 8B's layer shapes, alternating in every round.
+bf16 GEMM (what CPUs without AMX run), and for int8 weights the int8 tile kernel with 16-bit
+activation codes (`native.amx_i16_linear`, what prefill runs on AMX since section 36), on 2B's
+and 8B's layer shapes, alternating in every round.
 
     python benchmarks/prefill_products.py --rows 100 264 1000 --rounds 5
     python benchmarks/prefill_products.py --kind int4 --rows 100 264 512 --rounds 3
 
-Prints per shape the median ms (min-max) of each side and the kernel / dequantise ratio; "n/a"
-where the kernel does not take the product (more than 2^21 activation values: see amx.c).
+Prints per shape the median ms (min-max) of each side and the ratios to dequantise + GEMM; "n/a"
+where the bf16 tile kernel does not take the product (more than 2^21 activation values: amx.c).
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ def main() -> None:
     k = dispatch.kernels()
     if k.lib is None or not k.has(native.AMX_INT8):
         raise SystemExit("this CPU (or build) has no AMX tiles")
-    print("| shape | rows | AMX bf16 tiles ms | dequantise + GEMM ms | ratio |\n|---|---|---|---|---|")
+    int8 = args.kind == "int8"
+    print("| shape | rows | " + ("int8 tiles, 16-bit codes ms | " if int8 else "") + "AMX bf16 tiles ms | "
+          "dequantise + GEMM ms | " + ("int8 tiles / dequantise | " if int8 else "") + "bf16 tiles / dequantise |")
+    print("|---" * (7 if int8 else 5) + "|")
     for name, (K, N) in SHAPES.items():
         w = torch.randn(N, K) / K**0.5
-        if args.kind == "int8":
+        if int8:
             q, s = quantize_int8(w)
             s, z, code = s.to(torch.bfloat16), None, native.W_INT8
             dequantized = lambda: dequantize_int8(q, s, transient=True)  # noqa: E731
@@ -50,22 +55,27 @@ def main() -> None:
             dequantized = lambda: dequantize_int4(q, s, z, 128, transient=True)  # noqa: E731
         for rows in args.rows:
             x = torch.randn(rows, K).to(torch.bfloat16)
-            if native.amx_bf16_linear(k.lib, code, x, q, s, z, 128) is None:  # past the kernel's 2^21 activation values
-                print(f"| {name} | {rows} | n/a (not taken) | | |", flush=True)
-                continue
-            sides = {"tiles": lambda: native.amx_bf16_linear(k.lib, code, x, q, s, z, 128),
-                     "dequant": lambda: F.linear(x, dequantized())}
+            sides = {"dequant": lambda: F.linear(x, dequantized())}
+            if native.amx_bf16_linear(k.lib, code, x, q, s, z, 128) is not None:  # else past its 2^21 activations
+                sides["tiles"] = lambda: native.amx_bf16_linear(k.lib, code, x, q, s, z, 128)
+            if int8:
+                sides["i16"] = lambda: native.amx_i16_linear(k.lib, x, q, s)
             times = {side: [] for side in sides}
             for rnd in range(args.rounds):
                 for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
                     times[side].append(median_time(sides[side], 3) * 1000)
-            ratios = [a / b for a, b in zip(times["tiles"], times["dequant"])]
 
-            def spread(v):
-                return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+            def spread(side):
+                v = times.get(side)
+                return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "n/a (not taken)"
 
-            print(f"| {name} | {rows} | {spread(times['tiles'])} | {spread(times['dequant'])} | "
-                  f"{statistics.median(ratios):.2f} |", flush=True)
+            def ratio(side):
+                v = times.get(side)
+                return f"{statistics.median([a / b for a, b in zip(v, times['dequant'])]):.2f}" if v else ""
+
+            cells = ([spread("i16")] if int8 else []) + [spread("tiles"), spread("dequant")]
+            cells += ([ratio("i16")] if int8 else []) + [ratio("tiles")]
+            print(f"| {name} | {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -258,6 +258,7 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
     import threading
 
     monkeypatch.setattr(native, "amx_bf16_linear", lambda *args: None)  # the path of CPUs without AMX
+    monkeypatch.setattr(native, "amx_i16_linear", lambda *args: None)
 
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8, scratch
 
@@ -280,8 +281,8 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
 
 def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
     """Up to Kernels.int8_gemv_rows rows (64 on AMX tiles, 16 elsewhere) an int8 product is the
-    GEMV kernel's exact 16-bit scheme; one row more, the bf16 tile kernel on AMX, elsewhere the
-    dequantised weight through the float GEMM."""
+    GEMV kernel's exact 16-bit scheme; one row more, the int8 tile kernel (16-bit codes per row)
+    on AMX, elsewhere the dequantised weight through the float GEMM."""
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8
 
     k = dispatch.kernels()
@@ -294,9 +295,39 @@ def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
     for rows in (k.int8_gemv_rows, k.int8_gemv_rows + 1):
         x = torch.randn(rows, 256).bfloat16()
         kernel = native.linear(k.lib, native.W_INT8, x, q, 96, s)
-        many = (native.amx_bf16_linear(k.lib, native.W_INT8, x, q, s) if k.has(native.AMX_INT8)
+        many = (native.amx_i16_linear(k.lib, x, q, s) if k.has(native.AMX_INT8)
                 else F.linear(x, dequantize_int8(q, s)))
         assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else many), rows
+
+
+@pytest.mark.parametrize("rows,k_in,n", [(65, 256, 96), (300, 128, 48), (17, 64, 16)])
+def test_prefill_int8_products_on_int8_tiles_with_16_bit_activation_codes(rows, k_in, n):
+    """Prefill's int8 products on AMX: each activation row in 16-bit codes (its own scale),
+    exact int32 sums on int8 tiles. Within bf16's rounding of the exact product even with an
+    outlier 300x the rest in a row, zero rows give the bias, a row's result is bit for bit the
+    same alone as among others (batch invariance), and it is what int8_product runs."""
+    k = dispatch.kernels()
+    if k.lib is None or not k.has(native.AMX_INT8):
+        pytest.skip("no AMX tiles on this CPU")
+    torch.manual_seed(3)
+    q, s = quantize_int8(torch.randn(n, k_in))
+    s, bias = s.to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(rows, k_in).to(torch.bfloat16)
+    x[1, 5] = 300.0  # a massive activation
+    x[2] = 0
+    y = native.amx_i16_linear(k.lib, x, q, s, bias)
+    exact = x.double() @ (q.double() * s.double()[:, None]).T + bias.double()
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    close = lambda a, b: torch.testing.assert_close(a.double(), b, rtol=2**-7, atol=2e-3 * b.abs().max().item())
+    close(y[2:], exact[2:])
+    close(y[1], exact[1])  # the outlier's row: the rest of it in codes 1/32767 of 300 apart
+    assert torch.equal(y[2], bias)
+    for r in (0, rows - 1):
+        assert torch.equal(native.amx_i16_linear(k.lib, x[r : r + 1], q, s, bias), y[r : r + 1])
+    if rows > k.int8_gemv_rows:
+        assert torch.equal(quantize.int8_product(x, q, s, bias), y)
+    assert native.amx_i16_linear(k.lib, x[:, :k_in - 32].contiguous(), q[:, :k_in - 32].contiguous(), s) is None  # K % 64
+    assert native.amx_i16_linear(k.lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
 
 
 def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -374,14 +405,12 @@ def test_many_row_products_on_amx_tiles_round_only_their_outputs(kind, rows, mon
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, 96)
     torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-4 * exact.abs().max().item())
     assert torch.equal(native.amx_bf16_linear(k.lib, code, x[-1:], q, s, z, 64, bias=bias), y[-1:])
-    calls = []  # what prefill runs: this kernel (counted: the dequantising path can give the same values)
-    monkeypatch.setattr(native, "amx_bf16_linear", lambda *args: calls.append(1) or kernel(*args))
-    if kind == "int8":
-        assert torch.equal(quantize.int8_product(x, q, s, bias), y)
-    else:
+    if kind == "int4":  # what prefill runs for int4 (counted: the dequantising path can give the same values)
+        calls = []
+        monkeypatch.setattr(native, "amx_bf16_linear", lambda *args: calls.append(1) or kernel(*args))
         assert torch.equal(quantize.int4_product(x, q, s, z, 64), kernel(k.lib, code, x, q, s, z, 64))
-    assert len(calls) == 1
-    monkeypatch.undo()
+        assert len(calls) == 1
+        monkeypatch.undo()
     if kind == "int4":  # without zeros or a group size: refused, not a crash
         assert kernel(k.lib, code, x, q, s, None, 64) is None and kernel(k.lib, code, x, q, s, z, 0) is None
     short = x[:, :240].contiguous()

@@ -132,8 +132,9 @@ class Kernels:
                                                                              " (no OpenMP: one thread)"),
             "gemv_int8": ("AMX int8 tiles (16 weight rows per operation)" if f & native.AMX_INT8 else products)
                          + ", activations in 16 bits per 128 columns",
-            "prefill_int8_int4": "AMX bf16 tiles, the weights converted panel by panel (up to 2^21 activation "
-                                 "values)" if f & native.AMX_INT8 else "dequantise + oneDNN float GEMM",
+            "prefill_int8_int4": "int8: AMX int8 tiles, activations in 16-bit codes per row; int4: AMX bf16 tiles, "
+                                 "the weights converted panel by panel (up to 2^21 activation values)"
+                                 if f & native.AMX_INT8 else "dequantise + oneDNN float GEMM",
             "gemv_int4": f"{products if family != 'neon' or f & native.DOTPROD else 'portable C'}, "
                          "activations in int8 per 128 columns",
             "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),

@@ -185,6 +185,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_amx_bf16_linear.restype = c_int
     lib.qvl_amx_int8_matmul.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.qvl_amx_int8_matmul.restype = c_int
+    lib.qvl_amx_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
+    lib.qvl_amx_i16_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
     lib.qvl_features.argtypes = []
@@ -243,6 +245,23 @@ def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.
                                      _ptr(zero), group_size, _ptr(bias), _DTYPES[scale.dtype], y.data_ptr(),
                                      torch.get_num_threads())
     return y.view(*x.shape[:-1], n) if status == 1 else None
+
+
+def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] on AMX int8
+    tiles, x in 16-bit codes per row (amx.c's qvl_amx_i16_linear); None where that kernel does
+    not run (no AMX tiles, K not a multiple of 64, N not a multiple of 16)."""
+    k, n = x.shape[-1], weight.shape[0]
+    if x.dtype != torch.bfloat16 or k % 64 or n % 16 or not weight.is_contiguous() or weight.shape[1] != k:
+        return None
+    rows = x.reshape(-1, k).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    status = lib.qvl_amx_i16_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
+                                    scale.data_ptr(), _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_amx_i16_linear could not allocate its activation tiles")
+    return y.view(*x.shape[:-1], n) if status == 0 else None
 
 
 def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

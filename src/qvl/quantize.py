@@ -120,10 +120,13 @@ def _rows(x: torch.Tensor) -> int:
 
 def _amx_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
-    """Many rows of bf16 activations times an int8/int4 weight on AMX bf16 tiles, or None
-    where that kernel does not run (no AMX, other shapes: dequantise + GEMM then)."""
+    """Many rows of bf16 activations times an int8/int4 weight on AMX tiles: int8 weights on
+    int8 tiles with the activations in 16-bit codes per row, int4 (and the shapes those do not
+    take) on bf16 tiles; None where neither runs (no AMX, other shapes: dequantise + GEMM then)."""
     if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8):
         return None
+    if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias)) is not None:
+        return y
     return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
 
 

@@ -302,6 +302,189 @@ int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64
     return 0;
 }
 
+/* r[i] (row i of a 16 x 16 float32 block) -> r[j] = column j, in registers. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* ---- prefill's int8-weight products: 16-bit activations on int8 tiles ----
+ * Each activation row is quantised to 16-bit codes q = round(x / s), s = max|x| / 32767 (as
+ * precise as bf16 for values above 1/128 of the row's largest), split into bytes q = 256 hi +
+ * lo (hi signed, lo unsigned). The weights [N][K] are A tiles read in place (16 rows x 64
+ * columns), the byte planes B tiles; TDPBSSD and TDPBSUD sum exactly in int32 over all of K
+ * (|sum| < 2^31 for K < 66,000), combined as 256 hi + lo in float32. No weight conversion,
+ * so short prefills run at the tiles' rate. Tiles: sums 0-3 ([weight half][hi, lo]), weights
+ * 4-5, hi 6, lo 7. */
+
+/* Rows m0..m0+15 of x (dt; rows past M zero) -> their codes' byte planes as B tiles, per 64
+ * columns 16 tile rows of 16 activation rows x 4 bytes (hi/lo [K/64][16][16][4]), and each
+ * row's scale s[m]. K % 64 == 0. */
+static void pack_rows_i16(const void* x, int dt, int64_t M, int64_t K, int64_t m0, int8_t* hi, uint8_t* lo,
+                          float* s) {
+    float inv[16];
+    for (int m = 0; m < 16; m++) {
+        const int64_t row = m0 + m;
+        __m512 a = _mm512_setzero_ps();
+        if (row < M)
+            for (int64_t k = 0; k < K; k += 16) a = _mm512_max_ps(a, _mm512_abs_ps(load16_dt(x, dt, row * K + k)));
+        const float top = _mm512_reduce_max_ps(a);
+        inv[m] = top > 0.f ? 32767.f / top : 0.f;
+        s[m] = top > 0.f ? top / 32767.f : 0.f;
+    }
+    for (int64_t kc = 0; kc < K / 64; kc++) {
+        __m512 h[16], l[16]; /* row m's 64 codes as 16 dwords of 4 bytes, then transposed */
+        for (int m = 0; m < 16; m++) {
+            __m128i hb[4], lb[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512 v = m0 + m < M ? load16_dt(x, dt, (m0 + m) * K + kc * 64 + 16 * j) : _mm512_setzero_ps();
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv[m]))); /* |q| <= 32767 */
+                hb[j] = _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8));
+                lb[j] = _mm512_cvtepi32_epi8(q); /* truncation keeps the low byte */
+            }
+            h[m] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(hb[1], hb[0])),
+                                                          _mm256_set_m128i(hb[3], hb[2]), 1));
+            l[m] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lb[1], lb[0])),
+                                                          _mm256_set_m128i(lb[3], lb[2]), 1));
+        }
+        transpose16(h); /* h[r] = quad r of the 16 rows */
+        transpose16(l);
+        for (int r = 0; r < 16; r++) {
+            _mm512_store_ps((float*)(hi + kc * 1024 + r * 64), h[r]);
+            _mm512_store_ps((float*)(lo + kc * 1024 + r * 64), l[r]);
+        }
+    }
+}
+
+/* Tiles 0-3: weight rows w0 (16) and w1 (16, when two) [.][K] against one 16-row block's
+ * byte planes. */
+static inline void i16_block(const int8_t* w0, const int8_t* w1, int64_t KC, const int8_t* hi, const uint8_t* lo,
+                             int two) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < KC; kc++) {
+        _tile_loadd(6, hi + kc * 1024, 64);
+        _tile_loadd(7, lo + kc * 1024, 64);
+        _tile_loadd(4, w0 + kc * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, w1 + kc * 1024, 64);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
+        }
+    }
+}
+
+/* y[m0 + m][n0 + n] = (256 hi_sum + lo_sum)[n][m] * scale[n] * s[m] (+ bias[n]) for the 16 or
+ * 32 weight rows of a block (sums [4][16][16]: hi and lo of each half), m < rows. */
+static void write_i16_block(const int32_t* sums, int halves, const float* s, int64_t rows, const void* scale,
+                            const void* bias, int dt, int64_t n0, int64_t N, void* y) {
+    for (int half = 0; half < halves; half++) {
+        const int32_t* hs = sums + 2 * half * 256;
+        const int32_t* ls = hs + 256;
+        const int64_t n = n0 + 16 * half;
+        __m512 r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hs + 16 * i)),
+                                                 _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(_mm512_load_si512(ls + 16 * i))),
+                                 _mm512_set1_ps(get(scale, dt, n + i)));
+        transpose16(r);
+        const __m512 b = bias ? load16_dt(bias, dt, n) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < rows; m++) {
+            const __m512 v = _mm512_fmadd_ps(r[m], _mm512_set1_ps(s[m]), b);
+            if (dt == BF16)
+                _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * N + n), (__m256i)_mm512_cvtneps_pbh(v));
+            else
+                _mm512_storeu_ps((float*)y + m * N + n, v);
+        }
+    }
+}
+
+/* y[M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N])^T (+ bias[N]), x in 16-bit codes per
+ * row (see above). Each thread takes a run of (weight panel, 16-row block) units, panel-major.
+ * Returns 0, -1 when out of memory, -2 without AMX tiles, for K % 64 or N % 16. */
+int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                       const void* bias, void* y, int threads) {
+    if (!amx_granted) return -2;
+    if (K % 64 || N % 16 || M < 1) return -2;
+    const int64_t MB = (M + 15) / 16, NB = (N + 31) / 32, KC = K / 64;
+    int8_t* hi = aligned_alloc(64, (size_t)(MB * KC * 1024));
+    uint8_t* lo = aligned_alloc(64, (size_t)(MB * KC * 1024));
+    float* s = malloc((size_t)(MB * 16) * sizeof(float));
+    if (!hi || !lo || !s) {
+        free(hi), free(lo), free(s);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t mb = 0; mb < MB; mb++)
+        pack_rows_i16(x, dt, M, K, mb * 16, hi + mb * KC * 1024, lo + mb * KC * 1024, s + mb * 16);
+    const int64_t panels = (NB + I8_PANEL - 1) / I8_PANEL, units = panels * MB, T = threads < 1 ? 1 : threads;
+    const size_t es = dt == BF16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
+        _Alignas(64) int32_t sums[4 * 256];
+        int8_t* panel = u1 > u0 ? aligned_alloc(64, (size_t)(I8_PANEL * 32 * K)) : NULL;
+        int64_t have = -1; /* the panel whose weights `panel` holds */
+        if (u1 > u0) configure_int8();
+        for (int64_t u = u0; u < u1 && panel; u++) {
+            const int64_t p = u / MB, mb = u % MB, m0 = mb * 16, rows = M - m0 < 16 ? M - m0 : 16;
+            const int64_t nb0 = p * I8_PANEL, nb1 = (p + 1) * I8_PANEL < NB ? (p + 1) * I8_PANEL : NB;
+            if (p != have) { /* its weight rows as whole 1 KB tiles: [16-row group][kc][16][64] */
+                const int64_t groups = (N - nb0 * 32 < I8_PANEL * 32 ? N - nb0 * 32 : I8_PANEL * 32) / 16;
+                for (int64_t g = 0; g < groups; g++)
+                    for (int64_t kc = 0; kc < KC; kc++)
+                        for (int r = 0; r < 16; r++)
+                            _mm512_store_si512(panel + ((g * KC + kc) * 16 + r) * 64,
+                                               _mm512_loadu_si512(w + (nb0 * 32 + g * 16 + r) * K + kc * 64));
+                have = p;
+            }
+            for (int64_t nb = nb0; nb < nb1; nb++) {
+                const int64_t n0 = nb * 32;
+                const int two = N - n0 >= 32;
+                const int8_t* w0 = panel + 2 * (nb - nb0) * KC * 1024;
+                i16_block(w0, w0 + KC * 1024, KC, hi + mb * KC * 1024, lo + mb * KC * 1024, two);
+                _tile_stored(0, sums, 64);
+                _tile_stored(1, sums + 256, 64);
+                if (two) {
+                    _tile_stored(2, sums + 512, 64);
+                    _tile_stored(3, sums + 768, 64);
+                }
+                write_i16_block(sums, two ? 2 : 1, s + m0, rows, scale, bias, dt, n0, N, (char*)y + m0 * N * es);
+            }
+        }
+        if (u1 > u0) _tile_release();
+        if (u1 > u0 && !panel) failed = 1;
+        free(panel);
+    }
+    free(hi), free(lo), free(s);
+    return failed ? -1 : 0;
+}
+
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QVL_AMX_BF16 1
 /* Many-row products with int8 or int4 weights in bf16 (prefill): y = x . w^T (+ bias), x and
@@ -362,32 +545,6 @@ static void convert_rows_int4(const uint8_t* w, const void* scale, const void* z
             uint16_t* at = panel + (((r / 16) * KB + kb) * 16 + r % 16) * 32;
             _mm512_store_si512(at, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(c, s, z), _mm512_fmadd_ps(a, s, z)));
         }
-}
-
-/* r[i] (row i of a 16 x 16 float32 block) -> r[j] = column j, in registers. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
-    }
 }
 
 /* y[m0 + m][n0 .. n0+15] for m < 16 and m0 + m < M from a sums tile out [16 n][16 m]
@@ -687,6 +844,12 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
 #endif
 #else
 int qvl_int8_amx_ready(void) { return 0; }
+
+int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                       const void* bias, void* y, int threads) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads;
+    return -2;
+}
 
 int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64_t Kp, int64_t N,
                         const float* row_scale, const float* row_lo, const float* colsum, const void* col_scale,
