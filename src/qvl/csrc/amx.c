@@ -376,15 +376,26 @@ static void pack_rows_i16(const void* x, int dt, int64_t M, int64_t K, int64_t m
     }
 }
 
-/* Tiles 0-3: weight rows w0 (16) and w1 (16, when two) [.][K] against one 16-row block's
- * byte planes. */
-static inline void i16_block(const int8_t* w0, const int8_t* w1, int64_t KC, const int8_t* hi, const uint8_t* lo,
-                             int two) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kc = 0; kc < KC; kc++) {
+#define I16_SUB 4   /* weight blocks whose partial sums wait in L1 between parts of K */
+#define I16_KPART 8 /* 64-column chunks per part: 16 KB of byte planes */
+#define I16_PANEL_BYTES (512 << 10)
+
+/* Tiles 0-3 += weight rows w0 (16) and w1 (16, when two) [.][KC][16][64] against one 16-row
+ * block's byte planes, chunks kc0..kc1-1; from zero, or from the partial sums c [4][256]. */
+static inline void i16_part(const int8_t* w0, const int8_t* w1, int64_t kc0, int64_t kc1, const int8_t* hi,
+                            const uint8_t* lo, int two, const int32_t* c) {
+    if (c) {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        _tile_loadd(2, c + 512, 64);
+        _tile_loadd(3, c + 768, 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kc = kc0; kc < kc1; kc++) {
         _tile_loadd(6, hi + kc * 1024, 64);
         _tile_loadd(7, lo + kc * 1024, 64);
         _tile_loadd(4, w0 + kc * 1024, 64);
@@ -395,6 +406,15 @@ static inline void i16_block(const int8_t* w0, const int8_t* w1, int64_t KC, con
             _tile_dpbssd(2, 5, 6);
             _tile_dpbsud(3, 5, 7);
         }
+    }
+}
+
+static inline void i16_store(int32_t* c, int two) { /* [4][256]: hi, lo of each weight half */
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (two) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
     }
 }
 
@@ -441,21 +461,23 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t mb = 0; mb < MB; mb++)
         pack_rows_i16(x, dt, M, K, mb * 16, hi + mb * KC * 1024, lo + mb * KC * 1024, s + mb * 16);
-    const int64_t panels = (NB + I8_PANEL - 1) / I8_PANEL, units = panels * MB, T = threads < 1 ? 1 : threads;
+    int64_t PB = I16_PANEL_BYTES / (32 * K); /* 32-row weight blocks per panel: the panel stays in L2 */
+    PB = PB < I16_SUB ? I16_SUB : PB > I8_PANEL ? I8_PANEL : PB;
+    const int64_t panels = (NB + PB - 1) / PB, units = panels * MB, T = threads < 1 ? 1 : threads;
     const size_t es = dt == BF16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) {
         const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
-        _Alignas(64) int32_t sums[4 * 256];
-        int8_t* panel = u1 > u0 ? aligned_alloc(64, (size_t)(I8_PANEL * 32 * K)) : NULL;
+        _Alignas(64) int32_t sums[4 * 256], part[I16_SUB * 1024];
+        int8_t* panel = u1 > u0 ? aligned_alloc(64, (size_t)(PB * 32 * K)) : NULL;
         int64_t have = -1; /* the panel whose weights `panel` holds */
         if (u1 > u0) configure_int8();
         for (int64_t u = u0; u < u1 && panel; u++) {
             const int64_t p = u / MB, mb = u % MB, m0 = mb * 16, rows = M - m0 < 16 ? M - m0 : 16;
-            const int64_t nb0 = p * I8_PANEL, nb1 = (p + 1) * I8_PANEL < NB ? (p + 1) * I8_PANEL : NB;
+            const int64_t nb0 = p * PB, nb1 = (p + 1) * PB < NB ? (p + 1) * PB : NB;
             if (p != have) { /* its weight rows as whole 1 KB tiles: [16-row group][kc][16][64] */
-                const int64_t groups = (N - nb0 * 32 < I8_PANEL * 32 ? N - nb0 * 32 : I8_PANEL * 32) / 16;
+                const int64_t groups = (N - nb0 * 32 < PB * 32 ? N - nb0 * 32 : PB * 32) / 16;
                 for (int64_t g = 0; g < groups; g++)
                     for (int64_t kc = 0; kc < KC; kc++)
                         for (int r = 0; r < 16; r++)
@@ -463,18 +485,28 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
                                                _mm512_loadu_si512(w + (nb0 * 32 + g * 16 + r) * K + kc * 64));
                 have = p;
             }
-            for (int64_t nb = nb0; nb < nb1; nb++) {
-                const int64_t n0 = nb * 32;
-                const int two = N - n0 >= 32;
-                const int8_t* w0 = panel + 2 * (nb - nb0) * KC * 1024;
-                i16_block(w0, w0 + KC * 1024, KC, hi + mb * KC * 1024, lo + mb * KC * 1024, two);
-                _tile_stored(0, sums, 64);
-                _tile_stored(1, sums + 256, 64);
-                if (two) {
-                    _tile_stored(2, sums + 512, 64);
-                    _tile_stored(3, sums + 768, 64);
+            /* K in parts: a part of this block's byte planes stays in L1 while the sums of a few
+             * weight blocks go on from where the last part left them */
+            for (int64_t nbs = nb0; nbs < nb1; nbs += I16_SUB) {
+                const int64_t nbe = nbs + I16_SUB < nb1 ? nbs + I16_SUB : nb1;
+                for (int64_t kp = 0; kp < KC; kp += I16_KPART) {
+                    const int64_t kpe = kp + I16_KPART < KC ? kp + I16_KPART : KC;
+                    for (int64_t nb = nbs; nb < nbe; nb++) {
+                        const int64_t n0 = nb * 32;
+                        const int two = N - n0 >= 32;
+                        const int8_t* w0 = panel + 2 * (nb - nb0) * KC * 1024;
+                        int32_t* c = part + (nb - nbs) * 1024;
+                        i16_part(w0, w0 + KC * 1024, kp, kpe, hi + mb * KC * 1024, lo + mb * KC * 1024, two,
+                                 kp == 0 ? NULL : c);
+                        if (kpe < KC) {
+                            i16_store(c, two);
+                            continue;
+                        }
+                        i16_store(sums, two);
+                        write_i16_block(sums, two ? 2 : 1, s + m0, rows, scale, bias, dt, n0, N,
+                                        (char*)y + m0 * N * es);
+                    }
                 }
-                write_i16_block(sums, two ? 2 : 1, s + m0, rows, scale, bias, dt, n0, N, (char*)y + m0 * N * es);
             }
         }
         if (u1 > u0) _tile_release();
