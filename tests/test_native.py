@@ -587,3 +587,24 @@ def test_kernel_libraries_no_start_has_loaded_for_a_month_are_removed(tmp_path):
     os.utime(current, (month, month))
     assert native.build(tmp_path, tier) == current
     assert not old.exists() and recent.exists() and current.stat().st_mtime > month + 86400
+
+
+@needs_native
+def test_prefill_silu_mul_and_rope_round_as_the_reference():
+    """Prefill's SiLU * up and text RoPE in one native pass each (bf16): RoPE bit for bit the
+    reference's ops (each product rounded, then the sum), on a transposed [1, H, T, D] view;
+    SiLU * up within one bf16 rounding of torch's (their exponentials differ in the last float
+    bits) and equal almost everywhere; float32 rows too."""
+    from qvl.model.rope import apply_rotary
+
+    torch.manual_seed(5)
+    x = torch.randn(1, 37, 4, 128).bfloat16().transpose(1, 2)  # [1, H, T, D], tokens H*D apart
+    cos, sin = torch.randn(1, 1, 37, 128).bfloat16(), torch.randn(1, 1, 37, 128).bfloat16()
+    got = native.text_rope(lib, x, cos, sin)
+    assert got.shape == x.shape and torch.equal(got, apply_rotary(x, cos, sin))
+    for dtype in (torch.bfloat16, torch.float32):
+        g, u = (torch.randn(300, 515) * 4).to(dtype), torch.randn(300, 515).to(dtype)  # a scalar tail
+        want = F.silu(g) * u
+        out = native.silu_mul(lib, g.clone(), u)
+        torch.testing.assert_close(out, want, rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+        assert (out == want).float().mean() > (0.99 if dtype == torch.bfloat16 else 0.5)

@@ -62,11 +62,12 @@ class Kernels:
         sections 21, 24 and 25). NEON is unmeasured."""
         return self.int8_gemm() and self.has(native.AVX2) and self.int8_levels > 0
 
-    def int8_tiles(self, out_features: int) -> bool:
+    def int8_tiles(self, out_features: int, in_features: int) -> bool:
         """Many-row int8 x int8 products run qvl's AMX kernel (int8 tiles, each block of sums
         rescaled while in cache: docs/benchmarks.md section 36) rather than oneDNN's GEMM and a
-        separate rescale pass; it takes weights of a multiple of 16 rows."""
-        return self.has(native.AMX_INT8) and out_features % 16 == 0
+        separate rescale pass; it takes weights of a multiple of 16 rows and up to 65,536
+        columns (its int32 sums)."""
+        return self.has(native.AMX_INT8) and out_features % 16 == 0 and in_features <= 65536
 
     @functools.cached_property
     def int8_levels(self) -> int:
@@ -98,6 +99,12 @@ class Kernels:
     def _bf16_products(self, dtype: torch.dtype) -> bool:
         """bf16 data and a build with AVX512-BF16 dot products."""
         return self.lib is not None and dtype == torch.bfloat16 and self.has(native.BF16)
+
+    def fused_elementwise(self, dtype: torch.dtype) -> bool:
+        """Prefill's SiLU * up and text RoPE in one native pass each (bf16, rounded as the
+        reference rounds; torch's ops took 0.35 s of a 1,114-token prefill: docs/benchmarks.md
+        section 36); float32 keeps torch's."""
+        return self.lib is not None and dtype == torch.bfloat16
 
     def rms_norm(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype == torch.bfloat16  # float32: torch's is as fast

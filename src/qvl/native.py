@@ -178,6 +178,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_vision_rope.restype = c_int
     lib.qvl_rmsnorm.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
     lib.qvl_rmsnorm.restype = None
+    lib.qvl_silu_mul.argtypes = [ptr, ptr, c_int, i64, c_int]
+    lib.qvl_silu_mul.restype = None
+    lib.qvl_text_rope.argtypes = [ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
+    lib.qvl_text_rope.restype = None
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
                                       ptr, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
@@ -448,6 +452,27 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     lib.qvl_rmsnorm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), _DTYPES[x.dtype],
                     rows.numel() // rows.shape[-1], rows.shape[-1], eps, torch.get_num_threads())
     return out
+
+
+def silu_mul(lib: ctypes.CDLL, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u (bf16 or float32, the same shape), rounded as the reference rounds it (after
+    the SiLU and after the product), in one pass; returns g's storage (overwritten) when g is
+    contiguous, else a new tensor."""
+    g, u = g.contiguous(), u.contiguous()
+    lib.qvl_silu_mul(g.data_ptr(), u.data_ptr(), _DTYPES[g.dtype], g.numel(), torch.get_num_threads())
+    return g
+
+
+def text_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Prefill's rotary embedding of one row: x [1, H, T, D] (any head/token strides, D
+    contiguous), cos/sin [1, 1, T, D] of x's dtype -> x * cos + rotate_half(x) * sin as [1, H, T, D]
+    (a view of a [T, H, D] tensor), rounded as the reference rounds it."""
+    _, h, t, d = x.shape
+    cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+    out = torch.empty(t, h, d, dtype=x.dtype)
+    lib.qvl_text_rope(x.data_ptr(), _DTYPES[x.dtype], t, h, d, x.stride(2), x.stride(1), cos.data_ptr(),
+                      sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out.transpose(0, 1)[None]
 
 
 class LinearArgs(ctypes.Structure):

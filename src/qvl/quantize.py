@@ -202,7 +202,7 @@ class Int8Linear(nn.Module):
         else it is dropped (the vision tower's: only the packed copy is used), its pages too
         when it was read from a memory-mapped file."""
         k = kernels()
-        self.amx = k.int8_tiles(self.out_features)
+        self.amx = k.int8_tiles(self.out_features, self.in_features)
         self.packed = native.amx_pack_int8(k.lib, self.weight) if self.amx else native.pack_int8(self.weight)
         self.levels = levels
         self.colsums = self.weight.sum(1, dtype=torch.int32).float()

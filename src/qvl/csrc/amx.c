@@ -265,12 +265,12 @@ static inline void rescale_block(int32_t* sums, int64_t rows, int cols, const fl
 
 /* y[M][N] (dt) = the rescaled product of the codes ([Mp][Kp], Mp = M rounded up to 32) with
  * the packed weight, its scales, bias, GELU and residual as qvl_rescale takes them. Returns 0,
- * -1 when out of memory, -2 without AMX tiles or for Kp % 64, N % 16. */
+ * -1 when out of memory, -2 without AMX tiles or for Kp % 64, N % 16, Kp > 65536. */
 int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64_t Kp, int64_t N,
                         const float* row_scale, const float* row_lo, const float* colsum, const void* col_scale,
                         const void* bias, int dt, int gelu, const void* residual, void* y, int threads) {
     if (!amx_granted) return -2;
-    if (Kp % 64 || N % 16) return -2;
+    if (Kp % 64 || N % 16 || Kp > 65536) return -2; /* Kp <= 65536: 255 * 127 * Kp < 2^31 */
     float *cs, *b;
     if (qvl_rescale_columns(col_scale, bias, dt, N, &cs, &b)) return -1;
     const size_t es = dt == BF16 ? 2 : 4;
@@ -445,11 +445,11 @@ static void write_i16_block(const int32_t* sums, int halves, const float* s, int
 
 /* y[M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N])^T (+ bias[N]), x in 16-bit codes per
  * row (see above). Each thread takes a run of (weight panel, 16-row block) units, panel-major.
- * Returns 0, -1 when out of memory, -2 without AMX tiles, for K % 64 or N % 16. */
+ * Returns 0, -1 when out of memory, -2 without AMX tiles, for K % 64, N % 16 or K > 65536. */
 int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                        const void* bias, void* y, int threads) {
     if (!amx_granted) return -2;
-    if (K % 64 || N % 16 || M < 1) return -2;
+    if (K % 64 || N % 16 || M < 1 || K > 65536) return -2; /* K <= 65536: the lo sums stay below 2^31 */
     const int64_t MB = (M + 15) / 16, NB = (N + 31) / 32, KC = K / 64;
     int8_t* hi = aligned_alloc(64, (size_t)(MB * KC * 1024));
     uint8_t* lo = aligned_alloc(64, (size_t)(MB * KC * 1024));

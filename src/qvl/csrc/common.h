@@ -181,6 +181,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
 int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
                          int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
                          const int64_t* lengths, int64_t D, void* out, int threads);
+void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 int qvl_features(void);
 int qvl_int8_amx_ready(void);

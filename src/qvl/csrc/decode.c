@@ -85,28 +85,70 @@ static void text_rope(void* x, int dt, int64_t heads, int64_t D, const void* cos
     }
 }
 
-/* g <- silu(g) * u, rounded (in bf16) after silu and after the product. */
-static void silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        int64_t end = i0 + 16 < n ? i0 + 16 : n;
+/* g <- silu(g) * u, rounded (in bf16) after silu and after the product: the decode step's
+ * SwiGLU, and prefill's (dispatch.Kernels.silu_mul). */
+void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
+#pragma omp parallel for num_threads(n >= 4096 ? threads : 1) schedule(static)
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+        const int64_t end = i0 + 256 < n ? i0 + 256 : n;
+        int64_t i = i0;
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
-        if (dt == BF16 && end - i0 == 16) {
+        if (dt == BF16) {
             uint16_t* gb = (uint16_t*)g;
             const uint16_t* ub = (const uint16_t*)u;
-            __m512 x = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(gb + i0)));
-            __m512 s = div_one_plus_exp2(x, _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
-            float sv[16];
-            _mm512_storeu_ps(sv, s);
-            for (int j = 0; j < 16; j++) gb[i0 + j] = f32_to_bf16(round_bf(sv[j]) * bf16_to_f32(ub[i0 + j]));
-            continue;
+            for (; i + 16 <= end; i += 16) {
+                const __m512 x = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(gb + i)));
+                const __m512 s = div_one_plus_exp2(x, _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
+                const __m512 sr = bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(s));
+                const __m512 y = _mm512_mul_ps(sr, bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(ub + i))));
+                _mm256_storeu_si256((__m256i*)(gb + i), (__m256i)_mm512_cvtneps_pbh(y));
+            }
         }
 #endif
-        for (int64_t i = i0; i < end; i++) {
+        for (; i < end; i++) {
             float x = get(g, dt, i), s = x / (1.f + expf(-x));
             put(g, dt, i, (dt == BF16 ? round_bf(s) : s) * get(u, dt, i));
         }
     }
+}
+
+/* Prefill's rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t] for
+ * T tokens of H heads of D (x at t * x_tok + h * x_head, D contiguous; cos/sin [T][D]; out
+ * [T][H][D]), rounded as the reference rounds it in bf16 (each product, then the sum), as the
+ * decode step's text_rope does. */
+void qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64_t x_tok, int64_t x_head,
+                   const void* cos, const void* sin, void* out, int threads) {
+    const size_t es = dt == BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(T * H >= 64 ? threads : 1) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            char* o = (char*)out + ((t * H + h) * D) * es;
+            const char* xr = (const char*)x + (t * x_tok + h * x_head) * es;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+            if (dt == BF16 && D % 32 == 0) {
+                const int64_t half = D / 2;
+                const uint16_t *xb = (const uint16_t*)xr, *cb = (const uint16_t*)cos + t * D,
+                               *sb = (const uint16_t*)sin + t * D;
+                uint16_t* ob = (uint16_t*)o;
+#define LD(p) bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define RB(v) bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(v))
+                for (int64_t i = 0; i < half; i += 16) {
+                    const __m512 x1 = LD(xb + i), x2 = LD(xb + half + i);
+                    const __m512 lo = _mm512_add_ps(RB(_mm512_mul_ps(x1, LD(cb + i))),
+                                                    RB(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), LD(sb + i))));
+                    const __m512 hi = _mm512_add_ps(RB(_mm512_mul_ps(x2, LD(cb + half + i))),
+                                                    RB(_mm512_mul_ps(x1, LD(sb + half + i))));
+                    _mm256_storeu_si256((__m256i*)(ob + i), (__m256i)_mm512_cvtneps_pbh(lo));
+                    _mm256_storeu_si256((__m256i*)(ob + half + i), (__m256i)_mm512_cvtneps_pbh(hi));
+                }
+#undef LD
+#undef RB
+                continue;
+            }
+#endif
+            memcpy(o, xr, (size_t)D * es);
+            text_rope(o, dt, 1, D, (const char*)cos + t * D * es, (const char*)sin + t * D * es);
+        }
 }
 
 /* The experts' MLP of B rows (xn [B][D], normed) -> out [B][D], as qvl.model.text.SparseMoE
@@ -163,7 +205,7 @@ static int moe_mlp(const QvlMoe* m, const void* xn, int dt, int64_t B, int64_t D
             break;
         }
         for (int64_t r = 0; r < n; r++) {
-            silu_mul(gu + r * 2 * I * es, gu + (r * 2 * I + I) * es, dt, I, 1);
+            qvl_silu_mul(gu + r * 2 * I * es, gu + (r * 2 * I + I) * es, dt, I, 1);
             memcpy(h + r * I * es, gu + r * 2 * I * es, (size_t)I * es);
         }
         if (layer_linear(&m->down[e], h, dt, n, dn, threads)) {
@@ -262,7 +304,7 @@ int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt,
             status = -1;
             break;
         }
-        silu_mul(g, u, dt, B * I, threads);
+        qvl_silu_mul(g, u, dt, B * I, threads);
         if (layer_linear(&L->down, g, dt, B, a, threads)) {
             status = -1;
             break;

@@ -62,6 +62,15 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd] rotated by cos/sin [B, 1, T, hd]: one native pass for a prefill row in
+    bf16, else the reference's ops."""
+    b, _, t, _ = x.shape
+    if b == 1 and t > 1 and x.stride(3) == 1 and x.dtype == cos.dtype and (k := kernels()).fused_elementwise(x.dtype):
+        return native.text_rope(k.lib, x, cos, sin)
+    return apply_rotary(x, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
@@ -84,7 +93,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         keys, values = cache.update(self.layer, start, k, v, rows)
         out = cache_attention(q, keys, values, start, rows)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -98,7 +107,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype == up.dtype and (k := kernels()).fused_elementwise(gate.dtype):
+            return self.down_proj(native.silu_mul(k.lib, gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
