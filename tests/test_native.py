@@ -600,11 +600,16 @@ def test_prefill_silu_mul_and_rope_round_as_the_reference():
     torch.manual_seed(5)
     x = torch.randn(1, 37, 4, 128).bfloat16().transpose(1, 2)  # [1, H, T, D], tokens H*D apart
     cos, sin = torch.randn(1, 1, 37, 128).bfloat16(), torch.randn(1, 1, 37, 128).bfloat16()
-    got = native.text_rope(lib, x, cos, sin)
-    assert got.shape == x.shape and torch.equal(got, apply_rotary(x, cos, sin))
+    x[0, 1, 3, :64] = -0.0  # a negated +0 is -0, as the reference's
+    x[0, 1, 3, 64:] = 0.0
+    got, want = native.text_rope(lib, x, cos, sin), apply_rotary(x, cos, sin)
+    assert got.shape == x.shape and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert native.text_rope(lib, x, cos.float(), sin.float()) is None  # mixed dtypes: the caller's path
     for dtype in (torch.bfloat16, torch.float32):
         g, u = (torch.randn(300, 515) * 4).to(dtype), torch.randn(300, 515).to(dtype)  # a scalar tail
         want = F.silu(g) * u
         out = native.silu_mul(lib, g.clone(), u)
         torch.testing.assert_close(out, want, rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
         assert (out == want).float().mean() > (0.99 if dtype == torch.bfloat16 else 0.5)
+    with pytest.raises(ValueError, match="one shape"):
+        native.silu_mul(lib, g, u[:10])

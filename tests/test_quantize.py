@@ -328,6 +328,7 @@ def test_prefill_int8_products_on_int8_tiles_with_16_bit_activation_codes(rows, 
         assert torch.equal(quantize.int8_product(x, q, s, bias), y)
     assert native.amx_i16_linear(k.lib, x[:, :k_in - 32].contiguous(), q[:, :k_in - 32].contiguous(), s) is None  # K % 64
     assert native.amx_i16_linear(k.lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
+    assert native.amx_i16_linear(k.lib, x, q, s.float()) is None  # scales of another dtype than x
 
 
 def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

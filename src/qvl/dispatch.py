@@ -104,7 +104,7 @@ class Kernels:
         """Prefill's SiLU * up and text RoPE in one native pass each (bf16, rounded as the
         reference rounds; torch's ops took 0.35 s of a 1,114-token prefill: docs/benchmarks.md
         section 36); float32 keeps torch's."""
-        return self.lib is not None and dtype == torch.bfloat16
+        return self._bf16_products(dtype)
 
     def rms_norm(self, dtype: torch.dtype) -> bool:
         return self.lib is not None and dtype == torch.bfloat16  # float32: torch's is as fast

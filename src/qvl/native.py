@@ -181,7 +181,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_silu_mul.argtypes = [ptr, ptr, c_int, i64, c_int]
     lib.qvl_silu_mul.restype = None
     lib.qvl_text_rope.argtypes = [ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
-    lib.qvl_text_rope.restype = None
+    lib.qvl_text_rope.restype = c_int
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
                                       ptr, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
@@ -257,7 +257,10 @@ def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scal
     tiles, x in 16-bit codes per row (amx.c's qvl_amx_i16_linear); None where that kernel does
     not run (no AMX tiles, K not a multiple of 64, N not a multiple of 16)."""
     k, n = x.shape[-1], weight.shape[0]
-    if x.dtype != torch.bfloat16 or k % 64 or n % 16 or not weight.is_contiguous() or weight.shape[1] != k:
+    if x.dtype != torch.bfloat16 or k % 64 or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
+        return None
+    if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or (
+            bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
         return None
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)
@@ -458,20 +461,29 @@ def silu_mul(lib: ctypes.CDLL, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor
     """silu(g) * u (bf16 or float32, the same shape), rounded as the reference rounds it (after
     the SiLU and after the product), in one pass; returns g's storage (overwritten) when g is
     contiguous, else a new tensor."""
+    if g.shape != u.shape or g.dtype != u.dtype or g.dtype not in _DTYPES:
+        raise ValueError(f"silu_mul takes two tensors of one shape and dtype, not {tuple(g.shape)} {g.dtype} and "
+                         f"{tuple(u.shape)} {u.dtype}")
     g, u = g.contiguous(), u.contiguous()
     lib.qvl_silu_mul(g.data_ptr(), u.data_ptr(), _DTYPES[g.dtype], g.numel(), torch.get_num_threads())
     return g
 
 
-def text_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def text_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Prefill's rotary embedding of one row: x [1, H, T, D] (any head/token strides, D
     contiguous), cos/sin [1, 1, T, D] of x's dtype -> x * cos + rotate_half(x) * sin as [1, H, T, D]
-    (a view of a [T, H, D] tensor), rounded as the reference rounds it."""
-    _, h, t, d = x.shape
+    (a view of a [T, H, D] tensor), rounded as the reference rounds it. None when the shapes or
+    dtypes do not apply."""
+    b, h, t, d = x.shape
+    if b != 1 or x.stride(3) != 1 or x.dtype not in _DTYPES or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return None
+    if cos.numel() != t * d or sin.numel() != t * d:
+        return None
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
     out = torch.empty(t, h, d, dtype=x.dtype)
-    lib.qvl_text_rope(x.data_ptr(), _DTYPES[x.dtype], t, h, d, x.stride(2), x.stride(1), cos.data_ptr(),
-                      sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if lib.qvl_text_rope(x.data_ptr(), _DTYPES[x.dtype], t, h, d, x.stride(2), x.stride(1), cos.data_ptr(),
+                         sin.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
+        return None
     return out.transpose(0, 1)[None]
 
 

@@ -435,10 +435,17 @@ static void write_i16_block(const int32_t* sums, int halves, const float* s, int
         const __m512 b = bias ? load16_dt(bias, dt, n) : _mm512_setzero_ps();
         for (int64_t m = 0; m < rows; m++) {
             const __m512 v = _mm512_fmadd_ps(r[m], _mm512_set1_ps(s[m]), b);
-            if (dt == BF16)
+            if (dt == BF16) {
+#ifdef __AVX512BF16__
                 _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * N + n), (__m256i)_mm512_cvtneps_pbh(v));
-            else
+#else
+                float t[16];
+                _mm512_storeu_ps(t, v);
+                for (int i = 0; i < 16; i++) ((uint16_t*)y)[m * N + n + i] = f32_to_bf16(t[i]);
+#endif
+            } else {
                 _mm512_storeu_ps((float*)y + m * N + n, v);
+            }
         }
     }
 }
@@ -458,7 +465,7 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
         free(hi), free(lo), free(s);
         return -1;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
     for (int64_t mb = 0; mb < MB; mb++)
         pack_rows_i16(x, dt, M, K, mb * 16, hi + mb * KC * 1024, lo + mb * KC * 1024, s + mb * 16);
     int64_t PB = I16_PANEL_BYTES / (32 * K); /* 32-row weight blocks per panel: the panel stays in L2 */

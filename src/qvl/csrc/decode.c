@@ -115,9 +115,10 @@ void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
 /* Prefill's rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t] for
  * T tokens of H heads of D (x at t * x_tok + h * x_head, D contiguous; cos/sin [T][D]; out
  * [T][H][D]), rounded as the reference rounds it in bf16 (each product, then the sum), as the
- * decode step's text_rope does. */
-void qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64_t x_tok, int64_t x_head,
-                   const void* cos, const void* sin, void* out, int threads) {
+ * decode step's text_rope does. Returns 0, or -2 for D odd or above 256. */
+int qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64_t x_tok, int64_t x_head,
+                  const void* cos, const void* sin, void* out, int threads) {
+    if (D % 2 || D > 256) return -2; /* text_rope's row buffer */
     const size_t es = dt == BF16 ? 2 : 4;
 #pragma omp parallel for num_threads(T * H >= 64 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++)
@@ -134,8 +135,9 @@ void qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64
 #define RB(v) bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(v))
                 for (int64_t i = 0; i < half; i += 16) {
                     const __m512 x1 = LD(xb + i), x2 = LD(xb + half + i);
-                    const __m512 lo = _mm512_add_ps(RB(_mm512_mul_ps(x1, LD(cb + i))),
-                                                    RB(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), LD(sb + i))));
+                    const __m512 neg2 = _mm512_castsi512_ps(  /* -x2 as the reference negates: -0 for +0 */
+                        _mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32((int)0x80000000)));
+                    const __m512 lo = _mm512_add_ps(RB(_mm512_mul_ps(x1, LD(cb + i))), RB(_mm512_mul_ps(neg2, LD(sb + i))));
                     const __m512 hi = _mm512_add_ps(RB(_mm512_mul_ps(x2, LD(cb + half + i))),
                                                     RB(_mm512_mul_ps(x1, LD(sb + half + i))));
                     _mm256_storeu_si256((__m256i*)(ob + i), (__m256i)_mm512_cvtneps_pbh(lo));
@@ -149,6 +151,7 @@ void qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64
             memcpy(o, xr, (size_t)D * es);
             text_rope(o, dt, 1, D, (const char*)cos + t * D * es, (const char*)sin + t * D * es);
         }
+    return 0;
 }
 
 /* The experts' MLP of B rows (xn [B][D], normed) -> out [B][D], as qvl.model.text.SparseMoE

@@ -65,9 +65,9 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, hd] rotated by cos/sin [B, 1, T, hd]: one native pass for a prefill row in
     bf16, else the reference's ops."""
-    b, _, t, _ = x.shape
-    if b == 1 and t > 1 and x.stride(3) == 1 and x.dtype == cos.dtype and (k := kernels()).fused_elementwise(x.dtype):
-        return native.text_rope(k.lib, x, cos, sin)
+    if x.shape[0] == 1 and x.shape[2] > 1 and (k := kernels()).fused_elementwise(x.dtype):
+        if (out := native.text_rope(k.lib, x, cos, sin)) is not None:
+            return out
     return apply_rotary(x, cos, sin)
 
 
