@@ -149,17 +149,8 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        uint32_t* kh = kp + h * (D / 2) * S_pad;
-        uint32_t* vh = vp + h * (S_pad / 2) * D;
-        for (int64_t n = 0; n < S_pad; n++)
-            for (int64_t p = 0; p < D / 2; p++)
-                kh[p * S_pad + n] = n < S ? ((const uint32_t*)(k + n * k_tok + h * k_head))[p] : 0u;
-        for (int64_t j = 0; j < S_pad; j += 2)
-            for (int64_t d = 0; d < D; d++) {
-                uint32_t lo = j < S ? v[j * v_tok + h * v_head + d] : 0u;
-                uint32_t hi = j + 1 < S ? v[(j + 1) * v_tok + h * v_head + d] : 0u;
-                vh[(j / 2) * D + d] = lo | (hi << 16);
-            }
+        pack_keys(k + h * k_head, k_tok, S, S_pad, D, D, kp + h * (D / 2) * S_pad);
+        pack_values(v + h * v_head, v_tok, S, S_pad, D, D, vp + h * (S_pad / 2) * D);
     }
     const int64_t blocks = (T + ABQ - 1) / ABQ;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */

@@ -109,6 +109,68 @@ static inline __m512 gelu_tanh_ps(__m512 v) {
     return _mm512_mul_ps(v, _mm512_mul_ps(e, _mm512_fnmadd_ps(d, e, _mm512_set1_ps(2.f))));
 }
 
+/* r[i] (row i of a 16 x 16 float32 block) -> r[j] = column j, in registers. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* One head's keys as pairs kh [DP/2][S_pad] (k[n][2p], k[n][2p+1]): the B tiles of amx.c's
+ * scores and the operand of attention.c's dot products. 16 keys by 16 pairs at a time,
+ * transposed in registers; zero past S and past D. S_pad % 16 == 0, DP % 32 == 0, kh 64-aligned. */
+static inline void pack_keys(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DP,
+                      uint32_t* kh) {
+    for (int64_t n = 0; n < S_pad; n += 16)
+        for (int64_t p = 0; p < DP / 2; p += 16) {
+            const int64_t pairs = D / 2 - p; /* valid pairs in this block */
+            const __mmask16 m = pairs >= 16 ? 0xFFFF : pairs <= 0 ? 0 : (__mmask16)((1u << pairs) - 1);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = n + i < S ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, k + (n + i) * k_tok + 2 * p))
+                                 : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_store_ps((float*)(kh + (p + j) * S_pad + n), r[j]);
+        }
+}
+
+/* One head's values as pairs vh [S_pad/2][DV] (v[2j][d], v[2j+1][d]): the B tiles of amx.c's
+ * value product and attention.c's operand; zero past S and past D. DV % 16 == 0. */
+static inline void pack_values(const uint16_t* v, int64_t v_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DV,
+                        uint32_t* vh) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < S_pad; j += 2)
+        for (int64_t d = 0; d < DV; d += 32) {
+            const int64_t cols = D - d;
+            const __mmask32 m = cols >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << cols) - 1);
+            const __m512i a = j < S ? _mm512_maskz_loadu_epi16(m, v + j * v_tok + d) : _mm512_setzero_si512();
+            const __m512i b = j + 1 < S ? _mm512_maskz_loadu_epi16(m, v + (j + 1) * v_tok + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vh + (j / 2) * DV + d, _mm512_permutex2var_epi16(a, first, b));
+            if (d + 16 < DV) _mm512_storeu_si512(vh + (j / 2) * DV + d + 16, _mm512_permutex2var_epi16(a, second, b));
+        }
+}
+
 #ifdef __AVX512BF16__
 /* 16 outputs of the int8 x int8 rescale (qvl_rescale_row): cs * (rs * a + lo * colsum) + b,
  * tanh-GELU when `gelu`, rounded to bf16, then res + that, rounded again when res is given. */
