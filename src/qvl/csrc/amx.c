@@ -280,20 +280,30 @@ int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) { /* each thread a run of units, panel-major: its panel's weights stay put */
         const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
-        _Alignas(64) int32_t sums[32 * 32];
+        _Alignas(64) int32_t sums[2][32 * 32];
         float tmp[32];
+        int64_t prev_m0 = -1, prev_n0 = 0; /* the block whose sums wait in sums[1 - cur] */
+        int cur = 0;
         if (u1 > u0) configure_int8();
-        for (int64_t u = u0; u < u1; u++) {
-            const int64_t p = u / MB, m0 = u % MB * 32, rows = M - m0 < 32 ? M - m0 : 32;
-            for (int64_t nb = p * I8_PANEL; nb < NB && nb < (p + 1) * I8_PANEL; nb++) {
+        /* a block's products are queued on the tiles before the previous block is rescaled, so
+         * the vector units (the GELU above all) work while the tiles multiply */
+        for (int64_t u = u0; u <= u1; u++) {
+            const int64_t p = u / MB, m0 = u % MB * 32;
+            const int64_t nb_end = u < u1 ? ((p + 1) * I8_PANEL < NB ? (p + 1) * I8_PANEL : NB) : p * I8_PANEL + 1;
+            for (int64_t nb = p * I8_PANEL; nb < nb_end; nb++) {
                 const int64_t n0 = nb * 32;
-                const int two = N - n0 >= 32;
-                const int8_t* b0 = wp + (n0 / 16) * KC * 1024;
-                int8_block(codes + m0 * Kp, Kp, b0, b0 + KC * 1024, two);
-                sums_store(two, sums);
-                rescale_block(sums, rows, two ? 32 : 16, row_scale + m0, row_lo + m0, colsum + n0, cs + n0, b + n0,
-                              dt, gelu, residual ? (const char*)residual + (m0 * N + n0) * es : NULL,
-                              (char*)y + (m0 * N + n0) * es, N, tmp);
+                if (u < u1) {
+                    const int8_t* b0 = wp + (n0 / 16) * KC * 1024;
+                    int8_block(codes + m0 * Kp, Kp, b0, b0 + KC * 1024, N - n0 >= 32);
+                }
+                if (prev_m0 >= 0)
+                    rescale_block(sums[1 - cur], M - prev_m0 < 32 ? M - prev_m0 : 32, N - prev_n0 >= 32 ? 32 : 16,
+                                  row_scale + prev_m0, row_lo + prev_m0, colsum + prev_n0, cs + prev_n0, b + prev_n0,
+                                  dt, gelu, residual ? (const char*)residual + (prev_m0 * N + prev_n0) * es : NULL,
+                                  (char*)y + (prev_m0 * N + prev_n0) * es, N, tmp);
+                if (u == u1) break;
+                sums_store(N - n0 >= 32, sums[cur]);
+                prev_m0 = m0, prev_n0 = n0, cur = 1 - cur;
             }
         }
         if (u1 > u0) _tile_release();
