@@ -326,10 +326,6 @@ def test_prefill_int8_products_on_int8_tiles_with_16_bit_activation_codes(rows, 
         assert torch.equal(native.amx_i16_linear(k.lib, x[r : r + 1], q, s, bias), y[r : r + 1])
     if rows > k.int8_gemv_rows:
         assert torch.equal(quantize.int8_product(x, q, s, bias), y)
-    residual = torch.randn(rows, n).to(torch.bfloat16)  # o_proj's and down_proj's residual add, fused
-    assert torch.equal(native.amx_i16_linear(k.lib, x, q, s, bias, residual), residual + y)
-    assert torch.equal(quantize.int8_product(x, q, s, bias, residual), residual + quantize.int8_product(x, q, s, bias))
-    assert native.amx_i16_linear(k.lib, x, q, s, bias, residual[:, :8]) is None  # the wrong shape: refused
     assert native.amx_i16_linear(k.lib, x[:, :k_in - 32].contiguous(), q[:, :k_in - 32].contiguous(), s) is None  # K % 64
     assert native.amx_i16_linear(k.lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
     assert native.amx_i16_linear(k.lib, x, q, s.float()) is None  # scales of another dtype than x

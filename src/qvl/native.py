@@ -189,7 +189,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_amx_bf16_linear.restype = c_int
     lib.qvl_amx_int8_matmul.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, c_int]
     lib.qvl_amx_int8_matmul.restype = c_int
-    lib.qvl_amx_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.qvl_amx_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
     lib.qvl_amx_i16_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
@@ -252,26 +252,20 @@ def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.
 
 
 def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] on AMX int8
-    tiles, x in 16-bit codes per row (amx.c's qvl_amx_i16_linear), added to `residual` ([..., N])
-    when given as `residual + product` would; None where that kernel does not run (no AMX
-    tiles, K not a multiple of 64, N not a multiple of 16, other dtypes)."""
+    tiles, x in 16-bit codes per row (amx.c's qvl_amx_i16_linear); None where that kernel does
+    not run (no AMX tiles, K not a multiple of 64, N not a multiple of 16)."""
     k, n = x.shape[-1], weight.shape[0]
     if x.dtype != torch.bfloat16 or k % 64 or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
         return None
     if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or (
             bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
         return None
-    if residual is not None:
-        if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], n):
-            return None
-        residual = residual.reshape(-1, n).contiguous()
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)
     status = lib.qvl_amx_i16_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
-                                    scale.data_ptr(), _ptr(bias), _ptr(residual), y.data_ptr(),
-                                    torch.get_num_threads())
+                                    scale.data_ptr(), _ptr(bias), y.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_amx_i16_linear could not allocate its activation tiles")
     return y.view(*x.shape[:-1], n) if status == 0 else None

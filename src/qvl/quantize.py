@@ -119,18 +119,15 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def _amx_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None):
+                 zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
     """Many rows of bf16 activations times an int8/int4 weight on AMX tiles: int8 weights on
-    int8 tiles with the activations in 16-bit codes per row (adding `residual` in their last
-    pass), int4 (and the shapes those do not take) on bf16 tiles; None where neither runs (no
-    AMX, other shapes: dequantise + GEMM then)."""
+    int8 tiles with the activations in 16-bit codes per row, int4 (and the shapes those do not
+    take) on bf16 tiles; None where neither runs (no AMX, other shapes: dequantise + GEMM then)."""
     if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8):
         return None
-    if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias, residual)) is not None:
+    if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias)) is not None:
         return y
-    y = native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
-    return y if y is None or residual is None else residual + y
+    return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
 
 
 def _gemv_library(x: torch.Tensor, dtype: torch.dtype, max_rows: int = KERNEL_MAX_ROWS):
@@ -181,7 +178,7 @@ class Int8Linear(nn.Module):
     on AMX; slightly less exact)."""
 
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
-    fuses_residual = True  # forward(x, residual=r) = r + forward(x): see model.layers.residual_linear
+    fuses_residual = True  # forward(x, residual=r) = r + forward(x): see vision.residual_linear
     fuses_layer_norm = True  # forward(x, norm=n) = forward(n(x)) for an nn.LayerNorm n: see vision.norm_linear
     packed: torch.Tensor | None = None  # the weight for int8 x int8 products: AMX tiles or oneDNN's copy
     amx = False  # packed holds AMX tiles (dispatch.Kernels.int8_tiles)
@@ -233,10 +230,12 @@ class Int8Linear(nn.Module):
                                       (norm.weight, norm.bias, norm.eps) if fused else None, self.amx)
         if norm is not None:
             x = norm(x)
-        if not gelu_tanh:
-            return int8_product(x, self.weight, self.scales, self.bias, residual)
-        y = F.gelu(int8_product(x, self.weight, self.scales, self.bias), approximate="tanh")
+        y = self._product(x)
+        y = F.gelu(y, approximate="tanh") if gelu_tanh else y
         return y if residual is None else residual + y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_product(x, self.weight, self.scales, self.bias)
 
     def native_args(self) -> native.LinearArgs | None:
         if self.scales.dtype not in (torch.bfloat16, torch.float32):
@@ -258,23 +257,19 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tens
 
 
 def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O], in the weights' own
-    precision: dequantise + GEMM for many rows (on AMX the int8 tile kernel), the native GEMV
-    for few, torch's int8 kernel where the native one does not run. `residual` ([..., O]):
-    residual + that, fused into the AMX kernel's last pass."""
+    precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
+    where the native one does not run."""
     if _rows(x) > (max_rows := kernels().int8_gemv_rows):
-        if (y := _amx_product(x, native.W_INT8, weight, scales, bias=bias, residual=residual)) is not None:
+        if (y := _amx_product(x, native.W_INT8, weight, scales, bias=bias)) is not None:
             return y
-        y = dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
-                                bias)
-    elif (lib := _gemv_library(x, scales.dtype, max_rows)) is not None:
-        y = native.linear(lib, native.W_INT8, x, weight, weight.shape[0], scales, bias=bias)
-    else:
-        y = torch._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales).view(*x.shape[:-1],
-                                                                                          weight.shape[0])
-        y = y if bias is None else y + bias
-    return y if residual is None else residual + y
+        return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
+                                   bias)
+    if (lib := _gemv_library(x, scales.dtype, max_rows)) is not None:
+        return native.linear(lib, native.W_INT8, x, weight, weight.shape[0], scales, bias=bias)
+    y = torch._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
 
 
 class Int8Experts(nn.Module):

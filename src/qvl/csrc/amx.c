@@ -405,7 +405,7 @@ static inline void i16_store(int32_t* c, int two) { /* [4][256]: hi, lo of each 
 /* y[m0 + m][n0 + n] = (256 hi_sum + lo_sum)[n][m] * scale[n] * s[m] (+ bias[n]) for the 16 or
  * 32 weight rows of a block (sums [4][16][16]: hi and lo of each half), m < rows. */
 static void write_i16_block(const int32_t* sums, int halves, const float* s, int64_t rows, const void* scale,
-                            const void* bias, int dt, int64_t n0, int64_t N, const void* res, void* y) {
+                            const void* bias, int dt, int64_t n0, int64_t N, void* y) {
     for (int half = 0; half < halves; half++) {
         const int32_t* hs = sums + 2 * half * 256;
         const int32_t* ls = hs + 256;
@@ -420,25 +420,25 @@ static void write_i16_block(const int32_t* sums, int halves, const float* s, int
         for (int64_t m = 0; m < rows; m++) {
             const __m512 v = _mm512_fmadd_ps(r[m], _mm512_set1_ps(s[m]), b);
             if (dt == BF16) {
+#ifdef __AVX512BF16__
+                _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * N + n), (__m256i)_mm512_cvtneps_pbh(v));
+#else
                 float t[16];
                 _mm512_storeu_ps(t, v);
-                uint16_t* o = (uint16_t*)y + m * N + n;
-                const uint16_t* rr = res ? (const uint16_t*)res + m * N + n : NULL;
-                for (int i = 0; i < 16; i++) /* the product rounded, then residual + it rounded, as two steps */
-                    o[i] = f32_to_bf16(rr ? round_bf(t[i]) + bf16_to_f32(rr[i]) : t[i]);
+                for (int i = 0; i < 16; i++) ((uint16_t*)y)[m * N + n + i] = f32_to_bf16(t[i]);
+#endif
             } else {
-                const __m512 w = res ? _mm512_add_ps(v, _mm512_loadu_ps((const float*)res + m * N + n)) : v;
-                _mm512_storeu_ps((float*)y + m * N + n, w);
+                _mm512_storeu_ps((float*)y + m * N + n, v);
             }
         }
     }
 }
 
-/* y[M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N])^T (+ bias[N]) (+ residual [M][N], dt:
- * the product rounded to dt, then the sum), x in 16-bit codes per row (see above). Each thread takes a run of (weight panel, 16-row block) units, panel-major.
+/* y[M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N])^T (+ bias[N]), x in 16-bit codes per
+ * row (see above). Each thread takes a run of (weight panel, 16-row block) units, panel-major.
  * Returns 0, -1 when out of memory, -2 without AMX tiles, for K % 64, N % 16 or K > 65536. */
 int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                       const void* bias, const void* residual, void* y, int threads) {
+                       const void* bias, void* y, int threads) {
     if (!amx_granted) return -2;
     if (K % 64 || N % 16 || M < 1 || K > 65536) return -2; /* K <= 65536: the lo sums stay below 2^31 */
     const int64_t MB = (M + 15) / 16, NB = (N + 31) / 32, KC = K / 64;
@@ -495,7 +495,7 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
                         }
                         i16_store(sums, two);
                         write_i16_block(sums, two ? 2 : 1, s + m0, rows, scale, bias, dt, n0, N,
-                                        residual ? (const char*)residual + m0 * N * es : NULL, (char*)y + m0 * N * es);
+                                        (char*)y + m0 * N * es);
                     }
                 }
             }
@@ -834,9 +834,8 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
 int qvl_int8_amx_ready(void) { return 0; }
 
 int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                       const void* bias, const void* residual, void* y, int threads) {
-    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)residual, (void)y;
-    (void)threads;
+                       const void* bias, void* y, int threads) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads;
     return -2;
 }
 

@@ -11,7 +11,6 @@ from qvl import native
 from qvl.dispatch import kernels
 from qvl.config import TextConfig
 from qvl.kv_cache import KVCache
-from qvl.model.layers import residual_linear
 from qvl.model.rope import apply_rotary
 
 
@@ -87,18 +86,17 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int | torch.Tensor,
-        rows: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] slots of cache rows `rows` (T = 1);
-        # residual [B, T, D]: returned plus the attention's output
+        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] slots of cache rows `rows` (T = 1)
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         keys, values = cache.update(self.layer, start, k, v, rows)
-        out = cache_attention(q, keys, values, start, rows).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out) if residual is None else residual_linear(self.o_proj, out, residual)
+        out = cache_attention(q, keys, values, start, rows)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -108,14 +106,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [..., D] -> [..., D], plus `residual` when given
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if gate.dtype == up.dtype and (k := kernels()).fused_elementwise(gate.dtype):
-            act = native.silu_mul(k.lib, gate, up)
-        else:
-            act = F.silu(gate) * up
-        return self.down_proj(act) if residual is None else residual_linear(self.down_proj, act, residual)
+            return self.down_proj(native.silu_mul(k.lib, gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -170,10 +165,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, start, rows=None):
-        # the residual adds go into the last pass of o_proj and down_proj where those fuse them
-        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, rows, residual=x)
-        if isinstance(self.mlp, MLP):
-            return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -12,7 +12,6 @@ from torch import nn
 from qvl import native
 from qvl.dispatch import kernels
 from qvl.config import VisionConfig
-from qvl.model.layers import residual_linear
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
@@ -82,6 +81,15 @@ def norm_linear(norm: nn.LayerNorm, fc: nn.Module, x: torch.Tensor, gelu_tanh: b
     if getattr(fc, "fuses_layer_norm", False):
         return fc(x, gelu_tanh=gelu_tanh, norm=norm)
     return linear_gelu_tanh(fc, norm(x)) if gelu_tanh else fc(norm(x))
+
+
+def residual_linear(fc: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + fc(x). Layers that say `fuses_residual` (qvl.quantize's Int8Linear) add it
+    in their last pass over the output (one read and write of [N, D] less per block, ~0.3 ms
+    per 1008 patches of 1152), rounding the product and then the sum, as the two steps do."""
+    if getattr(fc, "fuses_residual", False):
+        return fc(x, residual=residual)
+    return residual + fc(x)
 
 
 def linear_gelu_tanh(fc: nn.Module, x: torch.Tensor) -> torch.Tensor:
