@@ -363,7 +363,6 @@ static void pack_rows_i16(const void* x, int dt, int64_t M, int64_t K, int64_t m
 #define I16_SUB 4   /* weight blocks whose partial sums wait in L1 between parts of K */
 #define I16_KPART 8 /* 64-column chunks per part: 16 KB of byte planes */
 #define I16_PANEL_BYTES (512 << 10)
-#define I16_PLANES_BYTES (1 << 20)
 
 /* Tiles 0-3 += weight rows w0 (16) and w1 (16, when two) [.][KC][16][64] against one 16-row
  * block's byte planes, chunks kc0..kc1-1; from zero, or from the partial sums c [4][256]. */
@@ -456,10 +455,6 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
     int64_t PB = I16_PANEL_BYTES / (32 * K); /* 32-row weight blocks per panel: the panel stays in L2 */
     PB = PB < I16_SUB ? I16_SUB : PB > I8_PANEL ? I8_PANEL : PB;
     const int64_t panels = (NB + PB - 1) / PB, units = panels * MB, T = threads < 1 ? 1 : threads;
-    /* 16-row blocks per group: a group's byte planes stay in L2 while every weight panel passes
-     * over them (long prompts; the planes of all rows would be read again per panel from L3) */
-    int64_t MG = I16_PLANES_BYTES / (32 * K);
-    MG = MB * 32 * K <= I16_PLANES_BYTES * 3 / 2 ? MB : MG < 1 ? 1 : MG;
     const size_t es = dt == BF16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel for num_threads(T) schedule(static, 1)
@@ -470,10 +465,7 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
         int64_t have = -1; /* the panel whose weights `panel` holds */
         if (u1 > u0) configure_int8();
         for (int64_t u = u0; u < u1 && panel; u++) {
-            /* group-major, then panel, then the group's blocks: a panel serves its group's blocks in turn */
-            const int64_t grp = u / (panels * MG), rest = u - grp * panels * MG;
-            const int64_t size = MB - grp * MG < MG ? MB - grp * MG : MG;
-            const int64_t p = rest / size, mb = grp * MG + rest % size, m0 = mb * 16, rows = M - m0 < 16 ? M - m0 : 16;
+            const int64_t p = u / MB, mb = u % MB, m0 = mb * 16, rows = M - m0 < 16 ? M - m0 : 16;
             const int64_t nb0 = p * PB, nb1 = (p + 1) * PB < NB ? (p + 1) * PB : NB;
             if (p != have) { /* its weight rows as whole 1 KB tiles: [16-row group][kc][16][64] */
                 const int64_t groups = (N - nb0 * 32 < PB * 32 ? N - nb0 * 32 : PB * 32) / 16;
