@@ -192,7 +192,9 @@ int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, in
  * ([m-half][n-half]), activations 4-5, weights 6-7. */
 #define I8_PANEL 8 /* 32-column blocks per panel: a thread's weight panel (256 x Kp) stays in L2 */
 
-static void configure_int8(void) {
+/* Every tile register as a full tile, 16 rows x 64 bytes: the many-row kernels (int8, 16-bit
+ * planes, bf16 panels) and the vision attention. */
+static void configure_full_tiles(void) {
     TileConfig cfg = {0};
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -284,7 +286,7 @@ int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64
         float tmp[32];
         int64_t prev_m0 = -1, prev_n0 = 0; /* the block whose sums wait in sums[1 - cur] */
         int cur = 0;
-        if (u1 > u0) configure_int8();
+        if (u1 > u0) configure_full_tiles();
         /* a block's products are queued on the tiles before the previous block is rescaled, so
          * the vector units (the GELU above all) work while the tiles multiply */
         for (int64_t u = u0; u <= u1; u++) {
@@ -463,7 +465,7 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
         _Alignas(64) int32_t sums[4 * 256], part[I16_SUB * 1024];
         int8_t* panel = u1 > u0 ? aligned_alloc(64, (size_t)(PB * 32 * K)) : NULL;
         int64_t have = -1; /* the panel whose weights `panel` holds */
-        if (u1 > u0) configure_int8();
+        if (u1 > u0) configure_full_tiles();
         for (int64_t u = u0; u < u1 && panel; u++) {
             const int64_t p = u / MB, mb = u % MB, m0 = mb * 16, rows = M - m0 < 16 ? M - m0 : 16;
             const int64_t nb0 = p * PB, nb1 = (p + 1) * PB < NB ? (p + 1) * PB : NB;
@@ -516,13 +518,6 @@ int qvl_amx_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, c
  * rows over them, float32 sums over all of K. int8 codes are exact in bf16, so their row scale
  * comes after the sum; int4 groups are dequantised into the panel as qvl_dequantize does.
  * Tiles: sums 0-3 ([n-block][m-block]), weights 4-5, activations 6-7. */
-static void configure_bf16(void) {
-    TileConfig cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
-
 /* Activation rows m0..m0+15 as B tiles: per 32 columns, 16 tile rows (column pairs) of 16 rows x
  * 2 bf16 (xb [K/32][16][16] pairs); rows past M are zero. */
 static void pack_rows_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uint32_t* xb) {
@@ -639,7 +634,7 @@ int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64
 #pragma omp atomic write
             failed = 1;
         }
-        configure_bf16();
+        configure_full_tiles();
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const int64_t first = p * pairs, count = first + pairs <= N / 32 ? pairs : N / 32 - first;
@@ -816,7 +811,7 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
 #pragma omp parallel num_threads(threads)
     {
-        configure_bf16();
+        configure_full_tiles();
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < H * blocks; item++) { /* head by head: its keys and values stay in L2 */
             const int64_t h = item / blocks, r0 = (item % blocks) * 16;
