@@ -212,6 +212,47 @@ def test_int8_activation_matmul(tier_lib):
             assert torch.equal(native.int8_matmul(lib, x, tiles, colsums, scale, bias, 255, amx=True), out), tier.name
 
 
+def test_prefill_int8_products_in_16_bit_pairs(tier_lib):
+    """Prefill's int8 products on the x86 tiers without AMX (i16_gemm.c): each activation row in
+    16-bit codes, exact integer pair sums. Within 2^-14 of the row's largest term of the exact
+    product even with an outlier 300x the rest, over shapes with tails (rows, a 16-column block,
+    inputs past whole blocks); a zero row gives the bias; a row's result is bit for bit the same
+    alone, among others and on 1 or 2 threads; the tiers without the kernel say None."""
+    tier, lib = tier_lib
+    torch.manual_seed(4)
+    for rows, k_in, n in ((29, 600, 48), (1, 64, 16), (13, 2050, 272)):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, s = quantize_int8(torch.randn(n, k_in))
+            s, bias = s.to(dtype), torch.randn(n).to(dtype)
+            x = torch.randn(rows, k_in).to(dtype)
+            x[0, 5] = 300.0  # a massive activation
+            if rows > 2:
+                x[2] = 0
+            y = native.i16_linear(lib, x, q, s, bias)
+            if not tier.name.startswith(("avx512", "avx2")):
+                assert y is None
+                return
+            exact = x.double() @ (q.double() * s.double()[:, None]).T + bias.double()
+            # the codes' rounding: half a step (max|row| / 32767) per term
+            bound = (x.double().abs().amax(1, keepdim=True) / 32767 * (q.double().abs() * s.double()[:, None]).sum(1)
+                     + (2**-8 if dtype == torch.bfloat16 else 2**-20) * exact.abs())
+            assert y.dtype == dtype and y.shape == (rows, n)
+            assert ((y.double() - exact).abs() <= bound).all(), (tier.name, rows, dtype)
+            if rows > 2:
+                assert torch.equal(y[2], bias)
+            for r in (0, rows - 1):
+                assert torch.equal(native.i16_linear(lib, x[r : r + 1], q, s, bias), y[r : r + 1]), tier.name
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1 if threads > 1 else 2)
+                assert torch.equal(native.i16_linear(lib, x, q, s, bias), y), tier.name
+            finally:
+                torch.set_num_threads(threads)
+    assert native.i16_linear(lib, x[:, :-1].contiguous(), q[:, :-1].contiguous(), s) is None  # K odd
+    assert native.i16_linear(lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
+    assert native.i16_linear(lib, x, q, s.double()) is None  # scales of another dtype than x
+
+
 def test_check_program_on_every_tier(tier_lib, tmp_path):
     """tests/native_check.c (a float32 decode step through two int8 layers, the GEMVs, decode
     attention) built with the tier's own flags: what the aarch64 run checks, on x86."""
@@ -241,6 +282,11 @@ def test_dispatch_choices_per_tier(tier_lib):
     # included: AMX-INT8 tiles); this CPU's oneDNN sums full-range int8 exactly (VNNI)
     assert k.int8_activations() == tier.name.startswith(("avx512", "avx2"))
     assert k.int8_levels == 255
+    # prefill's int8 products in 16-bit pairs: where the tier computes in float32 (or emulates
+    # bf16) on x86 without AMX tiles
+    integer = tier.name.startswith(("avx512", "avx2")) and not lib.features & native.AMX_INT8
+    assert k.i16_products(torch.float32) == integer
+    assert k.i16_products(torch.bfloat16) == (integer and not tier.bf16)
     described = k.describe()
     assert described["tier"].startswith(tier.name)
     assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tier.amx)

@@ -191,6 +191,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_amx_int8_matmul.restype = c_int
     lib.qvl_amx_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
     lib.qvl_amx_i16_linear.restype = c_int
+    lib.qvl_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
+    lib.qvl_i16_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
     lib.qvl_features.argtypes = []
@@ -268,6 +270,27 @@ def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scal
                                     scale.data_ptr(), _ptr(bias), y.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_amx_i16_linear could not allocate its activation tiles")
+    return y.view(*x.shape[:-1], n) if status == 0 else None
+
+
+def i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 16-bit
+    codes per row, on AVX-512 or AVX2 integer pair products (i16_gemm.c's qvl_i16_linear);
+    None where that kernel does not run (other tiers, K odd, N not a multiple of 16, dtypes
+    that differ)."""
+    k, n = x.shape[-1], weight.shape[0]
+    if x.dtype not in _DTYPES or k % 2 or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
+        return None
+    if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or (
+            bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+        return None
+    rows = x.reshape(-1, k).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    status = lib.qvl_i16_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
+                                scale.data_ptr(), _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_i16_linear could not allocate its activation codes")
     return y.view(*x.shape[:-1], n) if status == 0 else None
 
 

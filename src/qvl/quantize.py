@@ -118,12 +118,17 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def _amx_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
-    """Many rows of bf16 activations times an int8/int4 weight on AMX tiles: int8 weights on
-    int8 tiles with the activations in 16-bit codes per row, int4 (and the shapes those do not
-    take) on bf16 tiles; None where neither runs (no AMX, other shapes: dequantise + GEMM then)."""
-    if x.dtype != torch.bfloat16 or not (k := kernels()).has(native.AMX_INT8):
+def _native_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
+    """Many rows of activations times an int8/int4 weight in qvl's own kernels. On AMX (bf16
+    activations): int8 weights on int8 tiles with the activations in 16-bit codes per row, int4
+    (and the shapes those do not take) on bf16 tiles. Elsewhere on x86: int8 weights in 16-bit
+    pair products, activations in 16-bit codes per row (dispatch.Kernels.i16_products). None
+    where none runs (dequantise + GEMM then)."""
+    k = kernels()
+    if kind == native.W_INT8 and k.i16_products(x.dtype):
+        return native.i16_linear(k.lib, x, weight, scales, bias)
+    if x.dtype != torch.bfloat16 or not k.has(native.AMX_INT8):
         return None
     if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias)) is not None:
         return y
@@ -262,7 +267,7 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
     where the native one does not run."""
     if _rows(x) > (max_rows := kernels().int8_gemv_rows):
-        if (y := _amx_product(x, native.W_INT8, weight, scales, bias=bias)) is not None:
+        if (y := _native_product(x, native.W_INT8, weight, scales, bias=bias)) is not None:
             return y
         return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
                                    bias)
@@ -347,7 +352,7 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ze
     """x [..., I] @ the int4 weight's transpose -> [..., O]: the native GEMV for few rows,
     dequantise + GEMM otherwise."""
     if (lib := _gemv_library(x, scales.dtype)) is None:
-        if (y := _amx_product(x, native.W_INT4, packed, scales, zeros, group_size)) is not None:
+        if (y := _native_product(x, native.W_INT4, packed, scales, zeros, group_size)) is not None:
             return y
         return dequantized_product(x, packed.shape[0],
                                    lambda r: dequantize_int4(packed[r], scales[r], zeros[r], group_size,

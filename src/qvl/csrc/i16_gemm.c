@@ -1,0 +1,267 @@
+/* Many-row products with int8 weights where the CPU has no AMX (prefill on AVX-512 and AVX2):
+ * y = x . (w * scale)^T (+ bias), the activations in 16-bit codes per row.
+ *
+ * Each row of x is quantised symmetrically to int16 codes (step max|row| / 32767: about bf16's
+ * relative precision on the row's large values, finer than bf16 on its small ones, and
+ * independent of the other rows). Codes and weights are multiplied in 16-bit pairs with exact
+ * int32 sums (vpdpwssd with AVX-512 VNNI or AVX-VNNI; vpmaddwd + vpaddd elsewhere), which these
+ * CPUs retire at about twice the rate of float32 FMAs, and no dequantised copy of the weight is
+ * made. The int32 sums cover I16_KC columns at a time (|sum| <= 256 * 32767 * 128 < 2^31) and
+ * are added in float32 in a fixed order, so a row's result depends neither on the other rows
+ * nor on the number of threads.
+ *
+ * Blocking (as BLIS): each thread owns a range of output columns; per panel of I16_NC columns
+ * and I16_KC inputs it widens the weights once into 16-bit pairs ([NR lanes] per input pair),
+ * then runs every block of I16_MR activation rows over it with I16_MR x I16_NV vector
+ * accumulators held in registers. */
+#include "common.h"
+
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
+
+#define I16_KC 256 /* inputs per int32 block */
+#define I16_NC 256 /* output columns per widened weight panel (I16_NC * I16_KC * 2 bytes: L2) */
+
+#ifdef QVL_AVX512
+#define VL 16
+#define I16_MR 12
+typedef __m512i vint;
+typedef __m512 vflt;
+#define vi_load(p) _mm512_load_si512((const void*)(p))
+#define vi_set1(v) _mm512_set1_epi32(v)
+#define vi_zero() _mm512_setzero_si512()
+#define vf_of(i) _mm512_cvtepi32_ps(i)
+#define vf_load(p) _mm512_loadu_ps(p)
+#define vf_store(p, v) _mm512_storeu_ps(p, v)
+#define vf_add(a, b) _mm512_add_ps(a, b)
+#define vf_mul(a, b) _mm512_mul_ps(a, b)
+#define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vf_set1(v) _mm512_set1_ps(v)
+#ifdef __AVX512VNNI__
+#define vi_dp(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define vi_dp(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+#else
+#define VL 8
+#define I16_MR 6
+typedef __m256i vint;
+typedef __m256 vflt;
+#define vi_load(p) _mm256_load_si256((const __m256i*)(p))
+#define vi_set1(v) _mm256_set1_epi32(v)
+#define vi_zero() _mm256_setzero_si256()
+#define vf_of(i) _mm256_cvtepi32_ps(i)
+#define vf_load(p) _mm256_loadu_ps(p)
+#define vf_store(p, v) _mm256_storeu_ps(p, v)
+#define vf_add(a, b) _mm256_add_ps(a, b)
+#define vf_mul(a, b) _mm256_mul_ps(a, b)
+#define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vf_set1(v) _mm256_set1_ps(v)
+#ifdef __AVXVNNI__
+#define vi_dp(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define vi_dp(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+#endif
+#define I16_NV 2               /* vectors of VL output columns per accumulator row */
+#define I16_NR (I16_NV * VL)   /* output columns per register block */
+
+/* Rows m0..m0+I16_MR-1 of x (dt [M][K]; rows past M zero) -> codes as int16 pairs
+ * a[K/2][I16_MR] (pair p of row r at a[p * I16_MR + r]) and each row's step s[r]. */
+static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, int32_t* a, float* s, float* buf,
+                      int16_t* codes) {
+    for (int r = 0; r < I16_MR; r++) {
+        if (m0 + r >= M) {
+            for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = 0;
+            s[r] = 0.f;
+            continue;
+        }
+        const float* row = (const float*)x + (m0 + r) * K;
+        if (dt == BF16) {
+            const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+            row = buf;
+        }
+        const float top = absmax(row, K), inv = top > 0.f ? 32767.f / top : 0.f;
+        s[r] = top > 0.f ? top / 32767.f : 0.f;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) codes[k] = (int16_t)round_int(row[k] * inv); /* |code| <= 32767 */
+        const int32_t* pairs = (const int32_t*)codes;
+        for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = pairs[p];
+    }
+}
+
+#ifdef QVL_AVX512
+#define WIDEN_ROWS 16 /* weight rows and input pairs per transposed block */
+typedef __m512 vblock;
+static inline vblock widen16(const int8_t* p) { /* 32 int8 -> 16 dwords of two int16 */
+    return _mm512_castsi512_ps(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)));
+}
+#define transpose_block transpose16
+#define vblock_store(p, v) _mm512_store_ps((float*)(p), v)
+#else
+#define WIDEN_ROWS 8
+typedef __m256 vblock;
+static inline vblock widen16(const int8_t* p) { /* 16 int8 -> 8 dwords of two int16 */
+    return _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline void transpose_block(__m256 r[8]) { /* r[i] row i of 8 x 8 -> r[j] column j */
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        const __m256d a = _mm256_castps_pd(t[4 * i]), b = _mm256_castps_pd(t[4 * i + 2]);
+        const __m256d c = _mm256_castps_pd(t[4 * i + 1]), d = _mm256_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+        u[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+        u[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(c, d));
+        u[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(c, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+#define vblock_store(p, v) _mm256_store_ps((float*)(p), v)
+#endif
+
+/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL), inputs k0..k0+kc-1 -> int16 pairs
+ * b[kc/2][I16_NR] (lanes past nr zero): WIDEN_ROWS rows x WIDEN_ROWS pairs at a time,
+ * sign-extended and transposed in registers. */
+static void widen_weights(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int64_t k0, int64_t kc, int32_t* b) {
+    const int64_t pairs = kc / 2, whole = pairs / WIDEN_ROWS * WIDEN_ROWS;
+    for (int64_t c0 = 0; c0 < I16_NR; c0 += WIDEN_ROWS) {
+        if (c0 >= nr) {
+            for (int64_t p = 0; p < pairs; p++) memset(b + p * I16_NR + c0, 0, WIDEN_ROWS * 4);
+            continue;
+        }
+        const int8_t* wr = w + (n0 + c0) * K + k0;
+        for (int64_t p0 = 0; p0 < whole; p0 += WIDEN_ROWS) {
+            vblock v[WIDEN_ROWS];
+            for (int i = 0; i < WIDEN_ROWS; i++) v[i] = widen16(wr + i * K + 2 * p0);
+            transpose_block(v);
+            for (int i = 0; i < WIDEN_ROWS; i++) vblock_store(b + (p0 + i) * I16_NR + c0, v[i]);
+        }
+        for (int64_t p = whole; p < pairs; p++)
+            for (int i = 0; i < WIDEN_ROWS; i++) {
+                const int8_t* q = wr + i * K + 2 * p;
+                b[p * I16_NR + c0 + i] = (int32_t)((uint32_t)(uint16_t)(int16_t)q[0] |
+                                                   (uint32_t)(uint16_t)(int16_t)q[1] << 16);
+            }
+    }
+}
+
+/* c[r][v * VL ..] (+)= the exact sums of a [pairs][I16_MR] . b [pairs][I16_NR], for nv <= I16_NV
+ * vectors of columns; c rows ldc floats apart; `first`: store rather than add. */
+static inline __attribute__((always_inline)) void tile(const int32_t* a, const int32_t* b, int64_t pairs, float* c,
+                                                       int64_t ldc, int first, const int nv) {
+    vint acc[I16_MR][I16_NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < I16_MR; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < nv; v++) acc[r][v] = vi_zero();
+    for (int64_t p = 0; p < pairs; p++) {
+        vint bv[I16_NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < nv; v++) bv[v] = vi_load(b + p * I16_NR + v * VL);
+#pragma GCC unroll 16
+        for (int r = 0; r < I16_MR; r++) {
+            const vint av = vi_set1(a[p * I16_MR + r]);
+#pragma GCC unroll 2
+            for (int v = 0; v < nv; v++) acc[r][v] = vi_dp(acc[r][v], av, bv[v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < I16_MR; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < nv; v++) {
+            float* cp = c + r * ldc + v * VL;
+            vf_store(cp, first ? vf_of(acc[r][v]) : vf_add(vf_load(cp), vf_of(acc[r][v])));
+        }
+}
+
+/* y[m][n0 + j] = c[m][j] * scale[n0 + j] * s[m] (+ bias[n0 + j]) for m < M, j < nc. */
+static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
+                       const void* scale, const void* bias, int dt, int64_t N, void* y) {
+    float cs[I16_NC], cb[I16_NC], out[I16_NC];
+    for (int64_t j = 0; j < nc; j++) cs[j] = get(scale, dt, n0 + j), cb[j] = bias ? get(bias, dt, n0 + j) : 0.f;
+    for (int64_t m = 0; m < M; m++) {
+        float* dst = dt == F32 ? (float*)y + m * N + n0 : out;
+        const vflt sm = vf_set1(s[m]);
+        for (int64_t j = 0; j < nc; j += VL)
+            vf_store(dst + j, vf_fmadd(vf_mul(vf_load(c + m * ldc + j), vf_load(cs + j)), sm, vf_load(cb + j)));
+        if (dt == BF16)
+            for (int64_t j = 0; j < nc; j++) ((uint16_t*)y)[m * N + n0 + j] = f32_to_bf16(out[j]);
+    }
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)).
+ * Returns 0, -1 when out of memory, -2 for shapes it does not take (K odd, N % VL). */
+int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                   const void* bias, void* y, int threads) {
+    if (K % 2 || N % VL || M < 1 || K < 2) return -2;
+    const int64_t MB = (M + I16_MR - 1) / I16_MR, P = K / 2, T = threads < 1 ? 1 : threads;
+    int32_t* a = aligned_alloc(64, (size_t)(MB * P * I16_MR) * 4);
+    float* s = malloc((size_t)(MB * I16_MR) * sizeof(float));
+    if (!a || !s) {
+        free(a), free(s);
+        return -1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(T)
+    {
+        float* buf = malloc((size_t)K * sizeof(float));
+        int16_t* codes = malloc((size_t)K * sizeof(int16_t));
+        if (!buf || !codes) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < MB; mb++)
+            if (buf && codes) pack_rows(x, dt, M, K, mb * I16_MR, a + mb * P * I16_MR, s + mb * I16_MR, buf, codes);
+        free(buf), free(codes);
+    }
+    if (failed) {
+        free(a), free(s);
+        return -1;
+    }
+    const int64_t NB = (N + I16_NR - 1) / I16_NR; /* register blocks of columns, split between threads */
+#pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
+        int32_t* b = aligned_alloc(64, (size_t)(I16_NC / I16_NR) * (I16_KC / 2) * I16_NR * 4);
+        float* c = aligned_alloc(64, (size_t)(MB * I16_MR) * I16_NC * sizeof(float));
+        if (nt1 > nt0 && (!b || !c)) failed = 1;
+        for (int64_t n0 = nt0; n0 < nt1 && b && c; n0 += I16_NC) {
+            const int64_t nc = nt1 - n0 < I16_NC ? nt1 - n0 : I16_NC;
+            for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
+                const int64_t kc = K - k0 < I16_KC ? K - k0 : I16_KC, pairs = kc / 2;
+                for (int64_t j = 0; j < nc; j += I16_NR)
+                    widen_weights(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc,
+                                  b + j / I16_NR * (I16_KC / 2) * I16_NR);
+                for (int64_t mb = 0; mb < MB; mb++) {
+                    const int32_t* am = a + (mb * P + k0 / 2) * I16_MR;
+                    for (int64_t j = 0; j < nc; j += I16_NR) {
+                        const int32_t* bj = b + j / I16_NR * (I16_KC / 2) * I16_NR;
+                        float* cj = c + mb * I16_MR * I16_NC + j;
+                        if (nc - j >= I16_NR)
+                            tile(am, bj, pairs, cj, I16_NC, k0 == 0, I16_NV);
+                        else
+                            tile(am, bj, pairs, cj, I16_NC, k0 == 0, 1);
+                    }
+                }
+            }
+            write_rows(c, I16_NC, s, M, n0, nc, scale, bias, dt, N, y);
+        }
+        free(b), free(c);
+    }
+    free(a), free(s);
+    return failed ? -1 : 0;
+}
+
+#else
+int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                   const void* bias, void* y, int threads) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads;
+    return -2;
+}
+#endif
