@@ -21,6 +21,11 @@ weights. Prints a markdown table.
 
     python benchmarks/int8_activations.py                       # tiny stress + tiny plain
     python benchmarks/int8_activations.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 64
+
+--prefill-codes asks the float32 tiers' question instead (section 37): float32 compute, the vision
+tower unquantised, prefill's int8 products either dequantised for the float GEMM (before) or in
+16-bit activation codes per row (qvl_i16_linear, the default since), against float32 compute with
+bf16 weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
 """
 
 from __future__ import annotations
@@ -216,6 +221,41 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
     return rows
 
 
+def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
+    """The float32 tiers' prefill products: dequantised weights against 16-bit activation codes."""
+    from qvl import native
+
+    common = dict(model=str(path), threads=args.threads, quant_cache=False, vision_int8=False,
+                  int8_activations="off")
+    evaluation = samples(EVAL_SIZES[: args.images], PROMPTS, 0, args.max_image_tokens)
+    ref = run(Engine.load(EngineOptions(model=str(path), threads=args.threads, weights="bf16", dtype="fp32")),
+              evaluation)
+    rows = []
+
+    def record(name: str, out: Output) -> None:
+        feat, feat_min = row_cosine(out.features, ref.features)
+        logit, _ = row_cosine(out.logits, ref.logits)
+        rows.append((name, {"feat": feat, "feat_min": feat_min, "logits": logit, "top1": top1(out.logits, ref.logits),
+                            "top1_w8": top1(out.logits, base.logits) if base else 1.0, "note": ""}))
+        print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
+
+    base = None
+    i16_linear = native.i16_linear
+    native.i16_linear = lambda *a, **k: None  # the float32 path before section 37
+    try:
+        base = run(Engine.load(EngineOptions(**common, weights="int8", dtype="fp32")), evaluation)
+    finally:
+        native.i16_linear = i16_linear
+    record("float32, int8 weights, prefill's products dequantised (before)", base)
+    engine = Engine.load(EngineOptions(**common, weights="int8", dtype="fp32"))
+    assert kernels().i16_products(torch.float32), "qvl_i16_linear does not run on this CPU"
+    record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
+    del engine
+    record("bf16, int8 weights (the bf16 tiers)",
+           run(Engine.load(EngineOptions(**common, weights="int8", dtype="bf16")), evaluation))
+    return rows
+
+
 def table(results: dict[str, list[tuple[str, dict]]]) -> str:
     lines = ["| checkpoint | scheme | image features cos (mean / min) | prompt logits cos | top-1 vs bf16 "
              "| top-1 vs int8 weights |", "|---|---|---|---|---|---|"]
@@ -235,6 +275,7 @@ def main() -> int:
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     parser.add_argument("--fp-outliers", action="store_true", help="also the LLM.int8()-style scheme")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-codes", action="store_true", help="the float32 tiers' prefill products (see above)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="qvl-int8act-") as tmp:
@@ -244,7 +285,7 @@ def main() -> int:
         results = {}
         for path in paths:
             print(f"{path}:", file=sys.stderr)
-            results[path.name] = measure(path, args)
+            results[path.name] = (measure_prefill_codes if args.prefill_codes else measure)(path, args)
     print(table(results))
     return 0
 

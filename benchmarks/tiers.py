@@ -52,9 +52,12 @@ VARIANTS = {"float": ["--int8-activations", "off", "--no-vision-int8"], "all": [
 
 
 def run_qvl(args, tier: str, weights: str, extra: tuple[str, ...] = ()) -> dict:
+    env = tier_env(tier)
+    if extra == tuple(VARIANTS["float"]) and args.float_src:  # the float32 path as that checkout runs it
+        env["PYTHONPATH"] = os.path.join(args.float_src, "src")
     cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--weights", weights, "--threads",
            str(args.threads), "--image", "1920x1080", "--new-tokens", "32", "--repeat", "2", "--json", *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=tier_env(tier), timeout=1800)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"qvl bench ({tier}, {weights}) failed:\n{done.stderr[-2000:]}")
     r = json.loads(done.stdout.strip().splitlines()[-1])
@@ -152,6 +155,8 @@ def main() -> None:
     p.add_argument("--skip-vision", action="store_true")
     p.add_argument("--variants", action="store_true", help="also the int8 model's first token as the float32 path "
                    "and with int8 activations everywhere, on the tiers without bf16 products")
+    p.add_argument("--float-src", help="a checkout to run the float32-path variant from (since section 37 prefill's "
+                   "int8 products run in 16-bit codes whatever --int8-activations says: give a checkout from before)")
     p.add_argument("--out")
     p.add_argument("--vision-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
