@@ -7,6 +7,11 @@ and 8B's layer shapes, alternating in every round.
     python benchmarks/prefill_products.py --rows 100 264 1000 --rounds 5
     python benchmarks/prefill_products.py --kind int4 --rows 100 264 512 --rounds 3
 
+On x86 without AMX (or a tier emulated as such: QVL_ISA plus torch's switches, see tiers.py) it
+compares instead, in the tier's compute dtype (bf16 where it has bf16 products, else float32),
+the 16-bit pair kernel (`native.i16_linear`, prefill's int8 products there since section 37)
+with dequantising the weight for the tier's GEMM (oneDNN's bf16, MKL's float32: before).
+
 Prints per shape the median ms (min-max) of each side and the ratios to dequantise + GEMM; "n/a"
 where the bf16 tile kernel does not take the product (more than 2^21 activation values: amx.c).
 """
@@ -37,8 +42,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = dispatch.kernels()
+    if k.lib is not None and not k.has(native.AMX_INT8) and k.i16_products(torch.float32):
+        return x86_tier(args, k)
     if k.lib is None or not k.has(native.AMX_INT8):
-        raise SystemExit("this CPU (or build) has no AMX tiles")
+        raise SystemExit("this CPU (or build) has neither AMX tiles nor the 16-bit pair kernel")
     int8 = args.kind == "int8"
     print("| shape | rows | " + ("int8 tiles, 16-bit codes ms | " if int8 else "") + "AMX bf16 tiles ms | "
           "dequantise + GEMM ms | " + ("int8 tiles / dequantise | " if int8 else "") + "bf16 tiles / dequantise |")
@@ -76,6 +83,26 @@ def main() -> None:
             cells = ([spread("i16")] if int8 else []) + [spread("tiles"), spread("dequant")]
             cells += ([ratio("i16")] if int8 else []) + [ratio("tiles")]
             print(f"| {name} | {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+def x86_tier(args, k) -> None:
+    dtype = torch.bfloat16 if k.native_bf16 else torch.float32
+    print(f"tier {k.tier.name}: {dtype}, int8 weights\n")
+    print("| shape | rows | 16-bit pairs ms | dequantise + GEMM ms | dequantise / pairs |\n|---|---|---|---|---|")
+    for name, (K, N) in SHAPES.items():
+        q, s = quantize_int8(torch.randn(N, K) / K**0.5)
+        s = s.to(dtype)
+        for rows in args.rows:
+            x = torch.randn(rows, K).to(dtype)
+            sides = {"pairs": lambda: native.i16_linear(k.lib, x, q, s),
+                     "dequant": lambda: F.linear(x, dequantize_int8(q, s, transient=True))}
+            times = {side: [] for side in sides}
+            for rnd in range(args.rounds):
+                for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
+                    times[side].append(median_time(sides[side], 3) * 1000)
+            cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in times.values()]
+            ratio = statistics.median([a / b for a, b in zip(times["dequant"], times["pairs"])])
+            print(f"| {name} | {rows} | {' | '.join(cells)} | {ratio:.2f}× |", flush=True)
 
 
 if __name__ == "__main__":

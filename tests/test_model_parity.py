@@ -188,28 +188,30 @@ def test_bf16_engine_stays_close_to_float32(checkpoint, request):
     assert (logits16 - logits).norm() / logits.norm() < 0.015
 
 
-def test_default_path_prefill_runs_the_int8_tile_kernel(tiny_checkpoint, monkeypatch):
+def test_default_path_prefill_runs_an_integer_kernel(tiny_checkpoint, monkeypatch):
     """The production default (int8 weights, bf16 compute, native kernels) prefills a two-image
-    prompt through the int8 tile kernel with 16-bit activation codes where the CPU has AMX, and
-    its logits stay within bf16's reach of the path without it (the bf16 tile kernel)."""
+    prompt through qvl's integer kernel with 16-bit activation codes (on AMX int8 tiles where
+    the CPU has them, else in 16-bit pairs on x86), and its logits stay within bf16's reach of
+    the path without it (AMX bf16 tiles, or dequantise + oneDNN's bf16 GEMM)."""
     from qvl import dispatch, native
     from qvl.generate import new_cache, prefill
     from qvl.stream import Timings
 
     k = dispatch.kernels()
-    if k.lib is None or not k.has(native.AMX_INT8):
-        pytest.skip("no AMX tiles on this CPU")
+    name = "amx_i16_linear" if k.has(native.AMX_INT8) else "i16_linear" if k.i16_products(torch.bfloat16) else None
+    if name is None:
+        pytest.skip("neither integer prefill kernel runs on this CPU")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_image_tokens=256))
     assert engine.model.dtype == torch.bfloat16
-    kernel, calls = native.amx_i16_linear, []
+    kernel, calls = getattr(native, name), []
     results = []
-    for tiles in (True, False):
-        monkeypatch.setattr(native, "amx_i16_linear",
-                            (lambda *a, **kw: calls.append(1) or kernel(*a, **kw)) if tiles else (lambda *a, **kw: None))
+    for integer in (True, False):
+        monkeypatch.setattr(native, name,
+                            (lambda *a, **kw: calls.append(1) or kernel(*a, **kw)) if integer else (lambda *a, **kw: None))
         parsed = engine.parse(two_image_request())
         with torch.inference_mode():
             prompt = engine.prepare(parsed, Timings())
             results.append(prefill(engine.model, new_cache(engine.model, 1, len(prompt) + 1), prompt).float())
-    assert len(prompt) > k.int8_gemv_rows and calls  # many rows: the tile kernel ran
-    with_tiles, without = results
-    assert (with_tiles - without).norm() / without.norm() < 0.02  # measured 0.8%
+    assert len(prompt) > k.int8_gemv_rows and calls  # many rows: the integer kernel ran
+    with_codes, without = results
+    assert (with_codes - without).norm() / without.norm() < 0.02  # measured 0.8% (AMX)

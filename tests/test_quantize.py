@@ -252,13 +252,14 @@ def test_quantised_weights_unused_for_a_month_are_removed(tiny_checkpoint, capsy
 
 
 def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
-    """Prefill's products dequantise into a reused buffer (int4; int8 where there are no AMX
-    tiles): consecutive products with different weights (and shapes) each equal the product
-    with a freshly dequantised weight, and another thread gets a buffer of its own."""
+    """Prefill's products dequantise into a reused buffer where qvl's own kernels do not take
+    them (int4 without AMX, CPUs other than x86): consecutive products with different weights
+    (and shapes) each equal the product with a freshly dequantised weight, and another thread
+    gets a buffer of its own."""
     import threading
 
-    monkeypatch.setattr(native, "amx_bf16_linear", lambda *args: None)  # the path of CPUs without AMX
-    monkeypatch.setattr(native, "amx_i16_linear", lambda *args: None)
+    for kernel in ("amx_bf16_linear", "amx_i16_linear", "i16_linear"):  # the path of those CPUs
+        monkeypatch.setattr(native, kernel, lambda *args: None)
 
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8, scratch
 
@@ -282,7 +283,8 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
 def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
     """Up to Kernels.int8_gemv_rows rows (64 on AMX tiles, 16 elsewhere) an int8 product is the
     GEMV kernel's exact 16-bit scheme; one row more, the int8 tile kernel (16-bit codes per row)
-    on AMX, elsewhere the dequantised weight through the float GEMM."""
+    on AMX, the 16-bit pair kernel elsewhere on x86 (and for float32 on AMX), else the
+    dequantised weight through the float GEMM."""
     from qvl.quantize import dequantize_int8, int8_product, quantize_int8
 
     k = dispatch.kernels()
@@ -295,9 +297,12 @@ def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
     for rows in (k.int8_gemv_rows, k.int8_gemv_rows + 1):
         x = torch.randn(rows, 256).bfloat16()
         kernel = native.linear(k.lib, native.W_INT8, x, q, 96, s)
-        many = (native.amx_i16_linear(k.lib, x, q, s) if k.has(native.AMX_INT8)
-                else F.linear(x, dequantize_int8(q, s)))
+        many = (native.amx_i16_linear(k.lib, x, q, s) if k.has(native.AMX_INT8) else
+                native.i16_linear(k.lib, x, q, s) if k.i16_products(torch.bfloat16) else F.linear(x, dequantize_int8(q, s)))
         assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else many), rows
+    if k.i16_products(torch.float32):
+        x = torch.randn(k.int8_gemv_rows + 1, 256)
+        assert torch.equal(int8_product(x, q, s.float()), native.i16_linear(k.lib, x, q, s.float()))
 
 
 @pytest.mark.parametrize("rows,k_in,n", [(65, 256, 96), (300, 128, 48), (17, 64, 16)])

@@ -282,11 +282,10 @@ def test_dispatch_choices_per_tier(tier_lib):
     # included: AMX-INT8 tiles); this CPU's oneDNN sums full-range int8 exactly (VNNI)
     assert k.int8_activations() == tier.name.startswith(("avx512", "avx2"))
     assert k.int8_levels == 255
-    # prefill's int8 products in 16-bit pairs: where the tier computes in float32 (or emulates
-    # bf16) on x86 without AMX tiles
-    integer = tier.name.startswith(("avx512", "avx2")) and not lib.features & native.AMX_INT8
-    assert k.i16_products(torch.float32) == integer
-    assert k.i16_products(torch.bfloat16) == (integer and not tier.bf16)
+    # prefill's int8 products in 16-bit pairs: on x86, except bf16 ones where AMX tiles take them
+    x86 = tier.name.startswith(("avx512", "avx2"))
+    assert k.i16_products(torch.float32) == x86
+    assert k.i16_products(torch.bfloat16) == (x86 and not lib.features & native.AMX_INT8)
     described = k.describe()
     assert described["tier"].startswith(tier.name)
     assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tier.amx)

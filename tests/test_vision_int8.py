@@ -113,6 +113,33 @@ print("ok", cosine)
 """
 
 
+@pytest.mark.parametrize("tier", ["avx512-nobf16", "avx2"])
+def test_float32_tiers_prefill_int8_products_in_16_bit_codes(monkeypatch, tiny_checkpoint, tier_kernels, tier):
+    """The default on x86 without bf16 products (int8 weights, float32 compute): prefill's int8
+    products run qvl_i16_linear (16-bit activation codes per row), and a two-image prompt's
+    logits and greedy answer match the dequantised float32 path it replaced."""
+    from tests.test_model_parity import two_image_request
+
+    from qvl.generate import new_cache, prefill
+    from qvl.stream import Timings
+
+    engine = load_on(monkeypatch, tier_kernels(tier), tiny_checkpoint, weights="int8", max_image_tokens=256,
+                     vision_cache_mb=0, prefix_cache_mb=0, answer_cache_entries=0)  # every answer computed
+    assert engine.model.dtype == torch.float32 and dispatch.kernels().i16_products(torch.float32)
+    assert "16-bit pair products" in dispatch.kernels().describe()["prefill_int8_int4"]
+    kernel, calls, logits, answers = native.i16_linear, [], [], []
+    for codes in (True, False):
+        monkeypatch.setattr(native, "i16_linear",
+                            (lambda *a, **kw: calls.append(1) or kernel(*a, **kw)) if codes else (lambda *a, **kw: None))
+        with torch.inference_mode():
+            prompt = engine.prepare(engine.parse(two_image_request()), Timings())
+            logits.append(prefill(engine.model, new_cache(engine.model, 1, len(prompt) + 1), prompt))
+        answers.append(engine.generate(two_image_request(12)).token_ids)
+    assert len(prompt) > dispatch.kernels().int8_gemv_rows and calls
+    assert (logits[0] - logits[1]).norm() / logits[1].norm() < 1e-3
+    assert answers[0] == answers[1]
+
+
 def test_without_vnni_activations_run_in_seven_bits_exactly(tiny_checkpoint):
     """oneDNN's int8 GEMM without VNNI (plain AVX2, AVX-512 without VNNI: emulated with
     ONEDNN_MAX_CPU_ISA=AVX2 in a fresh process) saturates its 16-bit pair sums on 8-bit

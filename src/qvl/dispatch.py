@@ -71,14 +71,12 @@ class Kernels:
 
     def i16_products(self, dtype: torch.dtype) -> bool:
         """Many-row products with int8 weights (prefill) run qvl's 16-bit pair kernel (each row
-        in 16-bit codes, exact integer sums, no dequantised weight: i16_gemm.c) where the tier
-        computes in float32 or emulates bf16, on x86 without AMX (whose tiles take these
-        products): per product 2.2-3.1x dequantise + MKL's float32 GEMM with AVX-512 VNNI,
-        1.5-2.4x with AVX-VNNI, 1.1-1.5x with plain AVX2 on Zen 4, whose vpmaddwd multiplies
-        no faster than its FMAs (docs/benchmarks.md section 37). Where bf16 runs in hardware,
-        oneDNN's bf16 GEMM is faster (Zen 4: 1.3-2x)."""
-        return (self.lib is not None and self.has(native.AVX2) and not self.has(native.AMX_INT8)
-                and (dtype == torch.float32 or (dtype == torch.bfloat16 and not self.tier.bf16)))
+        in 16-bit codes, exact integer sums, no dequantised weight: i16_gemm.c) on x86, except
+        bf16 ones on AMX (whose int8 tiles take them). Per product, against dequantising for the
+        tier's GEMM: 2.4-3x MKL's float32 with AVX-512 VNNI, 2.2-2.7x with AVX-VNNI, 1.9-2.2x
+        with plain AVX2, 1.05-1.6x oneDNN's bf16 on Zen 4 (docs/benchmarks.md section 37)."""
+        return (self.lib is not None and self.has(native.AVX2) and dtype in (torch.float32, torch.bfloat16)
+                and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
 
     @functools.cached_property
     def int8_levels(self) -> int:
@@ -155,9 +153,8 @@ class Kernels:
                                  if f & native.AMX_INT8 else
                                  "int8: 16-bit pair products (" + ("vpdpwssd" if f & (native.VNNI | native.AVX_VNNI)
                                                                    else "vpmaddwd") +
-                                 "), activations in 16-bit codes per row, with float32 compute; else and int4: "
-                                 "dequantise + oneDNN float GEMM" if self.i16_products(torch.float32) else
-                                 "dequantise + oneDNN float GEMM",
+                                 "), activations in 16-bit codes per row; int4: dequantise + oneDNN float GEMM"
+                                 if self.i16_products(torch.float32) else "dequantise + oneDNN float GEMM",
             "gemv_int4": f"{products if family != 'neon' or f & native.DOTPROD else 'portable C'}, "
                          "activations in int8 per 128 columns",
             "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),

@@ -120,19 +120,19 @@ def _rows(x: torch.Tensor) -> int:
 
 def _native_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
-    """Many rows of activations times an int8/int4 weight in qvl's own kernels. On AMX (bf16
-    activations): int8 weights on int8 tiles with the activations in 16-bit codes per row, int4
-    (and the shapes those do not take) on bf16 tiles. Elsewhere on x86: int8 weights in 16-bit
-    pair products, activations in 16-bit codes per row (dispatch.Kernels.i16_products). None
+    """Many rows of activations times an int8/int4 weight in qvl's own kernels. bf16 on AMX:
+    int8 weights on int8 tiles with the activations in 16-bit codes per row, int4 (and the
+    shapes those do not take) on bf16 tiles. Elsewhere on x86: int8 weights in 16-bit pair
+    products, the activations in 16-bit codes per row (dispatch.Kernels.i16_products). None
     where none runs (dequantise + GEMM then)."""
     k = kernels()
+    if x.dtype == torch.bfloat16 and k.has(native.AMX_INT8):
+        if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias)) is not None:
+            return y
+        return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
     if kind == native.W_INT8 and k.i16_products(x.dtype):
         return native.i16_linear(k.lib, x, weight, scales, bias)
-    if x.dtype != torch.bfloat16 or not k.has(native.AMX_INT8):
-        return None
-    if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias)) is not None:
-        return y
-    return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
+    return None
 
 
 def _gemv_library(x: torch.Tensor, dtype: torch.dtype, max_rows: int = KERNEL_MAX_ROWS):

@@ -12,7 +12,7 @@
  *
  * Blocking (as BLIS): each thread owns a range of output columns; per panel of I16_NC columns
  * and I16_KC inputs it widens the weights once into 16-bit pairs ([NR lanes] per input pair),
- * then runs every block of I16_MR activation rows over it with I16_MR x I16_NV vector
+ * then runs every block of I16_MR activation rows over it with I16_MR x 2 vector
  * accumulators held in registers. */
 #include "common.h"
 
@@ -23,7 +23,7 @@
 
 #ifdef QVL_AVX512
 #define VL 16
-#define I16_MR 12
+#define I16_MR 10
 typedef __m512i vint;
 typedef __m512 vflt;
 #define vi_load(p) _mm512_load_si512((const void*)(p))
@@ -36,11 +36,6 @@ typedef __m512 vflt;
 #define vf_mul(a, b) _mm512_mul_ps(a, b)
 #define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vf_set1(v) _mm512_set1_ps(v)
-#ifdef __AVX512VNNI__
-#define vi_dp(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
-#else
-#define vi_dp(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-#endif
 #else
 #define VL 8
 #define I16_MR 6
@@ -56,14 +51,29 @@ typedef __m256 vflt;
 #define vf_mul(a, b) _mm256_mul_ps(a, b)
 #define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vf_set1(v) _mm256_set1_ps(v)
-#ifdef __AVXVNNI__
-#define vi_dp(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#endif
+#define I16_NR (2 * VL) /* output columns per register block: two vectors */
+
+/* acc += the sums of a . b's 16-bit pairs per 32-bit lane, in asm: with the intrinsics GCC
+ * copied every accumulator to another register (and some to the stack) around each product,
+ * which cost a third of the kernel's time (vpdpwssd) or half of it (vpmaddwd + vpaddd). */
+#if defined(__AVX512VNNI__) && defined(QVL_AVX512)
+static inline vint vi_dp(vint acc, vint a, vint b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+#elif defined(__AVXVNNI__) && defined(QVL_AVX2)
+static inline vint vi_dp(vint acc, vint a, vint b) {
+    __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+}
 #else
-#define vi_dp(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+static inline vint vi_dp(vint acc, vint a, vint b) {
+    vint t;
+    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+v"(acc), "=&v"(t) : "v"(a), "v"(b));
+    return acc;
+}
 #endif
-#endif
-#define I16_NV 2               /* vectors of VL output columns per accumulator row */
-#define I16_NR (I16_NV * VL)   /* output columns per register block */
 
 /* Rows m0..m0+I16_MR-1 of x (dt [M][K]; rows past M zero) -> codes as int16 pairs
  * a[K/2][I16_MR] (pair p of row r at a[p * I16_MR + r]) and each row's step s[r]. */
@@ -153,33 +163,48 @@ static void widen_weights(const int8_t* w, int64_t K, int64_t n0, int64_t nr, in
     }
 }
 
-/* c[r][v * VL ..] (+)= the exact sums of a [pairs][I16_MR] . b [pairs][I16_NR], for nv <= I16_NV
- * vectors of columns; c rows ldc floats apart; `first`: store rather than add. */
-static inline __attribute__((always_inline)) void tile(const int32_t* a, const int32_t* b, int64_t pairs, float* c,
-                                                       int64_t ldc, int first, const int nv) {
-    vint acc[I16_MR][I16_NV];
-#pragma GCC unroll 16
-    for (int r = 0; r < I16_MR; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < nv; v++) acc[r][v] = vi_zero();
-    for (int64_t p = 0; p < pairs; p++) {
-        vint bv[I16_NV];
-#pragma GCC unroll 2
-        for (int v = 0; v < nv; v++) bv[v] = vi_load(b + p * I16_NR + v * VL);
-#pragma GCC unroll 16
-        for (int r = 0; r < I16_MR; r++) {
-            const vint av = vi_set1(a[p * I16_MR + r]);
-#pragma GCC unroll 2
-            for (int v = 0; v < nv; v++) acc[r][v] = vi_dp(acc[r][v], av, bv[v]);
-        }
+/* The register block: I16_MR rows of named accumulators (an array of them the compiler kept
+ * in memory between iterations), c for the first vector of columns, d for the second. */
+#define I16_ROWS_6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define I16_ROWS_10(X) I16_ROWS_6(X) X(6) X(7) X(8) X(9)
+#define I16_ROWS_(n) I16_ROWS_##n
+#define I16_ROWS_N(n) I16_ROWS_(n)
+#define I16_ROWS I16_ROWS_N(I16_MR) /* X(0) ... X(I16_MR - 1) */
+#define ZERO2(r) vint c##r = vi_zero(), d##r = vi_zero();
+#define ZERO1(r) vint c##r = vi_zero();
+#define STEP2(r)                                         \
+    {                                                    \
+        const vint av = vi_set1(a[p * I16_MR + (r)]);    \
+        c##r = vi_dp(c##r, av, b0), d##r = vi_dp(d##r, av, b1); \
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < I16_MR; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < nv; v++) {
-            float* cp = c + r * ldc + v * VL;
-            vf_store(cp, first ? vf_of(acc[r][v]) : vf_add(vf_load(cp), vf_of(acc[r][v])));
-        }
+#define STEP1(r) c##r = vi_dp(c##r, vi_set1(a[p * I16_MR + (r)]), b0);
+#define FLUSH(acc, r, off)                                                                   \
+    {                                                                                        \
+        float* cp = c + (r) * ldc + (off);                                                   \
+        vf_store(cp, first ? vf_of(acc) : vf_add(vf_load(cp), vf_of(acc)));                  \
+    }
+#define FLUSH2(r) FLUSH(c##r, r, 0) FLUSH(d##r, r, VL)
+#define FLUSH1(r) FLUSH(c##r, r, 0)
+
+/* c[r][0 .. 2 VL) (+)= the exact sums of a [pairs][I16_MR] . b [pairs][I16_NR]; c rows ldc
+ * floats apart; `first`: store rather than add. */
+static void tile2(const int32_t* a, const int32_t* b, int64_t pairs, float* c, int64_t ldc, int first) {
+    I16_ROWS(ZERO2)
+    for (int64_t p = 0; p < pairs; p++) {
+        const vint b0 = vi_load(b + p * I16_NR), b1 = vi_load(b + p * I16_NR + VL);
+        I16_ROWS(STEP2)
+    }
+    I16_ROWS(FLUSH2)
+}
+
+/* The same for the first VL columns only (a block of columns' tail). */
+static void tile1(const int32_t* a, const int32_t* b, int64_t pairs, float* c, int64_t ldc, int first) {
+    I16_ROWS(ZERO1)
+    for (int64_t p = 0; p < pairs; p++) {
+        const vint b0 = vi_load(b + p * I16_NR);
+        I16_ROWS(STEP1)
+    }
+    I16_ROWS(FLUSH1)
 }
 
 /* y[m][n0 + j] = c[m][j] * scale[n0 + j] * s[m] (+ bias[n0 + j]) for m < M, j < nc. */
@@ -192,8 +217,13 @@ static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, i
         const vflt sm = vf_set1(s[m]);
         for (int64_t j = 0; j < nc; j += VL)
             vf_store(dst + j, vf_fmadd(vf_mul(vf_load(c + m * ldc + j), vf_load(cs + j)), sm, vf_load(cb + j)));
-        if (dt == BF16)
-            for (int64_t j = 0; j < nc; j++) ((uint16_t*)y)[m * N + n0 + j] = f32_to_bf16(out[j]);
+        if (dt != BF16) continue;
+        uint16_t* yb = (uint16_t*)y + m * N + n0;
+        int64_t j = 0;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+        for (; j < nc; j += 16) _mm256_storeu_si256((__m256i*)(yb + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + j)));
+#endif
+        for (; j < nc; j++) yb[j] = f32_to_bf16(out[j]);
     }
 }
 
@@ -244,9 +274,9 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
                         const int32_t* bj = b + j / I16_NR * (I16_KC / 2) * I16_NR;
                         float* cj = c + mb * I16_MR * I16_NC + j;
                         if (nc - j >= I16_NR)
-                            tile(am, bj, pairs, cj, I16_NC, k0 == 0, I16_NV);
+                            tile2(am, bj, pairs, cj, I16_NC, k0 == 0);
                         else
-                            tile(am, bj, pairs, cj, I16_NC, k0 == 0, 1);
+                            tile1(am, bj, pairs, cj, I16_NC, k0 == 0);
                     }
                 }
             }
