@@ -73,8 +73,8 @@ class Kernels:
         """Many-row products with int8 weights (prefill) run qvl's 16-bit pair kernel (each row
         in 16-bit codes, exact integer sums, no dequantised weight: i16_gemm.c) on x86, except
         bf16 ones on AMX (whose int8 tiles take them). Per product, against dequantising for the
-        tier's GEMM: 2.4-3x MKL's float32 with AVX-512 VNNI, 2.2-2.7x with AVX-VNNI, 1.9-2.2x
-        with plain AVX2, 1.05-1.6x oneDNN's bf16 on Zen 4 (docs/benchmarks.md section 37)."""
+        tier's GEMM: 4.1-6.3x MKL's float32 with AVX-512 VNNI, 2.2-3.3x with AVX-VNNI, 1.7-2.9x
+        with plain AVX2, 0.97-1.4x oneDNN's bf16 on Zen 4 (docs/benchmarks.md section 37)."""
         return (self.lib is not None and self.has(native.AVX2) and dtype in (torch.float32, torch.bfloat16)
                 and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
 

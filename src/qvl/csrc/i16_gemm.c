@@ -96,8 +96,7 @@ static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, i
         s[r] = top > 0.f ? top / 32767.f : 0.f;
 #pragma omp simd
         for (int64_t k = 0; k < K; k++) codes[k] = (int16_t)round_int(row[k] * inv); /* |code| <= 32767 */
-        const int32_t* pairs = (const int32_t*)codes;
-        for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = pairs[p];
+        for (int64_t p = 0; p < K / 2; p++) memcpy(a + p * I16_MR + r, codes + 2 * p, 4); /* one pair */
     }
 }
 
