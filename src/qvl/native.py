@@ -258,39 +258,33 @@ def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scal
     """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] on AMX int8
     tiles, x in 16-bit codes per row (amx.c's qvl_amx_i16_linear); None where that kernel does
     not run (no AMX tiles, K not a multiple of 64, N not a multiple of 16)."""
-    k, n = x.shape[-1], weight.shape[0]
-    if x.dtype != torch.bfloat16 or k % 64 or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
-        return None
-    if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or (
-            bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
-        return None
-    rows = x.reshape(-1, k).contiguous()
-    y = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    status = lib.qvl_amx_i16_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
-                                    scale.data_ptr(), _ptr(bias), y.data_ptr(), torch.get_num_threads())
-    if status == -1:
-        raise MemoryError("qvl_amx_i16_linear could not allocate its activation tiles")
-    return y.view(*x.shape[:-1], n) if status == 0 else None
+    return _int8_rows(lib.qvl_amx_i16_linear, x, weight, scale, bias, (torch.bfloat16,), 64)
 
 
 def i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 16-bit
     codes per row, on AVX-512 or AVX2 integer pair products (i16_gemm.c's qvl_i16_linear);
-    None where that kernel does not run (other tiers, K odd, N not a multiple of 16, dtypes
-    that differ)."""
+    None where that kernel does not run (other tiers, K odd, N not a multiple of 16)."""
+    return _int8_rows(lib.qvl_i16_linear, x, weight, scale, bias, tuple(_DTYPES), 2)
+
+
+def _int8_rows(fn, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               dtypes: tuple[torch.dtype, ...], k_step: int) -> torch.Tensor | None:
+    """A many-row int8 product kernel taking (x, dt, M, K, N, w, scale, bias, y, threads): None
+    for shapes or dtypes it does not take (scale and bias must be x's dtype), or when it says -2."""
     k, n = x.shape[-1], weight.shape[0]
-    if x.dtype not in _DTYPES or k % 2 or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
+    if x.dtype not in dtypes or k % k_step or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
         return None
     if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or (
             bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
         return None
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    status = lib.qvl_i16_linear(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
-                                scale.data_ptr(), _ptr(bias), y.data_ptr(), torch.get_num_threads())
+    status = fn(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
+                _ptr(bias), y.data_ptr(), torch.get_num_threads())
     if status == -1:
-        raise MemoryError("qvl_i16_linear could not allocate its activation codes")
+        raise MemoryError(f"{fn.__name__} could not allocate its activation codes")
     return y.view(*x.shape[:-1], n) if status == 0 else None
 
 
