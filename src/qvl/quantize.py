@@ -264,8 +264,9 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tens
 def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O], in the weights' own
-    precision: dequantise + GEMM for many rows, the native GEMV for few, torch's int8 kernel
-    where the native one does not run."""
+    precision: for many rows qvl's integer kernels (AMX tiles, or 16-bit pairs elsewhere on x86)
+    or dequantise + GEMM, the native GEMV for few, torch's int8 kernel where the native one does
+    not run."""
     if _rows(x) > (max_rows := kernels().int8_gemv_rows):
         if (y := _native_product(x, native.W_INT8, weight, scales, bias=bias)) is not None:
             return y
