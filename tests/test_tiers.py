@@ -248,6 +248,10 @@ def test_prefill_int8_products_in_16_bit_pairs(tier_lib):
                 assert torch.equal(native.i16_linear(lib, x, q, s, bias), y), tier.name
             finally:
                 torch.set_num_threads(threads)
+    bad = x.clone()
+    bad[1, 7] = float("nan")  # a NaN is not hidden in a code of 0: its row comes out NaN
+    assert native.i16_linear(lib, bad, q, s, bias)[1].isnan().all() and not native.i16_linear(lib, bad, q, s)[0].isnan().any()
+    assert native.i16_linear(lib, x, q, s, bias[:-1].contiguous()) is None  # a bias of the wrong length
     assert native.i16_linear(lib, x[:, :-1].contiguous(), q[:, :-1].contiguous(), s) is None  # K odd
     assert native.i16_linear(lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
     assert native.i16_linear(lib, x, q, s.double()) is None  # scales of another dtype than x

@@ -276,8 +276,8 @@ def _int8_rows(fn, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     k, n = x.shape[-1], weight.shape[0]
     if x.dtype not in dtypes or k % k_step or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
         return None
-    if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or (
-            bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+    if not weight.is_contiguous() or scale.dtype != x.dtype or not scale.is_contiguous() or scale.numel() != n or (
+            bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != n)):
         return None
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)

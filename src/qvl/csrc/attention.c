@@ -184,7 +184,7 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
                     const float* sin, uint16_t* out, int threads) {
     if (D % 2 != 0) return -2;
     const int64_t half = D / 2; /* rotate_half pairs column j with j + half; 16 lanes at a time, the last masked */
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#define rn (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* a constant expression, as clang requires */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const float *c = cos + n * D, *s = sin + n * D;
@@ -209,6 +209,7 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
     }
     return 0;
 }
+#undef rn
 
 /* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
  * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row

@@ -16,6 +16,8 @@
  * accumulators held in registers. */
 #include "common.h"
 
+#include <float.h>
+
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
 
 #define I16_KC 256 /* inputs per int32 block */
@@ -85,15 +87,26 @@ static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, i
             s[r] = 0.f;
             continue;
         }
-        const float* row = (const float*)x + (m0 + r) * K;
+        const float* row = buf;
         if (dt == BF16) {
             const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
 #pragma omp simd
             for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-            row = buf;
+        } else {
+            row = (const float*)x + (m0 + r) * K;
         }
+        int finite = 1;
+#pragma omp simd reduction(& : finite)
+        for (int64_t k = 0; k < K; k++) finite &= fabsf(row[k]) <= FLT_MAX;
         const float top = absmax(row, K), inv = top > 0.f ? 32767.f / top : 0.f;
-        s[r] = top > 0.f ? top / 32767.f : 0.f;
+        /* a row with NaN or infinity gives NaN (its codes stay 0); one too small for 32767 / top
+         * to be finite (max < 1e-34) gives the bias */
+        const int coded = finite && inv <= FLT_MAX;
+        s[r] = !finite ? NAN : coded ? top / 32767.f : 0.f;
+        if (!coded) {
+            for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = 0;
+            continue;
+        }
 #pragma omp simd
         for (int64_t k = 0; k < K; k++) codes[k] = (int16_t)round_int(row[k] * inv); /* |code| <= 32767 */
         for (int64_t p = 0; p < K / 2; p++) memcpy(a + p * I16_MR + r, codes + 2 * p, 4); /* one pair */
@@ -232,7 +245,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
                    const void* bias, void* y, int threads) {
     if (K % 2 || N % VL || M < 1 || K < 2) return -2;
     const int64_t MB = (M + I16_MR - 1) / I16_MR, P = K / 2, T = threads < 1 ? 1 : threads;
-    int32_t* a = aligned_alloc(64, (size_t)(MB * P * I16_MR) * 4);
+    int32_t* a = aligned_alloc(64, (size_t)(MB * P * I16_MR * 4 + 63) / 64 * 64); /* a multiple of the alignment */
     float* s = malloc((size_t)(MB * I16_MR) * sizeof(float));
     if (!a || !s) {
         free(a), free(s);
@@ -243,7 +256,10 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
     {
         float* buf = malloc((size_t)K * sizeof(float));
         int16_t* codes = malloc((size_t)K * sizeof(int16_t));
-        if (!buf || !codes) failed = 1;
+        if (!buf || !codes) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < MB; mb++)
             if (buf && codes) pack_rows(x, dt, M, K, mb * I16_MR, a + mb * P * I16_MR, s + mb * I16_MR, buf, codes);
@@ -257,9 +273,12 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) {
         const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
-        int32_t* b = aligned_alloc(64, (size_t)(I16_NC / I16_NR) * (I16_KC / 2) * I16_NR * 4);
-        float* c = aligned_alloc(64, (size_t)(MB * I16_MR) * I16_NC * sizeof(float));
-        if (nt1 > nt0 && (!b || !c)) failed = 1;
+        int32_t* b = nt1 > nt0 ? aligned_alloc(64, (size_t)(I16_NC / I16_NR) * (I16_KC / 2) * I16_NR * 4) : NULL;
+        float* c = nt1 > nt0 ? aligned_alloc(64, (size_t)(MB * I16_MR) * I16_NC * sizeof(float)) : NULL;
+        if (nt1 > nt0 && (!b || !c)) {
+#pragma omp atomic write
+            failed = 1;
+        }
         for (int64_t n0 = nt0; n0 < nt1 && b && c; n0 += I16_NC) {
             const int64_t nc = nt1 - n0 < I16_NC ? nt1 - n0 : I16_NC;
             for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
