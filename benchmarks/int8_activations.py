@@ -154,6 +154,15 @@ def variant(engine: Engine, model) -> Engine:
     return other
 
 
+def agreement(out: Output, ref: Output, base: Output | None, note: str = "") -> dict:
+    """One table row: out's image features and prompt logits against the reference's, and its
+    top-1 agreement with the reference and with `base` (1.0 while there is none)."""
+    feat, feat_min = row_cosine(out.features, ref.features)
+    logit, _ = row_cosine(out.logits, ref.logits)
+    return {"feat": feat, "feat_min": feat_min, "logits": logit, "top1": top1(out.logits, ref.logits),
+            "top1_w8": top1(out.logits, base.logits) if base else 1.0, "note": note}
+
+
 # -- one checkpoint -----------------------------------------------------------------------
 
 def measure(path: Path, args) -> list[tuple[str, dict]]:
@@ -168,10 +177,7 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
     print(f"  bf16 reference: {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
     def record(name: str, out: Output, note: str = "") -> None:
-        feat, feat_min = row_cosine(out.features, ref.features)
-        logit, _ = row_cosine(out.logits, ref.logits)
-        rows.append((name, {"feat": feat, "feat_min": feat_min, "logits": logit, "top1": top1(out.logits, ref.logits),
-                            "top1_w8": top1(out.logits, base.logits) if base else 1.0, "note": note}))
+        rows.append((name, agreement(out, ref, base, note)))
         print(f"  {name}: {rows[-1][1]} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
 
     base = None
@@ -233,10 +239,7 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     rows = []
 
     def record(name: str, out: Output) -> None:
-        feat, feat_min = row_cosine(out.features, ref.features)
-        logit, _ = row_cosine(out.logits, ref.logits)
-        rows.append((name, {"feat": feat, "feat_min": feat_min, "logits": logit, "top1": top1(out.logits, ref.logits),
-                            "top1_w8": top1(out.logits, base.logits) if base else 1.0, "note": ""}))
+        rows.append((name, agreement(out, ref, base)))
         print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
 
     base = None

@@ -67,10 +67,7 @@ def main() -> None:
                 sides["tiles"] = lambda: native.amx_bf16_linear(k.lib, code, x, q, s, z, 128)
             if int8:
                 sides["i16"] = lambda: native.amx_i16_linear(k.lib, x, q, s)
-            times = {side: [] for side in sides}
-            for rnd in range(args.rounds):
-                for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
-                    times[side].append(median_time(sides[side], 3) * 1000)
+            times = alternate(sides, args.rounds)
 
             def spread(side):
                 v = times.get(side)
@@ -85,6 +82,15 @@ def main() -> None:
             print(f"| {name} | {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
+def alternate(sides: dict, rounds: int) -> dict[str, list[float]]:
+    """side -> its ms per round (median of 3 calls), the sides' order reversed every other round."""
+    times = {side: [] for side in sides}
+    for rnd in range(rounds):
+        for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
+            times[side].append(median_time(sides[side], 3) * 1000)
+    return times
+
+
 def x86_tier(args, k) -> None:
     dtype = torch.bfloat16 if k.native_bf16 else torch.float32
     print(f"tier {k.tier.name}: {dtype}, int8 weights\n")
@@ -96,10 +102,7 @@ def x86_tier(args, k) -> None:
             x = torch.randn(rows, K).to(dtype)
             sides = {"pairs": lambda: native.i16_linear(k.lib, x, q, s),
                      "dequant": lambda: F.linear(x, dequantize_int8(q, s, transient=True))}
-            times = {side: [] for side in sides}
-            for rnd in range(args.rounds):
-                for side in (list(sides) if rnd % 2 == 0 else list(sides)[::-1]):
-                    times[side].append(median_time(sides[side], 3) * 1000)
+            times = alternate(sides, args.rounds)
             cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in times.values()]
             ratio = statistics.median([a / b for a, b in zip(times["dequant"], times["pairs"])])
             print(f"| {name} | {rows} | {' | '.join(cells)} | {ratio:.2f}× |", flush=True)

@@ -82,26 +82,25 @@ static inline vint vi_dp(vint acc, vint a, vint b) {
 static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, int32_t* a, float* s, float* buf,
                       int16_t* codes) {
     for (int r = 0; r < I16_MR; r++) {
-        if (m0 + r >= M) {
-            for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = 0;
-            s[r] = 0.f;
-            continue;
-        }
         const float* row = buf;
-        if (dt == BF16) {
-            const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
-#pragma omp simd
-            for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-        } else {
-            row = (const float*)x + (m0 + r) * K;
-        }
         int finite = 1;
+        float top = 0.f;
+        if (m0 + r < M) {
+            if (dt == BF16) {
+                const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
+#pragma omp simd
+                for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+            } else {
+                row = (const float*)x + (m0 + r) * K;
+            }
 #pragma omp simd reduction(& : finite)
-        for (int64_t k = 0; k < K; k++) finite &= fabsf(row[k]) <= FLT_MAX;
-        const float top = absmax(row, K), inv = top > 0.f ? 32767.f / top : 0.f;
-        /* a row with NaN or infinity gives NaN (its codes stay 0); one too small for 32767 / top
-         * to be finite (max < 1e-34) gives the bias */
-        const int coded = finite && inv <= FLT_MAX;
+            for (int64_t k = 0; k < K; k++) finite &= fabsf(row[k]) <= FLT_MAX;
+            top = absmax(row, K);
+        }
+        const float inv = top > 0.f ? 32767.f / top : 0.f;
+        /* rows past M, zero rows and rows too small for 32767 / top to be finite (max < 1e-34)
+         * give the bias; a row with NaN or infinity gives NaN; their codes stay 0 */
+        const int coded = finite && top > 0.f && inv <= FLT_MAX;
         s[r] = !finite ? NAN : coded ? top / 32767.f : 0.f;
         if (!coded) {
             for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = 0;
