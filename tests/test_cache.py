@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from qvl.engine import Engine, EngineOptions, Request
+from qvl.kv_cache import BLOCK
 from qvl.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
@@ -63,10 +64,15 @@ def test_outputs_identical_with_caches_on_and_off(tiny_engine):
     assert all(not o.timings.cached.get("prefix") and not o.timings.cached.get("answer") for o in off)
     first, second, follow_up, repeat, moved = (o.timings for o in on)
     assert first.cached == {"prefix": False, "vision": False}
-    assert second.cached["prefix"] and second.reused_tokens > 64  # the image is inside the shared prefix
+    image_end = engine_spans(tiny_engine, ask(image, "Which colours dominate?"))[0][1]
+    assert second.cached["prefix"] and second.reused_tokens >= image_end // BLOCK * BLOCK  # whole blocks up to the image's end
     assert follow_up.cached["prefix"] and follow_up.reused_tokens > second.reused_tokens
     assert repeat.cached == {"answer": True}
     assert moved.cached["vision"] is True  # prefix diverges before the image: features from the cache
+
+
+def engine_spans(engine: Engine, request: Request) -> list[tuple[int, int, str]]:
+    return engine.spans(engine.parse(request))
 
 
 def test_same_pixels_any_encoding_hit_and_other_budget_misses(tiny_engine):
@@ -120,9 +126,10 @@ def test_caches_stay_within_their_budgets(tiny_engine, budget_mb):
     limit = budget_mb * 2**20
     for seed in range(8):
         engine.generate(ask(picture(10 + seed, (320, 240)), f"Question {seed}?"))
-        for cache in (engine.vision_cache, engine.prefix_cache):
-            held = sum(size for _, size in cache.items.values())
-            assert held == cache.stats.bytes <= limit
+        held = sum(size for _, size in engine.vision_cache.items.values())
+        assert held == engine.vision_cache.stats.bytes <= limit
+        pool = engine.prefix_cache  # the KV pool's blocks no request holds
+        assert len(pool.unused) * pool.block_bytes == pool.stats.bytes <= limit
         assert len(engine.answer_cache.items) <= 3
     assert engine.vision_cache.stats.evictions > 0 and engine.prefix_cache.stats.evictions > 0
     assert engine.answer_cache.stats.evictions == 5

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qvl import dispatch, native
+from qvl.kv_cache import BLOCK
 from qvl.model.vision import image_attention
 
 lib = dispatch.kernels().lib
@@ -252,26 +253,60 @@ def test_engine_option_switches_int8_layers_to_int8_activations(tiny_checkpoint)
 @given(b=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
        length=st.integers(1, 300), d=st.sampled_from([32, 64, 128]), ragged=st.booleans())
 def test_decode_attention_matches_sdpa_over_cache_views(b, kv_heads, group, length, d, ragged):
-    """Rows of different lengths (as continuous batching leaves them) each attend to their own
-    positions only; what lies past a row's length (NaN here) is never read."""
-    capacity = length + 7  # the cache is larger than what is filled: keys are strided views
-    cache_k = torch.randn(b, kv_heads, capacity, d).bfloat16()
-    cache_v = torch.randn(b, kv_heads, capacity, d).bfloat16()
-    keys, values = cache_k[:, :, :length], cache_v[:, :, :length]
+    """Rows of different lengths (as continuous batching leaves them), each in blocks scattered
+    over the pool through its block table, attend to their own positions only; what lies past a
+    row's length and in blocks no row holds (NaN here) is never read."""
+    keys, values, table = _paged_rows(b, kv_heads, length, d)
     q = (torch.randn(b, kv_heads * group, 1, d) * 2).bfloat16()
-    lengths = torch.full((b,), length)
-    if ragged:
-        lengths = torch.randint(1, length + 1, (b,))
-        for r, n in enumerate(lengths.tolist()):
-            cache_k[r, :, n:], cache_v[r, :, n:] = float("nan"), float("nan")
-    rows = torch.arange(b)
-    out = native.decode_attention(lib, q, keys, values, rows, lengths)
+    lengths = torch.randint(1, length + 1, (b,)) if ragged else torch.full((b,), length)
+    for r, n in enumerate(lengths.tolist()):  # past the row's length: NaN
+        for j in range(n, table.shape[1] * BLOCK):
+            keys[table[r, j // BLOCK], :, j % BLOCK] = float("nan")
+            values[table[r, j // BLOCK], :, j % BLOCK] = float("nan")
+    out = native.decode_attention(lib, q, keys, values, table, lengths)
     for r, n in enumerate(lengths.tolist()):
-        ref = F.scaled_dot_product_attention(q[r : r + 1].float(), keys[r : r + 1, :, :n].float(),
-                                             values[r : r + 1, :, :n].float(), enable_gqa=True)
+        k, v = (_row_positions(x, table[r], n) for x in (keys, values))
+        ref = F.scaled_dot_product_attention(q[r : r + 1].float(), k[None].float(), v[None].float(), enable_gqa=True)
         torch.testing.assert_close(out[r : r + 1].float(), ref, atol=2e-2, rtol=2e-2)
-        alone = native.decode_attention(lib, q[r : r + 1], keys, values, rows[r : r + 1], lengths[r : r + 1])
+        alone = native.decode_attention(lib, q[r : r + 1], keys, values, table[r : r + 1], lengths[r : r + 1])
         assert torch.equal(alone, out[r : r + 1])  # a row's result does not depend on the others
+
+
+def _paged_rows(b: int, kv_heads: int, length: int, d: int):
+    """A pool layer [blocks, H_kv, BLOCK, d] of random bf16 with NaN in spare blocks, and a
+    table [b, ceil(length / BLOCK)] giving each row blocks in random order."""
+    n = -(-length // BLOCK)
+    spare = 3
+    keys = torch.randn(b * n + spare, kv_heads, BLOCK, d).bfloat16()
+    values = torch.randn(b * n + spare, kv_heads, BLOCK, d).bfloat16()
+    order = torch.randperm(b * n + spare)
+    for block in order[b * n :]:
+        keys[block], values[block] = float("nan"), float("nan")
+    return keys, values, order[: b * n].view(b, n).clone()
+
+
+def _row_positions(pool: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """A row's first n positions of a pool layer, contiguous: [H_kv, n, d]."""
+    x = pool[blocks]  # [nb, H, BLOCK, d]
+    return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n]
+
+
+@needs_attention
+@settings(max_examples=20, deadline=None)
+@given(start=st.integers(0, 150), t=st.integers(2, 90), kv_heads=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 4]), d=st.sampled_from([64, 128]))
+def test_prefill_attention_reads_the_paged_cache(start, t, kv_heads, group, d):
+    """Causal prefill of one row over its blocks (scattered over the pool) equals SDPA over the
+    same positions laid out contiguously; spare blocks (NaN) are never read."""
+    keys, values, table = _paged_rows(1, kv_heads, start + t, d)
+    q = torch.randn(t, kv_heads * group, d).bfloat16()
+    out = native.paged_attention(lib, q, keys, values, table[0], start)
+    k, v = (_row_positions(x, table[0], start + t).transpose(0, 1) for x in (keys, values))
+    mask = torch.arange(start + t)[None, :] <= torch.arange(start, start + t)[:, None]
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], attn_mask=mask[None, None],
+                                         enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 * max(1.0, ref.abs().max().item()), rtol=2e-2)
 
 
 @needs_attention
@@ -397,7 +432,8 @@ def test_one_call_decode_step_equals_the_per_op_path(tiny_checkpoint, weights, d
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         logits, _, cache, lengths = _greedy_two_rows(model, 5)
-        return logits, torch.cat([cache.keys[:, r : r + 1, :, : n + 5] for r, n in enumerate(lengths.tolist())], dim=3)
+        return logits, torch.cat([cache.pool.keys[:, cache.table[r]].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, : n + 5]
+                                  for r, n in enumerate(lengths.tolist())], dim=2)
 
     text._native_layers = None
     logits, keys = run()
@@ -513,10 +549,11 @@ def test_one_call_decode_step_refuses_a_full_cache(tiny_checkpoint):
 
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="bf16", threads=1))
     cache = new_cache(engine.model, 1, 4)
-    before = cache.keys.view(torch.int16).clone()  # bit patterns: an unwritten cache may hold NaNs
+    before = cache.pool.keys.view(torch.int16).clone()  # bit patterns: an unwritten cache may hold NaNs
+    end = torch.tensor([cache.capacity])  # the first position past the row's blocks
     with pytest.raises(ValueError, match="KV cache overflow"), torch.inference_mode():
-        decode_step(engine.model, cache, torch.tensor([5]), torch.tensor([4]), torch.tensor([4]))
-    assert torch.equal(cache.keys.view(torch.int16), before)
+        decode_step(engine.model, cache, torch.tensor([5]), end, end)
+    assert torch.equal(cache.pool.keys.view(torch.int16), before)
 
 
 @needs_attention

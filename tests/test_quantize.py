@@ -120,10 +120,9 @@ def test_int8_is_symmetric_per_channel():
 
 
 def _logits(model, ids):
-    from qvl.kv_cache import KVCache
+    from qvl.generate import new_cache
 
-    t = model.cfg.text
-    cache = KVCache(t.num_hidden_layers, 1, t.num_key_value_heads, ids.shape[1], t.head_dim, model.dtype)
+    cache = new_cache(model, 1, ids.shape[1])
     cos, sin = model.rope(torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1))
     with torch.inference_mode():
         return model.logits(model.language_model(model.embed(ids), cos, sin, cache, 0))

@@ -263,32 +263,111 @@ def client_n(tiny_engine):
         yield c
 
 
-def test_a_small_kv_budget_makes_requests_wait_then_complete(tiny_checkpoint):
-    """--kv-cache-mb room for one request: the second waits (never fails) until the first
-    leaves, then runs; both answer as they would alone. One that can never fit gets a
-    RequestError naming max_tokens when it is parsed."""
-    from qvl.engine import RequestError
+def _pool_engine(checkpoint, blocks: int, **kw) -> Engine:
+    """An uncached int8 engine (float32 compute) whose KV pool holds `blocks` blocks."""
+    from qvl.kv_cache import BLOCK
     from qvl.scheduler import kv_bytes_per_position
 
-    probe = uncached(tiny_checkpoint, weights="fp32")
-    reqs = [Request([{"role": "user", "content": f"Question {i}?"}], GREEDY) for i in range(2)]
-    need = max(probe.scheduler.reserved_bytes(probe.parse(r)) for r in reqs)
-    engine = uncached(tiny_checkpoint, weights="fp32", kv_cache_mb=1.5 * need / 2**20)
-    alone = [engine.generate(r).token_ids for r in reqs]
-    outputs: dict[int, list] = {0: [], 1: []}
+    probe = uncached(checkpoint, weights="int8", dtype="fp32", kv_cache_mb=1)
+    mb = blocks * BLOCK * kv_bytes_per_position(probe.model) / 2**20
+    return uncached(checkpoint, weights="int8", dtype="fp32", kv_cache_mb=mb, **kw)
+
+
+def _run_all(engine: Engine, reqs: list[Request]) -> tuple[list[list], int]:
+    """Submit all, step until idle: each request's events and the most requests running at once."""
+    outputs: dict[int, list] = {i: [] for i in range(len(reqs))}
     for i, r in enumerate(reqs):
         engine.scheduler.submit(Sequence(engine.parse(r), outputs[i].append))
     most = 0
     while not engine.scheduler.idle:
         engine.scheduler.step()
         most = max(most, len(engine.scheduler.running))
-    assert most == 1
-    assert [outputs[i][-1].token_ids for i in range(2)] == alone
-    too_long = Request([{"role": "user", "content": "Hi."}],
-                       SamplingParams(max_new_tokens=int(2 * need / kv_bytes_per_position(engine.model))))
+    return [outputs[i] for i in range(len(reqs))], most
+
+
+def test_a_small_kv_pool_makes_requests_wait_then_complete(tiny_checkpoint):
+    """A pool with room for one request's prompt and answer: the second waits (never fails)
+    until the first leaves, then runs; both answer as they would alone. One that can never fit
+    gets a RequestError naming max_tokens when it is parsed."""
+    from qvl.engine import RequestError
+    from qvl.kv_cache import BLOCK, blocks_for
+
+    filler = " ".join(["word"] * 30)
+    reqs = [Request([{"role": "user", "content": f"Question {i}? {filler}"}], GREEDY) for i in range(2)]
+    probe = uncached(tiny_checkpoint, weights="int8", dtype="fp32")
+    lengths = [len(probe.parse(r).ids) for r in reqs]
+    need = max(blocks_for(n + GREEDY.max_new_tokens) for n in lengths)
+    assert min(blocks_for(n) for n in lengths) * 2 > need  # two prompts never fit together
+    engine = _pool_engine(tiny_checkpoint, need)
+    alone = [engine.generate(r).token_ids for r in reqs]
+    events, most = _run_all(engine, reqs)
+    assert most == 1 and engine.scheduler.preemptions == 0
+    assert [e[-1].token_ids for e in events] == alone
+    too_long = Request([{"role": "user", "content": "Hi."}], SamplingParams(max_new_tokens=4 * need * BLOCK))
     with pytest.raises(RequestError, match="kv-cache-mb") as info:
         engine.parse(too_long)
     assert info.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_full_pool_preempts_the_newest_and_recomputes_it_to_the_same_tokens(tiny_checkpoint, seeded):
+    """Two requests whose prompts fit together but whose answers do not: the newer is taken
+    out when the older needs a block, waits, is prefilled again and replays its tokens; every
+    request ends with the tokens it gives alone, its streamed text adds up to its answer (no
+    token sent twice), and none fails."""
+    from qvl.kv_cache import blocks_for
+
+    params = SamplingParams(temperature=0.9, seed=4, max_new_tokens=40, ignore_eos=True) if seeded else \
+        SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    reqs = [Request([{"role": "user", "content": f"Question {i}?"}], params) for i in range(2)]
+    probe = uncached(tiny_checkpoint, weights="int8", dtype="fp32")
+    lengths = [len(probe.parse(r).ids) for r in reqs]
+    whole = max(blocks_for(n + params.max_new_tokens) for n in lengths)
+    assert sum(blocks_for(n) for n in lengths) <= whole + 1 < 2 * whole
+    engine = _pool_engine(tiny_checkpoint, whole + 1)
+    alone = [engine.generate(r).token_ids for r in reqs]
+    events, most = _run_all(engine, reqs)
+    assert most == 2 and engine.scheduler.preemptions >= 1
+    for got, want in zip(events, alone):
+        done = got[-1]
+        assert isinstance(done, Done) and done.token_ids == want
+        assert "".join(e.text for e in got if isinstance(e, Delta)) == done.text
+    assert engine.scheduler.pool.held == 0  # every block came back
+
+
+def test_rows_share_blocks_n_siblings_and_a_running_prefix(tiny_checkpoint):
+    """n = 3 answers hold their prompt's full blocks once (each copies only the partial last
+    block before writing); a request that begins like a running one (same picture, other
+    question) shares that one's blocks instead of computing them, and answers as it would alone."""
+    from qvl.kv_cache import BLOCK, blocks_for
+
+    image = Image.new("RGB", (160, 120), (9, 99, 199))
+    ask = lambda q, **kw: Request([{"role": "user", "content": [{"type": "image", "image": image},  # noqa: E731
+                                                                {"type": "text", "text": q}]}],
+                                  SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, **kw))
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, answer_cache_entries=0,
+                                       weights="int8", dtype="fp32"))
+    scheduler, pool = engine.scheduler, engine.scheduler.pool
+    parsed = engine.parse(ask("Go.", n=3, seed=1))
+    scheduler.submit(Sequence(parsed, lambda e: None))
+    while not any(s.index == 2 for s in scheduler.running):  # until the fork
+        scheduler.step()
+    full = len(parsed.ids) // BLOCK
+    shared = scheduler.running[0].blocks[:full]
+    assert all(pool.refs[b] == 3 for b in shared)
+    assert pool.held <= full + 3 * (blocks_for(len(parsed.ids) + 1) - full)
+    other = ask("What colour is it?")
+    later: list = []
+    scheduler.submit(Sequence(engine.parse(other), later.append))
+    scheduler.step()
+    newcomer = scheduler.running[-1]
+    assert newcomer.blocks[:4] == shared[:4] and pool.refs[shared[0]] == 4  # the image's blocks, shared
+    while not scheduler.idle:
+        scheduler.step()
+    assert later[-1].timings.reused_tokens >= 4 * BLOCK
+    fresh = uncached(tiny_checkpoint, weights="int8", dtype="fp32")
+    assert later[-1].token_ids == fresh.generate(other).token_ids
+    assert pool.held == 0 and pool.stats.bytes > 0  # what is left is prefix cache
 
 
 @pytest.mark.parametrize("weights", ["fp32", "default"])

@@ -1,17 +1,17 @@
-"""Caches keyed by content: image features by image hash, KV states by token prefix
-(images by hash), and whole answers by the exact request. All bounded, all LRU."""
+"""Caches keyed by content: image features by image hash and whole answers by the exact
+request, both bounded LRU maps. (KV states by token prefix live in the KV pool's unused
+blocks: qvl.kv_cache.)"""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from qvl.kv_cache import KVCache
 
 
 @dataclass
@@ -92,59 +92,12 @@ class VisionCache(LRU):
         self.put(content_hash, features, features.nbytes)
 
 
-@dataclass
-class PrefixEntry:
-    ids: torch.Tensor  # [L] token ids held in `kv`
-    image_spans: list[tuple[int, int, str]]  # (start, end, content hash) of each image in ids
-    kv: KVCache = field(repr=False)  # B=1, exactly L positions
-
-
-def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(len(a), len(b))
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if len(differ) else n
-
-
 def image_spans(is_image: torch.Tensor, hashes: list[str]) -> list[tuple[int, int, str]]:
     """(start, end, hash) of each run of image (or video frame) tokens, in order; is_image: [T] bool."""
     is_image = is_image.int()
     edges = torch.diff(torch.cat([torch.tensor([0]), is_image, torch.tensor([0])]))
     starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
     return [(s, e, h) for s, e, h in zip(starts, ends, hashes)]
-
-
-class PrefixCache(LRU):
-    """KV states of earlier prompts (and answers), reused by requests that start with
-    the same tokens and the same images (compared by content hash)."""
-
-    def __init__(self, max_mb: float):
-        super().__init__(max_bytes=int(max_mb * 2**20))
-
-    def longest(self, ids: torch.Tensor, spans: list[tuple[int, int, str]]) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest usable prefix with `ids`, and that length (at
-        most len(ids) - 1: the last prompt token is always run to get logits)."""
-        best, best_len = None, 0
-        for key, entry in self.snapshot():
-            n = min(common_prefix(entry.ids, ids), len(ids) - 1)
-            for (s, e, h), (s2, e2, h2) in zip(entry.image_spans, spans):
-                if s >= n:
-                    break
-                if (s, e, h) != (s2, e2, h2):  # a different picture behind the same placeholders
-                    n = s
-                    break
-            if n > best_len:
-                best, best_len = (key, entry), n
-        with self.lock:
-            if best is None:
-                self.stats.misses += 1
-                return None, 0
-            self.stats.hits += 1
-        self.touch(best[0])
-        return best[1], best_len
-
-    def add(self, entry: PrefixEntry) -> None:
-        key = hashlib.sha256(entry.ids.numpy().tobytes() + repr(entry.image_spans).encode()).hexdigest()
-        self.put(key, entry, entry.kv.nbytes)
 
 
 class AnswerCache(LRU):

@@ -42,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
     g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
-    g.add_argument("--prefix-cache-mb", type=float, default=512, help="prefix KV cache budget (0 disables)")
+    g.add_argument("--prefix-cache-mb", type=float, default=512, help="of the KV pool, what finished requests' blocks may keep for reuse by prompts "
+                        "that begin the same way (0 disables)")
     g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
     g.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together, each with its own sampling (serve, batch); more wait")
@@ -53,7 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="answers that do not depend on prefill slicing or prefix reuse either (prefill in fixed "
                         "128-token chunks, only prompt keys/values reused): slower first tokens")
     g.add_argument("--kv-cache-mb", type=float,
-                   help="KV cache the running requests may reserve (prompt + max tokens each); more wait "
+                   help="the KV pool, in blocks of 16 positions: running rows take blocks as they grow; "
+                        "when it is full new requests wait and the newest running one is recomputed later "
                         "(default: half the memory available after loading, at most 8192)")
     g.add_argument("--image-tokens-cap", type=int, default=4096,
                    help="the largest image budget a request may ask for (default 4096 tokens, 4 megapixels)")

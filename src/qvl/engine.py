@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 from qvl.dispatch import kernels
-from qvl.cache import AnswerCache, ImageFeatures, PrefixCache, PrefixEntry, VisionCache, image_spans
+from qvl.cache import AnswerCache, ImageFeatures, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
 from qvl.grammar import Grammars
@@ -33,7 +33,7 @@ from qvl.processing.video import MAX_VIDEOS, VIDEO_FRAMES_CAP, VIDEO_TOKENS_CAP,
 from qvl.requests import ClipCache, Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
-from qvl.scheduler import DEFAULT_MAX_BATCH, DETERMINISTIC_CHUNK, Scheduler, Sequence
+from qvl.scheduler import DEFAULT_MAX_BATCH, Scheduler, Sequence
 from qvl.stream import Delta, Done, Timings
 from qvl.weights import (UNUSED_CACHE_DAYS, checkpoint_quantization, load_model, prune_quantized_cache,
                          quantized_cache_dir, write_streamed)
@@ -61,11 +61,11 @@ class EngineOptions:
     max_images: int = 8
     max_context: int = DEFAULT_MAX_CONTEXT
     vision_cache_mb: float = 256
-    prefix_cache_mb: float = 512
+    prefix_cache_mb: float = 512  # of the KV pool, what blocks no request holds may keep for reuse
     answer_cache_entries: int = 256
     quant_cache: bool = True  # keep int8/int4 weights quantised at load for the next start
     max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together (the scheduler's rows)
-    kv_cache_mb: float | None = None  # KV cache the running requests may reserve; None: see default_kv_budget_mb
+    kv_cache_mb: float | None = None  # the KV pool (running rows and prefix cache); None: see default_kv_budget_mb
     deterministic: bool = False  # answers independent of prefill slicing and prefix reuse too (see Scheduler)
     reasoning_budget: int | None = None  # Thinking models: reasoning tokens before </think> is forced (default)
     video: VideoSettings = VideoSettings()  # per clip: sampling fps, frame cap, token budget (defaults)
@@ -171,9 +171,8 @@ class Engine:
                              options.max_video_seconds)
         self.clips = ClipCache(options.clip_cache_mb)
         self.vision_cache = VisionCache(options.vision_cache_mb)
-        self.prefix_cache = PrefixCache(options.prefix_cache_mb)
         self.answer_cache = AnswerCache(options.answer_cache_entries)
-        self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb)
+        self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb, options.prefix_cache_mb)
         self.grammars = Grammars(tokenizer, model.cfg.text.vocab_size, defaults.eos_token_ids)
         self.think_end = tokenizer.find("</think>")  # a Thinking model's reasoning ends there
 
@@ -406,30 +405,19 @@ class Engine:
                 self.scheduler.stop(seq)
                 self.scheduler.step()
 
-    def prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings,
-                            cancel: CancelCheck | None = None) -> Generator[None, None, tuple]:
-        """The longest cached prefix of the prompt (as (kv, tokens), or None) and the prompt
-        prepared for the rest (in steps: see prepare_steps)."""
-        entry, reused = self.prefix_cache.longest(parsed.ids, spans) if self.prefix_cache.enabled else (None, 0)
-        if self.options.deterministic:  # whole aligned chunks only, as a fresh prefill computes them
-            reused = reused // DETERMINISTIC_CHUNK * DETERMINISTIC_CHUNK
-            entry = entry if reused else None
-        timings.cached["prefix"], timings.reused_tokens = reused > 0, reused
-        prompt = yield from self.prepare_steps(parsed, timings, skip=reused, cancel=cancel, spans=spans)
-        return prompt, ((entry.kv, reused) if entry else None)
+    def prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings, reused: int,
+                            cancel: CancelCheck | None = None) -> Generator[None, None, PreparedPrompt]:
+        """The prompt prepared for what follows its first `reused` tokens, whose keys and
+        values the KV pool already holds (in steps: see prepare_steps)."""
+        return (yield from self.prepare_steps(parsed, timings, skip=reused, cancel=cancel, spans=spans))
 
-    def remember(self, parsed: ParsedRequest, spans, row_cache, filled: int, done: Done) -> None:
-        """Keep a finished request's KV state (a B=1 cache view whose first `filled` slots hold
-        its prompt and the answer tokens fed back; with `deterministic` the prompt's only, as
-        decode steps compute keys and values in other roundings than a prefill) for prefix
-        reuse, and the answer for exact repeats."""
-        if self.options.deterministic:
-            filled = min(filled, len(parsed.ids))
-        fed = filled - len(parsed.ids)
-        # an entry over the whole budget would be dropped anyway: do not copy it
-        if self.prefix_cache.enabled and fed >= 0 and filled * row_cache.bytes_per_position <= self.prefix_cache.max_bytes:
-            ids = torch.cat([parsed.ids, torch.tensor(done.token_ids[:fed], dtype=torch.long)])
-            self.prefix_cache.add(PrefixEntry(ids, spans, row_cache.clone_row(0, filled)))
+    @property
+    def prefix_cache(self):
+        """The KV pool, whose unused full blocks are the prefix cache (its `stats`)."""
+        return self.scheduler.pool
+
+    def remember(self, parsed: ParsedRequest, done: Done) -> None:
+        """Keep a finished request's answer for exact repeats."""
         key = self._answer_key(parsed)
         if key:
             self.answer_cache.put(key, done)

@@ -1,6 +1,6 @@
-"""The model steps of generation over a preallocated KV cache: `prefill_slice` (a run of
-prompt tokens of one row) and `decode_step` (one token for each of several rows). The
-scheduler (qvl.scheduler) drives them."""
+"""The model steps of generation over the paged KV cache: `prefill_slice` (a run of prompt
+tokens of one row) and `decode_step` (one token for each of several rows). The scheduler
+(qvl.scheduler) drives them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qvl.kv_cache import KVCache
+from qvl.kv_cache import KVCache, contiguous_cache
 from qvl.model.qwen3_vl import Qwen3VL
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention matrix of long prompts
@@ -43,8 +43,8 @@ class PreparedPrompt:
 
 @torch.inference_mode()
 def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start: int, end: int) -> torch.Tensor:
-    """Run prompt tokens start..end through the decoder into slots start..end of a B=1 cache
-    (or one row's view), whose first `start` slots already hold the prompt's first tokens.
+    """Run prompt tokens start..end through the decoder into positions start..end of a B=1
+    cache (or one row's view), whose first `start` positions already hold the prompt's first tokens.
     Returns the logits of token end-1 [1, V]."""
     is_image = model.cfg.is_vision_token(prompt.ids)
     done_images = int(is_image[:start].sum()) - prompt.embeds_from  # image tokens before start, already embedded
@@ -64,7 +64,7 @@ def prefill(
     model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, *, skip: int = 0, chunk: int = PREFILL_CHUNK,
     cancel: CancelCheck | None = None,
 ) -> torch.Tensor:
-    """The whole prompt from token `skip` on (the first `skip` slots already hold it), in
+    """The whole prompt from token `skip` on (the first `skip` positions already hold it), in
     slices of `chunk` tokens. Returns the logits of the last token [1, V]."""
     logits = None
     for s in range(skip, len(prompt), chunk):
@@ -74,18 +74,17 @@ def prefill(
 
 
 @torch.inference_mode()
-def decode_step(
-    model: Qwen3VL, cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One token per row: tokens [B] written into cache rows [B] (default 0..B-1) at slots [B]
-    (each row's length so far), at M-RoPE positions [B] (the same on all three axes).
-    Returns logits [B, V]."""
+def decode_step(model: Qwen3VL, cache: KVCache, tokens: torch.Tensor, slots: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+    """One token per row: tokens [B] written at positions slots [B] (each row's length so far)
+    of the cache's B rows, at M-RoPE positions [B] (the same on all three axes). Returns
+    logits [B, V]."""
     h = model.embed(tokens[:, None])
     cos, sin = model.rope(positions.view(1, -1, 1).expand(3, -1, 1))
-    return model.logits(model.language_model(h, cos, sin, cache, slots, rows=rows))[:, -1]
+    return model.logits(model.language_model(h, cos, sin, cache, slots))[:, -1]
 
 
 def new_cache(model: Qwen3VL, batch: int, capacity: int) -> KVCache:
+    """A cache of its own for `batch` rows of `capacity` positions (outside the scheduler's pool)."""
     t = model.cfg.text
-    return KVCache(t.num_hidden_layers, batch, t.num_key_value_heads, capacity, t.head_dim, model.dtype)
+    return contiguous_cache(t.num_hidden_layers, batch, t.num_key_value_heads, capacity, t.head_dim, model.dtype)

@@ -1,78 +1,222 @@
-"""Preallocated key/value cache for the text decoder."""
+"""The KV cache: keys and values of every decoder layer in one pool of fixed-size blocks.
+
+A sequence holds a list of blocks, its block table: its position j lives in block
+table[j // BLOCK] at slot j % BLOCK. Blocks are reference-counted, so sequences share them:
+the n answers of one request share their prompt's blocks (a shared block is copied before one
+of them writes into it), and requests that begin alike (the same tokens and the same images)
+share the full blocks of that beginning. A full block is known by a hash of every token and
+image up to its end; once no sequence holds it, it stays as the prefix cache (least recently
+used first out, within its own byte cap) until the pool needs its memory.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 
+from qvl.cache import CacheStats
 
-class KVCache:
-    """Keys and values of every decoder layer for B rows and up to `capacity` positions.
+BLOCK = 16  # positions per block: a shared prefix wastes at most BLOCK - 1 recomputed tokens
 
-    keys, values: [L, B, H_kv, capacity, head_dim]. Every row starts at slot 0 and holds only
-    its own positions; how many each row has filled is the generation loop's to track (the
-    cache does not count), and layers write where they are told through `update`.
-    """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
-        shape = (layers, batch, kv_heads, capacity, head_dim)
-        # empty: pages become resident only when written, and no row reads a slot it has not written
+class KVPool:
+    """keys, values: [L, blocks, H_kv, BLOCK, head_dim]. Memory becomes resident only where
+    written; free blocks are handed out lowest first, so the pages in use stay few."""
+
+    def __init__(self, layers: int, blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 prefix_max_bytes: int = 0):
+        if blocks < 1:
+            raise ValueError("a KV pool needs at least one block")
+        shape = (layers, blocks, kv_heads, BLOCK, head_dim)
         self.keys = torch.empty(shape, dtype=dtype)
         self.values = torch.empty(shape, dtype=dtype)
+        self.refs = [0] * blocks
+        self.free = list(range(blocks))  # a heap
+        self.hash_of: dict[int, bytes] = {}  # full blocks whose content is known by prefix hash
+        self.by_hash: dict[bytes, int] = {}
+        self.unused: OrderedDict[int, None] = OrderedDict()  # hashed blocks no sequence holds, oldest first
+        self.max_bytes = prefix_max_bytes  # what the unused hashed blocks (the prefix cache) may keep
+        self.stats = CacheStats()  # the prefix cache's: hits, misses, evictions, bytes, entries (blocks)
+
+    @property
+    def blocks(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def block_bytes(self) -> int:
+        """Keys and values of one block, all layers."""
+        return 2 * self.keys[:, 0].nbytes
+
+    @property
+    def enabled(self) -> bool:
+        """Whether full blocks are kept for reuse by later requests (the prefix cache)."""
+        return self.max_bytes >= self.block_bytes
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation may take: free ones and the prefix cache's."""
+        return len(self.free) + len(self.unused)
+
+    @property
+    def held(self) -> int:
+        """Blocks some sequence holds."""
+        return self.blocks - self.available
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n blocks for one holder (free ones first, then the prefix cache's oldest), or None
+        (nothing taken) when fewer are available."""
+        if n > self.available:
+            return None
+        out = []
+        for _ in range(n):
+            if self.free:
+                block = heapq.heappop(self.free)
+            else:
+                block, _ = self.unused.popitem(last=False)
+                self._forget(block)
+                self.stats.evictions += 1
+            self.refs[block] = 1
+            out.append(block)
+        self._count()
+        return out
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of these blocks (taking them out of the prefix cache)."""
+        for block in blocks:
+            if self.refs[block] == 0:
+                del self.unused[block]
+            self.refs[block] += 1
+        self._count()
+
+    def release(self, blocks: list[int]) -> None:
+        """One holder fewer; a block nobody holds joins the prefix cache if it is hashed (and
+        the cache is on), else the free blocks."""
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                continue
+            if block in self.hash_of and self.enabled:
+                self.unused[block] = None
+            else:
+                self._forget(block)
+                heapq.heappush(self.free, block)
+        while len(self.unused) * self.block_bytes > self.max_bytes:
+            block, _ = self.unused.popitem(last=False)
+            self._forget(block)
+            heapq.heappush(self.free, block)
+            self.stats.evictions += 1
+        self._count()
+
+    def register(self, block: int, digest: bytes) -> None:
+        """Mark a full block as holding the prefix `digest` (block_hashes), so later requests
+        may share it. A digest already held by another block keeps that one."""
+        if self.enabled and block not in self.hash_of and digest not in self.by_hash:
+            self.hash_of[block] = digest
+            self.by_hash[digest] = block
+
+    def lookup(self, digests: list[bytes]) -> list[int]:
+        """The blocks holding the longest run of these prefix hashes from the first on."""
+        out = []
+        for digest in digests:
+            block = self.by_hash.get(digest)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def copy_block(self, source: int, target: int) -> None:
+        self.keys[:, target] = self.keys[:, source]
+        self.values[:, target] = self.values[:, source]
+
+    def _forget(self, block: int) -> None:
+        digest = self.hash_of.pop(block, None)
+        if digest is not None:
+            del self.by_hash[digest]
+
+    def _count(self) -> None:
+        self.stats.entries = len(self.unused)
+        self.stats.bytes = len(self.unused) * self.block_bytes
+
+
+def blocks_for(positions: int) -> int:
+    return -(-positions // BLOCK)
+
+
+def block_hashes(ids: torch.Tensor, spans: list[tuple[int, int, str]], count: int) -> list[bytes]:
+    """The prefix hash of each of the first `count` full blocks of a sequence: its tokens ids
+    [T] and every image (or video frame group) among them, (start, end, content hash), from
+    the first token to the block's end."""
+    out, digest = [], b""
+    ids = ids.to(torch.int64)
+    for i in range(count):
+        start, end = i * BLOCK, (i + 1) * BLOCK
+        h = hashlib.blake2b(digest, digest_size=16)
+        h.update(ids[start:end].numpy().tobytes())
+        for s, e, content in spans:
+            if s < end and e > start:
+                h.update(f"{s},{e},{content};".encode())
+        digest = h.digest()
+        out.append(digest)
+    return out
+
+
+@dataclass
+class KVCache:
+    """What one model call reads and writes: the pool and the block tables of its B rows,
+    table [B, max_blocks] int64 (-1 past a row's blocks). Which positions a row holds is the
+    caller's to know; the model writes where it is told."""
+
+    pool: KVPool
+    table: torch.Tensor
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    @property
-    def bytes_per_position(self) -> int:
-        """Keys and values of one position of one row, all layers."""
-        return self.nbytes // (self.keys.shape[1] * self.capacity)
-
-    def update(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [B, H_kv, T, hd]. start an int: the cache's B rows write positions
-        start..start+T; returns the layer's keys and values [B, H_kv, start+T, hd]. start [B]
-        slots (one token per row, T = 1): batch row b writes cache row rows[b] (default b) at
-        start[b]; returns every cache row's [R, H_kv, max(start)+1, hd], of which batch row b
-        may read only row rows[b]'s first start[b]+1 positions."""
-        if isinstance(start, int):
-            end = start + k.shape[2]
-            self.check_room(end)
-            self.keys[layer, :, :, start:end] = k
-            self.values[layer, :, :, start:end] = v
-        else:
-            end = int(start.max()) + 1
-            self.check_room(end)
-            rows = torch.arange(k.shape[0]) if rows is None else rows
-            self.keys[layer, rows, :, start] = k[:, :, 0]
-            self.values[layer, rows, :, start] = v[:, :, 0]
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-
-    def check_room(self, end: int) -> None:
-        """Raise ValueError unless positions up to `end` fit (before anything is written)."""
-        if end > self.capacity:
-            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.capacity}")
-
-    def copy_row(self, source: KVCache, source_row: int, row: int, length: int) -> None:
-        """Copy the first `length` positions of `source`'s row `source_row` into this cache's
-        row `row` (`source` may be this cache)."""
-        self.keys[:, row, :, :length] = source.keys[:, source_row, :, :length]
-        self.values[:, row, :, :length] = source.values[:, source_row, :, :length]
-
-    def clone_row(self, row: int, length: int) -> KVCache:
-        """A compact B=1 copy of the first `length` positions of one row."""
-        new = KVCache.__new__(KVCache)
-        new.keys = self.keys[:, row : row + 1, :, :length].clone()
-        new.values = self.values[:, row : row + 1, :, :length].clone()
-        return new
+        """Positions the table's rows have room for."""
+        return self.table.shape[1] * BLOCK
 
     def row(self, r: int) -> KVCache:
-        """A view of row r as a B=1 cache sharing this cache's storage."""
-        view = KVCache.__new__(KVCache)
-        view.keys = self.keys[:, r : r + 1]
-        view.values = self.values[:, r : r + 1]
-        return view
+        return KVCache(self.pool, self.table[r : r + 1])
+
+    def locate(self, start: int | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks and slots [B, T] of positions start..start+length of each row (start an
+        int), or of position start[b] of row b (length 1). ValueError past a row's blocks."""
+        b = self.table.shape[0]
+        pos = torch.arange(start, start + length).expand(b, length) if isinstance(start, int) else start[:, None]
+        if int(pos.max()) >= self.capacity:
+            raise ValueError(f"KV cache overflow: position {int(pos.max())} >= capacity {self.capacity}")
+        blocks = self.table.gather(1, pos // BLOCK)
+        if bool((blocks < 0).any()):
+            raise ValueError("KV cache overflow: a position past its row's blocks")
+        return blocks, pos % BLOCK
+
+    def write(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, H_kv, T, hd] at positions start..start+T of every row (start an int), or
+        [B, H_kv, 1, hd] at position start[b] of row b (start [B])."""
+        blocks, slots = self.locate(start, k.shape[2])
+        self.pool.keys[layer][blocks, :, slots] = k.transpose(1, 2)
+        self.pool.values[layer][blocks, :, slots] = v.transpose(1, 2)
+
+    def gather(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the rows' first `length` positions, copied contiguous:
+        [B, H_kv, length, hd] each (rows shorter than `length` hold other data past their end)."""
+        table = self.table[:, : blocks_for(length)].clamp(min=0)
+        b, n = table.shape
+
+        def rows(pool: torch.Tensor) -> torch.Tensor:
+            x = pool[layer][table]  # [B, n, H_kv, BLOCK, hd]
+            return x.permute(0, 2, 1, 3, 4).reshape(b, x.shape[2], n * BLOCK, x.shape[4])[:, :, :length]
+
+        return rows(self.pool.keys), rows(self.pool.values)
+
+
+def contiguous_cache(layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                     dtype: torch.dtype) -> KVCache:
+    """A pool of its own for `batch` rows of `capacity` positions each (row b: blocks
+    b*n..(b+1)*n-1): for one-off model calls (tests, warm-up, calibration)."""
+    n = blocks_for(max(capacity, 1))
+    pool = KVPool(layers, batch * n, kv_heads, head_dim, dtype)
+    return KVCache(pool, torch.arange(batch * n, dtype=torch.int64).view(batch, n))

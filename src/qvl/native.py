@@ -170,9 +170,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_quantize_rows.restype = c_int
     lib.qvl_rescale.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, i64, i64, c_int, ptr, ptr, c_int]
     lib.qvl_rescale.restype = c_int
-    lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [c_int]
+    lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [ptr, i64, i64, c_int]
     lib.qvl_attention.restype = c_int
-    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr, c_int]
+    lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr,
+                                         c_int]
     lib.qvl_decode_attention.restype = c_int
     lib.qvl_vision_rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     lib.qvl_vision_rope.restype = c_int
@@ -183,7 +184,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_text_rope.argtypes = [ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     lib.qvl_text_rope.restype = c_int
     lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
-                                      ptr, ptr, i64, i64, i64, ptr, ptr, c_int]
+                                      ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
     lib.qvl_amx_bf16_linear.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr, c_int]
     lib.qvl_amx_bf16_linear.restype = c_int
@@ -415,7 +416,34 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     out = torch.empty(t, h, d, dtype=torch.bfloat16)
     status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                               out.stride(0), out.stride(1), -1 if causal_from is None else causal_from,
+                               out.stride(0), out.stride(1), -1 if causal_from is None else causal_from, None, 0, 0,
+                               torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_attention could not allocate its packed keys and values")
+    return out if status == 0 else None
+
+
+def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    blocks: torch.Tensor, causal_from: int) -> torch.Tensor | None:
+    """Causal prefill attention of one row over the paged cache (AVX512-BF16 builds): q
+    [T, H, D] bf16 (any token/head strides, D contiguous) at positions causal_from.. over
+    that row's keys and values, one layer of the pool [blocks, H_kv, BLOCK, D], position j in
+    block blocks[j // BLOCK] ([>= ceil((causal_from + T) / BLOCK)] int64) -> [T, H, D]
+    contiguous. None when the shapes do not apply."""
+    t, h, d = q.shape
+    n, hkv, block = keys.shape[0], keys.shape[1], keys.shape[2]
+    if d % 2 or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(-1) != 1 for x in (q, keys, values)):
+        return None
+    if keys.stride() != values.stride() or keys.stride(2) != d or not keys.is_contiguous():
+        return None
+    s = causal_from + t
+    used = blocks[: -(-s // block)].to(torch.int64).contiguous()
+    if used.shape[0] * block < s or int(used.min()) < 0 or int(used.max()) >= n:
+        raise IndexError("paged attention: a position outside the row's blocks")
+    out = torch.empty(t, h, d, dtype=torch.bfloat16)
+    status = lib.qvl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
+                               q.stride(0), q.stride(1), d, keys.stride(1), d, values.stride(1), out.stride(0),
+                               out.stride(1), causal_from, used.data_ptr(), block, keys.stride(0),
                                torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_attention could not allocate its packed keys and values")
@@ -423,25 +451,26 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
-    """One query per row over the cache: q [B, H, 1, D]; keys/values [R, Hkv, S, D] views of
-    the KV cache (positions contiguous), all bf16 or all float32; batch row b reads cache row
-    rows[b] ([B] int64), its first lengths[b] positions ([B] int64, 1 <= lengths[b] <= S)
-    -> [B, H, 1, D]. None when the shapes do not apply (then use SDPA)."""
+                     table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+    """One query per row over the paged cache: q [B, H, 1, D]; keys/values one layer of the
+    pool [blocks, Hkv, BLOCK, D], all bf16 or all float32; batch row b reads its first
+    lengths[b] positions ([B] int64, >= 1), position j in block table[b, j // BLOCK] (table
+    [B, max_blocks] int64) -> [B, H, 1, D]. None when the shapes do not apply (then use SDPA)."""
     b, h, _, d = q.shape
-    hkv = keys.shape[1]
+    n, hkv, block = keys.shape[0], keys.shape[1], keys.shape[2]
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
         return None
-    if keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d:
+    if keys.stride() != values.stride() or not keys.is_contiguous():
         return None
     q = q.contiguous()
-    if int(rows.min()) < 0 or int(rows.max()) >= keys.shape[0] or int(lengths.max()) > keys.shape[2]:
-        raise IndexError("decode attention: a row or a length outside the cache")
-    rows, lengths = rows.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    held = torch.arange(table.shape[1])[None] < ((lengths + block - 1) // block)[:, None]
+    if int(lengths.max()) > table.shape[1] * block or bool(((table < 0) & held).any()) or int(table.max()) >= n:
+        raise IndexError("decode attention: a position outside its row's blocks")
     out = torch.empty(b, h, 1, d, dtype=q.dtype)
     status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _DTYPES[q.dtype],
-                                      keys.stride(0), keys.stride(1), b, h, hkv, rows.data_ptr(), lengths.data_ptr(), d,
-                                      out.data_ptr(), torch.get_num_threads())
+                                      table.data_ptr(), table.shape[1], block, keys.stride(0), keys.stride(1), b, h,
+                                      hkv, lengths.data_ptr(), d, out.data_ptr(), torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_decode_attention could not allocate its scores")
     return out if status == 0 else None
@@ -545,24 +574,27 @@ class LayerArgs(ctypes.Structure):
 
 
 def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, *, heads: int,
-                  head_dim: int, intermediate: int, eps: float) -> torch.Tensor | None:
+                  cache, slots: torch.Tensor, *, heads: int, head_dim: int, intermediate: int,
+                  eps: float) -> torch.Tensor | None:
     """One decode step through every decoder layer in a single call (the per-op path spends
     ~8 ms per token in Python and small torch ops on the 2B model). h: [B, 1, D] bf16 or
-    float32, and cos/sin [B, 1, 1, hd], the cache [L, B, Hkv, capacity, hd] and the layers'
-    float tensors of the same dtype; batch row b is written into cache row rows[b] at slots[b]
-    ([B] int64 each, checked by the caller) and attends to its positions 0..slots[b]. Returns
-    the new hidden states [B, 1, D], or None when the kernel does not apply (nothing written)."""
+    float32, and cos/sin [B, 1, 1, hd], the cache's pool [L, blocks, Hkv, BLOCK, hd] and the
+    layers' float tensors of the same dtype; batch row b (block table row b of the
+    kv_cache.KVCache `cache`, checked by the caller) is written at position slots[b] ([B]
+    int64) and attends to its positions 0..slots[b]. Returns the new hidden states [B, 1, D],
+    or None when the kernel does not apply (nothing written)."""
     b, _, d = h.shape
-    if keys.stride(4) != 1 or keys.stride(3) != head_dim or keys.stride() != values.stride():
+    keys, values = cache.pool.keys, cache.pool.values
+    if not keys.is_contiguous() or keys.stride() != values.stride():
         return None
     x = h.clone(memory_format=torch.contiguous_format)
     cos, sin = cos.reshape(b, head_dim).contiguous(), sin.reshape(b, head_dim).contiguous()
-    rows, slots = rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    table, slots = cache.table.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
     status = lib.qvl_decode_layers(
         ctypes.byref(layers), len(layers), x.data_ptr(), _DTYPES[h.dtype], b, d, heads, keys.shape[2], head_dim,
         intermediate, eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),
-        keys.stride(1), keys.stride(2), rows.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        table.data_ptr(), table.shape[1], keys.shape[3], keys.stride(1), keys.stride(2), slots.data_ptr(),
+        torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_decode_layers could not allocate its buffers")
     return x if status == 0 else None

@@ -1,12 +1,20 @@
 """The scheduler: every request the engine answers runs through it. It owns the running
-sequences, admits waiting ones between decode steps (first come, first served, while their
-rows and KV reservation fit), encodes their images and prefills their prompts in bounded
-slices, decodes all rows that are generating together in one pass per step, and retires a
-row the moment it finishes (EOS, stop string, token limit, cancellation). A request for n
-answers is prefilled once and forked into n rows.
+sequences, admits waiting ones between decode steps (first come, first served, while rows
+and KV blocks allow), encodes their images and prefills their prompts in bounded slices,
+decodes all rows that are generating together in one pass per step, and retires a row the
+moment it finishes (EOS, stop string, token limit, cancellation). A request for n answers is
+prefilled once and forked into n rows that share its prompt's KV blocks.
 
-Each sequence has its own cache row, its own length (the scheduler counts; the model writes
-where it is told) and its own sampling parameters and generator, and a row only ever
+KV memory is one pool of fixed-size blocks (qvl.kv_cache) with a total budget: a sequence
+takes blocks as it grows; requests that begin with the same tokens and images share the
+blocks of that beginning, and blocks no sequence holds any more stay as the prefix cache
+until the pool needs them. When the pool runs out, new requests wait, and a running row that
+needs a block preempts the newest sequence, which goes back to the front of the queue and is
+recomputed later: its prompt prefilled again (or found in the prefix cache) and its tokens so
+far fed again through decode steps, so it goes on as if never stopped.
+
+Each sequence has its own block table, its own length (the scheduler counts; the model
+writes where it is told) and its own sampling parameters and generator, and a row only ever
 attends to its own positions: what a request generates does not depend on what else runs.
 One thread drives `step`; `submit` and `stop` may come from any thread.
 """
@@ -21,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qvl.generate import PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, new_cache, prefill_slice
+from qvl.generate import PREFILL_CHUNK, CancelCheck, Cancelled, PreparedPrompt, decode_step, prefill_slice
 from qvl.grammar import Guide
-from qvl.kv_cache import KVCache
+from qvl.kv_cache import BLOCK, KVCache, KVPool, block_hashes, blocks_for
 from qvl.requests import ParsedRequest, RequestError
 from qvl.sampling import SamplingParams, apply_logit_bias, apply_penalties, sample, top_logprobs
 from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
@@ -53,23 +61,25 @@ class Sequence:
     timings: Timings = field(default_factory=Timings)
     # set by the scheduler
     spans: list = field(default_factory=list)
+    digests: list[bytes] | None = None  # prefix hashes of the prompt's full blocks (but its last token's)
     prompt: PreparedPrompt | None = None
-    prefix: tuple[KVCache, int] | None = None
-    row: int = -1  # cache row while running
-    filled: int = 0  # cache slots holding this sequence's tokens
+    blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
+    hashed: int = 0  # leading blocks registered for sharing
+    rows: int = 1  # rows it takes: n until its answers are forked, then 1
+    filled: int = 0  # positions holding this sequence's tokens
     position: int = 0  # M-RoPE position of the next token fed
+    replay: list[int] = field(default_factory=list)  # tokens generated before a preemption, still to feed again
     logits: torch.Tensor | None = None  # [V] float32: the next token's
     seen: torch.Tensor | None = None  # [V] bool: prompt + output tokens (repetition penalty)
     counts: torch.Tensor | None = None  # [V] float32: output-token counts (presence/frequency penalties)
     generator: torch.Generator | None = None
     guide: Guide | None = None  # the row's constraint (JSON schema, grammar), when the request has one
     text: TextStream | None = None
-    preparing: Generator | None = None  # prefix lookup and vision, run a few blocks per step
+    preparing: Generator | None = None  # vision, run a few blocks per step
     stopped: str | None = None  # why it was cancelled from outside
     done: bool = False
     index: int = 0  # which of the request's n answers (1.. are forked from 0 after its prefill)
     parent: Sequence | None = None  # the sequence a sibling was forked from (stopping it stops them all)
-    spare_rows: list[int] = field(default_factory=list)  # rows held for the siblings until the fork
 
     @property
     def params(self) -> SamplingParams:
@@ -78,6 +88,12 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.logits is None
+
+
+    @property
+    def fed_ids(self) -> list[int]:
+        """Its generated tokens whose keys and values its blocks hold."""
+        return self.text.ids[: self.filled - len(self.parsed.ids)] if self.text is not None else []
 
     @property
     def stop_reason(self) -> str | None:
@@ -91,25 +107,28 @@ def kv_bytes_per_position(model) -> int:
 
 
 def default_kv_budget_mb(model) -> float:
-    """Half the memory available once the model is loaded, at most 8 GB (the budget the
-    running requests' KV cache may reserve; see Scheduler)."""
+    """Half the memory available once the model is loaded, at most 8 GB (the KV pool; its
+    pages become resident only as blocks are first written)."""
     import psutil
 
     return min(psutil.virtual_memory().available / 2, 8 * 2**30) / 2**20
 
 
 class Scheduler:
-    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH, kv_budget_mb: float | None = None):
+    def __init__(self, engine, max_batch: int = DEFAULT_MAX_BATCH, kv_budget_mb: float | None = None,
+                 prefix_cache_mb: float = 0):
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.engine, self.max_batch = engine, max_batch
         mb = default_kv_budget_mb(engine.model) if kv_budget_mb is None else kv_budget_mb
-        self.kv_budget = int(mb * 2**20)  # bytes the running rows may reserve (prompt + token cap each)
+        t = engine.model.cfg.text
+        block_bytes = kv_bytes_per_position(engine.model) * BLOCK
+        self.pool = KVPool(t.num_hidden_layers, max(1, int(mb * 2**20) // block_bytes), t.num_key_value_heads,
+                           t.head_dim, engine.model.dtype, int(prefix_cache_mb * 2**20))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
-        self.cache: KVCache | None = None
         self.lock = threading.Lock()
-        self.steps = self.tokens = 0  # totals, for /metrics
+        self.steps = self.tokens = self.preemptions = 0  # totals, for /metrics
         self.last_step_s = 0.0
         self.last_rows = 0  # rows in the last decode step
         self.prefill_rate = 256.0  # prompt tokens/s, measured as slices run (sizes the slices)
@@ -137,18 +156,17 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows: running and waiting requests, rows and time of the last step,
-        the KV cache's allocated and filled bytes, totals."""
+        the KV pool's budget, blocks held, prefix-cache blocks and filled positions, totals."""
         with self.lock:
             waiting = len(self.waiting)
-        running = list(self.running)
-        cache = self.cache
-        per_position = cache.bytes_per_position if cache is not None else 0
+        running, pool = list(self.running), self.pool
         return {"running": len(running), "waiting": waiting, "last_step_rows": self.last_rows,
-                "kv_reserved_bytes": self._reserved(running),
-                "kv_budget_bytes": self.kv_budget,
-                "last_step_seconds": self.last_step_s, "steps": self.steps, "tokens": self.tokens,
-                "kv_allocated_bytes": cache.nbytes if cache is not None else 0,
-                "kv_filled_bytes": sum(s.filled for s in running) * per_position}
+                "kv_budget_bytes": pool.blocks * pool.block_bytes,
+                "kv_held_bytes": pool.held * pool.block_bytes,
+                "kv_prefix_bytes": pool.stats.bytes,
+                "kv_filled_bytes": sum(s.filled for s in running) * kv_bytes_per_position(self.model),
+                "preemptions": self.preemptions,
+                "last_step_seconds": self.last_step_s, "steps": self.steps, "tokens": self.tokens}
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -161,100 +179,128 @@ class Scheduler:
         self._admit()
         self._prepare_and_prefill()
         self._decode([s for s in self.running if not s.prefilling])
-        if not self.running:
-            self.cache = None  # nothing held between bursts of requests
         self.last_step_s = time.perf_counter() - started
 
     # -- admission and prefill -------------------------------------------------------------
 
-    def _free_rows(self) -> list[int]:
-        used = {s.row for s in self.running} | {r for s in self.running for r in s.spare_rows}
-        return [r for r in range(self.max_batch) if r not in used]
+    def _rows_used(self) -> int:
+        return sum(s.rows for s in self.running)
 
-    def reserved_bytes(self, parsed: ParsedRequest) -> int:
-        """The KV cache a request may fill: its prompt and token cap, for each of its n answers."""
-        per_position = kv_bytes_per_position(self.model)
-        return (len(parsed.ids) + parsed.sampling.max_new_tokens) * parsed.sampling.n * per_position
-
-    def _reserved(self, running: list[Sequence]) -> int:
-        """What the running requests reserve (a request's siblings are in its own reservation)."""
-        return sum(self.reserved_bytes(s.parsed) for s in running if s.parent is None)
+    def blocks_needed(self, parsed: ParsedRequest) -> int:
+        """The most blocks a request may hold: its prompt's, shared by its n answers, and each
+        answer's own from the prompt's last partial block to its token cap."""
+        prompt, full = len(parsed.ids), len(parsed.ids) // BLOCK
+        return full + parsed.sampling.n * (blocks_for(prompt + parsed.sampling.max_new_tokens) - full)
 
     def check_admissible(self, parsed: ParsedRequest) -> None:
         """Raise RequestError for a request that could never be admitted: more answers than
-        rows, or a KV reservation over the whole budget (it would wait for ever)."""
+        rows, or more KV blocks than the whole pool (it would wait for ever)."""
         if parsed.sampling.n > self.max_batch:
             raise RequestError(f"n = {parsed.sampling.n} answers are decoded side by side, and this engine decodes "
                                f"at most {self.max_batch} rows together (--max-batch)", "n")
-        need = self.reserved_bytes(parsed)
-        if need > self.kv_budget:
+        need = self.blocks_needed(parsed) * self.pool.block_bytes
+        budget = self.pool.blocks * self.pool.block_bytes
+        if need > budget:
             raise RequestError(f"this request may need {need / 2**20:.0f} MB of KV cache ({len(parsed.ids)} prompt "
                                f"tokens and up to {parsed.sampling.max_new_tokens} more, for each of "
                                f"{parsed.sampling.n} answers), more than this engine's budget of "
-                               f"{self.kv_budget / 2**20:.0f} MB (--kv-cache-mb); lower max_tokens or n",
+                               f"{budget / 2**20:.0f} MB (--kv-cache-mb); lower max_tokens or n",
                                "max_tokens", "kv_cache_exceeded")
 
     def _admit(self) -> None:
         """Every waiting sequence that fits, in order (their images are encoded and prompts
         prefilled in this step and the next ones, a slice at a time). The next request waits
-        (first come, first served) until it has a row for each of its n answers and its KV
-        reservation fits the budget beside the running ones', so a running request never runs
-        out of cache; one that could never fit (Engine.parse refuses those) fails at once."""
+        (first come, first served) until it has a row for each of its n answers and the pool
+        has blocks for its prompt (beyond a shared prefix) and one more for each generating row;
+        one that could never fit (Engine.parse refuses those) fails at once."""
         while self._admit_next():
             pass
 
     def _admit_next(self) -> bool:
         """Admit (or fail) the first waiting sequence; False when it has to wait or none does."""
-        free = self._free_rows()
-        refused = None
         with self.lock:
             if not self.waiting:
                 return False
             seq = self.waiting[0]
-            try:
-                self.check_admissible(seq.parsed)
-            except RequestError as exc:  # it would wait for ever: fail it now
-                refused = exc
-            else:
-                need = self._reserved(self.running) + self.reserved_bytes(seq.parsed)
-                if len(free) < seq.params.n or need > self.kv_budget:
-                    return False
-            self.waiting.popleft()
         try:
-            if refused is not None:
-                raise refused
-            self._start(seq)
+            self.check_admissible(seq.parsed)
+            shared = self._shared_prefix(seq)
+            rows = seq.rows if seq.text is not None else seq.params.n
+            taken = sum(1 for b in shared if self.pool.refs[b] == 0)  # leave the prefix cache when shared
+            need = blocks_for(len(seq.parsed.ids)) - len(shared)
+            growing = sum(1 for s in self.running if not s.prefilling)
+            if self._rows_used() + rows > self.max_batch or self.pool.available - taken < need + growing:
+                return False
+        except Exception as exc:  # it would wait for ever, or its spans failed: fail it now
+            self._dequeue(seq)
+            self._fail(seq, exc)
+            return True
+        self._dequeue(seq)
+        try:
+            self._start(seq, shared, need)
         except Exception as exc:  # one request's images, budget or cancellation: it alone fails
+            self._release(seq)
             self._fail(seq, exc)
         return True
 
-    def _start(self, seq: Sequence) -> None:
-        """Rows and cache room for its n answers; its images are encoded in later steps
-        (`_prepare`)."""
+    def _dequeue(self, seq: Sequence) -> None:
+        with self.lock:
+            self.waiting.remove(seq)
+
+    def _shared_prefix(self, seq: Sequence) -> list[int]:
+        """The pool's blocks holding the longest prefix of its prompt (never its last token,
+        which is always run to get logits): whole blocks, and with --deterministic whole
+        prefill chunks only, as a fresh prefill computes them."""
+        if not self.pool.enabled:
+            return []
+        if seq.digests is None:
+            seq.spans = self.engine.spans(seq.parsed)
+            seq.digests = block_hashes(seq.parsed.ids, seq.spans, (len(seq.parsed.ids) - 1) // BLOCK)
+        shared = self.pool.lookup(seq.digests)
+        if self.engine.options.deterministic:
+            per_chunk = DETERMINISTIC_CHUNK // BLOCK
+            shared = shared[: len(shared) // per_chunk * per_chunk]
+        return shared
+
+    def _start(self, seq: Sequence, shared: list[int], need: int) -> None:
+        """Its blocks (the shared prefix's and new ones for the rest of its prompt) and, on its
+        first admission, its sampling state; its images are encoded in later steps
+        (`_prepare`). A preempted sequence keeps its text, generator and constraint state."""
         engine, params = self.engine, seq.params
-        if seq.stopped:
-            raise Cancelled(seq.stopped)
-        if seq.started is None:
-            seq.started = time.perf_counter()
-        if seq.on_start is not None:
-            seq.on_start()
-        rows = self._free_rows()[: params.n]
-        self._make_room(len(seq.parsed.ids) + params.max_new_tokens)
-        seq.row, seq.spare_rows = rows[0], rows[1:]
-        seq.spans = engine.spans(seq.parsed)
-        seq.preparing = engine.prepare_from_prefix(seq.parsed, seq.spans, seq.timings, seq.cancel)
-        vocab = self.model.cfg.text.vocab_size
-        if params.repetition_penalty != 1.0:
-            seq.seen = torch.zeros(vocab, dtype=torch.bool)
-            ids = seq.parsed.ids
-            seq.seen[ids[ids < vocab]] = True
-        if params.presence_penalty or params.frequency_penalty:
-            seq.counts = torch.zeros(vocab)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        if params.constraint is not None:
-            seq.guide = engine.grammars.guide(params.constraint)
-        seq.text = self._text_stream(seq, seq.timings)
+        if seq.stop_reason:
+            raise Cancelled(seq.stop_reason)
+        first = seq.text is None
+        if first:
+            if seq.started is None:
+                seq.started = time.perf_counter()
+            if seq.on_start is not None:
+                seq.on_start()
+            seq.rows = params.n
+        if not seq.spans:
+            seq.spans = engine.spans(seq.parsed)
+        if self.pool.enabled:
+            self.pool.stats.hits += bool(shared)
+            self.pool.stats.misses += not shared
+        self.pool.share(shared)
+        seq.blocks = shared + self.pool.allocate(need)
+        seq.hashed = len(shared)
+        seq.filled = reused = len(shared) * BLOCK
+        if first:
+            seq.timings.cached["prefix"], seq.timings.reused_tokens = reused > 0, reused
+        seq.preparing = engine.prepare_from_prefix(seq.parsed, seq.spans, seq.timings, reused, seq.cancel)
+        if first:
+            vocab = self.model.cfg.text.vocab_size
+            if params.repetition_penalty != 1.0:
+                seq.seen = torch.zeros(vocab, dtype=torch.bool)
+                ids = seq.parsed.ids
+                seq.seen[ids[ids < vocab]] = True
+            if params.presence_penalty or params.frequency_penalty:
+                seq.counts = torch.zeros(vocab)
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + seq.index)
+            if params.constraint is not None:
+                seq.guide = engine.grammars.guide(params.constraint)
+            seq.text = self._text_stream(seq, seq.timings, seq.index)
         self.running.append(seq)
 
     def _text_stream(self, seq: Sequence, timings: Timings, index: int = 0) -> TextStream:
@@ -266,18 +312,13 @@ class Scheduler:
         return TextStream(engine.tokenizer, params.stop, engine.eos_ids(params), usage, timings, seq.started, index,
                           engine.think_end if seq.parsed.reasoning else None)
 
-    def _make_room(self, needed: int) -> None:
-        """A cache with max_batch rows of at least `needed` slots; growing keeps every running
-        row's filled slots (positions are resident only once written)."""
-        if self.cache is not None and self.cache.capacity >= needed:
-            return
-        capacity = needed
-        if self.cache is not None:  # double, so that a stream of longer requests grows it rarely
-            capacity = max(needed, min(2 * self.cache.capacity, self.engine.limits.max_context))
-        bigger = new_cache(self.model, self.max_batch, capacity)
-        for s in self.running:
-            bigger.copy_row(self.cache, s.row, s.row, s.filled)
-        self.cache = bigger
+    def _view(self, seqs: list[Sequence]) -> KVCache:
+        """The block tables of these sequences, one row each (-1 past a row's blocks)."""
+        width = max(len(s.blocks) for s in seqs)
+        table = torch.full((len(seqs), width), -1, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int64)
+        return KVCache(self.pool, table)
 
     def _prepare_and_prefill(self) -> None:
         """One slice of prompt work, oldest sequence first: about slice_s and its tokens while
@@ -308,19 +349,15 @@ class Scheduler:
                 return
 
     def _prepare(self, seq: Sequence, budget_s: float) -> None:
-        """Vision blocks of one sequence for about `budget_s`; when its prompt is ready, the
-        reused prefix goes into its row."""
+        """Vision blocks of one sequence for about `budget_s`, until its prompt is ready."""
         deadline = time.perf_counter() + budget_s
         try:
             while time.perf_counter() < deadline:
                 next(seq.preparing)
         except StopIteration as stop:
             seq.preparing = None
-            seq.prompt, prefix = stop.value
-            seq.position, seq.filled = seq.prompt.next_position, 0
-            if prefix is not None:
-                kv, seq.filled = prefix
-                self.cache.copy_row(kv, 0, seq.row, seq.filled)
+            seq.prompt = stop.value
+            seq.position = seq.prompt.next_position
         except Exception as exc:
             self._retire(seq, exc)
 
@@ -338,11 +375,12 @@ class Scheduler:
             if self.engine.options.deterministic:
                 logits, end = self._prefill_aligned(seq, end)
             else:
-                logits = prefill_slice(self.model, self.cache.row(seq.row), seq.prompt, seq.filled, end)
+                logits = prefill_slice(self.model, self._view([seq]), seq.prompt, seq.filled, end)
             if end - seq.filled >= MIN_SLICE_TOKENS:  # short runs say little about the rate
                 rate = (end - seq.filled) / max(time.perf_counter() - started, 1e-6)
                 self.prefill_rate = 0.5 * self.prefill_rate + 0.5 * rate
             seq.filled = end
+            self._register(seq, seq.digests or [])
             if end == len(seq.prompt):
                 seq.logits = logits[0].float()
                 self._fork(seq)
@@ -356,41 +394,49 @@ class Scheduler:
         slice sizes or the reused prefix were. Returns the last chunk's logits and the new end."""
         chunk, total = DETERMINISTIC_CHUNK, len(seq.prompt)
         end = min(total, max(end // chunk * chunk, seq.filled + chunk))
-        logits = None
+        logits, view = None, self._view([seq])
         for s in range(seq.filled, end, chunk):
-            logits = prefill_slice(self.model, self.cache.row(seq.row), seq.prompt, s, min(s + chunk, end))
+            logits = prefill_slice(self.model, view, seq.prompt, s, min(s + chunk, end))
         return logits, end
 
     def _fork(self, seq: Sequence) -> None:
-        """The request's other n-1 answers: copies of the prefilled row in the rows held for
-        them, each with its own text and generator (seeded seed + index)."""
-        for index, row in enumerate(seq.spare_rows, 1):
-            self.cache.copy_row(self.cache, seq.row, row, seq.filled)
+        """The request's other n-1 answers, once its prompt is prefilled: rows sharing its
+        blocks (a shared block is copied before one writes into it), each with its own text
+        and generator (seeded seed + index)."""
+        if seq.rows == 1:
+            return
+        for index in range(1, seq.rows):
+            self.pool.share(seq.blocks)
             timings = Timings(parse_ms=seq.timings.parse_ms, vision_ms=seq.timings.vision_ms,
                               cached=dict(seq.timings.cached), reused_tokens=seq.timings.reused_tokens)
             params = seq.params
             sibling = Sequence(seq.parsed, seq.emit, seq.cancel, seq.started, timings=timings, spans=seq.spans,
-                               prompt=seq.prompt, row=row, filled=seq.filled, position=seq.position,
-                               logits=seq.logits, index=index, parent=seq,
-                               seen=None if seq.seen is None else seq.seen.clone(),
+                               digests=seq.digests, prompt=seq.prompt, blocks=list(seq.blocks), hashed=seq.hashed,
+                               filled=seq.filled, position=seq.position, logits=seq.logits, index=index,
+                               parent=seq, seen=None if seq.seen is None else seq.seen.clone(),
                                counts=None if seq.counts is None else seq.counts.clone(),
                                generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index),
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = self._text_stream(seq, timings, index)
             self.running.insert(self.running.index(seq) + index, sibling)
-        seq.spare_rows = []
+        seq.rows = 1
 
     # -- decoding ---------------------------------------------------------------------------
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        """Sample each row's next token from its own logits and parameters; retire the rows
-        that finish; feed the rest through one decode step together."""
+        """Sample each row's next token from its own logits and parameters (or take the next
+        of the tokens it is replaying); retire the rows that finish; give each row that goes
+        on a block for its next position (preempting the newest sequences if the pool is
+        out); feed them through one decode step together."""
         fed: list[tuple[Sequence, int]] = []
         self.last_rows = len(seqs)
         self.tokens += len(seqs)
         for seq in seqs:
             if seq.cancel is not None and seq.cancel():
                 self._retire(seq, Cancelled())
+                continue
+            if seq.replay:
+                fed.append((seq, seq.replay.pop(0)))
                 continue
             try:
                 token, logprob = self._sample(seq)
@@ -406,28 +452,75 @@ class Scheduler:
                 self._retire(seq)
             else:
                 fed.append((seq, token))
+        for seq, _ in list(fed):
+            if seq in self.running:
+                self._writable(seq)
+        fed = [(s, t) for s, t in fed if s in self.running]
         if not fed:
             return
-        rows = torch.tensor([s.row for s, _ in fed])
-        slots = torch.tensor([s.filled for s, _ in fed])
-        positions = torch.tensor([s.position for s, _ in fed])
+        rows = [s for s, _ in fed]
+        slots = torch.tensor([s.filled for s in rows])
+        positions = torch.tensor([s.position for s in rows])
         tokens = torch.tensor([t for _, t in fed])
         try:
             if self.engine.options.deterministic and not self.model.language_model.rows_independent():
                 # torch's GEMMs (fp32/bf16 weights without qvl's kernels) round by the row count
-                logits = torch.cat([decode_step(self.model, self.cache, tokens[i : i + 1], slots[i : i + 1],
-                                                positions[i : i + 1], rows[i : i + 1]) for i in range(len(fed))])
+                logits = torch.cat([decode_step(self.model, self._view([s]), tokens[i : i + 1], slots[i : i + 1],
+                                                positions[i : i + 1]) for i, s in enumerate(rows)])
             else:
-                logits = decode_step(self.model, self.cache, tokens, slots, positions, rows)
+                logits = decode_step(self.model, self._view(rows), tokens, slots, positions)
             logits = logits.float()
         except Exception as exc:  # the step failed for every row in it
-            for seq, _ in fed:
+            for seq in rows:
                 self._retire(seq, exc)
             return
-        for i, (seq, _) in enumerate(fed):
+        for i, seq in enumerate(rows):
             seq.logits = logits[i]
             seq.filled += 1
             seq.position += 1
+
+    def _writable(self, seq: Sequence) -> None:
+        """A block of its own for its next position: a new one at a block boundary, a copy of
+        a block it shares (its siblings' prompt end). When the pool has none, the newest
+        sequences are preempted until it does (the row itself, if it is the newest)."""
+        i = seq.filled // BLOCK
+        if i < len(seq.blocks) and self.pool.refs[seq.blocks[i]] == 1:
+            return
+        while (got := self.pool.allocate(1)) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return
+        if i < len(seq.blocks):  # copy on write
+            self.pool.copy_block(seq.blocks[i], got[0])
+            self.pool.release([seq.blocks[i]])
+            seq.blocks[i] = got[0]
+        else:
+            seq.blocks.append(got[0])
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a running sequence back to the front of the queue, its blocks released (its
+        prompt's full blocks stay as prefix cache while the pool does not need them). When
+        admitted again it prefills its prompt anew and feeds the tokens it had generated
+        through decode steps before sampling again: the same keys and values as before."""
+        self.running.remove(seq)
+        self._register(seq, seq.digests or [])
+        self._release(seq)
+        self.preemptions += 1
+        seq.replay = list(seq.text.ids) if seq.text is not None else []
+        seq.logits, seq.prompt, seq.preparing, seq.filled = None, None, None, 0
+        with self.lock:
+            self.waiting.appendleft(seq)
+
+    def _register(self, seq: Sequence, digests: list[bytes]) -> None:
+        """Offer its full blocks covered by `digests` (and filled) for sharing."""
+        for i in range(seq.hashed, min(seq.filled // BLOCK, len(digests), len(seq.blocks))):
+            self.pool.register(seq.blocks[i], digests[i])
+        seq.hashed = max(seq.hashed, min(seq.filled // BLOCK, len(digests), len(seq.blocks)))
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.hashed = [], 0
 
     def _sample(self, seq: Sequence) -> tuple[int, TokenLogprob | None]:
         """This row's next token under its own parameters: penalties, logit_bias, min_tokens,
@@ -470,16 +563,25 @@ class Scheduler:
         for seq in [s for s in self.running if s.stop_reason]:
             self._retire(seq, Cancelled(seq.stop_reason))
         with self.lock:
-            gone = [s for s in self.waiting if s.stopped]
+            gone = [s for s in self.waiting if s.stop_reason]
             for seq in gone:
                 self.waiting.remove(seq)
         for seq in gone:
-            self._fail(seq, Cancelled(seq.stopped))
+            self._fail(seq, Cancelled(seq.stop_reason))
 
     def _retire(self, seq: Sequence, error: BaseException | None = None) -> None:
-        """Take a running sequence out: its Done (kept for prefix reuse and exact repeats), or
-        the error that ended it."""
+        """Take a running sequence out, its blocks released (the full ones of its prompt, and
+        of the answer tokens fed back unless --deterministic, stay as prefix cache): its Done
+        (the answer is kept for exact repeats), or the error that ended it."""
         self.running.remove(seq)
+        if error is None and not self.engine.options.deterministic and self.pool.enabled:
+            # decode steps compute keys and values in other roundings than a prefill: only
+            # without --deterministic may a later prompt reuse them
+            ids = torch.cat([seq.parsed.ids, torch.tensor(seq.fed_ids, dtype=torch.long)])
+            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK))
+        else:
+            self._register(seq, seq.digests or [])
+        self._release(seq)
         if error is not None:
             self._fail(seq, error)
             return
@@ -487,7 +589,7 @@ class Scheduler:
         seq.done = True
         if tail is not None:
             seq.emit(tail)
-        self.engine.remember(seq.parsed, seq.spans, self.cache.row(seq.row), seq.filled, done)
+        self.engine.remember(seq.parsed, done)
         seq.emit(done)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:

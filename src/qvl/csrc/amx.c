@@ -792,7 +792,7 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        pack_keys(k + h * k_head, k_tok, S, S_pad, D, DP, kp + h * (DP / 2) * S_pad);
+        pack_keys(k + h * k_head, k_tok, S, S_pad, D, DP, kp + h * (DP / 2) * S_pad, S_pad);
         pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vp + h * (S_pad / 2) * DV);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)

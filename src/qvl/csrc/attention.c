@@ -127,7 +127,9 @@ static inline __attribute__((always_inline)) void attention_block(
 
 /* out = softmax(q k^T / sqrt(D)) v for T queries over S keys, grouped-query (query head h
  * uses key/value head h / (H / Hkv)). Every tensor is bf16 with D contiguous and strides
- * in elements: q[t][h] at t*q_tok + h*q_head, likewise k, v (positions j), out.
+ * in elements: q[t][h] at t*q_tok + h*q_head, likewise k, v (positions j), out. With a block
+ * table (a paged KV cache; NULL: positions as strided above), position j of k or v is at
+ * kv_blocks[j/block]*block_stride + (j%block)*k_tok (v_tok) + h*k_head (v_head); block % 16 == 0.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
  * over a cache of S = causal + T); -1: no mask (vision). D = 64 or 128; where the process has
  * AMX tiles, vision attention runs only on them (qvl_amx_attention, D <= 80; -2 otherwise, and
@@ -135,11 +137,12 @@ static inline __attribute__((always_inline)) void attention_block(
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
-                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
-    if (causal < 0 && qvl_int8_amx_ready()) /* tiles: ~3x these dot products (and torch's SDPA) */
+                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, const int64_t* kv_blocks,
+                  int64_t block, int64_t block_stride, int threads) {
+    if (causal < 0 && !kv_blocks && qvl_int8_amx_ready()) /* tiles: ~3x these dot products (and torch's SDPA) */
         return qvl_amx_attention(q, k, v, out, T, S, H, Hkv, D, q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok,
                                  o_head, threads);
-    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0) return -2;
+    if ((D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || (kv_blocks && (block < 16 || block % 16))) return -2;
     const int64_t S_pad = (S + ABK - 1) / ABK * ABK, G = H / Hkv;
     uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
     uint32_t* vp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
@@ -149,8 +152,18 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        pack_keys(k + h * k_head, k_tok, S, S_pad, D, D, kp + h * (D / 2) * S_pad);
-        pack_values(v + h * v_head, v_tok, S, S_pad, D, D, vp + h * (S_pad / 2) * D);
+        uint32_t *kh = kp + h * (D / 2) * S_pad, *vh = vp + h * (S_pad / 2) * D;
+        if (!kv_blocks) {
+            pack_keys(k + h * k_head, k_tok, S, S_pad, D, D, kh, S_pad);
+            pack_values(v + h * v_head, v_tok, S, S_pad, D, D, vh);
+            continue;
+        }
+        for (int64_t n = 0; n < S_pad; n += block) { /* block by block; zeros past S */
+            const int64_t seen = S - n < 0 ? 0 : S - n < block ? S - n : block, width = S_pad - n < block ? S_pad - n : block;
+            const int64_t at = seen ? kv_blocks[n / block] * block_stride : 0;
+            pack_keys(k + at + h * k_head, k_tok, seen, width, D, D, kh + n, S_pad);
+            pack_values(v + at + h * v_head, v_tok, seen, width, D, D, vh + (n / 2) * D);
+        }
     }
     const int64_t blocks = (T + ABQ - 1) / ABQ;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
@@ -211,22 +224,24 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
 }
 #undef rn
 
-/* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
- * heads of a key/value head read its keys and values once. q: [B][H][D]; keys/values: row
- * rows[b], head h, position j at rows[b]*row_stride + h*head_stride + j*D; it attends to its
- * first lengths[b] positions; out: [B][H][D]. Scores and softmax in float32. */
+/* One new query per row against the paged KV cache (decoding), grouped-query: the G = H/Hkv
+ * query heads of a key/value head read its keys and values once. q: [B][H][D]; batch row b's
+ * position j, head h at table[b*table_stride + j/block]*block_stride + h*head_stride +
+ * (j%block)*D; it attends to its first lengths[b] positions; out: [B][H][D]. Scores and
+ * softmax in float32. */
 static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
-                                 int64_t row_stride, int64_t head_stride, int64_t B, int64_t H, int64_t Hkv,
-                                 const int64_t* rows, const int64_t* lengths, int64_t D, uint16_t* out,
-                                 int threads) {
+                                 const int64_t* table, int64_t table_stride, int64_t block, int64_t block_stride,
+                                 int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* lengths,
+                                 int64_t D, uint16_t* out, int threads) {
     const int64_t G = H / Hkv;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D);
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, h = item % Hkv;
-        const uint16_t* kh = keys + rows[b] * row_stride + h * head_stride;
-        const uint16_t* vh = values + rows[b] * row_stride + h * head_stride;
+        const uint16_t* kh = keys + h * head_stride;
+        const uint16_t* vh = values + h * head_stride;
+        const int64_t* tb = table + b * table_stride;
         const int64_t L = lengths[b];
         float* sc = malloc((size_t)(G * L) * sizeof(float));
         if (!sc) {
@@ -240,13 +255,17 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
             for (int c = 0; c < nq; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
             float* sg = sc + g * L;
             float top = -1e30f;
-            for (int64_t j = 0; j < L; j++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int c = 0; c < nq; c++)
-                    acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kh + j * D + 32 * c));
-                float v = _mm512_reduce_add_ps(acc) * scale2;
-                sg[j] = v;
-                top = v > top ? v : top;
+            for (int64_t j0 = 0; j0 < L; j0 += block) {
+                const uint16_t* kb = kh + tb[j0 / block] * block_stride;
+                const int64_t n = L - j0 < block ? L - j0 : block;
+                for (int64_t i = 0; i < n; i++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int c = 0; c < nq; c++)
+                        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kb + i * D + 32 * c));
+                    float v = _mm512_reduce_add_ps(acc) * scale2;
+                    sg[j0 + i] = v;
+                    top = v > top ? v : top;
+                }
             }
             float sum = 0.f;
             int64_t j = 0;
@@ -271,8 +290,9 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
         for (int64_t g = 0; g < G; g++)
             for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < L; j++) {
+            const uint16_t* vj = vh + tb[j / block] * block_stride + (j % block) * D;
             __m512 vr[8];
-            for (int c = 0; c < 2 * nq; c++) vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vh + j * D + 16 * c)));
+            for (int c = 0; c < 2 * nq; c++) vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vj + 16 * c)));
             for (int64_t g = 0; g < G; g++) {
                 __m512 pj = _mm512_set1_ps(sc[g * L + j]);
                 for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_fmadd_ps(pj, vr[c], acc[g][c]);
@@ -293,9 +313,11 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
 #else
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
-                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, int threads) {
+                  int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, const int64_t* kv_blocks,
+                  int64_t block, int64_t block_stride, int threads) {
     (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)Hkv, (void)D, (void)q_tok, (void)q_head,
-        (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)causal, (void)threads;
+        (void)k_tok, (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)causal, (void)kv_blocks,
+        (void)block, (void)block_stride, (void)threads;
     return -2;
 }
 
@@ -325,26 +347,31 @@ static inline float exp2_poly(float x) {
     return p;
 }
 
-/* The float kernel for one (row, key/value head): its G query heads over L cached positions,
- * keys and values of dtype dt (constant after inlining, so both loops vectorise). */
+/* The float kernel for one (row, key/value head): its G query heads over L cached positions
+ * in blocks (position j at kh + tb[j/block]*block_stride + (j%block)*D elements, likewise vh),
+ * keys and values of dtype dt (constant after inlining, so the inner loops vectorise). */
 static inline __attribute__((always_inline)) void decode_head_float(
-    const float* qf, const void* kh, const void* vh, int64_t G, int64_t L, int64_t D, float scale2, float* sc,
-    float* acc, const int dt) {
-    for (int64_t j = 0; j < L; j++) { /* each key row is read once for the G query heads */
-        for (int64_t g = 0; g < G; g++) {
-            const float* qg = qf + g * D;
-            float s = 0.f;
-            if (dt == BF16) {
-                const uint16_t* kr = (const uint16_t*)kh + j * D;
+    const float* qf, const char* kh, const char* vh, const int64_t* tb, int64_t block, int64_t block_stride,
+    int64_t G, int64_t L, int64_t D, float scale2, float* sc, float* acc, const int dt) {
+    const size_t es = dt == BF16 ? 2 : 4;
+    for (int64_t j0 = 0; j0 < L; j0 += block) { /* each key row is read once for the G query heads */
+        const char* kb = kh + tb[j0 / block] * block_stride * es;
+        const int64_t n = L - j0 < block ? L - j0 : block;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t g = 0; g < G; g++) {
+                const float* qg = qf + g * D;
+                float s = 0.f;
+                if (dt == BF16) {
+                    const uint16_t* kr = (const uint16_t*)kb + i * D;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qg[d] * bf16_to_f32(kr[d]);
-            } else {
-                const float* kr = (const float*)kh + j * D;
+                    for (int64_t d = 0; d < D; d++) s += qg[d] * bf16_to_f32(kr[d]);
+                } else {
+                    const float* kr = (const float*)kb + i * D;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qg[d] * kr[d];
+                    for (int64_t d = 0; d < D; d++) s += qg[d] * kr[d];
+                }
+                sc[g * L + j0 + i] = s * scale2;
             }
-            sc[g * L + j] = s * scale2;
-        }
     }
     for (int64_t g = 0; g < G; g++) {
         float* sg = sc + g * L;
@@ -361,26 +388,30 @@ static inline __attribute__((always_inline)) void decode_head_float(
         for (int64_t j = 0; j < L; j++) sg[j] *= inv;
     }
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t j = 0; j < L; j++) {
-        for (int64_t g = 0; g < G; g++) {
-            const float p = sc[g * L + j];
-            float* ag = acc + g * D;
-            if (dt == BF16) {
-                const uint16_t* vr = (const uint16_t*)vh + j * D;
+    for (int64_t j0 = 0; j0 < L; j0 += block) {
+        const char* vb = vh + tb[j0 / block] * block_stride * es;
+        const int64_t n = L - j0 < block ? L - j0 : block;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t g = 0; g < G; g++) {
+                const float p = sc[g * L + j0 + i];
+                float* ag = acc + g * D;
+                if (dt == BF16) {
+                    const uint16_t* vr = (const uint16_t*)vb + i * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ag[d] += p * bf16_to_f32(vr[d]);
-            } else {
-                const float* vr = (const float*)vh + j * D;
+                    for (int64_t d = 0; d < D; d++) ag[d] += p * bf16_to_f32(vr[d]);
+                } else {
+                    const float* vr = (const float*)vb + i * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ag[d] += p * vr[d];
+                    for (int64_t d = 0; d < D; d++) ag[d] += p * vr[d];
+                }
             }
-        }
     }
 }
 
-static int decode_attention_float(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
-                                  int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
-                                  const int64_t* lengths, int64_t D, void* out, int threads) {
+static int decode_attention_float(const void* q, const void* keys, const void* values, int dt, const int64_t* table,
+                                  int64_t table_stride, int64_t block, int64_t block_stride, int64_t head_stride,
+                                  int64_t B, int64_t H, int64_t Hkv, const int64_t* lengths, int64_t D, void* out,
+                                  int threads) {
     const int64_t G = H / Hkv;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D);
     const size_t esize = dt == BF16 ? 2 : 4;
@@ -388,8 +419,9 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, h = item % Hkv;
-        const char* kh = (const char*)keys + (rows[b] * row_stride + h * head_stride) * esize;
-        const char* vh = (const char*)values + (rows[b] * row_stride + h * head_stride) * esize;
+        const char* kh = (const char*)keys + h * head_stride * esize;
+        const char* vh = (const char*)values + h * head_stride * esize;
+        const int64_t* tb = table + b * table_stride;
         const int64_t L = lengths[b];
         float* buf = malloc((size_t)(G * L + 2 * G * D) * sizeof(float));
         if (!buf) {
@@ -399,32 +431,32 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
         float *sc = buf, *qf = buf + G * L, *acc = qf + G * D;
         for (int64_t i = 0; i < G * D; i++) qf[i] = get(q, dt, (b * H + h * G) * D + i);
         if (dt == BF16)
-            decode_head_float(qf, kh, vh, G, L, D, scale2, sc, acc, BF16);
+            decode_head_float(qf, kh, vh, tb, block, block_stride, G, L, D, scale2, sc, acc, BF16);
         else
-            decode_head_float(qf, kh, vh, G, L, D, scale2, sc, acc, F32);
+            decode_head_float(qf, kh, vh, tb, block, block_stride, G, L, D, scale2, sc, acc, F32);
         for (int64_t i = 0; i < G * D; i++) put(out, dt, (b * H + h * G) * D + i, acc[i]);
         free(buf);
     }
     return failed ? -1 : 0;
 }
 
-/* One new query per row against the KV cache (decoding), grouped-query: the G = H/Hkv query
- * heads of a key/value head read its keys and values once. q: [B][H][D]; batch row b reads
- * cache row rows[b]: head h, position j at rows[b]*row_stride + h*head_stride + j*D (elements),
- * its first lengths[b] >= 1 positions only (a row's result does not depend on the other rows);
- * out: [B][H][D]; all of dtype dt. Scores and softmax in float32. Returns 0, -1 when out of
- * memory, -2 for unsupported shapes. */
-int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
-                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
-                         const int64_t* lengths, int64_t D, void* out, int threads) {
-    if (D % 32 != 0 || D > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -2;
+/* One new query per row against the paged KV cache (decoding), grouped-query: the G = H/Hkv
+ * query heads of a key/value head read its keys and values once. q: [B][H][D]; batch row b's
+ * position j, head h at table[b*table_stride + j/block]*block_stride + h*head_stride +
+ * (j%block)*D (elements); it reads its first lengths[b] >= 1 positions only (a row's result
+ * does not depend on the other rows); out: [B][H][D]; all of dtype dt. Scores and softmax in
+ * float32. Returns 0, -1 when out of memory, -2 for unsupported shapes. */
+int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, const int64_t* table,
+                         int64_t table_stride, int64_t block, int64_t block_stride, int64_t head_stride, int64_t B,
+                         int64_t H, int64_t Hkv, const int64_t* lengths, int64_t D, void* out, int threads) {
+    if (D % 32 != 0 || D > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16 || block < 1) return -2;
     for (int64_t b = 0; b < B; b++)
         if (lengths[b] < 1) return -2;
 #ifdef QVL_BF16_ATTENTION
     if (dt == BF16)
-        return decode_attention_bf16(q, keys, values, row_stride, head_stride, B, H, Hkv, rows, lengths, D, out,
-                                     threads);
+        return decode_attention_bf16(q, keys, values, table, table_stride, block, block_stride, head_stride, B, H,
+                                     Hkv, lengths, D, out, threads);
 #endif
-    return decode_attention_float(q, keys, values, dt, row_stride, head_stride, B, H, Hkv, rows, lengths, D, out,
-                                  threads);
+    return decode_attention_float(q, keys, values, dt, table, table_stride, block, block_stride, head_stride, B, H,
+                                  Hkv, lengths, D, out, threads);
 }

@@ -135,11 +135,12 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-/* One head's keys as pairs kh [DP/2][S_pad] (k[n][2p], k[n][2p+1]): the B tiles of amx.c's
- * scores and the operand of attention.c's dot products. 16 keys by 16 pairs at a time,
- * transposed in registers; zero past S and past D. S_pad % 16 == 0, DP % 32 == 0, kh 64-aligned. */
+/* One head's keys as pairs kh [DP/2][kh_stride] (k[n][2p], k[n][2p+1]) in columns 0..S_pad:
+ * the B tiles of amx.c's scores and the operand of attention.c's dot products (which packs a
+ * paged cache block by block into one kh). 16 keys by 16 pairs at a time, transposed in
+ * registers; zero past S and past D. S_pad % 16 == 0, DP % 32 == 0. */
 static inline void pack_keys(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DP,
-                      uint32_t* kh) {
+                      uint32_t* kh, int64_t kh_stride) {
     for (int64_t n = 0; n < S_pad; n += 16)
         for (int64_t p = 0; p < DP / 2; p += 16) {
             const int64_t pairs = D / 2 - p; /* valid pairs in this block */
@@ -149,7 +150,7 @@ static inline void pack_keys(const uint16_t* k, int64_t k_tok, int64_t S, int64_
                 r[i] = n + i < S ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(m, k + (n + i) * k_tok + 2 * p))
                                  : _mm512_setzero_ps();
             transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_store_ps((float*)(kh + (p + j) * S_pad + n), r[j]);
+            for (int j = 0; j < 16; j++) _mm512_storeu_ps((float*)(kh + (p + j) * kh_stride + n), r[j]);
         }
 }
 
@@ -240,9 +241,9 @@ typedef struct {
 /* Entry points shared between the files (each defined once). */
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                const void* zero, int64_t gs, const void* bias, void* y, int threads);
-int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, int64_t row_stride,
-                         int64_t head_stride, int64_t B, int64_t H, int64_t Hkv, const int64_t* rows,
-                         const int64_t* lengths, int64_t D, void* out, int threads);
+int qvl_decode_attention(const void* q, const void* keys, const void* values, int dt, const int64_t* table,
+                         int64_t table_stride, int64_t block, int64_t block_stride, int64_t head_stride, int64_t B,
+                         int64_t H, int64_t Hkv, const int64_t* lengths, int64_t D, void* out, int threads);
 void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 int qvl_features(void);
@@ -259,7 +260,7 @@ void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero
                     int dt, void* out, int threads);
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
                       int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
-                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride,
-                      const int64_t* rows, const int64_t* slots, int threads);
+                      void* values, int64_t layer_stride, const int64_t* table, int64_t table_stride, int64_t block,
+                      int64_t block_stride, int64_t head_stride, const int64_t* slots, int threads);
 
 #endif

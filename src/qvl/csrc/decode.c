@@ -244,16 +244,17 @@ static void add_into(void* x, const void* a, int dt, int64_t n) { /* one loop pe
 /* One decode step (one new token per row) through all decoder layers, in place on the
  * hidden states x [B][D] of dtype dt (bf16 or float32; weights' scales, norms, cos/sin and
  * the cache share it): per layer RMSNorm, q/k/v, per-head q/k norms, RoPE (cos/sin [B][hd]),
- * the new keys/values of batch row b written into cache row rows[b] at position slots[b]
- * (layer l, cache row r, head h, position j at l*layer_stride + r*row_stride + h*head_stride +
- * j*hd elements), attention of row b over its positions 0..slots[b], o_proj + residual,
+ * the new keys/values of batch row b written at its position slots[b] of the paged cache
+ * (layer l, position j of row b, head h at l*layer_stride + table[b*table_stride + j/block] *
+ * block_stride + h*head_stride + (j%block)*hd elements), attention of row b over its
+ * positions 0..slots[b], o_proj + residual,
  * RMSNorm, SwiGLU MLP (or the layer's mixture of experts) + residual. Returns 0, -1 when out of memory, -2 for shapes the decode attention does
  * not take (before anything is written). */
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
                       int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
-                      void* values, int64_t layer_stride, int64_t row_stride, int64_t head_stride,
-                      const int64_t* rows, const int64_t* slots, int threads) {
-    if (hd % 32 != 0 || hd > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16) return -2;
+                      void* values, int64_t layer_stride, const int64_t* table, int64_t table_stride, int64_t block,
+                      int64_t block_stride, int64_t head_stride, const int64_t* slots, int threads) {
+    if (hd % 32 != 0 || hd > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16 || block < 1) return -2;
     const size_t es = dt == BF16 ? 2 : 4;
     const int64_t qn = B * H * hd, kn = B * Hkv * hd;
     int64_t* lengths = malloc((size_t)B * sizeof(int64_t));
@@ -282,13 +283,14 @@ int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt,
             text_rope(k + b * Hkv * hd * es, dt, Hkv, hd, (const char*)cos + b * hd * es,
                       (const char*)sin + b * hd * es);
             for (int64_t h = 0; h < Hkv; h++) {
-                int64_t at = (rows[b] * row_stride + h * head_stride + slots[b] * hd) * es;
+                int64_t at = (table[b * table_stride + slots[b] / block] * block_stride + h * head_stride +
+                              slots[b] % block * hd) * es;
                 memcpy(kc + at, k + (b * Hkv + h) * hd * es, (size_t)hd * es);
                 memcpy(vc + at, v + (b * Hkv + h) * hd * es, (size_t)hd * es);
             }
         }
-        status = qvl_decode_attention(q, kc, vc, dt, row_stride, head_stride, B, H, Hkv, rows, lengths, hd, att,
-                                      threads);
+        status = qvl_decode_attention(q, kc, vc, dt, table, table_stride, block, block_stride, head_stride, B, H, Hkv,
+                                      lengths, hd, att, threads);
         if (status || layer_linear(&L->o, att, dt, B, a, threads)) {
             status = status ? status : -1;
             break;

@@ -10,7 +10,7 @@ from torch import nn
 from qvl import native
 from qvl.dispatch import kernels
 from qvl.config import TextConfig
-from qvl.kv_cache import KVCache
+from qvl.kv_cache import BLOCK, KVCache
 from qvl.model.rope import apply_rotary
 
 
@@ -33,31 +33,30 @@ def causal_mask(start: int, length: int) -> torch.Tensor:
     return (torch.arange(start + length)[None, :] <= q)[None, None]
 
 
-def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int | torch.Tensor,
-                    rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of new queries over the cache (GQA). start an int: q [B, H, T, hd] at
-    positions start..start+T over keys/values [B, H_kv, start+T, hd]. start [B] slots (one
-    query per row, T = 1) over keys/values [R, H_kv, S, hd]: batch row b attends to the first
-    start[b]+1 keys of cache row rows[b] (default b) only, so its result is the same whatever
-    the other rows hold. The native kernels run where they apply: one query per row
-    (decoding) over the cache, and causal prefill of one row (bf16); torch's SDPA spends
-    ~3.5 ms per layer on one query at 2k positions."""
+def cache_attention(q: torch.Tensor, cache: KVCache, layer: int, start: int | torch.Tensor) -> torch.Tensor:
+    """Causal attention of new queries over the paged cache (GQA), whose rows already hold
+    their keys and values. start an int: q [B, H, T, hd] at positions start..start+T of each
+    row. start [B] (one query per row, T = 1): row b's query at position start[b] attends to
+    its first start[b]+1 positions only, so its result is the same whatever the other rows
+    hold. The native kernels read through the block tables where they apply: one query per
+    row (decoding), and causal prefill of one row (bf16); elsewhere the rows' keys are gathered
+    for torch's SDPA."""
     b, _, t, _ = q.shape
     k, out = kernels(), None
-    lengths = start + 1 if isinstance(start, torch.Tensor) else torch.full((b,), start + 1)
-    rows = torch.arange(b) if rows is None else rows
+    keys, values = cache.pool.keys[layer], cache.pool.values[layer]
     if t == 1 and k.decode_attention(q.dtype):
-        out = native.decode_attention(k.lib, q, keys, values, rows, lengths)
+        lengths = start + 1 if isinstance(start, torch.Tensor) else torch.full((b,), start + 1)
+        out = native.decode_attention(k.lib, q, keys, values, cache.table, lengths)
     elif b == 1 and t > 1 and k.flash_attention(q.dtype):
-        out = native.attention(k.lib, q[0].transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1),
-                               start)
+        out = native.paged_attention(k.lib, q[0].transpose(0, 1), keys, values, cache.table[0], start)
         out = None if out is None else out.transpose(0, 1)[None]
     if out is not None:
         return out
-    if t == 1:  # row by row over its own keys: nothing of another row enters its sums
-        return torch.cat([F.scaled_dot_product_attention(q[i : i + 1], keys[r : r + 1, :, :n], values[r : r + 1, :, :n],
+    if t == 1 and isinstance(start, torch.Tensor):  # row by row over its own keys: nothing of another row enters
+        return torch.cat([F.scaled_dot_product_attention(q[i : i + 1], *cache.row(i).gather(layer, n + 1),
                                                          enable_gqa=True)
-                          for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist()))])
+                          for i, n in enumerate(start.tolist())])
+    keys, values = cache.gather(layer, start + t)
     mask = causal_mask(start, t) if start > 0 else None  # SDPA's is_causal aligns the diagonal top-left
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
@@ -86,16 +85,15 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int | torch.Tensor,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] slots of cache rows `rows` (T = 1)
+        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] positions of the cache's rows (T = 1)
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        keys, values = cache.update(self.layer, start, k, v, rows)
-        out = cache_attention(q, keys, values, start, rows)
+        cache.write(self.layer, start, k, v)
+        out = cache_attention(q, cache, self.layer, start)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -164,8 +162,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, start, rows=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start, rows)
+    def forward(self, x, cos, sin, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,22 +185,20 @@ class TextModel(nn.Module):
         start: int | torch.Tensor,
         visual_mask: torch.Tensor | None = None,
         deepstack: list[torch.Tensor] | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """h: [B, T, D] embeddings written at slots start..start+T of the cache's B rows
-        (start an int), or one token per row (T = 1) at slots start[b] of cache rows rows[b]
-        ([B] long each; rows default to 0..B-1: rows of different lengths, any subset of the
-        cache's rows); cos/sin: [B, 1, T, hd]; visual_mask: [B, T] image positions receiving
-        deepstack[i] ([n_visual, D]) after layer i. Returns final-normed hidden states
-        [B, T, D]. The caller owns the rows' lengths: nothing here counts them."""
+        """h: [B, T, D] embeddings written at positions start..start+T of the cache's B rows
+        (start an int), or one token per row (T = 1) at position start[b] of row b ([B] long:
+        rows of different lengths); cos/sin: [B, 1, T, hd]; visual_mask: [B, T] image positions
+        receiving deepstack[i] ([n_visual, D]) after layer i. Returns final-normed hidden
+        states [B, T, D]. The caller owns the rows' lengths: nothing here counts them."""
         if h.shape[1] == 1 and deepstack is None and (k := kernels()).decode_step(h.dtype):
             b = h.shape[0]
             slots = start if isinstance(start, torch.Tensor) else torch.full((b,), start)
-            out = self.decode_native(k.lib, h, cos, sin, cache, torch.arange(b) if rows is None else rows, slots)
+            out = self.decode_native(k.lib, h, cos, sin, cache, slots)
             if out is not None:
                 return self.norm(out)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, start, rows)
+            h = layer(h, cos, sin, cache, start)
             if deepstack is not None and i < len(deepstack):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
         return self.norm(h)
@@ -217,7 +213,7 @@ class TextModel(nn.Module):
         return bool(self._native_layers) and kernels().decode_step(self._native_layers.dtype)
 
     def decode_native(self, lib, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                      rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+                      slots: torch.Tensor) -> torch.Tensor | None:
         """A decode step (h: [B, 1, D] bf16 or float32, B <= the GEMV row limit, so that the per-op path
         runs the same kernels) through every layer in one native call: the same kernels and
         roundings without the per-op path's ~8 ms of per-token overhead. None when the
@@ -227,15 +223,17 @@ class TextModel(nn.Module):
             self._native_layers = self._layer_args()
         if self._native_layers is False or h.dtype != self._native_layers.dtype or b > native.GEMV_MAX_ROWS:
             return None
-        shape = (cfg.num_hidden_layers, cache.keys.shape[1], cfg.num_key_value_heads, cache.capacity, cfg.head_dim)
-        if cache.keys.dtype != h.dtype or tuple(cache.keys.shape) != shape or cos.dtype != h.dtype:
+        pool = cache.pool
+        shape = (cfg.num_hidden_layers, pool.blocks, cfg.num_key_value_heads, BLOCK, cfg.head_dim)
+        if pool.keys.dtype != h.dtype or tuple(pool.keys.shape) != shape or cos.dtype != h.dtype:
             return None
-        if cos.numel() != b * cfg.head_dim or slots.shape != (b,) or rows.shape != (b,):
+        if cos.numel() != b * cfg.head_dim or slots.shape != (b,) or cache.table.shape[0] != b:
             return None
-        cache.check_room(int(slots.max()) + 1)  # the kernel writes at the slots unchecked
-        if int(rows.min()) < 0 or int(rows.max()) >= cache.keys.shape[1]:
-            raise IndexError(f"decode step: cache rows {rows.tolist()} outside 0..{cache.keys.shape[1] - 1}")
-        return native.decode_layers(lib, self._native_layers, h, cos, sin, cache.keys, cache.values, rows, slots,
+        cache.locate(slots, 1)  # raises past a row's blocks: the kernel writes at the slots unchecked
+        held = torch.arange(cache.table.shape[1])[None] <= (slots // BLOCK)[:, None]  # the blocks it reads
+        if bool(((cache.table < 0) & held).any()) or int(cache.table.max()) >= pool.blocks:
+            raise IndexError("decode step: a block table entry outside the pool")
+        return native.decode_layers(lib, self._native_layers, h, cos, sin, cache, slots,
                                     heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                     intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps)
 

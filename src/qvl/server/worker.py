@@ -225,7 +225,9 @@ class Worker:
                 log.exception("scheduler step failed")
             if (now := time.monotonic()) - last_status >= STATUS_EVERY_S:
                 stats = self.scheduler.stats()
-                log.info("running %d/%d, waiting %d, %.1f tokens/s, KV cache %.0f MB filled",
+                log.info("running %d/%d, waiting %d, %.1f tokens/s, KV pool %.0f of %.0f MB held "
+                         "(%.0f MB prefix cache), %d preemptions",
                          stats["running"], self.scheduler.max_batch, stats["waiting"],
-                         (stats["tokens"] - tokens) / (now - last_status), stats["kv_filled_bytes"] / 2**20)
+                         (stats["tokens"] - tokens) / (now - last_status), stats["kv_held_bytes"] / 2**20,
+                         stats["kv_budget_bytes"] / 2**20, stats["kv_prefix_bytes"] / 2**20, stats["preemptions"])
                 last_status, tokens = now, stats["tokens"]
