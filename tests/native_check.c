@@ -135,16 +135,16 @@ static void test_decode_attention(void) {
         kb[i] = f32_to_bf16(keys[i] = frand() * 2);
         vb[i] = f32_to_bf16(values[i] = frand());
     }
-    const int64_t row = 0;
+    const int64_t table = 0; /* one block of CAP positions */
     for (int64_t L = 37; L > 0; L -= 18) { /* a row attends to its own first L positions */
         reference_attention(q, keys, values, H, HKV, (int)L, CAP, D, ref);
-        qvl_decode_attention(q, keys, values, F32, HKV * CAP * D, CAP * D, 1, H, HKV, &row, &L, D, out, 2);
+        qvl_decode_attention(q, keys, values, F32, &table, 1, CAP, HKV * CAP * D, CAP * D, 1, H, HKV, &L, D, out, 2);
         check("decode attention f32", out, ref, H * D, 1e-4f);
         float kf[HKV * CAP * D], vf[HKV * CAP * D], qf[H * D];
         for (int i = 0; i < HKV * CAP * D; i++) kf[i] = bf16_to_f32(kb[i]), vf[i] = bf16_to_f32(vb[i]);
         for (int i = 0; i < H * D; i++) qf[i] = bf16_to_f32(qb[i]);
         reference_attention(qf, kf, vf, H, HKV, (int)L, CAP, D, ref);
-        qvl_decode_attention(qb, kb, vb, BF16, HKV * CAP * D, CAP * D, 1, H, HKV, &row, &L, D, ob, 2);
+        qvl_decode_attention(qb, kb, vb, BF16, &table, 1, CAP, HKV * CAP * D, CAP * D, 1, H, HKV, &L, D, ob, 2);
         for (int i = 0; i < H * D; i++) out[i] = bf16_to_f32(ob[i]);
         check("decode attention bf16", out, ref, H * D, 2e-2f);
     }
@@ -204,9 +204,9 @@ static void test_decode_layers(void) {
     }
     for (int i = 0; i < DD; i++) x[i] = rx[i] = frand();
     for (int i = 0; i < DHD; i++) cos[i] = cosf(0.3f * i), sin[i] = sinf(0.3f * i);
-    const int64_t row = 0, slot = DPOS;
+    const int64_t table = 0, slot = DPOS; /* one block of DCAP positions per layer */
     int status = qvl_decode_layers(layers, DL, x, F32, 1, DD, DH, DKV, DHD, DI, 1e-6f, cos, sin, keys, values,
-                                   DKV * DCAP * DHD, DKV * DCAP * DHD, DCAP * DHD, &row, &slot, 2);
+                                   DKV * DCAP * DHD, &table, 1, DCAP, DKV * DCAP * DHD, DCAP * DHD, &slot, 2);
     if (status != 0) {
         printf("FAIL decode layers returned %d\n", status);
         failures++;

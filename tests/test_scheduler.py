@@ -263,14 +263,15 @@ def client_n(tiny_engine):
         yield c
 
 
-def _pool_engine(checkpoint, blocks: int, **kw) -> Engine:
-    """An uncached int8 engine (float32 compute) whose KV pool holds `blocks` blocks."""
+def _pool_engine(checkpoint, blocks: int, dtype: str = "fp32") -> Engine:
+    """An uncached int8 engine (float32 compute, or the default's) whose KV pool holds `blocks` blocks."""
     from qvl.kv_cache import BLOCK
     from qvl.scheduler import kv_bytes_per_position
 
-    probe = uncached(checkpoint, weights="int8", dtype="fp32", kv_cache_mb=1)
+    kw = {"dtype": dtype} if dtype == "fp32" else {}
+    probe = uncached(checkpoint, weights="int8", kv_cache_mb=1, **kw)
     mb = blocks * BLOCK * kv_bytes_per_position(probe.model) / 2**20
-    return uncached(checkpoint, weights="int8", dtype="fp32", kv_cache_mb=mb, **kw)
+    return uncached(checkpoint, weights="int8", kv_cache_mb=mb, **kw)
 
 
 def _run_all(engine: Engine, reqs: list[Request]) -> tuple[list[list], int]:
@@ -309,8 +310,8 @@ def test_a_small_kv_pool_makes_requests_wait_then_complete(tiny_checkpoint):
     assert info.value.param == "max_tokens"
 
 
-@pytest.mark.parametrize("seeded", [False, True])
-def test_a_full_pool_preempts_the_newest_and_recomputes_it_to_the_same_tokens(tiny_checkpoint, seeded):
+@pytest.mark.parametrize("seeded,dtype", [(False, "fp32"), (True, "fp32"), (True, "default")])
+def test_a_full_pool_preempts_the_newest_and_recomputes_it_to_the_same_tokens(tiny_checkpoint, seeded, dtype):
     """Two requests whose prompts fit together but whose answers do not: the newer is taken
     out when the older needs a block, waits, is prefilled again and replays its tokens; every
     request ends with the tokens it gives alone, its streamed text adds up to its answer (no
@@ -324,7 +325,7 @@ def test_a_full_pool_preempts_the_newest_and_recomputes_it_to_the_same_tokens(ti
     lengths = [len(probe.parse(r).ids) for r in reqs]
     whole = max(blocks_for(n + params.max_new_tokens) for n in lengths)
     assert sum(blocks_for(n) for n in lengths) <= whole + 1 < 2 * whole
-    engine = _pool_engine(tiny_checkpoint, whole + 1)
+    engine = _pool_engine(tiny_checkpoint, whole + 1, dtype)
     alone = [engine.generate(r).token_ids for r in reqs]
     events, most = _run_all(engine, reqs)
     assert most == 2 and engine.scheduler.preemptions >= 1

@@ -164,17 +164,21 @@ def _reference_decode_attention(q, keys, values, length):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention(tier_lib, dtype):
-    """Rows of different lengths, read through a row table (the scheduler's rows in any order)."""
+    """Rows of different lengths, read through their block tables (blocks anywhere in the pool)."""
+    from qvl.kv_cache import BLOCK
+
     tier, lib = tier_lib
     torch.manual_seed(2)
-    b, h, hkv, d, cap = 2, 8, 2, 128, 40
+    b, h, hkv, d = 2, 8, 2, 128
     q = torch.randn(b, h, 1, d).to(dtype)
-    cache_k, cache_v = torch.randn(3, hkv, cap, d).to(dtype), torch.randn(3, hkv, cap, d).to(dtype)
-    rows, lengths = torch.tensor([2, 0]), torch.tensor([33, 7])
-    out = native.decode_attention(lib, q, cache_k, cache_v, rows, lengths)
+    pool_k, pool_v = torch.randn(9, hkv, BLOCK, d).to(dtype), torch.randn(9, hkv, BLOCK, d).to(dtype)
+    table, lengths = torch.tensor([[7, 2, 5], [4, -1, -1]]), torch.tensor([33, 7])
+    out = native.decode_attention(lib, q, pool_k, pool_v, table, lengths)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for i, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
-        ref = _reference_decode_attention(q[i : i + 1, :, 0], cache_k[r : r + 1], cache_v[r : r + 1], n)
+    for i, n in enumerate(lengths.tolist()):
+        blocks = table[i][table[i] >= 0]
+        cache_k, cache_v = (x[blocks].transpose(0, 1).flatten(1, 2)[None] for x in (pool_k, pool_v))
+        ref = _reference_decode_attention(q[i : i + 1, :, 0], cache_k, cache_v, n)
         torch.testing.assert_close(out[i : i + 1, :, 0].float(), ref, atol=tol, rtol=tol, msg=tier.name)
 
 

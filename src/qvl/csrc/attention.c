@@ -289,13 +289,17 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
         __m512 acc[16][8];
         for (int64_t g = 0; g < G; g++)
             for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; j++) {
-            const uint16_t* vj = vh + tb[j / block] * block_stride + (j % block) * D;
-            __m512 vr[8];
-            for (int c = 0; c < 2 * nq; c++) vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vj + 16 * c)));
-            for (int64_t g = 0; g < G; g++) {
-                __m512 pj = _mm512_set1_ps(sc[g * L + j]);
-                for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_fmadd_ps(pj, vr[c], acc[g][c]);
+        for (int64_t j0 = 0; j0 < L; j0 += block) {
+            const uint16_t* vb = vh + tb[j0 / block] * block_stride;
+            const int64_t n = L - j0 < block ? L - j0 : block;
+            for (int64_t i = 0; i < n; i++) {
+                __m512 vr[8];
+                for (int c = 0; c < 2 * nq; c++)
+                    vr[c] = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(vb + i * D + 16 * c)));
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 pj = _mm512_set1_ps(sc[g * L + j0 + i]);
+                    for (int c = 0; c < 2 * nq; c++) acc[g][c] = _mm512_fmadd_ps(pj, vr[c], acc[g][c]);
+                }
             }
         }
         for (int64_t g = 0; g < G; g++) {
