@@ -11,6 +11,7 @@ used first out, within its own byte cap) until the pool needs its memory.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import heapq
 from collections import OrderedDict
@@ -25,7 +26,8 @@ BLOCK = 16  # positions per block: a shared prefix wastes at most BLOCK - 1 reco
 
 class KVPool:
     """keys, values: [L, blocks, H_kv, BLOCK, head_dim]. Memory becomes resident only where
-    written; free blocks are handed out lowest first, so the pages in use stay few."""
+    written; released blocks are handed out again (lowest first) before blocks never used, so
+    the pages in use stay few."""
 
     def __init__(self, layers: int, blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  prefix_max_bytes: int = 0):
@@ -34,8 +36,9 @@ class KVPool:
         shape = (layers, blocks, kv_heads, BLOCK, head_dim)
         self.keys = torch.empty(shape, dtype=dtype)
         self.values = torch.empty(shape, dtype=dtype)
-        self.refs = [0] * blocks
-        self.free = list(range(blocks))  # a heap
+        self.refs = array.array("i", bytes(4 * blocks))  # holders per block
+        self.free: list[int] = []  # a heap of released blocks (resident: taken before fresh ones)
+        self.fresh = 0  # blocks fresh..blocks-1 were never handed out
         self.hash_of: dict[int, bytes] = {}  # full blocks whose content is known by prefix hash
         self.by_hash: dict[bytes, int] = {}
         self.unused: OrderedDict[int, None] = OrderedDict()  # hashed blocks no sequence holds, oldest first
@@ -59,7 +62,7 @@ class KVPool:
     @property
     def available(self) -> int:
         """Blocks an allocation may take: free ones and the prefix cache's."""
-        return len(self.free) + len(self.unused)
+        return len(self.free) + self.blocks - self.fresh + len(self.unused)
 
     @property
     def held(self) -> int:
@@ -75,6 +78,8 @@ class KVPool:
         for _ in range(n):
             if self.free:
                 block = heapq.heappop(self.free)
+            elif self.fresh < self.blocks:
+                block, self.fresh = self.fresh, self.fresh + 1
             else:
                 block, _ = self.unused.popitem(last=False)
                 self._forget(block)
