@@ -14,6 +14,9 @@ from __future__ import annotations
 import array
 import hashlib
 import heapq
+import math
+import mmap
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -34,8 +37,7 @@ class KVPool:
         if blocks < 1:
             raise ValueError("a KV pool needs at least one block")
         shape = (layers, blocks, kv_heads, BLOCK, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype)
-        self.values = torch.empty(shape, dtype=dtype)
+        self.keys, self.values = unreserved((2, *shape), dtype).unbind(0)
         self.refs = array.array("i", bytes(4 * blocks))  # holders per block
         self.free: list[int] = []  # a heap of released blocks (resident: taken before fresh ones)
         self.fresh = 0  # blocks fresh..blocks-1 were never handed out
@@ -145,6 +147,20 @@ class KVPool:
     def _count(self) -> None:
         self.stats.entries = len(self.unused)
         self.stats.bytes = len(self.unused) * self.block_bytes
+
+
+def unreserved(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor whose memory becomes resident only where written and is not counted
+    against the system's commit limit (an anonymous MAP_NORESERVE mapping on Linux): a
+    budget-sized pool costs nothing until used, and does not make the process's fork()s fail
+    (with the kernel's overcommit heuristic, a process holding several untouched multi-GB
+    pools could not start a subprocess once Ray had run in it). Elsewhere torch.zeros."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if sys.platform != "linux" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    memory = mmap.mmap(-1, nbytes, flags=flags)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def blocks_for(positions: int) -> int:
