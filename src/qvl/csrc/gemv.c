@@ -572,6 +572,8 @@ typedef struct { /* the activations of one qvl_linear call, in the forms its tie
     const QuantX* q8; /* int4 weights, where the integer path applies */
 } Acts;
 
+#define GEMV_BLOCK 32 /* weight rows a thread takes for every tile of activation rows in turn */
+
 /* out[m] = row n of W . x[m0 + m] for the rows of one tile. */
 static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_t K, int64_t gs, const void* w,
                          const void* sc, const void* zr, int dt, int64_t n, float* out) {
@@ -672,17 +674,24 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         failed = covered < 0;
     }
     if (!failed && !done) {
+        /* weight rows in blocks that stay in L2, each block taken once per tile of activation
+         * rows: a tile's activations stay in L1 (8 rows at K = 2048 would not: 32 KB of codes),
+         * and every product is computed as with one tile */
+        const int64_t blocks = (N - covered + GEMV_BLOCK - 1) / GEMV_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = covered; n < N; n++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = covered + b * GEMV_BLOCK, n1 = n0 + GEMV_BLOCK < N ? n0 + GEMV_BLOCK : N;
             float out[TILE];
             for (int64_t m0 = 0; m0 < M; m0 += TILE) {
                 int64_t mt = M - m0 < TILE ? M - m0 : TILE;
-                row_products(kind, &a, m0, mt, K, gs, w, scale, zero, dt, n, out);
-                for (int64_t m = 0; m < mt; m++) {
-                    float v = out[m];
-                    if (kind == W_INT8) v *= get(scale, dt, n);
-                    if (bias) v += get(bias, dt, n);
-                    put(y, dt, (m0 + m) * N + n, v);
+                for (int64_t n = n0; n < n1; n++) {
+                    row_products(kind, &a, m0, mt, K, gs, w, scale, zero, dt, n, out);
+                    for (int64_t m = 0; m < mt; m++) {
+                        float v = out[m];
+                        if (kind == W_INT8) v *= get(scale, dt, n);
+                        if (bias) v += get(bias, dt, n);
+                        put(y, dt, (m0 + m) * N + n, v);
+                    }
                 }
             }
         }
