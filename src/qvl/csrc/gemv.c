@@ -183,12 +183,14 @@ static inline __attribute__((always_inline)) void dot_float_tile(const float* x,
 /* int8 weights . 16-bit activations (Q16): per 128-column chunk, the weights widened to 16
  * bits once for all the tile's rows, then four vpdpwssd per row: exact integer sums per lane,
  * scaled per chunk in float32. */
+#define INT8_SEGMENTS 16 /* lanes of a row's running sums between chunk ranges */
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
-                                                                const int8_t* w, float* out, const int mt) {
+                                                                const int8_t* w, float* out, int64_t c0,
+                                                                int64_t c1, float* state, const int mt) {
     const int64_t C = K / CHUNK;
     __m512 acc[TILE];
-    for (int m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; c++) {
+    for (int m = 0; m < mt; m++) acc[m] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(state + 16 * m);
+    for (int64_t c = c0; c < c1; c++) {
         __m512i w16[4];
         for (int q = 0; q < 4; q++) w16[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + c * CHUNK + 32 * q)));
         for (int m = 0; m < mt; m++) {
@@ -200,7 +202,12 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(qx->scale[(m0 + m) * C + c]), acc[m]);
         }
     }
-    for (int m = 0; m < mt; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+    for (int m = 0; m < mt; m++) {
+        if (c1 == C)
+            out[m] = _mm512_reduce_add_ps(acc[m]);
+        else
+            _mm512_storeu_ps(state + 16 * m, acc[m]);
+    }
 }
 #endif
 
@@ -285,12 +292,14 @@ static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairw
 #endif
 }
 
+#define INT8_SEGMENTS 8 /* lanes of a row's running sums between chunk ranges */
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
-                                                                const int8_t* w, float* out, const int mt) {
+                                                                const int8_t* w, float* out, int64_t c0,
+                                                                int64_t c1, float* state, const int mt) {
     const int64_t C = K / CHUNK;
     __m256 acc[TILE];
-    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < C; c++) {
+    for (int m = 0; m < mt; m++) acc[m] = c0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * m);
+    for (int64_t c = c0; c < c1; c++) {
         __m256i ia[TILE];
         for (int m = 0; m < mt; m++) ia[m] = _mm256_setzero_si256();
         for (int j = 0; j < CHUNK; j += 16) {
@@ -301,7 +310,12 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
         for (int m = 0; m < mt; m++)
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), _mm256_set1_ps(qx->scale[(m0 + m) * C + c]), acc[m]);
     }
-    for (int m = 0; m < mt; m++) out[m] = hsum256(acc[m]);
+    for (int m = 0; m < mt; m++) {
+        if (c1 == C)
+            out[m] = hsum256(acc[m]);
+        else
+            _mm256_storeu_ps(state + 8 * m, acc[m]);
+    }
 }
 
 /* Integer parts of the int4 products (see int4_rows), as the AVX-512 int4_tile: here the
@@ -593,7 +607,7 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
 #endif
     }
     if (kind == W_INT8 && a->q16) {
-#if defined(QVL_AVX2) || defined(QVL_NEON) || (defined(QVL_AVX512) && defined(__AVX512VNNI__))
+#if defined(QVL_NEON) /* x86 with integer pair products takes int8_segmented instead */
         TILED(mt, dot_int8_tile, a->q16, m0, K, wrow, out)
 #else
         for (int64_t m = 0; m < mt; m++) out[m] = dot_int8_q16(a->q16, m0 + m, K, wrow);
@@ -611,6 +625,49 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
                                   : dot_bf16(xr, wrow, K);
     }
 }
+
+#ifdef INT8_SEGMENTS
+static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, const int8_t* w, float* out,
+                              int64_t c0, int64_t c1, float* state) {
+    TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state)
+}
+
+/* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of GEMV_BLOCK, and for
+ * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
+ * the block taking the range before the next one. A product's
+ * running sums carry over between ranges in `state`, so it is computed exactly as in one pass
+ * (the same sums in the same order, whatever M, K or the tile). */
+static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
+                           const void* scale, const void* bias, int dt, void* y, int threads) {
+    const int64_t C = K / CHUNK;
+    const int64_t blocks = (N - n0 + GEMV_BLOCK - 1) / GEMV_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t first = n0 + b * GEMV_BLOCK, last = first + GEMV_BLOCK < N ? first + GEMV_BLOCK : N;
+        float state[GEMV_BLOCK * TILE * INT8_SEGMENTS], out[TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+            /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
+             * (measured on Zen 4: whole rows stream from memory faster; split, 8 rows at K =
+             * 6144 took 23 ms instead of 33) */
+            const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
+            for (int64_t c0 = 0; c0 < C; c0 += range) {
+                const int64_t c1 = c0 + range < C ? c0 + range : C;
+                for (int64_t n = first; n < last; n++) {
+                    int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1,
+                                      state + (n - first) * TILE * INT8_SEGMENTS);
+                    if (c1 < C) continue;
+                    for (int64_t m = 0; m < mt; m++) {
+                        float v = out[m] * get(scale, dt, n);
+                        if (bias) v += get(bias, dt, n);
+                        put(y, dt, (m0 + m) * N + n, v);
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
 
 /* y[M][N] = x[M][K] . W^T (+ bias), W in one of the layouts above. Returns 0, or -1 when
  * out of memory. */
@@ -673,6 +730,12 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         covered = qvl_int8_amx(q16, scales, M, K, N, (const int8_t*)w, scale, bias, dt, y, threads);
         failed = covered < 0;
     }
+#ifdef INT8_SEGMENTS
+    if (!failed && !done && a.q16) {
+        int8_segmented(&x16, M, K, covered, N, (const int8_t*)w, scale, bias, dt, y, threads);
+        done = 1;
+    }
+#endif
     if (!failed && !done) {
         /* weight rows in blocks that stay in L2, each block taken once per tile of activation
          * rows: a tile's activations stay in L1 (8 rows at K = 2048 would not: 32 KB of codes),
