@@ -371,6 +371,21 @@ def test_rows_share_blocks_n_siblings_and_a_running_prefix(tiny_checkpoint):
     assert pool.held == 0 and pool.stats.bytes > 0  # what is left is prefix cache
 
 
+def test_deterministic_offers_only_whole_chunks_for_reuse(tiny_checkpoint):
+    """--deterministic: of a prompt between one and two prefill chunks long, only the blocks of
+    the whole first chunk become shareable (the rest was computed in a shorter chunk, in other
+    products than a longer prompt's prefill would use)."""
+    from qvl.kv_cache import BLOCK
+    from qvl.scheduler import DETERMINISTIC_CHUNK
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, answer_cache_entries=0,
+                                       deterministic=True, weights="int8", dtype="fp32"))
+    request = Request([{"role": "user", "content": " ".join(["word"] * 200)}], GREEDY)
+    assert DETERMINISTIC_CHUNK + 2 * BLOCK < len(engine.parse(request).ids) < 2 * DETERMINISTIC_CHUNK
+    engine.generate(request)
+    assert len(engine.scheduler.pool.hash_of) == DETERMINISTIC_CHUNK // BLOCK
+
+
 @pytest.mark.parametrize("weights", ["fp32", "default"])
 def test_deterministic_answers_do_not_depend_on_slices_or_reused_prefixes(tiny_checkpoint, weights):
     """--deterministic: a request that reuses another's prefix (same photo, other question), a

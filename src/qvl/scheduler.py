@@ -227,7 +227,7 @@ class Scheduler:
             shared = self._shared_prefix(seq)
             rows = seq.rows if seq.text is not None else seq.params.n
             taken = sum(1 for b in shared if self.pool.refs[b] == 0)  # leave the prefix cache when shared
-            need = blocks_for(len(seq.parsed.ids)) - len(shared)
+            need = blocks_for(len(seq.parsed.ids) + len(seq.replay)) - len(shared)  # a preempted one replays too
             growing = sum(1 for s in self.running if not s.prefilling)
             if self._rows_used() + rows > self.max_batch or self.pool.available - taken < need + growing:
                 return False
@@ -406,7 +406,6 @@ class Scheduler:
         if seq.rows == 1:
             return
         for index in range(1, seq.rows):
-            self.pool.share(seq.blocks)
             timings = Timings(parse_ms=seq.timings.parse_ms, vision_ms=seq.timings.vision_ms,
                               cached=dict(seq.timings.cached), reused_tokens=seq.timings.reused_tokens)
             params = seq.params
@@ -418,6 +417,7 @@ class Scheduler:
                                generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index),
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = self._text_stream(seq, timings, index)
+            self.pool.share(seq.blocks)  # once the sibling exists: nothing can fail between
             self.running.insert(self.running.index(seq) + index, sibling)
         seq.rows = 1
 
@@ -430,7 +430,7 @@ class Scheduler:
         out); feed them through one decode step together."""
         fed: list[tuple[Sequence, int]] = []
         self.last_rows = len(seqs)
-        self.tokens += len(seqs)
+        self.tokens += sum(not s.replay for s in seqs)  # replayed tokens were counted the first time
         for seq in seqs:
             if seq.cancel is not None and seq.cancel():
                 self._retire(seq, Cancelled())
@@ -513,10 +513,16 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _register(self, seq: Sequence, digests: list[bytes]) -> None:
-        """Offer its full blocks covered by `digests` (and filled) for sharing."""
-        for i in range(seq.hashed, min(seq.filled // BLOCK, len(digests), len(seq.blocks))):
+        """Offer its full blocks covered by `digests` (and filled) for sharing; with
+        --deterministic only those of whole prefill chunks (a prompt's last, shorter chunk is
+        computed in other products than the same tokens inside a whole chunk)."""
+        end = seq.filled
+        if self.engine.options.deterministic:
+            end = end // DETERMINISTIC_CHUNK * DETERMINISTIC_CHUNK
+        upto = min(end // BLOCK, len(digests), len(seq.blocks))
+        for i in range(seq.hashed, upto):
             self.pool.register(seq.blocks[i], digests[i])
-        seq.hashed = max(seq.hashed, min(seq.filled // BLOCK, len(digests), len(seq.blocks)))
+        seq.hashed = max(seq.hashed, upto)
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)
