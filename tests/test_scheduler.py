@@ -138,14 +138,14 @@ def test_a_closed_stream_leaves_the_scheduler(engine):
 def test_a_failing_request_fails_alone(engine, monkeypatch):
     reqs = requests()
     parsed = [engine.parse(r) for r in reqs[:2]]
-    real = engine.prepare_from_prefix
+    real = engine.prepare_steps
 
     def prepare(p, *a, **k):
         if p is parsed[1]:
             raise ValueError("this one cannot be prepared")
         return real(p, *a, **k)
 
-    monkeypatch.setattr(engine, "prepare_from_prefix", prepare)
+    monkeypatch.setattr(engine, "prepare_steps", prepare)
     first, second = engine.generate_batch(parsed)
     assert isinstance(second, ValueError) and isinstance(first, Done) and len(first.token_ids) == 12
 
@@ -211,12 +211,12 @@ def test_n_answers_fork_from_one_prefill_and_are_reproducible(engine):
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Go."}]}]
     params = dict(temperature=1.0, top_k=50, max_new_tokens=8, ignore_eos=True)
     prefills = []
-    real = engine.prepare_from_prefix
-    engine.prepare_from_prefix = lambda *a, **k: prefills.append(1) or real(*a, **k)
+    real = engine.prepare_steps
+    engine.prepare_steps = lambda *a, **k: prefills.append(1) or real(*a, **k)
     try:
         events = list(engine.stream(Request(messages, SamplingParams(seed=5, n=3, **params))))
     finally:
-        del engine.prepare_from_prefix
+        del engine.prepare_steps
     assert len(prefills) == 1
     dones = sorted((e for e in events if isinstance(e, Done)), key=lambda d: d.index)
     assert [d.index for d in dones] == [0, 1, 2]

@@ -322,7 +322,7 @@ def test_serve_arguments():
 
 
 def test_engine_failure_is_a_500_and_the_worker_carries_on(tiny_engine, monkeypatch):
-    real_prepare = tiny_engine.prepare_from_prefix
+    real_prepare = tiny_engine.prepare_steps
     failures = iter([MemoryError("out of memory")])
 
     def flaky_prepare(*args, **kwargs):  # what the scheduler runs when it admits a request
@@ -330,8 +330,8 @@ def test_engine_failure_is_a_500_and_the_worker_carries_on(tiny_engine, monkeypa
             raise exc
         return real_prepare(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_engine, "prepare_from_prefix", flaky_prepare)
-    with TestClient(make_app(tiny_engine)) as c:
+    monkeypatch.setattr(tiny_engine, "prepare_steps", flaky_prepare)
+    with TestClient(make_app(tiny_engine, warm_up=False)) as c:  # the warm-up would prepare a prompt first
         wait_ready(c)
         assert_error(c.post(URL, json={"messages": HELLO, "max_tokens": 2}), 500, code="internal_error")
         assert c.post(URL, json={"messages": HELLO, "max_tokens": 2}).status_code == 200

@@ -405,12 +405,6 @@ class Engine:
                 self.scheduler.stop(seq)
                 self.scheduler.step()
 
-    def prepare_from_prefix(self, parsed: ParsedRequest, spans, timings: Timings, reused: int,
-                            cancel: CancelCheck | None = None) -> Generator[None, None, PreparedPrompt]:
-        """The prompt prepared for what follows its first `reused` tokens, whose keys and
-        values the KV pool already holds (in steps: see prepare_steps)."""
-        return (yield from self.prepare_steps(parsed, timings, skip=reused, cancel=cancel, spans=spans))
-
     @property
     def prefix_cache(self):
         """The KV pool, whose unused full blocks are the prefix cache (its `stats`)."""

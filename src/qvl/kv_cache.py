@@ -167,13 +167,16 @@ def blocks_for(positions: int) -> int:
     return -(-positions // BLOCK)
 
 
-def block_hashes(ids: torch.Tensor, spans: list[tuple[int, int, str]], count: int) -> list[bytes]:
+def block_hashes(ids: torch.Tensor, spans: list[tuple[int, int, str]], count: int,
+                 known: list[bytes] = ()) -> list[bytes]:
     """The prefix hash of each of the first `count` full blocks of a sequence: its tokens ids
     [T] and every image (or video frame group) among them, (start, end, content hash), from
-    the first token to the block's end."""
-    out, digest = [], b""
+    the first token to the block's end. `known`: the hashes of its first blocks, already
+    computed (the chain goes on from them)."""
+    out = list(known[:count])
+    digest = out[-1] if out else b""
     ids = ids.to(torch.int64)
-    for i in range(count):
+    for i in range(len(out), count):
         start, end = i * BLOCK, (i + 1) * BLOCK
         h = hashlib.blake2b(digest, digest_size=16)
         h.update(ids[start:end].numpy().tobytes())

@@ -423,6 +423,15 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out if status == 0 else None
 
 
+def check_table(table: torch.Tensor, lengths: torch.Tensor, block: int, blocks: int, what: str) -> None:
+    """Raise IndexError unless the blocks holding each row's first lengths[b] positions
+    (table [B, max_blocks], -1 past a row's blocks) are all in a pool of `blocks` blocks: the
+    kernels read and write through the table unchecked."""
+    held = torch.arange(table.shape[1])[None] < ((lengths + block - 1) // block)[:, None]
+    if int(lengths.max()) > table.shape[1] * block or bool(((table < 0) & held).any()) or int(table.max()) >= blocks:
+        raise IndexError(f"{what}: a position outside its row's blocks")
+
+
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     blocks: torch.Tensor, causal_from: int) -> torch.Tensor | None:
     """Causal prefill attention of one row over the paged cache (AVX512-BF16 builds): q
@@ -438,8 +447,7 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, value
         return None
     s = causal_from + t
     used = blocks[: -(-s // block)].to(torch.int64).contiguous()
-    if used.shape[0] * block < s or int(used.min()) < 0 or int(used.max()) >= n:
-        raise IndexError("paged attention: a position outside the row's blocks")
+    check_table(used[None], torch.tensor([s]), block, n, "paged attention")
     out = torch.empty(t, h, d, dtype=torch.bfloat16)
     status = lib.qvl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
                                q.stride(0), q.stride(1), d, keys.stride(1), d, values.stride(1), out.stride(0),
@@ -464,9 +472,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, valu
         return None
     q = q.contiguous()
     table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
-    held = torch.arange(table.shape[1])[None] < ((lengths + block - 1) // block)[:, None]
-    if int(lengths.max()) > table.shape[1] * block or bool(((table < 0) & held).any()) or int(table.max()) >= n:
-        raise IndexError("decode attention: a position outside its row's blocks")
+    check_table(table, lengths, block, n, "decode attention")
     out = torch.empty(b, h, 1, d, dtype=q.dtype)
     status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), _DTYPES[q.dtype],
                                       table.data_ptr(), table.shape[1], block, keys.stride(0), keys.stride(1), b, h,
@@ -580,16 +586,17 @@ def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: 
     ~8 ms per token in Python and small torch ops on the 2B model). h: [B, 1, D] bf16 or
     float32, and cos/sin [B, 1, 1, hd], the cache's pool [L, blocks, Hkv, BLOCK, hd] and the
     layers' float tensors of the same dtype; batch row b (block table row b of the
-    kv_cache.KVCache `cache`, checked by the caller) is written at position slots[b] ([B]
-    int64) and attends to its positions 0..slots[b]. Returns the new hidden states [B, 1, D],
+    kv_cache.KVCache `cache`) is written at position slots[b] ([B] int64) and attends to its
+    positions 0..slots[b]; IndexError when its block table does not hold them. Returns the new hidden states [B, 1, D],
     or None when the kernel does not apply (nothing written)."""
     b, _, d = h.shape
     keys, values = cache.pool.keys, cache.pool.values
     if not keys.is_contiguous() or keys.stride() != values.stride():
         return None
+    table, slots = cache.table.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    check_table(table, slots + 1, keys.shape[3], keys.shape[1], "decode step")
     x = h.clone(memory_format=torch.contiguous_format)
     cos, sin = cos.reshape(b, head_dim).contiguous(), sin.reshape(b, head_dim).contiguous()
-    table, slots = cache.table.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
     status = lib.qvl_decode_layers(
         ctypes.byref(layers), len(layers), x.data_ptr(), _DTYPES[h.dtype], b, d, heads, keys.shape[2], head_dim,
         intermediate, eps, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0),

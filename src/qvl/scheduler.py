@@ -287,7 +287,7 @@ class Scheduler:
         seq.filled = reused = len(shared) * BLOCK
         if first:
             seq.timings.cached["prefix"], seq.timings.reused_tokens = reused > 0, reused
-        seq.preparing = engine.prepare_from_prefix(seq.parsed, seq.spans, seq.timings, reused, seq.cancel)
+        seq.preparing = engine.prepare_steps(seq.parsed, seq.timings, reused, seq.cancel, seq.spans)
         if first:
             vocab = self.model.cfg.text.vocab_size
             if params.repetition_penalty != 1.0:
@@ -584,7 +584,7 @@ class Scheduler:
             # decode steps compute keys and values in other roundings than a prefill: only
             # without --deterministic may a later prompt reuse them
             ids = torch.cat([seq.parsed.ids, torch.tensor(seq.fed_ids, dtype=torch.long)])
-            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK))
+            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or []))
         else:
             self._register(seq, seq.digests or [])
         self._release(seq)
