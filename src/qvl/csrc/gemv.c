@@ -180,34 +180,48 @@ static inline __attribute__((always_inline)) void dot_float_tile(const float* x,
 }
 
 #ifdef __AVX512VNNI__
-/* int8 weights . 16-bit activations (Q16): per 128-column chunk, the weights widened to 16
- * bits once for all the tile's rows, then four vpdpwssd per row: exact integer sums per lane,
- * scaled per chunk in float32. */
+/* int8 weights . 16-bit activations (Q16) for nr weight rows (K apart) and mt activation
+ * rows: per 128-column chunk and 32 columns, each weight row widened to 16 bits once and each
+ * activation load shared by the nr weight rows; exact integer sums per lane, scaled per chunk
+ * in float32. out[r * TILE + m]; a product's running sums go to state + r * INT8_STATE + 16 * m
+ * between column ranges. */
 #define INT8_SEGMENTS 16 /* lanes of a row's running sums between chunk ranges */
+#define INT8_STATE (TILE * INT8_SEGMENTS)
+#define INT8_PAIR 2      /* weight rows sharing each activation load */
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, int64_t c0,
-                                                                int64_t c1, float* state, const int mt) {
+                                                                int64_t c1, float* state, const int nr,
+                                                                const int mt) {
     const int64_t C = K / CHUNK;
-    __m512 acc[TILE];
-    for (int m = 0; m < mt; m++) acc[m] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(state + 16 * m);
+    __m512 acc[INT8_PAIR][TILE];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mt; m++)
+            acc[r][m] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(state + r * INT8_STATE + 16 * m);
     for (int64_t c = c0; c < c1; c++) {
-        __m512i w16[4];
-        for (int q = 0; q < 4; q++) w16[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + c * CHUNK + 32 * q)));
+        __m512i ia[INT8_PAIR][TILE];
+        for (int q = 0; q < 4; q++) {
+            __m512i w16[INT8_PAIR];
+            for (int r = 0; r < nr; r++)
+                w16[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + r * K + c * CHUNK + 32 * q)));
+            for (int m = 0; m < mt; m++) {
+                __m512i xv = _mm512_loadu_si512(qx->q + (m0 + m) * K + c * CHUNK + 32 * q);
+                if (nr > 1) __asm__("" : "+v"(xv)); /* one load for the nr rows, not one each */
+                for (int r = 0; r < nr; r++)
+                    ia[r][m] = q == 0 ? _mm512_madd_epi16(w16[r], xv) : _mm512_dpwssd_epi32(ia[r][m], w16[r], xv);
+            }
+        }
         for (int m = 0; m < mt; m++) {
-            const int16_t* xq = qx->q + (m0 + m) * K + c * CHUNK;
-            __m512i ia = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w16[0], _mm512_loadu_si512(xq));
-            ia = _mm512_dpwssd_epi32(ia, w16[1], _mm512_loadu_si512(xq + 32));
-            ia = _mm512_dpwssd_epi32(ia, w16[2], _mm512_loadu_si512(xq + 64));
-            ia = _mm512_dpwssd_epi32(ia, w16[3], _mm512_loadu_si512(xq + 96));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(qx->scale[(m0 + m) * C + c]), acc[m]);
+            const __m512 sv = _mm512_set1_ps(qx->scale[(m0 + m) * C + c]);
+            for (int r = 0; r < nr; r++) acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][m]), sv, acc[r][m]);
         }
     }
-    for (int m = 0; m < mt; m++) {
-        if (c1 == C)
-            out[m] = _mm512_reduce_add_ps(acc[m]);
-        else
-            _mm512_storeu_ps(state + 16 * m, acc[m]);
-    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mt; m++) {
+            if (c1 == C)
+                out[r * TILE + m] = _mm512_reduce_add_ps(acc[r][m]);
+            else
+                _mm512_storeu_ps(state + r * INT8_STATE + 16 * m, acc[r][m]);
+        }
 }
 #endif
 
@@ -292,30 +306,44 @@ static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairw
 #endif
 }
 
+/* As the AVX-512 dot_int8_tile, in 16-column steps. */
 #define INT8_SEGMENTS 8 /* lanes of a row's running sums between chunk ranges */
+#define INT8_STATE (TILE * INT8_SEGMENTS)
+#define INT8_PAIR 2     /* weight rows sharing each activation load (the float sums spill: 16 registers) */
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, int64_t c0,
-                                                                int64_t c1, float* state, const int mt) {
+                                                                int64_t c1, float* state, const int nr,
+                                                                const int mt) {
     const int64_t C = K / CHUNK;
-    __m256 acc[TILE];
-    for (int m = 0; m < mt; m++) acc[m] = c0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * m);
-    for (int64_t c = c0; c < c1; c++) {
-        __m256i ia[TILE];
-        for (int m = 0; m < mt; m++) ia[m] = _mm256_setzero_si256();
-        for (int j = 0; j < CHUNK; j += 16) {
-            __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + c * CHUNK + j)));
-            for (int m = 0; m < mt; m++)
-                ia[m] = madd16(ia[m], w16, _mm256_loadu_si256((const __m256i*)(qx->q + (m0 + m) * K + c * CHUNK + j)));
-        }
+    __m256 acc[INT8_PAIR][TILE];
+    for (int r = 0; r < nr; r++)
         for (int m = 0; m < mt; m++)
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), _mm256_set1_ps(qx->scale[(m0 + m) * C + c]), acc[m]);
+            acc[r][m] = c0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + r * INT8_STATE + 8 * m);
+    for (int64_t c = c0; c < c1; c++) {
+        __m256i ia[INT8_PAIR][TILE];
+        for (int r = 0; r < nr; r++)
+            for (int m = 0; m < mt; m++) ia[r][m] = _mm256_setzero_si256();
+        for (int j = 0; j < CHUNK; j += 16) {
+            __m256i w16[INT8_PAIR];
+            for (int r = 0; r < nr; r++)
+                w16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + r * K + c * CHUNK + j)));
+            for (int m = 0; m < mt; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx->q + (m0 + m) * K + c * CHUNK + j));
+                for (int r = 0; r < nr; r++) ia[r][m] = madd16(ia[r][m], w16[r], xv);
+            }
+        }
+        for (int m = 0; m < mt; m++) {
+            const __m256 sv = _mm256_set1_ps(qx->scale[(m0 + m) * C + c]);
+            for (int r = 0; r < nr; r++) acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][m]), sv, acc[r][m]);
+        }
     }
-    for (int m = 0; m < mt; m++) {
-        if (c1 == C)
-            out[m] = hsum256(acc[m]);
-        else
-            _mm256_storeu_ps(state + 8 * m, acc[m]);
-    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mt; m++) {
+            if (c1 == C)
+                out[r * TILE + m] = hsum256(acc[r][m]);
+            else
+                _mm256_storeu_ps(state + r * INT8_STATE + 8 * m, acc[r][m]);
+        }
 }
 
 /* Integer parts of the int4 products (see int4_rows), as the AVX-512 int4_tile: here the
@@ -628,15 +656,19 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
 
 #ifdef INT8_SEGMENTS
 static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, const int8_t* w, float* out,
-                              int64_t c0, int64_t c1, float* state) {
-    TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state)
+                              int64_t c0, int64_t c1, float* state, int nr) {
+    if (nr == INT8_PAIR) TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, INT8_PAIR)
+    TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, 1)
 }
 
 /* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of GEMV_BLOCK, and for
  * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
  * the block taking the range before the next one. A product's
  * running sums carry over between ranges in `state`, so it is computed exactly as in one pass
- * (the same sums in the same order, whatever M, K or the tile). */
+ * (the same sums in the same order, whatever M, K or the tile). Past one tile, weight rows go
+ * in pairs (each activation load serves both: the loads, not the products, bounded 8 rows),
+ * and each tile's pass prefetches its share of the thread's next block, so that the block
+ * streams in from memory under all the tiles' work rather than the first's alone. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK;
@@ -644,7 +676,9 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t first = n0 + b * GEMV_BLOCK, last = first + GEMV_BLOCK < N ? first + GEMV_BLOCK : N;
-        float state[GEMV_BLOCK * TILE * INT8_SEGMENTS], out[TILE];
+        float state[GEMV_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
+        const int64_t tiles = (M + TILE - 1) / TILE, share = (K / tiles + 63) / 64 * 64;
+        const int64_t pair = M > TILE ? INT8_PAIR : 1; /* one tile streams its weights faster alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
             /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
@@ -653,15 +687,20 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
             const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
             for (int64_t c0 = 0; c0 < C; c0 += range) {
                 const int64_t c1 = c0 + range < C ? c0 + range : C;
-                for (int64_t n = first; n < last; n++) {
-                    int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1,
-                                      state + (n - first) * TILE * INT8_SEGMENTS);
+                for (int64_t n = first; n < last; n += pair) {
+                    const int nr = last - n < pair ? (int)(last - n) : (int)pair;
+                    if (tiles > 1 && c0 == 0) /* each tile's pass brings in its share of the next block */
+                        for (int r = 0; r < nr && n + r + GEMV_BLOCK < N; r++)
+                            for (int64_t k = share * (m0 / TILE); k < share * (m0 / TILE + 1) && k < K; k += 64)
+                                _mm_prefetch((const char*)(w + (n + r + GEMV_BLOCK) * K + k), _MM_HINT_T1);
+                    int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, nr);
                     if (c1 < C) continue;
-                    for (int64_t m = 0; m < mt; m++) {
-                        float v = out[m] * get(scale, dt, n);
-                        if (bias) v += get(bias, dt, n);
-                        put(y, dt, (m0 + m) * N + n, v);
-                    }
+                    for (int r = 0; r < nr; r++)
+                        for (int64_t m = 0; m < mt; m++) {
+                            float v = out[r * TILE + m] * get(scale, dt, n + r);
+                            if (bias) v += get(bias, dt, n + r);
+                            put(y, dt, (m0 + m) * N + n + r, v);
+                        }
                 }
             }
         }
