@@ -665,10 +665,11 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
  * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
  * the block taking the range before the next one. A product's
  * running sums carry over between ranges in `state`, so it is computed exactly as in one pass
- * (the same sums in the same order, whatever M, K or the tile). Past one tile, weight rows go
- * in pairs (each activation load serves both: the loads, not the products, bounded 8 rows),
- * and each tile's pass prefetches its share of the thread's next block, so that the block
- * streams in from memory under all the tiles' work rather than the first's alone. */
+ * (the same sums in the same order, whatever M, K or the tile). From 2 activation rows on,
+ * weight rows go in pairs (each activation load serves both: the loads, not the products,
+ * bounded several rows), and each tile's pass prefetches its share of the thread's next block,
+ * so that the block streams in from memory under all the tiles' work. One row alone streams
+ * its weights faster without either. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK;
@@ -678,7 +679,7 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
         const int64_t first = n0 + b * GEMV_BLOCK, last = first + GEMV_BLOCK < N ? first + GEMV_BLOCK : N;
         float state[GEMV_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
         const int64_t tiles = (M + TILE - 1) / TILE, share = (K / tiles + 63) / 64 * 64;
-        const int64_t pair = M > TILE ? INT8_PAIR : 1; /* one tile streams its weights faster alone */
+        const int64_t pair = M > 1 ? INT8_PAIR : 1; /* one row streams its weights faster alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
             /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
@@ -689,10 +690,10 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                 const int64_t c1 = c0 + range < C ? c0 + range : C;
                 for (int64_t n = first; n < last; n += pair) {
                     const int nr = last - n < pair ? (int)(last - n) : (int)pair;
-                    if (tiles > 1 && c0 == 0) /* each tile's pass brings in its share of the next block */
+                    if (M > 1 && c0 == 0) /* each tile's pass brings in its share of the next block */
                         for (int r = 0; r < nr && n + r + GEMV_BLOCK < N; r++)
                             for (int64_t k = share * (m0 / TILE); k < share * (m0 / TILE + 1) && k < K; k += 64)
-                                _mm_prefetch((const char*)(w + (n + r + GEMV_BLOCK) * K + k), _MM_HINT_T1);
+                                _mm_prefetch((const char*)(w + (n + r + GEMV_BLOCK) * K + k), _MM_HINT_T0);
                     int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, nr);
                     if (c1 < C) continue;
                     for (int r = 0; r < nr; r++)
