@@ -26,6 +26,11 @@ weights. Prints a markdown table.
 tower unquantised, prefill's int8 products either dequantised for the float GEMM (before) or in
 16-bit activation codes per row (qvl_i16_linear, the default since), against float32 compute with
 bf16 weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
+
+--prefill-groups asks whether 8-bit activations with a scale per group of input columns (as
+OpenVINO's CPU plugin quantises activations for int8 weights) keep prefill's accuracy: bf16
+compute, the defaults, with prefill's int8 products taking 8-bit codes per 32, 64 or 128 columns
+or per row instead of 16-bit codes per row (simulated in float32), against bf16 weights.
 """
 
 from __future__ import annotations
@@ -259,6 +264,55 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     return rows
 
 
+def group_codes_product(group: int):
+    """A stand-in for native.i16_linear that rounds each activation row to int8 codes per
+    `group` input columns (symmetric, step max|x| / 127 per group) before the product: the
+    numbers an 8-bit product with per-group scales gives (exact integer sums per group, then
+    float), computed in float32."""
+    def product(lib, x, weight, scales, bias=None):
+        shape, k = x.shape, x.shape[-1]
+        g = min(group, k)
+        xg = x.reshape(-1, k // g, g).float()
+        step = xg.abs().amax(-1, keepdim=True) / 127
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        xq = (torch.round(xg / step) * step).reshape(-1, k)
+        y = xq @ (weight.float() * scales.float()[:, None]).T
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], -1)
+    return product
+
+
+def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
+    """Prefill's int8 products with 8-bit activations per group of input columns, against the
+    default 16-bit codes per row, on the bf16 tiers without AMX (this CPU's default path)."""
+    from qvl import native
+
+    common = dict(model=str(path), threads=args.threads, quant_cache=False)
+    evaluation = samples(EVAL_SIZES[: args.images], PROMPTS, 0, args.max_image_tokens)
+    ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
+    rows = []
+
+    def record(name: str, out: Output) -> None:
+        rows.append((name, agreement(out, ref, base)))
+        print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
+
+    base = None
+    engine = Engine.load(EngineOptions(**common, weights="int8"))
+    assert kernels().i16_products(torch.bfloat16), "qvl_i16_linear does not run on this CPU"
+    base = run(engine, evaluation)
+    record("defaults: prefill in 16-bit activation codes per row", base)
+    i16_linear = native.i16_linear
+    try:
+        for group in (32, 64, 128, 1 << 20):
+            native.i16_linear = group_codes_product(group)
+            name = f"prefill in 8-bit codes per {group} columns" if group < 1 << 20 else "prefill in 8-bit codes per row"
+            record(name, run(engine, evaluation))
+    finally:
+        native.i16_linear = i16_linear
+    return rows
+
+
 def table(results: dict[str, list[tuple[str, dict]]]) -> str:
     lines = ["| checkpoint | scheme | image features cos (mean / min) | prompt logits cos | top-1 vs bf16 "
              "| top-1 vs int8 weights |", "|---|---|---|---|---|---|"]
@@ -279,6 +333,7 @@ def main() -> int:
     parser.add_argument("--fp-outliers", action="store_true", help="also the LLM.int8()-style scheme")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-codes", action="store_true", help="the float32 tiers' prefill products (see above)")
+    parser.add_argument("--prefill-groups", action="store_true", help="prefill in 8-bit codes per group (see above)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="qvl-int8act-") as tmp:
@@ -288,7 +343,8 @@ def main() -> int:
         results = {}
         for path in paths:
             print(f"{path}:", file=sys.stderr)
-            results[path.name] = (measure_prefill_codes if args.prefill_codes else measure)(path, args)
+            how = measure_prefill_codes if args.prefill_codes else measure_prefill_groups if args.prefill_groups else measure
+            results[path.name] = how(path, args)
     print(table(results))
     return 0
 
