@@ -70,6 +70,11 @@ class Output:
     logits: list[torch.Tensor]  # per sample: [T, V] float32
 
 
+def eval_sizes(n: int) -> list[tuple[int, int]]:
+    """n evaluation image sizes: EVAL_SIZES in turn (each image has its own seed)."""
+    return [EVAL_SIZES[i % len(EVAL_SIZES)] for i in range(n)]
+
+
 def samples(sizes, prompts, seed: int, max_image_tokens: int) -> list[Request]:
     return [Request([{"role": "user", "content": [{"type": "image", "image": synthetic_image(w, h, seed + i)},
                                                   {"type": "text", "text": prompts[i % len(prompts)]}]}],
@@ -172,7 +177,7 @@ def agreement(out: Output, ref: Output, base: Output | None, note: str = "") -> 
 
 def measure(path: Path, args) -> list[tuple[str, dict]]:
     common = dict(model=str(path), threads=args.threads, quant_cache=False)
-    evaluation = samples(EVAL_SIZES[: args.images], PROMPTS, 0, args.max_image_tokens)
+    evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     calibration = samples(CALIBRATION_SIZES, (CALIBRATION_PROMPT,), 1000, args.max_image_tokens)
     rows = []
 
@@ -238,7 +243,7 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
 
     common = dict(model=str(path), threads=args.threads, quant_cache=False, vision_int8=False,
                   int8_activations="off")
-    evaluation = samples(EVAL_SIZES[: args.images], PROMPTS, 0, args.max_image_tokens)
+    evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(model=str(path), threads=args.threads, weights="bf16", dtype="fp32")),
               evaluation)
     rows = []
@@ -289,7 +294,7 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     from qvl import native
 
     common = dict(model=str(path), threads=args.threads, quant_cache=False)
-    evaluation = samples(EVAL_SIZES[: args.images], PROMPTS, 0, args.max_image_tokens)
+    evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
     rows = []
 
@@ -304,7 +309,7 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     record("defaults: prefill in 16-bit activation codes per row", base)
     i16_linear = native.i16_linear
     try:
-        for group in (32, 64, 128, 1 << 20):
+        for group in [1 << 20 if g == "row" else int(g) for g in args.groups.split(",")]:
             native.i16_linear = group_codes_product(group)
             name = f"prefill in 8-bit codes per {group} columns" if group < 1 << 20 else "prefill in 8-bit codes per row"
             record(name, run(engine, evaluation))
@@ -328,7 +333,8 @@ def main() -> int:
     parser.add_argument("--model", action="append", help="checkpoint folder(s) (default: tiny stress + tiny plain, "
                         "written to a temporary folder)")
     parser.add_argument("--max-image-tokens", type=int, default=256)
-    parser.add_argument("--images", type=int, default=3, help="evaluation images (1-3)")
+    parser.add_argument("--images", type=int, default=3, help="evaluation images (their sizes cycle through 3)")
+    parser.add_argument("--groups", default="32,64,128,row", help="with --prefill-groups: the group sizes")
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     parser.add_argument("--fp-outliers", action="store_true", help="also the LLM.int8()-style scheme")
     parser.add_argument("--threads", type=int, default=2)
