@@ -309,7 +309,11 @@ static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairw
 /* As the AVX-512 dot_int8_tile, in 16-column steps. */
 #define INT8_SEGMENTS 8 /* lanes of a row's running sums between chunk ranges */
 #define INT8_STATE (TILE * INT8_SEGMENTS)
-#define INT8_PAIR 2     /* weight rows sharing each activation load (the float sums spill: 16 registers) */
+#ifdef __AVXVNNI__ /* one vpdpwssd per product: pairs were 5-19% slower at 2-8 rows (section 39) */
+#define INT8_PAIR 1
+#else /* vpmaddwd + vpaddd: weight rows sharing each activation load (the float sums spill) */
+#define INT8_PAIR 2
+#endif
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, int64_t c0,
                                                                 int64_t c1, float* state, const int nr,
