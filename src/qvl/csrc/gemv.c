@@ -670,8 +670,8 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
  * the block taking the range before the next one. A product's
  * running sums carry over between ranges in `state`, so it is computed exactly as in one pass
  * (the same sums in the same order, whatever M, K or the tile). From 2 activation rows on,
- * weight rows go in pairs (each activation load serves both: the loads, not the products,
- * bounded several rows), and each tile's pass prefetches its share of the thread's next block,
+ * weight rows go INT8_PAIR at a time (each activation load serves them all: the loads, not the
+ * products, bounded several rows), and each tile's pass prefetches its share of the next block,
  * so that the block streams in from memory under all the tiles' work. One row alone streams
  * its weights faster without either. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
