@@ -326,7 +326,8 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     try:
         for group in groups:
             native.i16_linear = group_codes_product(group)
-            name = f"prefill in 8-bit codes per {group} columns" if group < 1 << 20 else "prefill in 8-bit codes per row"
+            per = f"{group} columns" if group < 1 << 20 else "row"
+            name = f"prefill in 8-bit codes per {per}"
             record(name, run(engine, evaluation))
             rows[-1][1]["note"] = f"products' rms distance to the default's {(squares[group] / total[0]) ** 0.5:.4f}"
     finally:
@@ -365,7 +366,8 @@ def main() -> int:
         results = {}
         for path in paths:
             print(f"{path}:", file=sys.stderr)
-            how = measure_prefill_codes if args.prefill_codes else measure_prefill_groups if args.prefill_groups else measure
+            how = (measure_prefill_codes if args.prefill_codes
+                   else measure_prefill_groups if args.prefill_groups else measure)
             results[path.name] = how(path, args)
     print(table(results))
     return 0
