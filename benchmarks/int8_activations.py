@@ -312,9 +312,10 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
 
     def measured(lib, x, weight, scales, bias=None):  # the default's product, and each scheme's distance to it
         y = i16_linear(lib, x, weight, scales, bias)
-        total[0] += y.float().pow(2).sum().item()
+        yf = y.float()
+        total[0] += yf.pow(2).sum().item()
         for g in groups:
-            squares[g] += (group_codes_product(g)(lib, x, weight, scales, bias).float() - y.float()).pow(2).sum().item()
+            squares[g] += (group_codes_product(g)(lib, x, weight, scales, bias).float() - yf).pow(2).sum().item()
         return y
 
     native.i16_linear = measured

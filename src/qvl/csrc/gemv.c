@@ -678,12 +678,12 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK;
     const int64_t blocks = (N - n0 + GEMV_BLOCK - 1) / GEMV_BLOCK;
+    const int64_t share = (K / ((M + TILE - 1) / TILE) + 63) / 64 * 64; /* of a row, per tile */
+    const int64_t pair = M > 1 ? INT8_PAIR : 1; /* one row streams its weights faster alone */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t first = n0 + b * GEMV_BLOCK, last = first + GEMV_BLOCK < N ? first + GEMV_BLOCK : N;
         float state[GEMV_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
-        const int64_t tiles = (M + TILE - 1) / TILE, share = (K / tiles + 63) / 64 * 64;
-        const int64_t pair = M > 1 ? INT8_PAIR : 1; /* one row streams its weights faster alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
             /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
