@@ -219,15 +219,41 @@ def test_int8_activation_matmul(tier_lib):
             assert torch.equal(native.int8_matmul(lib, x, tiles, colsums, scale, bias, 255, amx=True), out), tier.name
 
 
-def test_prefill_int8_products_in_16_bit_pairs(tier_lib):
-    """Prefill's int8 products on the x86 tiers without AMX (i16_gemm.c): each activation row in
-    16-bit codes, exact integer pair sums. Within 2^-14 of the row's largest term of the exact
-    product even with an outlier 300x the rest, over shapes with tails (rows, a 16-column block,
-    inputs past whole blocks); a zero row gives the bias; a row's result is bit for bit the same
-    alone, among others and on 1 or 2 threads; the tiers without the kernel say None."""
+def _code_bound(x: torch.Tensor, w: torch.Tensor, group: int, top: int) -> torch.Tensor:
+    """[M, N]: the rounding of symmetric codes (step max|x| / top per `group` columns): half a
+    step per term, in float64."""
+    m, k = x.shape
+    chunks = (k + group - 1) // group
+    padded = F.pad(x.double().abs(), (0, chunks * group - k)).view(m, chunks, group)
+    steps = padded.amax(-1) / top  # [M, chunks]
+    weights = F.pad(w.double().abs(), (0, chunks * group - k)).view(w.shape[0], chunks, group).sum(-1)  # [N, chunks]
+    return steps @ weights.T / 2
+
+
+# (kernel, activation codes: columns per step or 0 for a row, top code, shapes (rows, K, N), tiers it runs on)
+PREFILL_KERNELS = {
+    "16-bit codes per row": (lambda lib, *a: native.i16_linear(lib, *a), 0, 32767,
+                             ((29, 600, 48), (1, 64, 16), (13, 2050, 272)), lambda f: f & native.AVX2),
+    "8-bit codes per 64 columns": (lambda lib, *a: native.q8_linear(lib, *a), 64, 127,
+                                   ((29, 600, 48), (1, 64, 16), (13, 2052, 272)), lambda f: f & (native.VNNI | native.AVX_VNNI)),
+    "8-bit codes per 128 columns": (lambda lib, *a: native.q8_linear(lib, *a, group=128), 128, 127,
+                                    ((21, 1000, 64),), lambda f: f & (native.VNNI | native.AVX_VNNI)),
+}
+
+
+@pytest.mark.parametrize("codes", PREFILL_KERNELS)
+def test_prefill_int8_products(tier_lib, codes):
+    """Prefill's int8 products on the x86 tiers without AMX (i16_gemm.c): activation rows in
+    16-bit codes (exact integer pair sums), or with VNNI in 8-bit codes per group of columns
+    (exact integer byte sums per group, each scaled by its step). Within the codes' rounding
+    (half a step per term) of the exact product even with an outlier 300x the rest, over
+    shapes with tails (rows, a 16-column block, inputs past whole panels and groups); a zero
+    row gives the bias; a row's result is bit for bit the same alone, among others and on 1 or
+    2 threads; the tiers without the kernel say None."""
     tier, lib = tier_lib
+    kernel, group, top, shapes, runs = PREFILL_KERNELS[codes]
     torch.manual_seed(4)
-    for rows, k_in, n in ((29, 600, 48), (1, 64, 16), (13, 2050, 272)):
+    for rows, k_in, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             q, s = quantize_int8(torch.randn(n, k_in))
             s, bias = s.to(dtype), torch.randn(n).to(dtype)
@@ -235,33 +261,36 @@ def test_prefill_int8_products_in_16_bit_pairs(tier_lib):
             x[0, 5] = 300.0  # a massive activation
             if rows > 2:
                 x[2] = 0
-            y = native.i16_linear(lib, x, q, s, bias)
-            if not tier.name.startswith(("avx512", "avx2")):
+            y = kernel(lib, x, q, s, bias)
+            if not runs(lib.features):
                 assert y is None
                 return
-            exact = x.double() @ (q.double() * s.double()[:, None]).T + bias.double()
-            # the codes' rounding: half a step (max|row| / 32767) per term
-            bound = (x.double().abs().amax(1, keepdim=True) / 32767 * (q.double().abs() * s.double()[:, None]).sum(1)
-                     + (2**-8 if dtype == torch.bfloat16 else 2**-20) * exact.abs())
+            ws = q.double() * s.double()[:, None]
+            exact = x.double() @ ws.T + bias.double()
+            bound = (_code_bound(x, ws, group or k_in, top) + 2**-20 * (x.double().abs() @ ws.abs().T)
+                     + (2**-8 * exact.abs() if dtype == torch.bfloat16 else 0))
             assert y.dtype == dtype and y.shape == (rows, n)
             assert ((y.double() - exact).abs() <= bound).all(), (tier.name, rows, dtype)
             if rows > 2:
                 assert torch.equal(y[2], bias)
             for r in (0, rows - 1):
-                assert torch.equal(native.i16_linear(lib, x[r : r + 1], q, s, bias), y[r : r + 1]), tier.name
+                assert torch.equal(kernel(lib, x[r : r + 1], q, s, bias), y[r : r + 1]), tier.name
             threads = torch.get_num_threads()
             try:
                 torch.set_num_threads(1 if threads > 1 else 2)
-                assert torch.equal(native.i16_linear(lib, x, q, s, bias), y), tier.name
+                assert torch.equal(kernel(lib, x, q, s, bias), y), tier.name
             finally:
                 torch.set_num_threads(threads)
     bad = x.clone()
     bad[1, 7] = float("nan")  # a NaN is not hidden in a code of 0: its row comes out NaN
-    assert native.i16_linear(lib, bad, q, s, bias)[1].isnan().all() and not native.i16_linear(lib, bad, q, s)[0].isnan().any()
-    assert native.i16_linear(lib, x, q, s, bias[:-1].contiguous()) is None  # a bias of the wrong length
-    assert native.i16_linear(lib, x[:, :-1].contiguous(), q[:, :-1].contiguous(), s) is None  # K odd
-    assert native.i16_linear(lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
-    assert native.i16_linear(lib, x, q, s.double()) is None  # scales of another dtype than x
+    assert kernel(lib, bad, q, s, bias)[1].isnan().all() and not kernel(lib, bad, q, s, None)[0].isnan().any()
+    assert kernel(lib, x, q, s, bias[:-1].contiguous()) is None  # a bias of the wrong length
+    assert kernel(lib, x[:, :-1].contiguous(), q[:, :-1].contiguous(), s, None) is None  # K odd
+    assert kernel(lib, x, q[:8].contiguous(), s[:8], None) is None  # N % 16
+    assert kernel(lib, x, q, s.double(), None) is None  # scales of another dtype than x
+    if group:
+        assert kernel(lib, x[:, :-2].contiguous(), q[:, :-2].contiguous(), s, None) is None  # K % 4
+        assert native.q8_linear(lib, x, q, s, bias, group=48) is None  # a group not dividing the kernel's panel
 
 
 def test_check_program_on_every_tier(tier_lib, tmp_path):

@@ -78,6 +78,15 @@ class Kernels:
         return (self.lib is not None and self.has(native.AVX2) and dtype in (torch.float32, torch.bfloat16)
                 and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
 
+    def group_codes(self, dtype: torch.dtype) -> bool:
+        """Prefill's int8 products can take 8-bit activation codes per native.ACTIVATION_GROUP columns
+        (qvl's byte-product kernel, i16_gemm.c's qvl_q8_linear: vpdpbusd with AVX-512 VNNI or
+        AVX-VNNI, 1.7-1.9x the 16-bit pair kernel per product: docs/benchmarks.md section 40),
+        except bf16 ones on AMX (whose int8 tiles take them). Plain AVX2 has no such product:
+        vpmaddubsw saturates on 8-bit codes."""
+        return (self.lib is not None and bool(self.features & (native.VNNI | native.AVX_VNNI))
+                and dtype in (torch.float32, torch.bfloat16) and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
+
     @functools.cached_property
     def int8_levels(self) -> int:
         """The activation codes 0..levels whose products oneDNN's int8 GEMM sums exactly against
@@ -151,9 +160,11 @@ class Kernels:
             "prefill_int8_int4": "int8: AMX int8 tiles, activations in 16-bit codes per row; int4: AMX bf16 tiles, "
                                  "the weights converted panel by panel (up to 2^21 activation values)"
                                  if f & native.AMX_INT8 else
-                                 "int8: 16-bit pair products (" + ("vpdpwssd" if f & (native.VNNI | native.AVX_VNNI)
-                                                                   else "vpmaddwd") +
-                                 "), activations in 16-bit codes per row; int4: dequantise + oneDNN float GEMM"
+                                 (f"int8: byte products (vpdpbusd), activations in 8-bit codes per "
+                                  f"{native.ACTIVATION_GROUP} columns (16-bit codes per row in pair products with "
+                                  "--int8-activations vision|off)" if self.group_codes(torch.float32) else
+                                  "int8: 16-bit pair products (vpmaddwd), activations in 16-bit codes per row")
+                                 + "; int4: dequantise + oneDNN float GEMM"
                                  if self.i16_products(torch.float32) else "dequantise + oneDNN float GEMM",
             "gemv_int4": f"{products if family != 'neon' or f & native.DOTPROD else 'portable C'}, "
                          "activations in int8 per 128 columns",
@@ -169,7 +180,9 @@ class Kernels:
             "int8_activations": ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else
                                  "oneDNN's int8 GEMM (prepacked weights)") + " + native quantise/rescale, activations "
                                 f"per row in {'8' if self.int8_levels == 255 else '7'} bits" + (
-                ", vision by default (faster than the float GEMM here)" if self.int8_activations() else
+                (", vision and prefill by default (prefill in 8-bit codes per group: prefill_int8_int4)"
+                 if self.group_codes(torch.float32) else ", vision by default (faster than the float GEMM here)")
+                if self.int8_activations() else
                 ", off by default (not faster than the float GEMM here)"),
         }
 

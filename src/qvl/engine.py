@@ -28,7 +28,7 @@ from qvl.paths import locked
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage
 from qvl.processing.prompt import load_chat_template
 from qvl.processing.tokenizer import Tokenizer
-from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
+from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Experts, Int8Linear, QuantSpec
 from qvl.processing.video import MAX_VIDEOS, VIDEO_FRAMES_CAP, VIDEO_TOKENS_CAP, VideoSettings
 from qvl.requests import ClipCache, Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
@@ -125,16 +125,18 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     its float ones (dispatch: x86, AMX included; activations in 7 bits where oneDNN's GEMM is
     exact only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
-    bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill stays in
-    the compute dtype unless asked ("all"): int8 activations there lose top-1 agreement on
-    outlier channels (docs/benchmarks.md, section 11)."""
+    bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill too
+    ("all") where the CPU has VNNI without AMX: its activations in 8-bit codes per 64 columns,
+    as close to bf16 on the outlier stress checkpoint as 16-bit codes (docs/benchmarks.md,
+    sections 39 and 40); elsewhere prefill keeps 16-bit codes (or the compute dtype) unless
+    asked: 8-bit codes per row lose top-1 agreement on outlier channels (section 11)."""
     if options.int8_activations not in INT8_ACTIVATIONS:
         raise ValueError(f"int8 activations must be one of {', '.join(INT8_ACTIVATIONS)}, "
                          f"not '{options.int8_activations}'")
     acts = options.int8_activations
     k = kernels()
     if acts == "auto":
-        acts = "vision" if k.int8_activations() else "off"
+        acts = ("all" if k.group_codes(dtype) else "vision") if k.int8_activations() else "off"
     elif acts != "off" and k.int8_levels == 0:
         raise ValueError(f"--int8-activations {acts}: torch has no exact int8 GEMM on this CPU")
     vision = stored.vision if stored else options.vision_int8
@@ -198,11 +200,16 @@ class Engine:
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
+        byte_codes = activations == "all" and kernels().group_codes(runtime.dtype)
         for name, module in model.named_modules():
             # many-row products: the vision tower's, and with "all" the decoder layers' (not the
-            # head's: prefill computes only its last row's logits)
+            # head's: prefill computes only its last row's logits), these in 8-bit codes per
+            # group where the CPU has VNNI, else per row through oneDNN or AMX tiles
             vision = name.startswith("visual.")
-            if isinstance(module, Int8Linear) and (vision or name.startswith("language_model.layers.")) \
+            layer = name.startswith("language_model.layers.")
+            if byte_codes and layer and isinstance(module, (Int8Linear, Int8Experts)):
+                module.byte_codes = True
+            elif isinstance(module, Int8Linear) and (vision or layer) \
                     and (activations == "all" or (activations == "vision" and vision)):
                 module.pack(kernels().int8_levels, keep_weight=not vision)
         tokenizer = Tokenizer.from_dir(path)

@@ -29,6 +29,7 @@ from qvl.runtime import cpu_flags
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 W_BF16, W_INT8, W_INT4 = 0, 1, 2
+ACTIVATION_GROUP = 64  # columns per scale of prefill's 8-bit activation codes (docs/benchmarks.md section 40)
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM (int8 on AMX: 64)
 # bits of qvl_features(): what the build has
 AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP, AMX_INT8 = 1, 2, 4, 8, 16, 32, 64, 128, 256
@@ -194,6 +195,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_amx_i16_linear.restype = c_int
     lib.qvl_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
     lib.qvl_i16_linear.restype = c_int
+    lib.qvl_q8_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.qvl_q8_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
     lib.qvl_features.argtypes = []
@@ -270,9 +273,17 @@ def i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: t
     return _int8_rows(lib.qvl_i16_linear, x, weight, scale, bias, tuple(_DTYPES), 2)
 
 
+def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None, group: int = ACTIVATION_GROUP) -> torch.Tensor | None:
+    """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 8-bit
+    codes per `group` columns, on VNNI byte products (i16_gemm.c's qvl_q8_linear); None where
+    that kernel does not run (no AVX-512 VNNI or AVX-VNNI, K % 4, N not a multiple of 16)."""
+    return _int8_rows(lib.qvl_q8_linear, x, weight, scale, bias, tuple(_DTYPES), 4, group)
+
+
 def _int8_rows(fn, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               dtypes: tuple[torch.dtype, ...], k_step: int) -> torch.Tensor | None:
-    """A many-row int8 product kernel taking (x, dt, M, K, N, w, scale, bias, y, threads): None
+               dtypes: tuple[torch.dtype, ...], k_step: int, *extra: int) -> torch.Tensor | None:
+    """A many-row int8 product kernel taking (x, dt, M, K, N, w, scale, bias, y, threads, *extra): None
     for shapes or dtypes it does not take (scale and bias must be x's dtype), or when it says -2."""
     k, n = x.shape[-1], weight.shape[0]
     if x.dtype not in dtypes or k % k_step or n % 16 or weight.dtype != torch.int8 or weight.shape[1] != k:
@@ -283,7 +294,7 @@ def _int8_rows(fn, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     rows = x.reshape(-1, k).contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)
     status = fn(rows.data_ptr(), _DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
-                _ptr(bias), y.data_ptr(), torch.get_num_threads())
+                _ptr(bias), y.data_ptr(), torch.get_num_threads(), *extra)
     if status == -1:
         raise MemoryError(f"{fn.__name__} could not allocate its activation codes")
     return y.view(*x.shape[:-1], n) if status == 0 else None

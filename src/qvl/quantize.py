@@ -119,17 +119,23 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def _native_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None):
+                    zeros: torch.Tensor | None = None, group_size: int = 0, bias: torch.Tensor | None = None,
+                    byte_codes: bool = False):
     """Many rows of activations times an int8/int4 weight in qvl's own kernels. bf16 on AMX:
     int8 weights on int8 tiles with the activations in 16-bit codes per row, int4 (and the
-    shapes those do not take) on bf16 tiles. Elsewhere on x86: int8 weights in 16-bit pair
-    products, the activations in 16-bit codes per row (dispatch.Kernels.i16_products). None
-    where none runs (dequantise + GEMM then)."""
+    shapes those do not take) on bf16 tiles. Elsewhere on x86, int8 weights: with `byte_codes`
+    where the CPU has VNNI, byte products with the activations in 8-bit codes per
+    native.ACTIVATION_GROUP columns (dispatch.Kernels.group_codes); else 16-bit pair products,
+    the activations in 16-bit codes per row (dispatch.Kernels.i16_products). None where none
+    runs (dequantise + GEMM then)."""
     k = kernels()
     if x.dtype == torch.bfloat16 and k.has(native.AMX_INT8):
         if kind == native.W_INT8 and (y := native.amx_i16_linear(k.lib, x, weight, scales, bias)) is not None:
             return y
         return native.amx_bf16_linear(k.lib, kind, x, weight, scales, zeros, group_size, bias)
+    if kind == native.W_INT8 and byte_codes and k.group_codes(x.dtype) and (
+            y := native.q8_linear(k.lib, x, weight, scales, bias)) is not None:
+        return y
     if kind == native.W_INT8 and k.i16_products(x.dtype):
         return native.i16_linear(k.lib, x, weight, scales, bias)
     return None
@@ -187,6 +193,7 @@ class Int8Linear(nn.Module):
     fuses_layer_norm = True  # forward(x, norm=n) = forward(n(x)) for an nn.LayerNorm n: see vision.norm_linear
     packed: torch.Tensor | None = None  # the weight for int8 x int8 products: AMX tiles or oneDNN's copy
     amx = False  # packed holds AMX tiles (dispatch.Kernels.int8_tiles)
+    byte_codes = False  # unpacked many-row products take 8-bit activation codes per group where the CPU has VNNI
     colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
     levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
 
@@ -240,7 +247,7 @@ class Int8Linear(nn.Module):
         return y if residual is None else residual + y
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_product(x, self.weight, self.scales, self.bias)
+        return int8_product(x, self.weight, self.scales, self.bias, self.byte_codes)
 
     def native_args(self) -> native.LinearArgs | None:
         if self.scales.dtype not in (torch.bfloat16, torch.float32):
@@ -262,13 +269,13 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tens
 
 
 def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O], in the weights' own
-    precision: for many rows qvl's integer kernels (AMX tiles, or 16-bit pairs elsewhere on x86)
-    or dequantise + GEMM, the native GEMV for few, torch's int8 kernel where the native one does
-    not run."""
+                 bias: torch.Tensor | None = None, byte_codes: bool = False) -> torch.Tensor:
+    """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O]: for many rows qvl's
+    integer kernels (AMX tiles; elsewhere on x86 8-bit codes per group with `byte_codes` where
+    the CPU has VNNI, else 16-bit pairs) or dequantise + GEMM, the native GEMV for few, torch's
+    int8 kernel where the native one does not run."""
     if _rows(x) > (max_rows := kernels().int8_gemv_rows):
-        if (y := _native_product(x, native.W_INT8, weight, scales, bias=bias)) is not None:
+        if (y := _native_product(x, native.W_INT8, weight, scales, bias=bias, byte_codes=byte_codes)) is not None:
             return y
         return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),
                                    bias)
@@ -291,10 +298,14 @@ class Int8Experts(nn.Module):
         self.register_buffer("down_proj", torch.empty(experts, hidden, inter, dtype=torch.int8))
         self.register_buffer("down_proj_scales", torch.empty(experts, hidden, dtype=dtype))
 
+    byte_codes = False  # as Int8Linear's
+
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         # x: [n, H] tokens routed to `expert` -> [n, H]
-        gate, up = int8_product(x, self.gate_up_proj[expert], self.gate_up_proj_scales[expert]).chunk(2, dim=-1)
-        return int8_product(F.silu(gate) * up, self.down_proj[expert], self.down_proj_scales[expert])
+        gate, up = int8_product(x, self.gate_up_proj[expert], self.gate_up_proj_scales[expert],
+                                byte_codes=self.byte_codes).chunk(2, dim=-1)
+        return int8_product(F.silu(gate) * up, self.down_proj[expert], self.down_proj_scales[expert],
+                            byte_codes=self.byte_codes)
 
     def native_args(self, expert: int) -> tuple[native.LinearArgs, native.LinearArgs]:
         """The expert's gate_up and down linears for the one-call decode step."""

@@ -305,10 +305,256 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
     return failed ? -1 : 0;
 }
 
+
+/* ---- 8-bit activation codes per group of columns (VNNI) ----------------------------------
+ * Each row of x is split into groups of `group` columns, each quantised symmetrically to int8
+ * codes (step max|group| / 127: outlier channels coarsen only their own group). vpdpbusd takes
+ * unsigned bytes times signed ones, so the weight panel holds w + 128 (1..255) and the codes
+ * stay signed: a group's int32 sum starts at -128 * (the sum of its codes), which leaves the
+ * exact sum of w . q (|sum| <= 128 * 255 * 127 < 2^31). Each group's sum is multiplied by its
+ * step and added in float32 in a fixed order, so a row's result again depends neither on the
+ * other rows nor on the thread count. vpdpbusd multiplies four byte pairs per 32-bit lane:
+ * twice vpdpwssd's products per instruction. */
+#if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
+
+#define Q8_KC 256 /* inputs per panel; a multiple of every group size taken */
+#define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
+#define Q8_ROWS I16_ROWS_6
+
+#ifdef QVL_AVX512
+static inline vint vi_dp8(vint acc, vint w, vint a) { /* acc += per lane: 4 bytes w (unsigned) . a (signed) */
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+    return acc;
+}
+static inline vblock quads(const int8_t* p) { /* 64 int8 -> 16 dwords of 4 bytes + 128 */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512((const void*)p), _mm512_set1_epi8(-128)));
+}
+#else
+static inline vint vi_dp8(vint acc, vint w, vint a) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
+    return acc;
+}
+static inline vblock quads(const int8_t* p) { /* 32 int8 -> 8 dwords of 4 bytes + 128 */
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8(-128)));
+}
+#endif
+
+/* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % 4 == 0; rows past M zero) -> int8 codes as quads
+ * a[K/4][Q8_MR] (quad p of row r at a[p * Q8_MR + r]), each group's step sg[G][Q8_MR] and
+ * -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
+static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, int64_t m0, int32_t* a,
+                        float* sg, int32_t* nq, float* buf, int8_t* codes) {
+    const int64_t G = (K + group - 1) / group;
+    for (int r = 0; r < Q8_MR; r++) {
+        const float* row = buf;
+        int finite = 1;
+        if (m0 + r < M) {
+            if (dt == BF16) {
+                const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
+#pragma omp simd
+                for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+            } else {
+                row = (const float*)x + (m0 + r) * K;
+            }
+#pragma omp simd reduction(& : finite)
+            for (int64_t k = 0; k < K; k++) finite &= fabsf(row[k]) <= FLT_MAX;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
+            const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f, inv = top > 0.f ? 127.f / top : 0.f;
+            /* rows past M, zero groups and groups too small for 127 / top to be finite add
+             * nothing; a row with NaN or infinity gives NaN (its steps); their codes stay 0 */
+            const int coded = top > 0.f && inv <= FLT_MAX;
+            int32_t sum = 0;
+            if (coded) {
+#pragma omp simd reduction(+ : sum)
+                for (int64_t k = 0; k < n; k++) {
+                    const int32_t q = round_int(row[k0 + k] * inv); /* |q| <= 127 */
+                    codes[k0 + k] = (int8_t)q, sum += q;
+                }
+            } else {
+                memset(codes + k0, 0, (size_t)n);
+            }
+            sg[g * Q8_MR + r] = !finite ? NAN : coded ? top / 127.f : 0.f;
+            nq[g * Q8_MR + r] = -128 * sum;
+        }
+        for (int64_t p = 0; p < K / 4; p++) memcpy(a + p * Q8_MR + r, codes + 4 * p, 4); /* one quad */
+    }
+}
+
+/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL), inputs k0..k0+kc-1 (kc % 4 == 0) ->
+ * quads of w + 128, b[kc/4][I16_NR] (lanes past nr zero): WIDEN_ROWS rows x WIDEN_ROWS quads
+ * at a time, transposed in registers. */
+static void quad_weights(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int64_t k0, int64_t kc, int32_t* b) {
+    const int64_t nquads = kc / 4, whole = nquads / WIDEN_ROWS * WIDEN_ROWS;
+    for (int64_t c0 = 0; c0 < I16_NR; c0 += WIDEN_ROWS) {
+        if (c0 >= nr) {
+            for (int64_t p = 0; p < nquads; p++) memset(b + p * I16_NR + c0, 0, WIDEN_ROWS * 4);
+            continue;
+        }
+        const int8_t* wr = w + (n0 + c0) * K + k0;
+        for (int64_t p0 = 0; p0 < whole; p0 += WIDEN_ROWS) {
+            vblock v[WIDEN_ROWS];
+            for (int i = 0; i < WIDEN_ROWS; i++) v[i] = quads(wr + i * K + 4 * p0);
+            transpose_block(v);
+            for (int i = 0; i < WIDEN_ROWS; i++) vblock_store(b + (p0 + i) * I16_NR + c0, v[i]);
+        }
+        for (int64_t p = whole; p < nquads; p++)
+            for (int i = 0; i < WIDEN_ROWS; i++) {
+                uint8_t u[4];
+                for (int j = 0; j < 4; j++) u[j] = (uint8_t)(wr[i * K + 4 * p + j] + 128);
+                memcpy(b + p * I16_NR + c0 + i, u, 4);
+            }
+    }
+}
+
+/* The register block, per row r: group sums c (first vector of columns) and d (second) in
+ * int32, totals e and f in float32; a group's sums start at its nq and end scaled into e, f. */
+#define Q8_DECL2(r) vint c##r, d##r; vflt e##r = vf_set1(0.f), f##r = e##r;
+#define Q8_DECL1(r) vint c##r; vflt e##r = vf_set1(0.f);
+#define Q8_START2(r) c##r = vi_set1(nq[g * Q8_MR + (r)]), d##r = c##r;
+#define Q8_START1(r) c##r = vi_set1(nq[g * Q8_MR + (r)]);
+#define Q8_STEP2(r)                                               \
+    {                                                             \
+        const vint av = vi_set1(a[p * Q8_MR + (r)]);              \
+        c##r = vi_dp8(c##r, b0, av), d##r = vi_dp8(d##r, b1, av); \
+    }
+#define Q8_STEP1(r) c##r = vi_dp8(c##r, b0, vi_set1(a[p * Q8_MR + (r)]));
+#define Q8_SCALE2(r)                                  \
+    {                                                 \
+        const vflt sv = vf_set1(sg[g * Q8_MR + (r)]); \
+        e##r = vf_fmadd(vf_of(c##r), sv, e##r);       \
+        f##r = vf_fmadd(vf_of(d##r), sv, f##r);       \
+    }
+#define Q8_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_set1(sg[g * Q8_MR + (r)]), e##r);
+#define Q8_OUT(acc, r, off)                                                  \
+    {                                                                        \
+        float* cp = c + (r) * ldc + (off);                                   \
+        vf_store(cp, first ? acc : vf_add(vf_load(cp), acc));                \
+    }
+#define Q8_OUT2(r) Q8_OUT(e##r, r, 0) Q8_OUT(f##r, r, VL)
+#define Q8_OUT1(r) Q8_OUT(e##r, r, 0)
+
+/* c[r][0 .. 2 VL) (+)= the sum over groups of gq quads of each group's exact sum of
+ * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg, nq: [groups][Q8_MR]); `first`:
+ * store rather than add. */
+static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
+                     const int32_t* nq, float* c, int64_t ldc, int first) {
+    Q8_ROWS(Q8_DECL2)
+    for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
+        Q8_ROWS(Q8_START2)
+        for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
+            const vint b0 = vi_load(b + p * I16_NR), b1 = vi_load(b + p * I16_NR + VL);
+            Q8_ROWS(Q8_STEP2)
+        }
+        Q8_ROWS(Q8_SCALE2)
+    }
+    Q8_ROWS(Q8_OUT2)
+}
+
+/* The same for the first VL columns only (a block of columns' tail). */
+static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
+                     const int32_t* nq, float* c, int64_t ldc, int first) {
+    Q8_ROWS(Q8_DECL1)
+    for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
+        Q8_ROWS(Q8_START1)
+        for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
+            const vint b0 = vi_load(b + p * I16_NR);
+            Q8_ROWS(Q8_STEP1)
+        }
+        Q8_ROWS(Q8_SCALE1)
+    }
+    Q8_ROWS(Q8_OUT1)
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
+ * 8-bit codes per `group` columns. Returns 0, -1 when out of memory, -2 for shapes it does not
+ * take (K % 4, N % VL, a group size not a multiple of 4 dividing Q8_KC). */
+int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                  const void* bias, void* y, int threads, int group) {
+    if (K % 4 || N % VL || M < 1 || K < 4 || group < 4 || group % 4 || Q8_KC % group) return -2;
+    const int64_t MB = (M + Q8_MR - 1) / Q8_MR, Q = K / 4, G = (K + group - 1) / group, T = threads < 1 ? 1 : threads;
+    int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
+    float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
+    int32_t* nq = malloc((size_t)(MB * G * Q8_MR) * sizeof(int32_t));
+    float* ones = malloc((size_t)(MB * Q8_MR) * sizeof(float));
+    if (!a || !sg || !nq || !ones) {
+        free(a), free(sg), free(nq), free(ones);
+        return -1;
+    }
+    for (int64_t m = 0; m < MB * Q8_MR; m++) ones[m] = 1.f;
+    int failed = 0;
+#pragma omp parallel num_threads(T)
+    {
+        float* buf = malloc((size_t)K * sizeof(float));
+        int8_t* codes = malloc((size_t)K);
+        if (!buf || !codes) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < MB; mb++)
+            if (buf && codes)
+                pack_groups(x, dt, M, K, group, mb * Q8_MR, a + mb * Q * Q8_MR, sg + mb * G * Q8_MR,
+                            nq + mb * G * Q8_MR, buf, codes);
+        free(buf), free(codes);
+    }
+    const int64_t NB = (N + I16_NR - 1) / I16_NR, gq = group / 4;
+#pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
+        int32_t* b = nt1 > nt0 && !failed ? aligned_alloc(64, (size_t)(I16_NC / I16_NR) * (Q8_KC / 4) * I16_NR * 4) : NULL;
+        float* c = b ? aligned_alloc(64, (size_t)(MB * Q8_MR) * I16_NC * sizeof(float)) : NULL;
+        if (nt1 > nt0 && (!b || !c)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t n0 = nt0; n0 < nt1 && b && c; n0 += I16_NC) {
+            const int64_t nc = nt1 - n0 < I16_NC ? nt1 - n0 : I16_NC;
+            for (int64_t k0 = 0; k0 < K; k0 += Q8_KC) {
+                const int64_t kc = K - k0 < Q8_KC ? K - k0 : Q8_KC;
+                for (int64_t j = 0; j < nc; j += I16_NR)
+                    quad_weights(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc,
+                                 b + j / I16_NR * (Q8_KC / 4) * I16_NR);
+                for (int64_t j = 0; j < nc; j += I16_NR) /* a column tile's panel (8 KB) stays in L1 */
+                    for (int64_t mb = 0; mb < MB; mb++) {
+                        const int32_t* bj = b + j / I16_NR * (Q8_KC / 4) * I16_NR;
+                        float* cj = c + mb * Q8_MR * I16_NC + j;
+                        const int64_t g = k0 / group;
+                        const int32_t* am = a + (mb * Q + k0 / 4) * Q8_MR;
+                        const float* sgm = sg + (mb * G + g) * Q8_MR;
+                        const int32_t* nqm = nq + (mb * G + g) * Q8_MR;
+                        if (nc - j >= I16_NR)
+                            q8_tile2(am, bj, kc / 4, gq, sgm, nqm, cj, I16_NC, k0 == 0);
+                        else
+                            q8_tile1(am, bj, kc / 4, gq, sgm, nqm, cj, I16_NC, k0 == 0);
+                    }
+            }
+            write_rows(c, I16_NC, ones, M, n0, nc, scale, bias, dt, N, y);
+        }
+        free(b), free(c);
+    }
+    free(a), free(sg), free(nq), free(ones);
+    return failed ? -1 : 0;
+}
+
+#else
+int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                  const void* bias, void* y, int threads, int group) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads, (void)group;
+    return -2;
+}
+#endif
+
 #else
 int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                    const void* bias, void* y, int threads) {
     (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads;
+    return -2;
+}
+int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                  const void* bias, void* y, int threads, int group) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads, (void)group;
     return -2;
 }
 #endif
