@@ -27,10 +27,11 @@ tower unquantised, prefill's int8 products either dequantised for the float GEMM
 16-bit activation codes per row (qvl_i16_linear, the default since), against float32 compute with
 bf16 weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
 
---prefill-groups asks whether 8-bit activations with a scale per group of input columns (as
-OpenVINO's CPU plugin quantises activations for int8 weights) keep prefill's accuracy: bf16
-compute, the defaults, with prefill's int8 products taking 8-bit codes per 32, 64 or 128 columns
-or per row instead of 16-bit codes per row (simulated in float32), against bf16 weights.
+--prefill-groups measures prefill's 8-bit activation codes per group of input columns (as
+OpenVINO's CPU plugin quantises activations for int8 weights): bf16 compute, the defaults, where
+the CPU has VNNI prefill's int8 products in qvl_q8_linear's 8-bit codes per 64 columns (or per
+--groups 32, 128: the same kernel; "row": per row, simulated in float32) against 16-bit codes
+per row (qvl_i16_linear, --int8-activations vision), all against bf16 weights.
 """
 
 from __future__ import annotations
@@ -269,28 +270,19 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     return rows
 
 
-def group_codes_product(group: int):
-    """A stand-in for native.i16_linear that rounds each activation row to int8 codes per
-    `group` input columns (symmetric, step max|x| / 127 per group) before the product: the
-    numbers an 8-bit product with per-group scales gives (exact integer sums per group, then
-    float), computed in float32."""
-    def product(lib, x, weight, scales, bias=None):
-        shape, k = x.shape, x.shape[-1]
-        g = min(group, k)
-        xg = x.reshape(-1, k // g, g).float()
-        step = xg.abs().amax(-1, keepdim=True) / 127
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        xq = (torch.round(xg / step) * step).reshape(-1, k)
-        y = xq @ (weight.float() * scales.float()[:, None]).T
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*shape[:-1], -1)
-    return product
+def row_codes_product(lib, x, weight, scales, bias=None):
+    """native.q8_linear's numbers with one 8-bit scale per row (step max|row| / 127, exact
+    integer sums), computed in float32: the per-row scheme that no kernel of qvl's runs."""
+    step = x.float().abs().amax(-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    y = (torch.round(x.float() / step) * step) @ (weight.float() * scales.float()[:, None]).T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
-    """Prefill's int8 products with 8-bit activations per group of input columns, against the
-    default 16-bit codes per row, on the bf16 tiers without AMX (this CPU's default path)."""
+    """Prefill's int8 products in 8-bit activation codes per group of input columns (the
+    default where the CPU has VNNI: qvl_q8_linear) against 16-bit codes per row (qvl_i16_linear,
+    --int8-activations vision), both against bf16 weights; with the products' distance."""
     from qvl import native
 
     common = dict(model=str(path), threads=args.threads, quant_cache=False)
@@ -304,35 +296,42 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
 
     base = None
     engine = Engine.load(EngineOptions(**common, weights="int8"))
-    assert kernels().i16_products(torch.bfloat16), "qvl_i16_linear does not run on this CPU"
-    groups = [1 << 20 if g == "row" else int(g) for g in args.groups.split(",")]
-    i16_linear = native.i16_linear
-    squares = {g: 0.0 for g in groups}
-    total = [0.0]
+    assert kernels().group_codes(torch.bfloat16), "qvl_q8_linear does not run on this CPU"
+    layers = [m for m in engine.model.modules() if getattr(m, "byte_codes", False)]
+    assert layers, "the defaults did not take 8-bit codes in prefill"
+    groups = [0 if g == "row" else int(g) for g in args.groups.split(",")]
+    schemes = {g: (row_codes_product if g == 0 else
+                   lambda lib, x, w, s, bias=None, g=g: native.q8_linear(lib, x, w, s, bias, group=g)) for g in groups}
+    i16_linear, q8_linear = native.i16_linear, native.q8_linear
+    squares, total = {g: 0.0 for g in groups}, [0.0]
 
-    def measured(lib, x, weight, scales, bias=None):  # the default's product, and each scheme's distance to it
+    def measured(lib, x, weight, scales, bias=None):  # 16-bit codes, and each scheme's distance to them
         y = i16_linear(lib, x, weight, scales, bias)
         yf = y.float()
         total[0] += yf.pow(2).sum().item()
-        for g in groups:
-            squares[g] += (group_codes_product(g)(lib, x, weight, scales, bias).float() - yf).pow(2).sum().item()
+        for g, product in schemes.items():
+            squares[g] += (product(lib, x, weight, scales, bias).float() - yf).pow(2).sum().item()
         return y
 
+    for m in layers:
+        m.byte_codes = False
     native.i16_linear = measured
     try:
         base = run(engine, evaluation)
     finally:
         native.i16_linear = i16_linear
-    record("defaults: prefill in 16-bit activation codes per row", base)
+        for m in layers:
+            m.byte_codes = True
+    record("16-bit codes per row (--int8-activations vision)", base)
     try:
-        for group in groups:
-            native.i16_linear = group_codes_product(group)
-            per = f"{group} columns" if group < 1 << 20 else "row"
-            name = f"prefill in 8-bit codes per {per}"
-            record(name, run(engine, evaluation))
-            rows[-1][1]["note"] = f"products' rms distance to the default's {(squares[group] / total[0]) ** 0.5:.4f}"
+        for g, product in schemes.items():
+            native.q8_linear = lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
+            per = f"{g} columns" + (" (the default)" if g == native.ACTIVATION_GROUP else "") if g else \
+                "row (simulated in float32)"
+            record(f"8-bit codes per {per}", run(engine, evaluation))
+            rows[-1][1]["note"] = f"products' rms distance to 16-bit codes {(squares[g] / total[0]) ** 0.5:.4f}"
     finally:
-        native.i16_linear = i16_linear
+        native.q8_linear = q8_linear
     return rows
 
 
@@ -352,7 +351,7 @@ def main() -> int:
                         "written to a temporary folder)")
     parser.add_argument("--max-image-tokens", type=int, default=256)
     parser.add_argument("--images", type=int, default=3, help="evaluation images (their sizes cycle through 3)")
-    parser.add_argument("--groups", default="32,64,128,row", help="with --prefill-groups: the group sizes")
+    parser.add_argument("--groups", default="64,32,128,row", help="with --prefill-groups: the group sizes")
     parser.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     parser.add_argument("--fp-outliers", action="store_true", help="also the LLM.int8()-style scheme")
     parser.add_argument("--threads", type=int, default=2)

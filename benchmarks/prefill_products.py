@@ -10,7 +10,9 @@ and 8B's layer shapes, alternating in every round.
 On x86 without AMX (or a tier emulated as such: QVL_ISA plus torch's switches, see tiers.py) it
 compares instead, in the tier's compute dtype (bf16 where it has bf16 products, else float32),
 the 16-bit pair kernel (`native.i16_linear`, prefill's int8 products there since section 37)
-with dequantising the weight for the tier's GEMM (oneDNN's bf16, MKL's float32: before).
+with dequantising the weight for the tier's GEMM (oneDNN's bf16, MKL's float32: before), and
+where the CPU has VNNI the 8-bit group-code kernel (`native.q8_linear`, prefill's default there
+since section 40) with the 16-bit pair kernel.
 
 Prints per shape the median ms (min-max) of each side and the ratios to dequantise + GEMM; "n/a"
 where the bf16 tile kernel does not take the product (more than 2^21 activation values: amx.c).
@@ -93,8 +95,11 @@ def alternate(sides: dict, rounds: int) -> dict[str, list[float]]:
 
 def x86_tier(args, k) -> None:
     dtype = torch.bfloat16 if k.native_bf16 else torch.float32
+    bytes_ = k.group_codes(dtype)  # the 8-bit group-code kernel runs here (VNNI)
     print(f"tier {k.tier.name}: {dtype}, int8 weights\n")
-    print("| shape | rows | 16-bit pairs ms | dequantise + GEMM ms | dequantise / pairs |\n|---|---|---|---|---|")
+    head = "| shape | rows | " + ("8-bit group codes ms | " if bytes_ else "") + "16-bit pairs ms | dequantise + GEMM ms | "
+    head += ("pairs / group codes | " if bytes_ else "") + "dequantise / pairs |"
+    print(head + "\n" + "|---" * (7 if bytes_ else 5) + "|")
     for name, (K, N) in SHAPES.items():
         q, s = quantize_int8(torch.randn(N, K) / K**0.5)
         s = s.to(dtype)
@@ -102,10 +107,13 @@ def x86_tier(args, k) -> None:
             x = torch.randn(rows, K).to(dtype)
             sides = {"pairs": lambda: native.i16_linear(k.lib, x, q, s),
                      "dequant": lambda: F.linear(x, dequantize_int8(q, s, transient=True))}
+            if bytes_:
+                sides = {"bytes": lambda: native.q8_linear(k.lib, x, q, s), **sides}
             times = alternate(sides, args.rounds)
             cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in times.values()]
-            ratio = statistics.median([a / b for a, b in zip(times["dequant"], times["pairs"])])
-            print(f"| {name} | {rows} | {' | '.join(cells)} | {ratio:.2f}× |", flush=True)
+            ratio = lambda a, b: statistics.median([u / v for u, v in zip(times[a], times[b])])  # noqa: E731
+            ratios = ([f"{ratio('pairs', 'bytes'):.2f}×"] if bytes_ else []) + [f"{ratio('dequant', 'pairs'):.2f}×"]
+            print(f"| {name} | {rows} | {' | '.join(cells)} | {' | '.join(ratios)} |", flush=True)
 
 
 if __name__ == "__main__":

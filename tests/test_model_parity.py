@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from qvl.engine import Engine, EngineOptions, Request
@@ -190,28 +191,34 @@ def test_bf16_engine_stays_close_to_float32(checkpoint, request):
 
 def test_default_path_prefill_runs_an_integer_kernel(tiny_checkpoint, monkeypatch):
     """The production default (int8 weights, bf16 compute, native kernels) prefills a two-image
-    prompt through qvl's integer kernel with 16-bit activation codes (on AMX int8 tiles where
-    the CPU has them, else in 16-bit pairs on x86), and its logits stay within bf16's reach of
-    the path without it (AMX bf16 tiles, or dequantise + oneDNN's bf16 GEMM)."""
+    prompt through qvl's integer kernel: 8-bit activation codes per 64 columns where the CPU has
+    VNNI without AMX, else 16-bit codes per row (on AMX int8 tiles where the CPU has them, else
+    in 16-bit pairs on x86), and its logits stay within bf16's reach of the path without it
+    (AMX bf16 tiles, or dequantise + oneDNN's bf16 GEMM)."""
     from qvl import dispatch, native
     from qvl.generate import new_cache, prefill
     from qvl.stream import Timings
 
     k = dispatch.kernels()
-    name = "amx_i16_linear" if k.has(native.AMX_INT8) else "i16_linear" if k.i16_products(torch.bfloat16) else None
+    name = ("amx_i16_linear" if k.has(native.AMX_INT8) else "q8_linear" if k.group_codes(torch.bfloat16)
+            else "i16_linear" if k.i16_products(torch.bfloat16) else None)
     if name is None:
-        pytest.skip("neither integer prefill kernel runs on this CPU")
+        pytest.skip("no integer prefill kernel runs on this CPU")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_image_tokens=256))
     assert engine.model.dtype == torch.bfloat16
     kernel, calls = getattr(native, name), []
     results = []
     for integer in (True, False):
-        monkeypatch.setattr(native, name,
-                            (lambda *a, **kw: calls.append(1) or kernel(*a, **kw)) if integer else (lambda *a, **kw: None))
+        for other in {name, "i16_linear"}:  # without: no integer kernel at all
+            monkeypatch.setattr(native, other, (lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+                                if integer and other == name else (lambda *a, **kw: None))
         parsed = engine.parse(two_image_request())
         with torch.inference_mode():
             prompt = engine.prepare(parsed, Timings())
             results.append(prefill(engine.model, new_cache(engine.model, 1, len(prompt) + 1), prompt).float())
     assert len(prompt) > k.int8_gemv_rows and calls  # many rows: the integer kernel ran
     with_codes, without = results
-    assert (with_codes - without).norm() / without.norm() < 0.02  # measured 0.8% (AMX)
+    if name == "q8_linear":  # 8-bit codes: the issue's distance (2.7% apart here, on 64-wide layers)
+        assert F.cosine_similarity(with_codes.flatten(), without.flatten(), 0) > 0.999
+    else:
+        assert (with_codes - without).norm() / without.norm() < 0.02  # measured 0.8% (AMX)
