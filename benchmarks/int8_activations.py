@@ -31,7 +31,9 @@ bf16 weights; with bf16 compute and int8 weights (what the bf16 tiers run) for s
 OpenVINO's CPU plugin quantises activations for int8 weights): bf16 compute, the defaults, where
 the CPU has VNNI prefill's int8 products in qvl_q8_linear's 8-bit codes per 64 columns (or per
 --groups 32, 128: the same kernel; "row": per row, simulated in float32) against 16-bit codes
-per row (qvl_i16_linear, --int8-activations vision), all against bf16 weights.
+per row (qvl_i16_linear, --int8-activations vision), all against bf16 weights. --noise adds both
+schemes with their sums in float32 instead of exact integers: how far the scores move when
+nothing but float rounding changes.
 """
 
 from __future__ import annotations
@@ -270,13 +272,18 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     return rows
 
 
-def row_codes_product(lib, x, weight, scales, bias=None):
-    """native.q8_linear's numbers with one 8-bit scale per row (step max|row| / 127, exact
-    integer sums), computed in float32: the per-row scheme that no kernel of qvl's runs."""
-    step = x.float().abs().amax(-1, keepdim=True) / 127
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    y = (torch.round(x.float() / step) * step) @ (weight.float() * scales.float()[:, None]).T
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+def simulated_codes(group: int, top: int):
+    """A product with symmetric activation codes (step max|x| / top per `group` columns, 0: per
+    row) computed in float32: the kernels' numbers but for the float rounding of the sums."""
+    def product(lib, x, weight, scales, bias=None):
+        k = x.shape[-1]
+        g = group or k
+        xg = x.float().reshape(-1, k // g, g)
+        step = xg.abs().amax(-1, keepdim=True) / top
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        y = (torch.round(xg / step) * step).reshape(-1, k) @ (weight.float() * scales.float()[:, None]).T
+        return (y if bias is None else y + bias.float()).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return product
 
 
 def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
@@ -300,9 +307,9 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     layers = [m for m in engine.model.modules() if getattr(m, "byte_codes", False)]
     assert layers, "the defaults did not take 8-bit codes in prefill"
     groups = [0 if g == "row" else int(g) for g in args.groups.split(",")]
-    schemes = {g: (row_codes_product if g == 0 else
-                   lambda lib, x, w, s, bias=None, g=g: native.q8_linear(lib, x, w, s, bias, group=g)) for g in groups}
     i16_linear, q8_linear = native.i16_linear, native.q8_linear
+    schemes = {g: (simulated_codes(0, 127) if g == 0 else
+                   lambda lib, x, w, s, bias=None, g=g: q8_linear(lib, x, w, s, bias, group=g)) for g in groups}
     squares, total = {g: 0.0 for g in groups}, [0.0]
 
     def measured(lib, x, weight, scales, bias=None):  # 16-bit codes, and each scheme's distance to them
@@ -330,8 +337,19 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
                 "row (simulated in float32)"
             record(f"8-bit codes per {per}", run(engine, evaluation))
             rows[-1][1]["note"] = f"products' rms distance to 16-bit codes {(squares[g] / total[0]) ** 0.5:.4f}"
+        if args.noise:  # the same schemes with the sums in float32: how far float rounding alone moves the scores
+            for name, product, layer_codes in (("16-bit codes per row", simulated_codes(0, 32767), False),
+                                               (f"8-bit codes per {native.ACTIVATION_GROUP} columns",
+                                                simulated_codes(native.ACTIVATION_GROUP, 127), True)):
+                for m in layers:
+                    m.byte_codes = layer_codes
+                native.i16_linear = native.q8_linear = \
+                    lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
+                record(f"{name}, simulated in float32", run(engine, evaluation))
     finally:
-        native.q8_linear = q8_linear
+        native.i16_linear, native.q8_linear = i16_linear, q8_linear
+        for m in layers:
+            m.byte_codes = True
     return rows
 
 
@@ -357,6 +375,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-codes", action="store_true", help="the float32 tiers' prefill products (see above)")
     parser.add_argument("--prefill-groups", action="store_true", help="prefill in 8-bit codes per group (see above)")
+    parser.add_argument("--noise", action="store_true", help="with --prefill-groups: also 16-bit and 8-bit codes "
+                        "with the sums in float32 (how far the scores move with float rounding alone)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="qvl-int8act-") as tmp:
