@@ -1,5 +1,6 @@
 /* Many-row products with int8 weights where the CPU has no AMX (prefill on AVX-512 and AVX2):
- * y = x . (w * scale)^T (+ bias), the activations in 16-bit codes per row.
+ * y = x . (w * scale)^T (+ bias), the activations in 16-bit codes per row (qvl_i16_linear), or
+ * with VNNI in 8-bit codes per group of columns (qvl_q8_linear, further down).
  *
  * Each row of x is quantised symmetrically to int16 codes (step max|row| / 32767: about bf16's
  * relative precision on the row's large values, finer than bf16 on its small ones, and
@@ -316,6 +317,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * other rows nor on the thread count. vpdpbusd multiplies four byte pairs per 32-bit lane:
  * twice vpdpwssd's products per instruction. */
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
+#define QVL_Q8 1
 
 #define Q8_KC 256 /* inputs per panel; a multiple of every group size taken */
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
@@ -538,13 +540,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     return failed ? -1 : 0;
 }
 
-#else
-int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                  const void* bias, void* y, int threads, int group) {
-    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads, (void)group;
-    return -2;
-}
-#endif
+#endif /* VNNI */
 
 #else
 int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
@@ -552,6 +548,9 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
     (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads;
     return -2;
 }
+#endif
+
+#ifndef QVL_Q8 /* no byte products: prefill keeps 16-bit codes */
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group) {
     (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads, (void)group;
