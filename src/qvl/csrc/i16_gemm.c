@@ -78,6 +78,22 @@ static inline vint vi_dp(vint acc, vint a, vint b) {
 }
 #endif
 
+/* Row m of x (dt [M][K]) as float32 (bf16 widened into buf); *finite: no NaN or infinity in it. */
+static const float* row_f32(const void* x, int dt, int64_t K, int64_t m, float* buf, int* finite) {
+    const float* row = (const float*)x + m * K;
+    if (dt == BF16) {
+        const uint16_t* h = (const uint16_t*)x + m * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+        row = buf;
+    }
+    int ok = 1;
+#pragma omp simd reduction(& : ok)
+    for (int64_t k = 0; k < K; k++) ok &= fabsf(row[k]) <= FLT_MAX;
+    *finite = ok;
+    return row;
+}
+
 /* Rows m0..m0+I16_MR-1 of x (dt [M][K]; rows past M zero) -> codes as int16 pairs
  * a[K/2][I16_MR] (pair p of row r at a[p * I16_MR + r]) and each row's step s[r]. */
 static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, int32_t* a, float* s, float* buf,
@@ -87,15 +103,7 @@ static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, i
         int finite = 1;
         float top = 0.f;
         if (m0 + r < M) {
-            if (dt == BF16) {
-                const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
-#pragma omp simd
-                for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-            } else {
-                row = (const float*)x + (m0 + r) * K;
-            }
-#pragma omp simd reduction(& : finite)
-            for (int64_t k = 0; k < K; k++) finite &= fabsf(row[k]) <= FLT_MAX;
+            row = row_f32(x, dt, K, m0 + r, buf, &finite);
             top = absmax(row, K);
         }
         const float inv = top > 0.f ? 32767.f / top : 0.f;
@@ -119,6 +127,9 @@ typedef __m512 vblock;
 static inline vblock widen16(const int8_t* p) { /* 32 int8 -> 16 dwords of two int16 */
     return _mm512_castsi512_ps(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p)));
 }
+static inline vblock quads(const int8_t* p) { /* 64 int8 -> 16 dwords of 4 bytes + 128 */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512((const void*)p), _mm512_set1_epi8(-128)));
+}
 #define transpose_block transpose16
 #define vblock_store(p, v) _mm512_store_ps((float*)(p), v)
 #else
@@ -126,6 +137,9 @@ static inline vblock widen16(const int8_t* p) { /* 32 int8 -> 16 dwords of two i
 typedef __m256 vblock;
 static inline vblock widen16(const int8_t* p) { /* 16 int8 -> 8 dwords of two int16 */
     return _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline vblock quads(const int8_t* p) { /* 32 int8 -> 8 dwords of 4 bytes + 128 */
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8(-128)));
 }
 static inline void transpose_block(__m256 r[8]) { /* r[i] row i of 8 x 8 -> r[j] column j */
     __m256 t[8], u[8];
@@ -149,28 +163,32 @@ static inline void transpose_block(__m256 r[8]) { /* r[i] row i of 8 x 8 -> r[j]
 #define vblock_store(p, v) _mm256_store_ps((float*)(p), v)
 #endif
 
-/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL), inputs k0..k0+kc-1 -> int16 pairs
- * b[kc/2][I16_NR] (lanes past nr zero): WIDEN_ROWS rows x WIDEN_ROWS pairs at a time,
- * sign-extended and transposed in registers. */
-static void widen_weights(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int64_t k0, int64_t kc, int32_t* b) {
-    const int64_t pairs = kc / 2, whole = pairs / WIDEN_ROWS * WIDEN_ROWS;
+/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL), inputs k0..k0+kc-1 (kc % unit == 0) ->
+ * b[kc/unit][I16_NR] dwords (lanes past nr zero), each either two inputs sign-extended to int16
+ * (unit 2: the pair kernel's) or four as bytes + 128 (unit 4: the byte kernel's unsigned
+ * operand): WIDEN_ROWS rows x WIDEN_ROWS dwords at a time, transposed in registers. */
+static inline __attribute__((always_inline)) void weight_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr,
+                                                                int64_t k0, int64_t kc, const int unit, int32_t* b) {
+    const int64_t units = kc / unit, whole = units / WIDEN_ROWS * WIDEN_ROWS;
     for (int64_t c0 = 0; c0 < I16_NR; c0 += WIDEN_ROWS) {
         if (c0 >= nr) {
-            for (int64_t p = 0; p < pairs; p++) memset(b + p * I16_NR + c0, 0, WIDEN_ROWS * 4);
+            for (int64_t p = 0; p < units; p++) memset(b + p * I16_NR + c0, 0, WIDEN_ROWS * 4);
             continue;
         }
         const int8_t* wr = w + (n0 + c0) * K + k0;
         for (int64_t p0 = 0; p0 < whole; p0 += WIDEN_ROWS) {
             vblock v[WIDEN_ROWS];
-            for (int i = 0; i < WIDEN_ROWS; i++) v[i] = widen16(wr + i * K + 2 * p0);
+            for (int i = 0; i < WIDEN_ROWS; i++) v[i] = unit == 4 ? quads(wr + i * K + 4 * p0) : widen16(wr + i * K + 2 * p0);
             transpose_block(v);
             for (int i = 0; i < WIDEN_ROWS; i++) vblock_store(b + (p0 + i) * I16_NR + c0, v[i]);
         }
-        for (int64_t p = whole; p < pairs; p++)
+        for (int64_t p = whole; p < units; p++)
             for (int i = 0; i < WIDEN_ROWS; i++) {
-                const int8_t* q = wr + i * K + 2 * p;
-                b[p * I16_NR + c0 + i] = (int32_t)((uint32_t)(uint16_t)(int16_t)q[0] |
-                                                   (uint32_t)(uint16_t)(int16_t)q[1] << 16);
+                const int8_t* q = wr + i * K + unit * p;
+                uint32_t d = 0;
+                for (int j = 0; j < unit; j++)
+                    d |= unit == 4 ? (uint32_t)(uint8_t)(q[j] + 128) << (8 * j) : (uint32_t)(uint16_t)(int16_t)q[j] << (16 * j);
+                b[p * I16_NR + c0 + i] = (int32_t)d;
             }
     }
 }
@@ -284,7 +302,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
             for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
                 const int64_t kc = K - k0 < I16_KC ? K - k0 : I16_KC, pairs = kc / 2;
                 for (int64_t j = 0; j < nc; j += I16_NR)
-                    widen_weights(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc,
+                    weight_panel(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc, 2,
                                   b + j / I16_NR * (I16_KC / 2) * I16_NR);
                 for (int64_t mb = 0; mb < MB; mb++) {
                     const int32_t* am = a + (mb * P + k0 / 2) * I16_MR;
@@ -328,16 +346,10 @@ static inline vint vi_dp8(vint acc, vint w, vint a) { /* acc += per lane: 4 byte
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
 }
-static inline vblock quads(const int8_t* p) { /* 64 int8 -> 16 dwords of 4 bytes + 128 */
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512((const void*)p), _mm512_set1_epi8(-128)));
-}
 #else
 static inline vint vi_dp8(vint acc, vint w, vint a) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
     return acc;
-}
-static inline vblock quads(const int8_t* p) { /* 32 int8 -> 8 dwords of 4 bytes + 128 */
-    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8(-128)));
 }
 #endif
 
@@ -350,17 +362,7 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
     for (int r = 0; r < Q8_MR; r++) {
         const float* row = buf;
         int finite = 1;
-        if (m0 + r < M) {
-            if (dt == BF16) {
-                const uint16_t* h = (const uint16_t*)x + (m0 + r) * K;
-#pragma omp simd
-                for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-            } else {
-                row = (const float*)x + (m0 + r) * K;
-            }
-#pragma omp simd reduction(& : finite)
-            for (int64_t k = 0; k < K; k++) finite &= fabsf(row[k]) <= FLT_MAX;
-        }
+        if (m0 + r < M) row = row_f32(x, dt, K, m0 + r, buf, &finite);
         for (int64_t g = 0; g < G; g++) {
             const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
             const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f, inv = top > 0.f ? 127.f / top : 0.f;
@@ -381,32 +383,6 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
             nq[g * Q8_MR + r] = -128 * sum;
         }
         for (int64_t p = 0; p < K / 4; p++) memcpy(a + p * Q8_MR + r, codes + 4 * p, 4); /* one quad */
-    }
-}
-
-/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL), inputs k0..k0+kc-1 (kc % 4 == 0) ->
- * quads of w + 128, b[kc/4][I16_NR] (lanes past nr zero): WIDEN_ROWS rows x WIDEN_ROWS quads
- * at a time, transposed in registers. */
-static void quad_weights(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int64_t k0, int64_t kc, int32_t* b) {
-    const int64_t nquads = kc / 4, whole = nquads / WIDEN_ROWS * WIDEN_ROWS;
-    for (int64_t c0 = 0; c0 < I16_NR; c0 += WIDEN_ROWS) {
-        if (c0 >= nr) {
-            for (int64_t p = 0; p < nquads; p++) memset(b + p * I16_NR + c0, 0, WIDEN_ROWS * 4);
-            continue;
-        }
-        const int8_t* wr = w + (n0 + c0) * K + k0;
-        for (int64_t p0 = 0; p0 < whole; p0 += WIDEN_ROWS) {
-            vblock v[WIDEN_ROWS];
-            for (int i = 0; i < WIDEN_ROWS; i++) v[i] = quads(wr + i * K + 4 * p0);
-            transpose_block(v);
-            for (int i = 0; i < WIDEN_ROWS; i++) vblock_store(b + (p0 + i) * I16_NR + c0, v[i]);
-        }
-        for (int64_t p = whole; p < nquads; p++)
-            for (int i = 0; i < WIDEN_ROWS; i++) {
-                uint8_t u[4];
-                for (int j = 0; j < 4; j++) u[j] = (uint8_t)(wr[i * K + 4 * p + j] + 128);
-                memcpy(b + p * I16_NR + c0 + i, u, 4);
-            }
     }
 }
 
@@ -516,7 +492,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
             for (int64_t k0 = 0; k0 < K; k0 += Q8_KC) {
                 const int64_t kc = K - k0 < Q8_KC ? K - k0 : Q8_KC;
                 for (int64_t j = 0; j < nc; j += I16_NR)
-                    quad_weights(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc,
+                    weight_panel(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc, 4,
                                  b + j / I16_NR * (Q8_KC / 4) * I16_NR);
                 for (int64_t j = 0; j < nc; j += I16_NR) /* a column tile's panel (8 KB) stays in L1 */
                     for (int64_t mb = 0; mb < MB; mb++) {
