@@ -143,6 +143,7 @@ class Kernels:
                     "decode": "torch weight-only kernels / oneDNN", "attention": "torch SDPA",
                     "decode_step": "per-layer modules"}
         f, name = self.features, self.tier.name
+        compute = torch.bfloat16 if self.native_bf16 else torch.float32  # the default compute dtype
         extras = [n for bit, n in ((native.VNNI, "VNNI"), (native.BF16, "BF16"), (native.AVX_VNNI, "AVX-VNNI"),
                                    (native.DOTPROD, "dot products"), (native.AMX_INT8, "AMX-INT8"))
                   if f & bit]
@@ -162,7 +163,7 @@ class Kernels:
                                  if f & native.AMX_INT8 else
                                  (f"int8: byte products (vpdpbusd), activations in 8-bit codes per "
                                   f"{native.ACTIVATION_GROUP} columns (16-bit codes per row in pair products with "
-                                  "--int8-activations vision|off)" if self.group_codes(torch.float32) else
+                                  "--int8-activations vision|off)" if self.group_codes(compute) else
                                   "int8: 16-bit pair products (vpmaddwd), activations in 16-bit codes per row")
                                  + "; int4: dequantise + oneDNN float GEMM"
                                  if self.i16_products(torch.float32) else "dequantise + oneDNN float GEMM",
@@ -181,7 +182,7 @@ class Kernels:
                                  "oneDNN's int8 GEMM (prepacked weights)") + " + native quantise/rescale, activations "
                                 f"per row in {'8' if self.int8_levels == 255 else '7'} bits" + (
                 (", vision and prefill by default (prefill in 8-bit codes per group: prefill_int8_int4)"
-                 if self.group_codes(torch.float32) else ", vision by default (faster than the float GEMM here)")
+                 if self.group_codes(compute) else ", vision by default (faster than the float GEMM here)")
                 if self.int8_activations() else
                 ", off by default (not faster than the float GEMM here)"),
         }

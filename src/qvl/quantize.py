@@ -291,14 +291,14 @@ class Int8Experts(nn.Module):
     [E, H, I], scales [E, 2I] and [E, H]. A call reads only its expert's matrices: memory-mapped
     from the quantised-weights cache, the experts never chosen are never read."""
 
+    byte_codes = False  # as Int8Linear's
+
     def __init__(self, experts: int, hidden: int, inter: int, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("gate_up_proj", torch.empty(experts, 2 * inter, hidden, dtype=torch.int8))
         self.register_buffer("gate_up_proj_scales", torch.empty(experts, 2 * inter, dtype=dtype))
         self.register_buffer("down_proj", torch.empty(experts, hidden, inter, dtype=torch.int8))
         self.register_buffer("down_proj_scales", torch.empty(experts, hidden, dtype=dtype))
-
-    byte_codes = False  # as Int8Linear's
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         # x: [n, H] tokens routed to `expert` -> [n, H]

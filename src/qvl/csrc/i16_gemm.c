@@ -237,14 +237,14 @@ static void tile1(const int32_t* a, const int32_t* b, int64_t pairs, float* c, i
     I16_ROWS(FLUSH1)
 }
 
-/* y[m][n0 + j] = c[m][j] * scale[n0 + j] * s[m] (+ bias[n0 + j]) for m < M, j < nc. */
+/* y[m][n0 + j] = c[m][j] * scale[n0 + j] * s[m] (+ bias[n0 + j]) for m < M, j < nc; s NULL: 1. */
 static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
                        const void* scale, const void* bias, int dt, int64_t N, void* y) {
     float cs[I16_NC], cb[I16_NC], out[I16_NC];
     for (int64_t j = 0; j < nc; j++) cs[j] = get(scale, dt, n0 + j), cb[j] = bias ? get(bias, dt, n0 + j) : 0.f;
     for (int64_t m = 0; m < M; m++) {
         float* dst = dt == F32 ? (float*)y + m * N + n0 : out;
-        const vflt sm = vf_set1(s[m]);
+        const vflt sm = vf_set1(s ? s[m] : 1.f);
         for (int64_t j = 0; j < nc; j += VL)
             vf_store(dst + j, vf_fmadd(vf_mul(vf_load(c + m * ldc + j), vf_load(cs + j)), sm, vf_load(cb + j)));
         if (dt != BF16) continue;
@@ -455,12 +455,10 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
     float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
     int32_t* nq = malloc((size_t)(MB * G * Q8_MR) * sizeof(int32_t));
-    float* ones = malloc((size_t)(MB * Q8_MR) * sizeof(float));
-    if (!a || !sg || !nq || !ones) {
-        free(a), free(sg), free(nq), free(ones);
+    if (!a || !sg || !nq) {
+        free(a), free(sg), free(nq);
         return -1;
     }
-    for (int64_t m = 0; m < MB * Q8_MR; m++) ones[m] = 1.f;
     int failed = 0;
 #pragma omp parallel num_threads(T)
     {
@@ -494,25 +492,25 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
                 for (int64_t j = 0; j < nc; j += I16_NR)
                     weight_panel(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc, 4,
                                  b + j / I16_NR * (Q8_KC / 4) * I16_NR);
-                for (int64_t j = 0; j < nc; j += I16_NR) /* a column tile's panel (8 KB) stays in L1 */
+                for (int64_t j = 0; j < nc; j += I16_NR) { /* a column tile's panel (8 KB) stays in L1 */
+                    const int32_t* bj = b + j / I16_NR * (Q8_KC / 4) * I16_NR;
                     for (int64_t mb = 0; mb < MB; mb++) {
-                        const int32_t* bj = b + j / I16_NR * (Q8_KC / 4) * I16_NR;
                         float* cj = c + mb * Q8_MR * I16_NC + j;
-                        const int64_t g = k0 / group;
                         const int32_t* am = a + (mb * Q + k0 / 4) * Q8_MR;
-                        const float* sgm = sg + (mb * G + g) * Q8_MR;
-                        const int32_t* nqm = nq + (mb * G + g) * Q8_MR;
+                        const float* sgm = sg + (mb * G + k0 / group) * Q8_MR;
+                        const int32_t* nqm = nq + (mb * G + k0 / group) * Q8_MR;
                         if (nc - j >= I16_NR)
                             q8_tile2(am, bj, kc / 4, gq, sgm, nqm, cj, I16_NC, k0 == 0);
                         else
                             q8_tile1(am, bj, kc / 4, gq, sgm, nqm, cj, I16_NC, k0 == 0);
                     }
+                }
             }
-            write_rows(c, I16_NC, ones, M, n0, nc, scale, bias, dt, N, y);
+            write_rows(c, I16_NC, NULL, M, n0, nc, scale, bias, dt, N, y); /* the steps are in c */
         }
         free(b), free(c);
     }
-    free(a), free(sg), free(nq), free(ones);
+    free(a), free(sg), free(nq);
     return failed ? -1 : 0;
 }
 
