@@ -63,8 +63,7 @@ def main() -> None:
     with torch.inference_mode():
         ref = teacher_forced(reference.model, tokens)
     print(f"tier {chosen.tier.name}; {args.rows} sequences x {args.steps} positions, teacher-forced decode steps; "
-          f"int8 GEMV codes: before {'8-bit/64' if native.byte_gemv(sides['before'].lib) else '16-bit/128'}, "
-          f"after {'8-bit/64' if native.byte_gemv(chosen.lib) else '16-bit/128'}\n")
+          f"before: {args.before}, after: this checkout\n")
     print("| side | logits cos vs bf16 weights | top-1 vs bf16 weights | top-1 vs the other side |")
     print("|---|---|---|---|")
     other = {"before": "after", "after": "before"}

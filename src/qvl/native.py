@@ -210,13 +210,6 @@ def load(tier: Tier, cache: Path) -> ctypes.CDLL:
     return open_library(build(cache, tier))
 
 
-def byte_gemv(lib: ctypes.CDLL) -> bool:
-    """Whether `lib`'s int8 GEMV (decoding) rounds activations to 8-bit codes per group of 64
-    columns (x86 with VNNI or AVX-VNNI, except where AMX tiles take 16-bit codes) rather than
-    to 16 bits per 128 columns."""
-    return bool(lib.features & (VNNI | AVX_VNNI)) and not lib.features & AMX_INT8
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

@@ -9,13 +9,11 @@
  * Activations x[M][K] and outputs y[M][N] are float32 (dt 0) or bfloat16 (dt 1); scales,
  * zeros and bias use the same dtype.
  *
- * Integer products on every tier (when K is a multiple of 128); tiers with the same scheme
- * differ only in the order of float sums:
- *   int8: x86 with VNNI or AVX-VNNI (and no AMX): activations rounded to int8 per group of 64
- *         columns (QB below), multiplied four at a time by vpdpbusd. Elsewhere: activations
- *         rounded to 16 bits per 128 columns (finer than bf16); the weights are widened to
- *         int16 and multiplied in pairs (AVX-512 vpdpwssd on AMX CPUs' tiles' tail, AVX2
- *         vpmaddwd, NEON smlal), portable C sums int32 products.
+ * Integer products on every tier, with the same quantised activations (when K is a
+ * multiple of 128), so that tiers differ only in the order of float sums:
+ *   int8: activations rounded to 16 bits per 128 columns (finer than bf16); the weights are
+ *         widened to int16 and multiplied in pairs (AVX-512 VNNI and AVX-VNNI vpdpwssd,
+ *         AVX2 vpmaddwd, NEON smlal), portable C sums int32 products.
  *   int4: activations rounded to int8 per 128 columns, as llama.cpp does for its 4-bit
  *         formats (VNNI / vpmaddubsw / NEON sdot / portable int32 sums).
  * bf16 weights, and shapes the integer paths do not take, accumulate exact float products. */
@@ -83,93 +81,6 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
         }
     }
 }
-
-/* Activations for the byte products of int8 weights (x86 with VNNI: vpdpbusd, four 8-bit
- * products per lane, twice vpdpwssd's). Codes are int8 with one step per group of columns;
- * a group is what one 32-bit lane sums in a block of BYTE_BLOCK columns when the weight row is
- * read in 64-byte pieces: group g of the block at k0 holds columns k0 + 64t + 4g .. +3 for
- * every piece t (64 columns in a whole block; a last, shorter block has shorter groups). So a
- * lane's int32 sum over the block is its group's exact sum, and each block costs one convert
- * and one multiply-add per product for its 16 steps. The weights enter as w + 128 (unsigned);
- * each group's sum starts at -128 x its codes' sum (`start`), which leaves exactly sum w q. */
-#if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
-#define BYTE_GEMV 1
-#define BYTE_BLOCK 1024
-#define BYTE_GROUPS 16 /* groups per block: 64-byte pieces hold 16 lanes of 4 columns */
-#ifdef QVL_AVX512
-#define BYTE_TILE 8 /* activation rows per pass over a weight row: 8 int32 and 8 float sums in registers */
-#else
-#define BYTE_TILE 4 /* 16 ymm registers: 2 x 4 int32 and 4 float sums */
-#endif
-#endif
-typedef struct {
-    int8_t* q;      /* [M][K] codes, in column order */
-    float* step;    /* [M][B][16] each group's step (NaN where the group holds a NaN or infinity) */
-    int32_t* start; /* [M][B][16] -128 x the sum of each group's codes; B = ceil(K / BYTE_BLOCK) */
-} QB;
-#ifdef BYTE_GEMV
-
-static inline __m256 max_of_quads(__m256 v) { /* each 4 adjacent lanes -> their max, in all four */
-    v = _mm256_max_ps(v, _mm256_permute_ps(v, 0xB1));
-    return _mm256_max_ps(v, _mm256_permute_ps(v, 0x4E));
-}
-
-static void quantize_bytes(const float* x, int64_t M, int64_t K, QB* qx, int threads) {
-    const int64_t B = (K + BYTE_BLOCK - 1) / BYTE_BLOCK;
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), half = _mm256_set1_ps(0.5f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-#pragma omp parallel for num_threads(M >= 32 ? threads : 1) schedule(static)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t k0 = b * BYTE_BLOCK, L = K - k0 < BYTE_BLOCK ? K - k0 : BYTE_BLOCK;
-            const float* xb = x + m * K + k0;
-            __m256 top[8], bad[8], inv[8]; /* per column of a 64-column piece, 8 vectors */
-            __m256i sum[8];
-            for (int v = 0; v < 8; v++) top[v] = bad[v] = _mm256_setzero_ps(), sum[v] = _mm256_setzero_si256();
-            for (int64_t t = 0; t < L; t += 64)
-                for (int v = 0; v < 8; v++) {
-                    const __m256 xv = _mm256_loadu_ps(xb + t + 8 * v);
-                    top[v] = _mm256_max_ps(top[v], _mm256_and_ps(xv, magnitude));
-                    bad[v] = _mm256_add_ps(bad[v], _mm256_mul_ps(xv, _mm256_setzero_ps())); /* NaN after a NaN or inf */
-                }
-            float* step = qx->step + (m * B + b) * BYTE_GROUPS;
-            for (int v = 0; v < 8; v++) { /* vector v holds groups 2v and 2v + 1 */
-                const __m256 t4 = max_of_quads(top[v]);
-                const __m256 ok = _mm256_cmp_ps(max_of_quads(_mm256_and_ps(bad[v], magnitude)), _mm256_setzero_ps(),
-                                                _CMP_EQ_OQ); /* false for NaN */
-                const __m256 st = _mm256_div_ps(t4, _mm256_set1_ps(127.f));
-                const __m256 coded = _mm256_and_ps(ok, _mm256_cmp_ps(t4, _mm256_setzero_ps(), _CMP_GT_OQ));
-                inv[v] = _mm256_and_ps(coded, _mm256_div_ps(_mm256_set1_ps(1.f), st)); /* 0: codes 0 */
-                const __m256 shown = _mm256_blendv_ps(_mm256_set1_ps(NAN), st, ok);
-                step[2 * v] = _mm256_cvtss_f32(shown);
-                step[2 * v + 1] = _mm256_cvtss_f32(_mm256_permutevar8x32_ps(shown, _mm256_set1_epi32(4)));
-            }
-            int8_t* q = qx->q + m * K + k0;
-            for (int64_t t = 0; t < L; t += 64) {
-                __m256i c[8];
-                for (int v = 0; v < 8; v++) {
-                    __m256 y = _mm256_mul_ps(_mm256_loadu_ps(xb + t + 8 * v), inv[v]);
-                    y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q)); /* a NaN or infinity times 0 -> 0 */
-                    /* round half away from zero, as round_int */
-                    c[v] = _mm256_cvttps_epi32(_mm256_add_ps(y, _mm256_or_ps(_mm256_andnot_ps(magnitude, y), half)));
-                    sum[v] = _mm256_add_epi32(sum[v], c[v]);
-                }
-                for (int h = 0; h < 2; h++) { /* 32 codes in column order */
-                    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[4 * h], c[4 * h + 1]),
-                                                         _mm256_packs_epi32(c[4 * h + 2], c[4 * h + 3]));
-                    _mm256_storeu_si256((__m256i*)(q + t + 32 * h), _mm256_permutevar8x32_epi32(p, order));
-                }
-            }
-            int32_t* start = qx->start + (m * B + b) * BYTE_GROUPS;
-            for (int v = 0; v < 8; v++) {
-                int32_t lanes[8];
-                _mm256_storeu_si256((__m256i*)lanes, sum[v]);
-                start[2 * v] = -128 * (lanes[0] + lanes[1] + lanes[2] + lanes[3]);
-                start[2 * v + 1] = -128 * (lanes[4] + lanes[5] + lanes[6] + lanes[7]);
-            }
-        }
-}
-#endif
 
 /* ---- portable row products ----------------------------------------------------------------- */
 
@@ -318,50 +229,6 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
                 _mm512_storeu_ps(state + r * INT8_STATE + 16 * m, acc[r][m]);
         }
 }
-
-/* One int8 weight row . byte codes (QB) of mt activation rows, blocks b0..b1-1 of BYTE_BLOCK
- * columns: per 64 columns the weight piece flipped to unsigned once and one vpdpbusd per row;
- * per block each lane's exact group sum scaled by its group's step. Below 4 rows two chains of
- * sums (even and odd pieces, added exactly; four for one row) hide vpdpbusd's latency. out[m]; a product's
- * running sums go to state + 16 * m between block ranges. */
-static inline __attribute__((always_inline)) void dot_byte_tile(const QB* qx, int64_t m0, int64_t K,
-                                                                const int8_t* w, float* out, int64_t b0,
-                                                                int64_t b1, float* state, const int mt) {
-    const int chains = mt == 1 ? 4 : mt < 4 ? 2 : 1;
-    const int64_t B = (K + BYTE_BLOCK - 1) / BYTE_BLOCK;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[BYTE_TILE];
-    for (int m = 0; m < mt; m++) acc[m] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(state + 16 * m);
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t k0 = b * BYTE_BLOCK, L = K - k0 < BYTE_BLOCK ? K - k0 : BYTE_BLOCK;
-        const int64_t g0 = (m0 * B + b) * BYTE_GROUPS, row = B * BYTE_GROUPS; /* of the steps and starts */
-        __m512i ia[4][BYTE_TILE];
-        for (int m = 0; m < mt; m++) {
-            ia[0][m] = _mm512_loadu_si512(qx->start + g0 + m * row);
-            for (int h = 1; h < chains; h++) ia[h][m] = _mm512_setzero_si512();
-        }
-        for (int64_t t = 0; t < L; t += 64) {
-            const int h = (int)(t / 64) & (chains - 1);
-            if (mt == 1) _mm_prefetch((const char*)(w + k0 + t + 4096), _MM_HINT_T0);
-            const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + k0 + t), flip);
-            for (int m = 0; m < mt; m++)
-                ia[h][m] = _mm512_dpbusd_epi32(ia[h][m], wu, _mm512_loadu_si512(qx->q + (m0 + m) * K + k0 + t));
-        }
-        for (int m = 0; m < mt; m++) {
-            const __m512i sum = chains == 1   ? ia[0][m]
-                                : chains == 2 ? _mm512_add_epi32(ia[0][m], ia[1][m])
-                                              : _mm512_add_epi32(_mm512_add_epi32(ia[0][m], ia[1][m]),
-                                                                 _mm512_add_epi32(ia[2][m], ia[3][m]));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(qx->step + g0 + m * row), acc[m]);
-        }
-    }
-    for (int m = 0; m < mt; m++) {
-        if (b1 == B)
-            out[m] = _mm512_reduce_add_ps(acc[m]);
-        else
-            _mm512_storeu_ps(state + 16 * m, acc[m]);
-    }
-}
 #endif
 
 /* Integer parts of the int4 products (see int4_rows): out[r * mt + m] = sum over units u of
@@ -488,48 +355,6 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
                 _mm256_storeu_ps(state + r * INT8_STATE + 8 * m, acc[r][m]);
         }
 }
-
-#ifdef BYTE_GEMV
-/* As the AVX-512 dot_byte_tile with AVX-VNNI on ymm registers: a 64-column piece is two
- * 32-byte halves, lanes of the first summing groups 0..7 and of the second 8..15. */
-static inline __attribute__((always_inline)) void dot_byte_tile(const QB* qx, int64_t m0, int64_t K,
-                                                                const int8_t* w, float* out, int64_t b0,
-                                                                int64_t b1, float* state, const int mt) {
-    const int64_t B = (K + BYTE_BLOCK - 1) / BYTE_BLOCK;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[BYTE_TILE];
-    for (int m = 0; m < mt; m++) acc[m] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + 8 * m);
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t k0 = b * BYTE_BLOCK, L = K - k0 < BYTE_BLOCK ? K - k0 : BYTE_BLOCK;
-        const int64_t g0 = (m0 * B + b) * BYTE_GROUPS, row = B * BYTE_GROUPS; /* of the steps and starts */
-        __m256i lo[BYTE_TILE], hi[BYTE_TILE];
-        for (int m = 0; m < mt; m++) {
-            lo[m] = _mm256_loadu_si256((const __m256i*)(qx->start + g0 + m * row));
-            hi[m] = _mm256_loadu_si256((const __m256i*)(qx->start + g0 + m * row + 8));
-        }
-        for (int64_t t = 0; t < L; t += 64) {
-            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k0 + t)), flip);
-            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k0 + t + 32)), flip);
-            for (int m = 0; m < mt; m++) {
-                const int8_t* xq = qx->q + (m0 + m) * K + k0 + t;
-                lo[m] = _mm256_dpbusd_avx_epi32(lo[m], w0, _mm256_loadu_si256((const __m256i*)xq));
-                hi[m] = _mm256_dpbusd_avx_epi32(hi[m], w1, _mm256_loadu_si256((const __m256i*)(xq + 32)));
-            }
-        }
-        for (int m = 0; m < mt; m++) {
-            const float* st = qx->step + g0 + m * row;
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[m]), _mm256_loadu_ps(st + 8),
-                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[m]), _mm256_loadu_ps(st), acc[m]));
-        }
-    }
-    for (int m = 0; m < mt; m++) {
-        if (b1 == B)
-            out[m] = hsum256(acc[m]);
-        else
-            _mm256_storeu_ps(state + 8 * m, acc[m]);
-    }
-}
-#endif
 
 /* Integer parts of the int4 products (see int4_rows), as the AVX-512 int4_tile: here the
  * dot products over weight bytes 32h..32h+31 of a chunk cover columns 64h..64h+63, lane j
@@ -793,17 +618,6 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
         default: F(__VA_ARGS__, 1); return;    \
     }
 
-#define TILED8(mt, F, ...)                     \
-    do {                                       \
-        switch (mt) {                          \
-            case 8: F(__VA_ARGS__, 8); return; \
-            case 7: F(__VA_ARGS__, 7); return; \
-            case 6: F(__VA_ARGS__, 6); return; \
-            case 5: F(__VA_ARGS__, 5); return; \
-        }                                      \
-        TILED(mt, F, __VA_ARGS__)              \
-    } while (0)
-
 typedef struct { /* the activations of one qvl_linear call, in the forms its tier's products read */
     const float* xf;  /* [M][K] float32 */
     const Q16* q16;   /* int8 weights, where the integer path applies */
@@ -851,66 +665,50 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
 }
 
 #ifdef INT8_SEGMENTS
-static void int8_segment_tile(const Q16* qx, const QB* qb, int64_t m0, int64_t mt, int64_t K, const int8_t* w,
-                              float* out, int64_t c0, int64_t c1, float* state, int nr) {
-#ifdef BYTE_GEMV
-    if (qb) TILED8(mt, dot_byte_tile, qb, m0, K, w, out, c0, c1, state);
-#endif
+static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, const int8_t* w, float* out,
+                              int64_t c0, int64_t c1, float* state, int nr) {
     if (nr == INT8_PAIR) TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, INT8_PAIR)
     TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, 1)
 }
 
 /* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of GEMV_BLOCK, and for
  * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
- * the block taking the range before the next one. A product's running sums carry over between
- * ranges in `state`, so it is computed exactly as in one pass (the same sums in the same order,
- * whatever M, K or the tile). Each tile's pass from 2 activation rows on prefetches its share of
- * the next block, so that the block streams in from memory under all the tiles' work.
- * With 16-bit codes (qx), from 2 activation rows on weight rows go INT8_PAIR at a time (each
- * activation load serves them all: the loads, not the products, bounded several rows); one
- * row alone streams its weights faster without pairs or prefetch. Byte codes (qb) go one
- * weight row at a time in tiles of BYTE_TILE rows (a tile's codes, half the size, still fit L1). */
-#ifdef BYTE_GEMV
-#define ROW_STATE (BYTE_TILE * INT8_SEGMENTS) /* room for a weight row's running sums */
-#else
-#define ROW_STATE INT8_STATE
-#endif
-static void int8_segmented(const Q16* qx, const QB* qb, int64_t M, int64_t K, int64_t n0, int64_t N,
-                           const int8_t* w, const void* scale, const void* bias, int dt, void* y, int threads) {
-#ifdef BYTE_GEMV
-    const int64_t unit = qb ? BYTE_BLOCK : CHUNK, width = qb ? 1 : 2, tile = qb ? BYTE_TILE : TILE;
-#else
-    const int64_t unit = CHUNK, width = 2, tile = TILE; /* columns per range unit, bytes per code */
-#endif
-    const int64_t C = (K + unit - 1) / unit;
+ * the block taking the range before the next one. A product's
+ * running sums carry over between ranges in `state`, so it is computed exactly as in one pass
+ * (the same sums in the same order, whatever M, K or the tile). From 2 activation rows on,
+ * weight rows go INT8_PAIR at a time (each activation load serves them all: the loads, not the
+ * products, bounded several rows), and each tile's pass prefetches its share of the next block,
+ * so that the block streams in from memory under all the tiles' work. One row alone streams
+ * its weights faster without either. */
+static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
+                           const void* scale, const void* bias, int dt, void* y, int threads) {
+    const int64_t C = K / CHUNK;
     const int64_t blocks = (N - n0 + GEMV_BLOCK - 1) / GEMV_BLOCK;
-    const int64_t share = (K / ((M + tile - 1) / tile) + 63) / 64 * 64; /* of a row, per tile */
-    const int64_t pair = M > 1 && !qb ? INT8_PAIR : 1;
-    const int64_t stride = qb ? ROW_STATE : INT8_STATE; /* of the running sums, per weight row */
+    const int64_t share = (K / ((M + TILE - 1) / TILE) + 63) / 64 * 64; /* of a row, per tile */
+    const int64_t pair = M > 1 ? INT8_PAIR : 1; /* one row streams its weights faster alone */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t first = n0 + b * GEMV_BLOCK, last = first + GEMV_BLOCK < N ? first + GEMV_BLOCK : N;
-        float state[GEMV_BLOCK * ROW_STATE], out[INT8_PAIR * TILE > 8 ? INT8_PAIR * TILE : 8];
-        for (int64_t m0 = 0; m0 < M; m0 += tile) {
-            const int64_t mt = M - m0 < tile ? M - m0 : tile;
+        float state[GEMV_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
             /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
              * (measured on Zen 4: whole rows stream from memory faster; split, 8 rows at K =
              * 6144 took 23 ms instead of 33) */
-            int64_t range = mt * K * width <= 24576 ? C : 16384 / (mt * unit * width);
-            range = range < 1 ? 1 : range;
+            const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
             for (int64_t c0 = 0; c0 < C; c0 += range) {
                 const int64_t c1 = c0 + range < C ? c0 + range : C;
                 for (int64_t n = first; n < last; n += pair) {
                     const int nr = last - n < pair ? (int)(last - n) : (int)pair;
                     if (M > 1 && c0 == 0) /* each tile's pass brings in its share of the next block */
                         for (int r = 0; r < nr && n + r + GEMV_BLOCK < N; r++)
-                            for (int64_t k = share * (m0 / tile); k < share * (m0 / tile + 1) && k < K; k += 64)
+                            for (int64_t k = share * (m0 / TILE); k < share * (m0 / TILE + 1) && k < K; k += 64)
                                 _mm_prefetch((const char*)(w + (n + r + GEMV_BLOCK) * K + k), _MM_HINT_T0);
-                    int8_segment_tile(qx, qb, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * stride, nr);
+                    int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, nr);
                     if (c1 < C) continue;
                     for (int r = 0; r < nr; r++)
                         for (int64_t m = 0; m < mt; m++) {
-                            float v = out[qb ? m : r * TILE + m] * get(scale, dt, n + r);
+                            float v = out[r * TILE + m] * get(scale, dt, n + r);
                             if (bias) v += get(bias, dt, n + r);
                             put(y, dt, (m0 + m) * N + n + r, v);
                         }
@@ -940,16 +738,6 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     }
     const int integer = K % CHUNK == 0 && !failed;
     Q16 x16;
-    QB xb = {NULL, NULL, NULL};
-#ifdef BYTE_GEMV
-    if (integer && kind == W_INT8 && !qvl_int8_amx_ready()) { /* AMX tiles take 16-bit codes */
-        const int64_t G = (K + BYTE_BLOCK - 1) / BYTE_BLOCK * BYTE_GROUPS;
-        xb = (QB){malloc((size_t)(M * K)), malloc((size_t)(M * G) * sizeof(float)),
-                  malloc((size_t)(M * G) * sizeof(int32_t))};
-        failed = !xb.q || !xb.step || !xb.start;
-        if (!failed) quantize_bytes(xf, M, K, &xb, threads);
-    } else
-#endif
     if (integer && kind == W_INT8) {
         q16 = malloc((size_t)(M * K) * sizeof(int16_t));
         scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
@@ -993,8 +781,8 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         failed = covered < 0;
     }
 #ifdef INT8_SEGMENTS
-    if (!failed && !done && (a.q16 || xb.q)) {
-        int8_segmented(a.q16, xb.q ? &xb : NULL, M, K, covered, N, (const int8_t*)w, scale, bias, dt, y, threads);
+    if (!failed && !done && a.q16) {
+        int8_segmented(&x16, M, K, covered, N, (const int8_t*)w, scale, bias, dt, y, threads);
         done = 1;
     }
 #endif
@@ -1021,7 +809,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
             }
         }
     }
-    free(xf), free(q16), free(q8), free(scales), free(sums), free(units), free(xb.q), free(xb.step), free(xb.start);
+    free(xf), free(q16), free(q8), free(scales), free(sums), free(units);
     return failed ? -1 : 0;
 }
 
