@@ -1,0 +1,91 @@
+"""Would integer products in the vision tower's attention keep its accuracy? Simulated in float
+(the kernel is not built): SageAttention-style int8 QK^T (keys minus their mean over the image's
+patches, exact for softmax; int8 codes of q and k with one step per token and head, or per 64
+tokens and head), optionally P as unsigned 8-bit codes per query row and V as int8 per channel;
+softmax and everything else as the defaults. Mean per-row cosine of the image features
+(merged + DeepStack) and of the prompt logits against bf16 weights, top-1 agreement against bf16
+weights and against the defaults; "keys centred" is the float control (how far float rounding
+alone moves the scores).
+
+    python benchmarks/vision_attention_codes.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 256
+    python benchmarks/vision_attention_codes.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 1024
+(at 1024 tokens the images are 1920x1080 and 1280x960: 4,032 and 4,800 patches)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import qvl.model.vision as vision
+from int8_activations import PROMPTS, eval_sizes, row_cosine, run, samples, top1
+from qvl.engine import Engine, EngineOptions
+
+
+def dequantised_codes(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [n, H, hd] float32 -> its int8 codes times their steps: one step per (token, head), or
+    per (block of tokens, head) when block > 0."""
+    n = x.shape[0]
+    if block == 0:
+        amax = x.abs().amax(-1, keepdim=True)
+    else:
+        padded = F.pad(x, (0, 0, 0, 0, 0, (-n) % block))
+        amax = padded.view(-1, block, *x.shape[1:]).abs().amax(dim=(1, 3), keepdim=True)
+        amax = amax.expand(-1, block, -1, 1).reshape(-1, x.shape[1], 1)[:n]
+    step = amax / 127
+    return torch.where(step > 0, torch.round(x / step), torch.zeros_like(x)) * step
+
+
+def attention(block: int | None, pv_codes: bool = False):
+    """An image_attention replacement: q, k, v [n, H, hd] -> [n, H, hd]."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qf, kf = q.float(), k.float()
+        kf = kf - kf.mean(0, keepdim=True)  # q . mean(k) is one constant per query row
+        if block is not None:
+            qf, kf = dequantised_codes(qf, block), dequantised_codes(kf, block)
+        p = (torch.einsum("nhd,mhd->hnm", qf, kf) / q.shape[-1] ** 0.5).softmax(-1).to(v.dtype).float()
+        vf = v.float()
+        if pv_codes:
+            ps = p.amax(-1, keepdim=True) / 255
+            p = torch.round(p / ps) * ps
+            vs = vf.abs().amax(0, keepdim=True) / 127
+            vf = (torch.round(vf / vs) * vs).to(v.dtype).float()
+        return torch.einsum("hnm,mhd->nhd", p, vf).to(q.dtype)
+    return attend
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--max-image-tokens", type=int, default=256)
+    args = p.parse_args()
+    sizes = eval_sizes(3) if args.max_image_tokens < 1024 else [(1920, 1080), (1280, 960)]
+    requests = samples(sizes, PROMPTS, 0, args.max_image_tokens)
+    bf16 = Engine.load(EngineOptions(model=args.model, weights="bf16", threads=2))
+    ref = run(bf16, requests)
+    del bf16
+    engine = Engine.load(EngineOptions(model=args.model, threads=2))
+    base = run(engine, requests)
+    print(f"{args.model}, {args.max_image_tokens} image tokens, images {sizes}\n")
+    print("| vision attention | features cos vs bf16 | logits cos vs bf16 | top-1 vs bf16 | top-1 vs the defaults |")
+    print("|---|---|---|---|---|")
+    print(f"| the defaults | {row_cosine(base.features, ref.features)[0]:.5f} | "
+          f"{row_cosine(base.logits, ref.logits)[0]:.5f} | {top1(base.logits, ref.logits):.3f} | - |")
+    original = vision.image_attention
+    variants = (("float, keys centred (control)", attention(None)), ("int8 QK, a step per token", attention(0)),
+                ("int8 QK, a step per 64 tokens", attention(64)),
+                ("int8 QK per 64 tokens + 8-bit P and V", attention(64, pv_codes=True)))
+    for name, attend in variants:
+        vision.image_attention = attend
+        try:
+            out = run(engine, requests)
+        finally:
+            vision.image_attention = original
+        print(f"| {name} | {row_cosine(out.features, ref.features)[0]:.5f} | {row_cosine(out.logits, ref.logits)[0]:.5f} | "
+              f"{top1(out.logits, ref.logits):.3f} | {top1(out.logits, base.logits):.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
