@@ -10,6 +10,7 @@
 #ifndef QVL_COMMON_H
 #define QVL_COMMON_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,6 +74,14 @@ static inline float absmax(const float* x, int64_t n) {
         m = a > m ? a : m;
     }
     return m;
+}
+
+/* Whether x[0..n) holds no NaN or infinity. */
+static inline int all_finite(const float* x, int64_t n) {
+    int ok = 1;
+#pragma omp simd reduction(& : ok)
+    for (int64_t i = 0; i < n; i++) ok &= fabsf(x[i]) <= FLT_MAX;
+    return ok;
 }
 
 #ifdef QVL_AVX512

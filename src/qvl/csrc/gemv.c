@@ -31,16 +31,15 @@ static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx, int
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < C; c++) {
             const float* xc = x + m * K + c * CHUNK;
-            float amax = absmax(xc, CHUNK), bad = 0.f;
-#pragma omp simd reduction(+ : bad)
-            for (int j = 0; j < CHUNK; j++) bad += xc[j] * 0.f; /* NaN once a NaN or infinity is seen */
-            float scale = bad != 0.f ? NAN : amax > 0.f ? amax / 32767.f : 1.f; /* a NaN chunk: its row NaN */
-            const float inv = bad != 0.f ? 0.f : 1.f / scale;
+            const float amax = absmax(xc, CHUNK);
+            const int finite = all_finite(xc, CHUNK); /* else the chunk's scale NaN: its row NaN */
+            const float scale = !finite ? NAN : amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
             int16_t* q = qx->q + m * K + c * CHUNK;
+            if (!finite) {
+                memset(q, 0, CHUNK * sizeof(int16_t));
+            } else {
 #pragma omp simd
-            for (int j = 0; j < CHUNK; j++) {
-                const float v = xc[j] * inv;
-                q[j] = (int16_t)(v == v ? round_int(v) : 0);
+                for (int j = 0; j < CHUNK; j++) q[j] = (int16_t)round_int(xc[j] * inv);
             }
             qx->scale[m * C + c] = scale;
         }

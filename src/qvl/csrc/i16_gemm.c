@@ -17,8 +17,6 @@
  * accumulators held in registers. */
 #include "common.h"
 
-#include <float.h>
-
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
 
 #define I16_KC 256 /* inputs per int32 block */
@@ -87,10 +85,7 @@ static const float* row_f32(const void* x, int dt, int64_t K, int64_t m, float* 
         for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
         row = buf;
     }
-    int ok = 1;
-#pragma omp simd reduction(& : ok)
-    for (int64_t k = 0; k < K; k++) ok &= fabsf(row[k]) <= FLT_MAX;
-    *finite = ok;
+    *finite = all_finite(row, K);
     return row;
 }
 
