@@ -697,8 +697,9 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
  * (each activation load serves them all), and as a pair's chunks are multiplied the same chunks
  * of the pair one block on are asked from memory, each tile of activation rows asking for every
  * tiles-th chunk: the next block streams in under the products rather than after them (Zen 4,
- * 4 rows: the weights' time from 1.6x to 1.1x one row's; asked in a burst per row, as before,
- * it did not overlap). One row alone streams its weights faster without either. */
+ * 4 rows: the decode step from 1.6x to 1.2x one row's; asked in a burst per row, as before,
+ * it did not overlap; one row: 0.97x without the prefetch). One row alone streams its weights
+ * faster without pairs. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK;
@@ -718,7 +719,7 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                 const int64_t c1 = c0 + range < C ? c0 + range : C;
                 for (int64_t n = first; n < last; n += pair) {
                     const int nr = last - n < pair ? (int)(last - n) : (int)pair;
-                    const int8_t* pf = M > 1 && n + nr + GEMV_BLOCK <= N ? w + (n + GEMV_BLOCK) * K : NULL;
+                    const int8_t* pf = n + nr + GEMV_BLOCK <= N ? w + (n + GEMV_BLOCK) * K : NULL;
                     int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf,
                                       tiles, m0 / TILE, nr);
                     if (c1 < C) continue;
