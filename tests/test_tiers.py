@@ -86,6 +86,13 @@ def test_gemv_every_format(tier_lib, dtype):
         wb, bias = w.bfloat16(), torch.randn(96).to(dtype)
         ref = F.linear(x.float(), wb.float(), bias.float())
         assert _rel_err(native.linear(lib, native.W_BF16, x, wb, 96, bias=bias), ref) < bound, (tier, m)
+    x, w = torch.randn(4, 512).to(dtype), torch.randn(96, 512)  # int4: a NaN or infinity gives its row NaN
+    q4, s4, z4 = quantize_int4(w, 64)
+    args = (pack_nibbles(q4), 96, s4.to(dtype), z4.to(dtype), 64)
+    clean = native.linear(lib, native.W_INT4, x, *args)
+    x[1, 3], x[2, -1] = float("nan"), float("inf")
+    poisoned = native.linear(lib, native.W_INT4, x, *args)
+    assert poisoned[1:3].isnan().all() and torch.equal(poisoned[[0, 3]], clean[[0, 3]]), tier.name
     x, w = torch.randn(3, 320).to(dtype), torch.randn(40, 320)  # K not a multiple of 128: float products
     q, s = quantize_int8(w)
     ref = F.linear(x.float(), q.float() * s.to(dtype).float()[:, None])

@@ -61,13 +61,18 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
         const float* xr = x + m * K;
         for (int64_t c = 0; c < C; c++) {
             const float* xc = xr + c * CHUNK;
-            float amax = absmax(xc, CHUNK);
-            float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+            const float amax = absmax(xc, CHUNK);
+            const int finite = all_finite(xc, CHUNK); /* else the chunk's scale NaN: its row NaN */
+            const float scale = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
             int8_t* q = qx->q + m * K + c * CHUNK;
+            if (!finite) {
+                memset(q, 0, CHUNK);
+            } else {
 #pragma omp simd
-            for (int i = 0; i < CHUNK / 2; i++) {
-                q[i] = (int8_t)round_int(xc[2 * i] * inv);
-                q[CHUNK / 2 + i] = (int8_t)round_int(xc[2 * i + 1] * inv);
+                for (int i = 0; i < CHUNK / 2; i++) {
+                    q[i] = (int8_t)round_int(xc[2 * i] * inv);
+                    q[CHUNK / 2 + i] = (int8_t)round_int(xc[2 * i + 1] * inv);
+                }
             }
             qx->scale[m * C + c] = scale;
         }
