@@ -1,7 +1,8 @@
 """Would integer products in the vision tower's attention keep its accuracy? Simulated in float
 (the kernel is not built): SageAttention-style int8 QK^T (keys minus their mean over the image's
 patches, exact for softmax; int8 codes of q and k with one step per token and head, or per 64
-tokens and head), optionally P as unsigned 8-bit codes per query row and V as int8 per channel;
+tokens and head), optionally P as unsigned 8-bit codes per query row and V as int8 per channel,
+or both with a step per run of 64 keys (what a blocked kernel could apply per key block);
 softmax and everything else as the defaults. Mean per-row cosine of the image features
 (merged + DeepStack) and of the prompt logits against bf16 weights, top-1 agreement against bf16
 weights and against the defaults; "keys centred" is the float control (how far float rounding
@@ -38,8 +39,22 @@ def dequantised_codes(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.where(step > 0, torch.round(x / step), torch.zeros_like(x)) * step
 
 
-def attention(block: int | None, pv_codes: bool = False):
-    """An image_attention replacement: q, k, v [n, H, hd] -> [n, H, hd]."""
+def block_codes(x: torch.Tensor, dim: int, block: int, levels: int) -> torch.Tensor:
+    """x's codes times their steps, one step (max |x| / levels) per run of `block` entries along
+    `dim` (and per index of every other dim)."""
+    n = x.shape[dim]
+    moved = x.movedim(dim, -1)
+    padded = F.pad(moved, (0, (-n) % block))
+    groups = padded.reshape(*padded.shape[:-1], -1, block)
+    step = groups.abs().amax(-1, keepdim=True) / levels
+    coded = torch.where(step > 0, torch.round(groups / step) * step, torch.zeros_like(groups))
+    return coded.reshape(padded.shape)[..., :n].movedim(-1, dim)
+
+
+def attention(block: int | None, pv_codes: bool = False, pv_block: int = 0):
+    """An image_attention replacement: q, k, v [n, H, hd] -> [n, H, hd]. pv_block > 0: P in
+    unsigned 8-bit codes with a step per query row and run of pv_block keys (the block's
+    largest probability / 255), V in int8 with a step per channel and run of pv_block tokens."""
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qf, kf = q.float(), k.float()
         kf = kf - kf.mean(0, keepdim=True)  # q . mean(k) is one constant per query row
@@ -47,7 +62,10 @@ def attention(block: int | None, pv_codes: bool = False):
             qf, kf = dequantised_codes(qf, block), dequantised_codes(kf, block)
         p = (torch.einsum("nhd,mhd->hnm", qf, kf) / q.shape[-1] ** 0.5).softmax(-1).to(v.dtype).float()
         vf = v.float()
-        if pv_codes:
+        if pv_block:
+            p = block_codes(p, -1, pv_block, 255)
+            vf = block_codes(vf, 0, pv_block, 127).to(v.dtype).float()
+        elif pv_codes:
             ps = p.amax(-1, keepdim=True) / 255
             p = torch.round(p / ps) * ps
             vs = vf.abs().amax(0, keepdim=True) / 127
@@ -76,7 +94,8 @@ def main() -> None:
     original = vision.image_attention
     variants = (("float, keys centred (control)", attention(None)), ("int8 QK, a step per token", attention(0)),
                 ("int8 QK, a step per 64 tokens", attention(64)),
-                ("int8 QK per 64 tokens + 8-bit P and V", attention(64, pv_codes=True)))
+                ("int8 QK per 64 tokens + 8-bit P and V", attention(64, pv_codes=True)),
+                ("int8 QK per 64 tokens + 8-bit P and V per 64 keys", attention(64, pv_block=64)))
     for name, attend in variants:
         vision.image_attention = attend
         try:
