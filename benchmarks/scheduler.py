@@ -10,7 +10,8 @@ against one stream in the same run (2B synthetic checkpoint, default int8, 2 thr
    longest and the 99th-percentile gap between two tokens of the running streams while it is
    encoded and prefilled.
 3. 16 clients (8 with a photo, 8 text only, 128 tokens each): wall time submitted together
-   against the same requests one after another.
+   against the same requests one after another (--mixed-rounds N: N rounds, the order of the
+   two alternating; --only-mixed: nothing else).
 
 Besides the medians, each round's own ratios of 4 and 8 streams to one (measured back to back)
 are printed: on a VM whose speed moves between runs, those are the comparable ones.
@@ -85,16 +86,27 @@ def admission(engine: Engine, tokens: int) -> dict:
             "wall_s": time.perf_counter() - started}
 
 
-def mixed(engine: Engine, tokens: int) -> dict:
+def mixed(engine: Engine, tokens: int, together_first: bool = True) -> dict:
     requests = [image_request(i, tokens) if i % 2 == 0 else text_request(i, tokens) for i in range(16)]
-    started = time.perf_counter()
-    run(engine, requests)
-    together = time.perf_counter() - started
-    started = time.perf_counter()
-    for r in requests:
-        run(engine, [r])
-    alone = time.perf_counter() - started
-    return {"together_s": together, "one_by_one_s": alone, "ratio": together / alone}
+
+    def together() -> float:
+        started = time.perf_counter()
+        run(engine, requests)
+        return time.perf_counter() - started
+
+    def one_by_one() -> float:
+        started = time.perf_counter()
+        for r in requests:
+            run(engine, [r])
+        return time.perf_counter() - started
+
+    if together_first:
+        t = together()
+        a = one_by_one()
+    else:
+        a = one_by_one()
+        t = together()
+    return {"together_s": t, "one_by_one_s": a, "ratio": t / a}
 
 
 def main() -> None:
@@ -104,13 +116,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--skip-mixed", action="store_true")
+    p.add_argument("--mixed-rounds", type=int, default=1,
+                   help="rounds of the 16-client figure (each about 2.5 min), the order alternating")
+    p.add_argument("--only-mixed", action="store_true", help="only the 16-client figure")
     p.add_argument("--out")
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=8, answer_cache_entries=0,
                                        prefix_cache_mb=0, vision_cache_mb=0))
     engine.warm_up()
     results: dict[str, list] = {}
-    for rnd in range(args.rounds):
+    for rnd in range(0 if args.only_mixed else args.rounds):
         order = [1, 4, 8] if rnd % 2 == 0 else [8, 4, 1]
         for n in order:
             results.setdefault(f"streams{n}", []).append(throughput(engine, n, args.tokens))
@@ -118,8 +133,9 @@ def main() -> None:
         results.setdefault("admission", []).append(admission(engine, 4 * args.tokens))
         print(f"round {rnd + 1}: admission {results['admission'][-1]}", flush=True)
     if not args.skip_mixed:
-        results["mixed"] = [mixed(engine, 128)]
-        print(f"mixed: {results['mixed'][-1]}", flush=True)
+        for rnd in range(args.mixed_rounds):
+            results.setdefault("mixed", []).append(mixed(engine, 128, together_first=rnd % 2 == 0))
+            print(f"mixed round {rnd + 1}: {results['mixed'][-1]}", flush=True)
     report(results, args)
     if args.out:
         with open(args.out, "w") as f:
@@ -131,6 +147,13 @@ def spread(values: list[float], fmt: str = "{:.1f}") -> str:
 
 
 def report(results: dict, args) -> None:
+    if "streams1" in results:
+        report_streams(results, args)
+    if "mixed" in results:
+        report_mixed(results["mixed"])
+
+
+def report_streams(results: dict, args) -> None:
     print(f"\n{args.threads} threads, {args.rounds} alternating rounds; medians (min-max)\n")
     print("| streams | inter-token ms per stream | vs one stream | aggregate tokens/s | vs one stream |")
     print("|---|---|---|---|---|")
@@ -153,10 +176,13 @@ def report(results: dict, args) -> None:
     print("\n| while a 1920×1080 photo is admitted | ms |\n|---|---|")
     for key in ("median_gap_ms", "p99_gap_ms", "max_gap_ms", "photo_ttft_ms"):
         print(f"| {key} | {spread([r[key] for r in adm], '{:.0f}')} |")
-    if "mixed" in results:
-        m = results["mixed"][0]
-        print(f"\n16 clients (8 photo, 8 text, 128 tokens): together {m['together_s']:.1f} s, one by one "
-              f"{m['one_by_one_s']:.1f} s: {m['ratio']:.2f}×")
+
+
+def report_mixed(m: list[dict]) -> None:
+    ratios = ", ".join(f"{r['ratio']:.2f}" for r in m)
+    print(f"\n16 clients (8 photo, 8 text, 128 tokens), {len(m)} round(s), the order alternating: together "
+          f"{spread([r['together_s'] for r in m])} s, one by one {spread([r['one_by_one_s'] for r in m])} s; "
+          f"per round {ratios}× (median {statistics.median(r['ratio'] for r in m):.2f}×)")
 
 
 if __name__ == "__main__":
