@@ -19,6 +19,15 @@
  * bf16 weights, and shapes the integer paths do not take, accumulate exact float products. */
 #include "common.h"
 
+/* The step of a chunk's symmetric codes up to +-levels: max |x| / levels, 1 for an all-zero
+ * chunk, NaN when the chunk holds a NaN or infinity (its codes are then zeros and its row comes
+ * out NaN, leaving the other rows alone). */
+static inline float chunk_step(const float* x, float levels) {
+    if (!all_finite(x, CHUNK)) return NAN;
+    const float amax = absmax(x, CHUNK);
+    return amax > 0.f ? amax / levels : 1.f;
+}
+
 /* Activations for int8 products: x / scale rounded to int16 per 128-column chunk. */
 typedef struct {
     int16_t* q;    /* [M][K] */
@@ -31,11 +40,9 @@ static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx, int
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < C; c++) {
             const float* xc = x + m * K + c * CHUNK;
-            const float amax = absmax(xc, CHUNK);
-            const int finite = all_finite(xc, CHUNK); /* else the chunk's scale NaN: its row NaN */
-            const float scale = !finite ? NAN : amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
+            const float scale = chunk_step(xc, 32767.f), inv = 1.f / scale;
             int16_t* q = qx->q + m * K + c * CHUNK;
-            if (!finite) {
+            if (isnan(scale)) {
                 memset(q, 0, CHUNK * sizeof(int16_t));
             } else {
 #pragma omp simd
@@ -61,11 +68,9 @@ static void quantize_activations(const float* x, int64_t M, int64_t K, int64_t g
         const float* xr = x + m * K;
         for (int64_t c = 0; c < C; c++) {
             const float* xc = xr + c * CHUNK;
-            const float amax = absmax(xc, CHUNK);
-            const int finite = all_finite(xc, CHUNK); /* else the chunk's scale NaN: its row NaN */
-            const float scale = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+            const float scale = chunk_step(xc, 127.f), inv = 1.f / scale;
             int8_t* q = qx->q + m * K + c * CHUNK;
-            if (!finite) {
+            if (isnan(scale)) {
                 memset(q, 0, CHUNK);
             } else {
 #pragma omp simd
