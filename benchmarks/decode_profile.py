@@ -1,9 +1,10 @@
-"""Where a decode step's time goes: the median step (one token over 300 cached positions),
+"""Where a decode step's time goes: the median step (one token per row over 300 cached positions),
 the part inside the one-call layer kernel (native.decode_layers: every decoder layer's
 GEMVs, norms, RoPE and attention), the part inside the lm_head's GEMV, and the rest
 (embedding, RoPE tables, final norm, Python).
 
     python benchmarks/decode_profile.py --model /work/ckpt/qvl-2b --weights int4
+    python benchmarks/decode_profile.py --model /work/ckpt/qvl-2b --rows 8
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--weights", default="int8")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rows", type=int, default=1, help="rows decoded together (requests in one step)")
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, weights=args.weights, threads=2))
     model, layers, head = engine.model, [0.0], [0.0]
     native.decode_layers = timed(native.decode_layers, layers)  # text.py and quantize.py call them
     native.linear = timed(native.linear, head)  # through the module: the lm_head is the only GEMV left
-    cache, token, slot = new_cache(model, 1, 512), torch.tensor([100]), torch.tensor([300])
+    rows = args.rows
+    cache, token, slot = new_cache(model, rows, 512), torch.full((rows,), 100), torch.full((rows,), 300)
     steps = []
     for i in range(args.steps + 3):
         if i == 3:
@@ -49,7 +52,7 @@ def main() -> None:
         if i >= 3:
             steps.append(time.perf_counter() - started)
     step, in_layers, in_head = statistics.median(steps), layers[0] / args.steps, head[0] / args.steps
-    print(f"{engine.weights}: step median {step * 1e3:.1f} ms; layers (one native call) {in_layers * 1e3:.1f} ms, "
+    print(f"{engine.weights}, {rows} row{'s' if rows > 1 else ''}: step median {step * 1e3:.1f} ms; layers (one native call) {in_layers * 1e3:.1f} ms, "
           f"lm_head {in_head * 1e3:.1f} ms, rest {(step - in_layers - in_head) * 1e3:.1f} ms (means per step)")
 
 

@@ -114,8 +114,9 @@ def _int8_q16_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias:
 
 @pytest.mark.parametrize("k", [1024, 6144])
 def test_int8_gemv_exact_scheme_and_rows_independent(tier_lib, k):
-    """Every tier (AMX tiles included, 16 weight rows at a time with a tail of 5 here; AVX-512
-    VNNI and plain AVX2 pairs of weight rows from 2 activation rows on, one left over here) gives the
+    """Every tier (AMX tiles included, 16 weight rows at a time with a tail of 5 here; from 2
+    activation rows on, AVX-512 VNNI three weight rows at a time (two for a tile of 1-2 rows)
+    and plain AVX2 pairs, with rows left over in each thread's share here) gives the
     scheme's result up to float rounding, for 1 to 17 rows, and a row's output is bit-identical
     whatever rows share its call: the scheduler relies on it (answers never depend on what
     else ran). At 6,144 inputs x86 takes a tile's columns in ranges (its codes would not fit

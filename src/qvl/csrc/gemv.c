@@ -162,11 +162,19 @@ static inline float dot_int4_q8(const QuantX* qx, int64_t m, int64_t K, int64_t 
 }
 
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
-/* Asks for chunk c of nr weight rows (K apart) from pf, when c % every == phase: the int8
- * products' prefetch, spread over the chunks so that memory streams under the products. */
+/* The first chunk from c0 on that the int8 products' prefetch asks for: the one with
+ * c % every == phase (a tile of activation rows asks for every every-th chunk). */
+static inline int64_t first_prefetch(int64_t c0, int64_t every, int64_t phase) {
+    return c0 + ((phase - c0 % every) % every + every) % every;
+}
+
+/* Asks for chunk c of nr weight rows (K apart) from pf, when c is *next (then the next one
+ * is every chunks on): the int8 products' prefetch, spread over the chunks so that memory
+ * streams under the products (a counter, not c % every: that was a division per chunk). */
 static inline __attribute__((always_inline)) void prefetch_chunk(const int8_t* pf, int64_t K, int64_t c,
-                                                                 int64_t every, int64_t phase, const int nr) {
-    if (!pf || c % every != phase) return;
+                                                                 int64_t every, int64_t* next, const int nr) {
+    if (!pf || c != *next) return;
+    *next += every;
     for (int r = 0; r < nr; r++) {
         _mm_prefetch((const char*)(pf + r * K + c * CHUNK), _MM_HINT_T0);
         _mm_prefetch((const char*)(pf + r * K + c * CHUNK + 64), _MM_HINT_T0);
@@ -216,19 +224,21 @@ static inline __attribute__((always_inline)) void dot_float_tile(const float* x,
  * c % pf_every == pf_phase are asked from memory as the chunk is multiplied (see int8_segmented). */
 #define INT8_SEGMENTS 16 /* lanes of a row's running sums between chunk ranges */
 #define INT8_STATE (TILE * INT8_SEGMENTS)
-#define INT8_PAIR 2      /* weight rows sharing each activation load */
+#define INT8_PAIR 3      /* weight rows sharing each activation load, at most (registers: 3 x 4 x 2 + 4) */
+#define INT8_BLOCK 48    /* weight rows a thread takes for every tile of activation rows in turn */
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, int64_t c0,
                                                                 int64_t c1, float* state, const int8_t* pf,
                                                                 int64_t pf_every, int64_t pf_phase,
                                                                 const int nr, const int mt) {
     const int64_t C = K / CHUNK;
+    int64_t pf_next = first_prefetch(c0, pf_every, pf_phase);
     __m512 acc[INT8_PAIR][TILE];
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mt; m++)
             acc[r][m] = c0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(state + r * INT8_STATE + 16 * m);
     for (int64_t c = c0; c < c1; c++) {
-        prefetch_chunk(pf, K, c, pf_every, pf_phase, nr);
+        prefetch_chunk(pf, K, c, pf_every, &pf_next, nr);
         __m512i ia[INT8_PAIR][TILE];
         for (int q = 0; q < 4; q++) {
             __m512i w16[INT8_PAIR];
@@ -345,18 +355,20 @@ static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairw
 #else /* vpmaddwd + vpaddd: weight rows sharing each activation load (the float sums spill) */
 #define INT8_PAIR 2
 #endif
+#define INT8_BLOCK 32 /* weight rows a thread takes for every tile of activation rows in turn */
 static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, int64_t m0, int64_t K,
                                                                 const int8_t* w, float* out, int64_t c0,
                                                                 int64_t c1, float* state, const int8_t* pf,
                                                                 int64_t pf_every, int64_t pf_phase,
                                                                 const int nr, const int mt) {
     const int64_t C = K / CHUNK;
+    int64_t pf_next = first_prefetch(c0, pf_every, pf_phase);
     __m256 acc[INT8_PAIR][TILE];
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < mt; m++)
             acc[r][m] = c0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(state + r * INT8_STATE + 8 * m);
     for (int64_t c = c0; c < c1; c++) {
-        prefetch_chunk(pf, K, c, pf_every, pf_phase, nr);
+        prefetch_chunk(pf, K, c, pf_every, &pf_next, nr);
         __m256i ia[INT8_PAIR][TILE];
         for (int r = 0; r < nr; r++)
             for (int m = 0; m < mt; m++) ia[r][m] = _mm256_setzero_si256();
@@ -695,50 +707,63 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
 static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, const int8_t* w, float* out,
                               int64_t c0, int64_t c1, float* state, const int8_t* pf, int64_t pf_every,
                               int64_t pf_phase, int nr) {
-    if (nr == INT8_PAIR) TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, INT8_PAIR)
+#if INT8_PAIR >= 3
+    if (nr == 3) TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, 3)
+#endif
+#if INT8_PAIR >= 2
+    if (nr == 2) TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, 2)
+#endif
     TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, 1)
 }
 
-/* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of GEMV_BLOCK, and for
+/* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of INT8_BLOCK, and for
  * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
  * the block taking the range before the next one. A product's running sums carry over between
  * ranges in `state`, so it is computed exactly as in one pass (the same sums in the same order,
- * whatever M, K or the tile). From 2 activation rows on, weight rows go INT8_PAIR at a time
- * (each activation load serves them all), and as a pair's chunks are multiplied the same chunks
- * of the pair one block on are asked from memory, each tile of activation rows asking for every
- * tiles-th chunk: the next block streams in under the products rather than after them (Zen 4,
- * 4 rows: the decode step from 1.6x to 1.2x one row's; asked in a burst per row, as before,
- * it did not overlap; one row: 0.97x without the prefetch). One row alone streams its weights
- * faster without pairs. */
+ * whatever M, K or the tile). From 2 activation rows on, weight rows go up to INT8_PAIR at a
+ * time (each activation load serves them all; on AVX-512, three rows to a tile of 3-4
+ * activation rows: 8 rows 0.84x the time of pairs, the loads per product being the limit), and
+ * as their chunks are multiplied the same chunks of the rows one block on are asked from
+ * memory, each tile of activation rows asking for every tiles-th chunk: the next block streams
+ * in under the products rather than after them (4 rows: the decode step from 1.6x to 1.2x one
+ * row's; asked in a burst per row, as before, it did not overlap; one row: 0.97x without the
+ * prefetch). One row alone streams its weights faster without pairs. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
-    const int64_t C = K / CHUNK;
-    const int64_t blocks = (N - n0 + GEMV_BLOCK - 1) / GEMV_BLOCK, tiles = (M + TILE - 1) / TILE;
-    const int64_t pair = M > 1 ? INT8_PAIR : 1; /* one row streams its weights faster alone */
+    const int64_t C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
+    /* each thread an equal share of the rows (whole groups of INT8_PAIR), in blocks: whole
+     * blocks per thread left one waiting where N is not a multiple of threads blocks */
+    const int64_t share = ((N - n0 + threads - 1) / threads + INT8_PAIR - 1) / INT8_PAIR * INT8_PAIR;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t first = n0 + b * GEMV_BLOCK, last = first + GEMV_BLOCK < N ? first + GEMV_BLOCK : N;
-        float state[GEMV_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
-        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-            const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
-            /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
-             * (measured on Zen 4: whole rows stream from memory faster; split, 8 rows at K =
-             * 6144 took 23 ms instead of 33) */
-            const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
-            for (int64_t c0 = 0; c0 < C; c0 += range) {
-                const int64_t c1 = c0 + range < C ? c0 + range : C;
-                for (int64_t n = first; n < last; n += pair) {
-                    const int nr = last - n < pair ? (int)(last - n) : (int)pair;
-                    const int8_t* pf = n + nr + GEMV_BLOCK <= N ? w + (n + GEMV_BLOCK) * K : NULL;
-                    int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf,
-                                      tiles, m0 / TILE, nr);
-                    if (c1 < C) continue;
-                    for (int r = 0; r < nr; r++)
-                        for (int64_t m = 0; m < mt; m++) {
-                            float v = out[r * TILE + m] * get(scale, dt, n + r);
-                            if (bias) v += get(bias, dt, n + r);
-                            put(y, dt, (m0 + m) * N + n + r, v);
-                        }
+    for (int64_t part = 0; part < threads; part++) {
+        const int64_t start = n0 + part * share, end = start + share < N ? start + share : N;
+        for (int64_t first = start; first < end; first += INT8_BLOCK) {
+            const int64_t last = first + INT8_BLOCK < end ? first + INT8_BLOCK : end;
+            float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
+            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+                const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+                /* one row streams its weights faster alone; a tile of 1-2 rows takes pairs (Zen 5,
+                 * 2 rows: triples 1.2x slower in the fast memory mode) */
+                const int64_t pair = M == 1 ? 1 : mt <= 2 && INT8_PAIR > 2 ? 2 : INT8_PAIR;
+                /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
+                 * (measured on Zen 4: whole rows stream from memory faster; split, 8 rows at K =
+                 * 6144 took 23 ms instead of 33) */
+                const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
+                for (int64_t c0 = 0; c0 < C; c0 += range) {
+                    const int64_t c1 = c0 + range < C ? c0 + range : C;
+                    for (int64_t n = first; n < last; n += pair) {
+                        const int nr = last - n < pair ? (int)(last - n) : (int)pair;
+                        const int8_t* pf = n + nr + INT8_BLOCK <= end ? w + (n + INT8_BLOCK) * K : NULL;
+                        int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf,
+                                          tiles, m0 / TILE, nr);
+                        if (c1 < C) continue;
+                        for (int r = 0; r < nr; r++)
+                            for (int64_t m = 0; m < mt; m++) {
+                                float v = out[r * TILE + m] * get(scale, dt, n + r);
+                                if (bias) v += get(bias, dt, n + r);
+                                put(y, dt, (m0 + m) * N + n + r, v);
+                            }
+                    }
                 }
             }
         }
