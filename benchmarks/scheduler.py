@@ -30,7 +30,7 @@ import time
 from qvl.bench import synthetic_image
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.sampling import SamplingParams
-from qvl.scheduler import Sequence
+from qvl.scheduler import DEFAULT_MAX_BATCH, Sequence
 from qvl.stream import Done
 
 
@@ -119,9 +119,10 @@ def main() -> None:
     p.add_argument("--mixed-rounds", type=int, default=1,
                    help="rounds of the 16-client figure (each about 2.5 min), the order alternating")
     p.add_argument("--only-mixed", action="store_true", help="only the 16-client figure")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="the scheduler's rows (qvl's default)")
     p.add_argument("--out")
     args = p.parse_args()
-    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=8, answer_cache_entries=0,
+    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=args.max_batch, answer_cache_entries=0,
                                        prefix_cache_mb=0, vision_cache_mb=0))
     engine.warm_up()
     results: dict[str, list] = {}
@@ -147,6 +148,7 @@ def spread(values: list[float], fmt: str = "{:.1f}") -> str:
 
 
 def report(results: dict, args) -> None:
+    print(f"\nthe scheduler's rows: --max-batch {args.max_batch}")
     if "streams1" in results:
         report_streams(results, args)
     if "mixed" in results:

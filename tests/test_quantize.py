@@ -72,7 +72,7 @@ def test_linear_layers_match_dequantised_reference(kernels, kind, dtype, rows):
 def test_float32_products_dequantise_in_blocks_of_rows(kernels, kind, monkeypatch):
     """float32 compute dequantises DEQUANTIZED_ROWS weight rows per GEMM (a last block shorter):
     the same product as the whole matrix at once, bias included, up to the float32 GEMM's
-    rounding, which follows its shape (on Zen 4 MKL moved one of 18,000 outputs by 1.2e-5). 200 output
+    rounding, which follows its shape (on Zen 5 MKL moved one of 18,000 outputs by 1.2e-5). 200 output
     rows: not a multiple of 16, so x86's 16-bit pair kernel does not take the int8 product."""
     m, _ = _module(kind, 200, 256, torch.float32, bias=kind == "int8")
     x = torch.randn(3, 30, 256)

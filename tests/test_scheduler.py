@@ -2,7 +2,7 @@
 moment they finish, and answers that do not depend on what else runs, with int8 weights in
 float32 (the CPUs without bf16 products) and on the default production path (bf16 compute, the
 one-call native decode step). fp32 weights go through torch's GEMMs, whose rounding can follow
-the row count (MKL on Zen 4 does): --deterministic covers them (the last test)."""
+the row count (MKL on Zen 5 does): --deterministic covers them (the last test)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ class Kernels:
         """Many-row int8 x int8 products (oneDNN's int8 GEMM, prepacked weights) beat the tier's
         float GEMM, so the vision tower runs them by default: on x86 (2.3-3.4x MKL's float32 on
         AVX-512 VNNI, 2.2-3.1x with AVX-VNNI, 1.5-1.7x on plain AVX2 with 7-bit activations,
-        ~1.6x bf16 on Zen 4, 1.7x bf16 on AMX, whose int8 tiles oneDNN uses: docs/benchmarks.md
+        ~1.6x bf16 on Zen 5, 1.7x bf16 on AMX, whose int8 tiles oneDNN uses: docs/benchmarks.md
         sections 21, 24 and 25). NEON is unmeasured."""
         return self.int8_gemm() and self.has(native.AVX2) and self.int8_levels > 0
 
@@ -74,7 +74,7 @@ class Kernels:
         in 16-bit codes, exact integer sums, no dequantised weight: i16_gemm.c) on x86, except
         bf16 ones on AMX (whose int8 tiles take them). Per product, against dequantising for the
         tier's GEMM: 4.1-6.3x MKL's float32 with AVX-512 VNNI, 2.2-3.3x with AVX-VNNI, 1.7-2.9x
-        with plain AVX2, 0.97-1.4x oneDNN's bf16 on Zen 4 (docs/benchmarks.md section 37)."""
+        with plain AVX2, 0.97-1.4x oneDNN's bf16 on Zen 5 (docs/benchmarks.md section 37)."""
         return (self.lib is not None and self.has(native.AVX2) and dtype in (torch.float32, torch.bfloat16)
                 and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
 

@@ -746,7 +746,7 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                  * 2 rows: triples 1.2x slower in the fast memory mode) */
                 const int64_t pair = M == 1 ? 1 : mt <= 2 && INT8_PAIR > 2 ? 2 : INT8_PAIR;
                 /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
-                 * (measured on Zen 4: whole rows stream from memory faster; split, 8 rows at K =
+                 * (measured on this Zen 5: whole rows stream from memory faster; split, 8 rows at K =
                  * 6144 took 23 ms instead of 33) */
                 const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
                 for (int64_t c0 = 0; c0 < C; c0 += range) {
