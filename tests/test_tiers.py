@@ -138,6 +138,13 @@ def test_int8_gemv_exact_scheme_and_rows_independent(tier_lib, k):
     for i in (0, 5, 16):
         alone = native.linear(lib, native.W_INT8, x[i : i + 1], q, n, s, bias=bias)
         assert torch.equal(alone[0], together[i]), (tier.name, i)
+    threads = torch.get_num_threads()
+    try:  # each thread takes an equal share of the weight rows: 1 or 3 shares, the same bits
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(native.linear(lib, native.W_INT8, x, q, n, s, bias=bias), together), (tier.name, t)
+    finally:
+        torch.set_num_threads(threads)
     x[3, 7] = float("nan")  # a NaN or infinity gives its own row NaN and leaves the others' bits alone
     x[4, -1] = float("inf")
     poisoned = native.linear(lib, native.W_INT8, x, q, n, s, bias=bias)
