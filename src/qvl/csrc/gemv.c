@@ -733,9 +733,10 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
     const int64_t C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
     /* each thread an equal share of the rows (whole groups of INT8_PAIR), in blocks: whole
      * blocks per thread left one waiting where N is not a multiple of threads blocks */
-    const int64_t share = ((N - n0 + threads - 1) / threads + INT8_PAIR - 1) / INT8_PAIR * INT8_PAIR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t part = 0; part < threads; part++) {
+    const int T = threads < 1 ? 1 : threads;
+    const int64_t share = ((N - n0 + T - 1) / T + INT8_PAIR - 1) / INT8_PAIR * INT8_PAIR;
+#pragma omp parallel for num_threads(T) schedule(static)
+    for (int64_t part = 0; part < T; part++) {
         const int64_t start = n0 + part * share, end = start + share < N ? start + share : N;
         for (int64_t first = start; first < end; first += INT8_BLOCK) {
             const int64_t last = first + INT8_BLOCK < end ? first + INT8_BLOCK : end;
