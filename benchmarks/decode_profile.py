@@ -52,8 +52,9 @@ def main() -> None:
         if i >= 3:
             steps.append(time.perf_counter() - started)
     step, in_layers, in_head = statistics.median(steps), layers[0] / args.steps, head[0] / args.steps
-    print(f"{engine.weights}, {rows} row{'s' if rows > 1 else ''}: step median {step * 1e3:.1f} ms; layers (one native call) {in_layers * 1e3:.1f} ms, "
-          f"lm_head {in_head * 1e3:.1f} ms, rest {(step - in_layers - in_head) * 1e3:.1f} ms (means per step)")
+    print(f"{engine.weights}, {rows} row{'s' if rows > 1 else ''}: step median {step * 1e3:.1f} ms; "
+          f"layers (one native call) {in_layers * 1e3:.1f} ms, lm_head {in_head * 1e3:.1f} ms, "
+          f"rest {(step - in_layers - in_head) * 1e3:.1f} ms (means per step)")
 
 
 if __name__ == "__main__":

@@ -122,8 +122,8 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="the scheduler's rows (qvl's default)")
     p.add_argument("--out")
     args = p.parse_args()
-    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=args.max_batch, answer_cache_entries=0,
-                                       prefix_cache_mb=0, vision_cache_mb=0))
+    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=args.max_batch,
+                                       answer_cache_entries=0, prefix_cache_mb=0, vision_cache_mb=0))
     engine.warm_up()
     results: dict[str, list] = {}
     for rnd in range(0 if args.only_mixed else args.rounds):
