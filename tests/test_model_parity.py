@@ -190,22 +190,24 @@ def test_bf16_engine_stays_close_to_float32(checkpoint, request):
 
 
 def test_default_path_prefill_runs_an_integer_kernel(tiny_checkpoint, monkeypatch):
-    """The production default (int8 weights, bf16 compute, native kernels) prefills a two-image
-    prompt through qvl's integer kernel: 8-bit activation codes per 64 columns where the CPU has
-    VNNI without AMX, else 16-bit codes per row (on AMX int8 tiles where the CPU has them, else
-    in 16-bit pairs on x86), and its logits stay within bf16's reach of the path without it
-    (AMX bf16 tiles, or dequantise + oneDNN's bf16 GEMM)."""
+    """The production default (int8 weights, this CPU's default compute dtype: bf16 where it has
+    BF16, else float32; native kernels) prefills a two-image prompt through qvl's integer kernel:
+    8-bit activation codes per 64 columns where the CPU has VNNI without AMX, else 16-bit codes
+    per row (on AMX int8 tiles where the CPU has them, else in 16-bit pairs on x86), and its
+    logits stay within bf16's reach of the path without it (AMX bf16 tiles, or dequantise +
+    oneDNN's GEMM)."""
     from qvl import dispatch, native
     from qvl.generate import new_cache, prefill
     from qvl.stream import Timings
 
     k = dispatch.kernels()
-    name = ("amx_i16_linear" if k.has(native.AMX_INT8) else "q8_linear" if k.group_codes(torch.bfloat16)
-            else "i16_linear" if k.i16_products(torch.bfloat16) else None)
+    dtype = torch.bfloat16 if k.native_bf16 else torch.float32
+    name = ("amx_i16_linear" if dtype == torch.bfloat16 and k.has(native.AMX_INT8) else "q8_linear"
+            if k.group_codes(dtype) else "i16_linear" if k.i16_products(dtype) else None)
     if name is None:
         pytest.skip("no integer prefill kernel runs on this CPU")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_image_tokens=256))
-    assert engine.model.dtype == torch.bfloat16
+    assert engine.model.dtype == dtype
     kernel, calls = getattr(native, name), []
     results = []
     for integer in (True, False):

@@ -99,6 +99,8 @@ def test_attention_declines_what_it_does_not_cover():
 def test_int8_activation_matmul_close_to_float(dtype, levels):
     """Activations per row in 8-bit codes (VNNI, AMX) or 7-bit ones (vpmaddubsw), shifted
     inputs (one-sided rows, as after a GELU) as close as centred ones."""
+    if levels > dispatch.kernels().int8_levels:
+        pytest.skip("this CPU's oneDNN multiplies bytes with vpmaddubsw, which saturates on 8-bit codes")
     x = torch.randn(40, 256).to(dtype)
     x[20:] = x[20:].abs() + 3
     w = torch.randint(-127, 128, (96, 256), dtype=torch.int8)
@@ -193,7 +195,7 @@ def test_int8_linear_packs_amx_tiles_where_the_cpu_has_them():
         layer.bias.copy_(torch.randn(48))
     x = torch.randn(100, 128).bfloat16()
     before = layer(x)
-    layer.pack(255, keep_weight=False)
+    layer.pack(dispatch.kernels().int8_levels, keep_weight=False)
     assert layer.amx == AMX
     torch.testing.assert_close(layer(x).float(), before.float(), atol=3e-2 * before.abs().max().item(), rtol=0)
 
