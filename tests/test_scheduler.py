@@ -128,6 +128,34 @@ def test_short_prompts_arriving_together_start_in_one_step(engine, monkeypatch):
     assert [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in range(len(reqs))] == alone
 
 
+def test_prefill_slices_shrink_where_prefill_is_slow(engine):
+    """While a row generates, a long prompt is prefilled in slices of about slice_s at the
+    measured rate, at least 64 tokens (fewer waste the weight pass each call makes), unless the
+    rate says 64 would hold the generating row longer than 0.5 s (plain AVX2 prefills ~50-70 tokens/s):
+    then fewer, never under 16. Either way the answers are each request's own."""
+    from qvl import scheduler as sched
+
+    long = Request([{"role": "user", "content": " ".join(f"w{i}" for i in range(150))}], GREEDY)
+    short = Request([{"role": "user", "content": "Count."}], GREEDY)
+    alone = [engine.generate(r).token_ids for r in (short, long)]
+    scheduler = engine.scheduler
+    for rate, expected in ((1000.0, 300), (200.0, sched.MIN_SLICE_TOKENS), (50.0, 25), (10.0, 16)):
+        outputs: dict[int, list] = {0: [], 1: []}
+        scheduler.submit(Sequence(engine.parse(short), outputs[0].append))
+        scheduler.step()  # the short one generates from here on
+        seq = Sequence(engine.parse(long), outputs[1].append)
+        scheduler.submit(seq)
+        while seq.preparing is not None or seq.prompt is None:  # admitted, its prompt built
+            scheduler.step()
+        assert seq.filled == 0
+        scheduler.prefill_rate = rate
+        scheduler.step()
+        assert seq.filled == min(expected, len(seq.prompt)), rate  # the first slice's tokens
+        while not scheduler.idle:
+            scheduler.step()
+        assert [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in (0, 1)] == alone, rate
+
+
 def test_a_closed_stream_leaves_the_scheduler(engine):
     stream = engine.stream(Request([{"role": "user", "content": "Go on."}], GREEDY))
     assert isinstance(next(e for e in stream if isinstance(e, Delta)), Delta)

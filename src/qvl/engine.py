@@ -337,9 +337,9 @@ class Engine:
         """A small image and two tokens through vision, prefill and decode, past the caches
         (nothing is stored): the first real request then skips the first-touch page faults of
         the memory-mapped weights and oneDNN's first-use setup (~1 s of a 1920x1080 photo's
-        first answer on the 2B model); and the grammar engine's tokenizer index, so the first
-        constrained request does not wait for it; and the video decoder's libraries. Returns the
-        seconds it took."""
+        first answer on the 2B model); the prefill rate the scheduler sizes its first slices by;
+        the grammar engine's tokenizer index, so the first constrained request does not wait for
+        it; and the video decoder's libraries. Returns the seconds it took."""
         from PIL import Image
 
         started = time.perf_counter()
@@ -350,6 +350,13 @@ class Engine:
         logits = prefill(self.model, cache, prompt)
         decode_step(self.model, cache, logits.argmax(-1), torch.tensor([len(prompt)]),
                     torch.tensor([prompt.next_position]))
+        # the prompt once more, timed (its pages now resident): the scheduler's first prefill
+        # slices follow this rate until slices measure it; a short prompt's rate includes its
+        # pass over the weights, so it errs low and the first slices short (a running stream's
+        # worst gap while a photo is admitted: 1.3 s on plain AVX2 with the initial guess)
+        timed = time.perf_counter()
+        prefill(self.model, new_cache(self.model, 1, len(prompt) + 1), prompt)
+        self.scheduler.prefill_rate = len(prompt) / max(time.perf_counter() - timed, 1e-6)
         self.grammars.warm_up()
         importlib.import_module("av")  # the video decoder's libraries load here, not in the first clip's answer
 

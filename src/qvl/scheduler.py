@@ -43,7 +43,9 @@ DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
 # 2048 queries over 6k keys).
 PREFILL_TOKENS_ALONE = 4 * PREFILL_CHUNK
 SLICE_S = 0.3  # while rows are generating: vision or prefill work per step (their next token waits for it)
-MIN_SLICE_TOKENS = 64  # smaller prefill calls waste their weight passes (and would measure a falsely low rate)
+MIN_SLICE_TOKENS = 64  # smaller prefill calls waste their weight passes (and would measure a falsely low rate)...
+MAX_FLOOR_S = 0.5  # ...unless 64 tokens would hold the generating rows longer than this at the measured rate
+LEAST_SLICE_TOKENS = 16  # (plain AVX2: ~70 tokens/s, 64 tokens ~0.9 s), and never fewer than this
 DETERMINISTIC_CHUNK = 128  # with --deterministic: prefill runs in these aligned chunks, whatever the slice
 
 Event = Delta | Done | BaseException  # what a sequence emits; an exception ends it unanswered
@@ -340,7 +342,7 @@ class Scheduler:
                     return  # its vision goes on, it failed, or it took this step's slice
             if i > 0:  # the tokens the slice's remaining time allows, if worth a pass over the weights
                 tokens = min(tokens, int(self.prefill_rate * (deadline - time.perf_counter())))
-                if tokens < min(MIN_SLICE_TOKENS, len(seq.prompt) - seq.filled):
+                if tokens < min(self._slice_floor(), len(seq.prompt) - seq.filled):
                     return
             filled = seq.filled
             self._prefill(seq, tokens)
@@ -361,9 +363,15 @@ class Scheduler:
         except Exception as exc:
             self._retire(seq, exc)
 
+    def _slice_floor(self) -> int:
+        """The fewest prompt tokens worth a prefill call while rows generate: MIN_SLICE_TOKENS,
+        fewer where the measured rate says those would take longer than MAX_FLOOR_S (a CPU whose
+        prefill is bound by its products, not by the pass over the weights each call makes)."""
+        return max(LEAST_SLICE_TOKENS, min(MIN_SLICE_TOKENS, int(self.prefill_rate * MAX_FLOOR_S)))
+
     def _slice_tokens(self) -> int:
         """Prompt tokens for about slice_s at the measured prefill rate."""
-        return int(min(PREFILL_TOKENS_ALONE, max(MIN_SLICE_TOKENS, self.prefill_rate * self.slice_s)))
+        return int(min(PREFILL_TOKENS_ALONE, max(self._slice_floor(), self.prefill_rate * self.slice_s)))
 
     def _prefill(self, seq: Sequence, budget: int) -> None:
         """The next `budget` prompt tokens of one sequence; its first token's logits at the end."""
@@ -376,7 +384,9 @@ class Scheduler:
                 logits, end = self._prefill_aligned(seq, end)
             else:
                 logits = prefill_slice(self.model, self._view([seq]), seq.prompt, seq.filled, end)
-            if end - seq.filled >= MIN_SLICE_TOKENS:  # short runs say little about the rate
+            # short runs say little about the rate: each includes a pass over the weights, so
+            # their rate would shrink the next slices and drift down (the warm-up's stands instead)
+            if end - seq.filled >= MIN_SLICE_TOKENS:
                 rate = (end - seq.filled) / max(time.perf_counter() - started, 1e-6)
                 self.prefill_rate = 0.5 * self.prefill_rate + 0.5 * rate
             seq.filled = end
