@@ -43,9 +43,9 @@ DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
 # 2048 queries over 6k keys).
 PREFILL_TOKENS_ALONE = 4 * PREFILL_CHUNK
 SLICE_S = 0.3  # while rows are generating: vision or prefill work per step (their next token waits for it)
-MIN_SLICE_TOKENS = 64  # smaller prefill calls waste their weight passes (and would measure a falsely low rate)...
-MAX_FLOOR_S = 0.5  # ...unless 64 tokens would hold the generating rows longer than this at the measured rate
-LEAST_SLICE_TOKENS = 16  # (plain AVX2: ~70 tokens/s, 64 tokens ~0.9 s), and never fewer than this
+MIN_SLICE_TOKENS = 64  # smaller prefill calls waste their weight passes (and would measure a falsely low rate),
+MAX_FLOOR_S = 0.5  # unless 64 would hold the generating rows longer than this (plain AVX2: ~50-70 tokens/s)
+LEAST_SLICE_TOKENS = 16  # the fewest a slice takes even then
 DETERMINISTIC_CHUNK = 128  # with --deterministic: prefill runs in these aligned chunks, whatever the slice
 
 Event = Delta | Done | BaseException  # what a sequence emits; an exception ends it unanswered
