@@ -93,6 +93,55 @@ def test_attention_declines_what_it_does_not_cover():
     torch.testing.assert_close(image_attention(x, x, x), _reference_attention(x, x, x))  # SDPA takes over
 
 
+needs_integer_attention = pytest.mark.skipif(lib is None or not lib.features & native.AVX2, reason="no AVX2 kernels")
+
+
+def _assert_close_to_float64(out, q, k, v):
+    """The integer kernel's error bound: its codes (13 bits for q, k and v, P in steps of 2^-13
+    of each block's largest probability) keep every output within 1% of the largest and the
+    rows at cosine 0.9999 of float64 SDPA."""
+    ref = _reference_attention(q.double(), k.double(), v.double()).double()
+    assert out is not None and out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-2 * max(1.0, ref.abs().max().item()), rtol=0)
+    assert F.cosine_similarity(out.double().flatten(1), ref.flatten(1), dim=1).min() > 0.9999
+
+
+@needs_integer_attention
+@settings(max_examples=25, deadline=None)
+@given(s=st.integers(1, 300), h=st.integers(1, 3), d=st.sampled_from([64, 72, 80]), scale=st.floats(0.1, 4.0))
+def test_integer_vision_attention_matches_float_reference(s, h, d, scale):
+    """qvl_attention_i16 (the vision tower's attention where its linears run int8 x int8 in
+    float32): any number of patches (one key, a padded last 64-key block, several query
+    blocks), the head sizes of the family's towers, strided rows as the fused qkv gives them."""
+    q, k, v = (torch.randn(s, 3, h, d) * torch.tensor([scale, scale, 1.0])[:, None, None]).unbind(1)
+    _assert_close_to_float64(native.attention_i16(lib, q, k, v), q, k, v)
+
+
+@needs_integer_attention
+def test_integer_vision_attention_follows_a_moving_maximum_and_outlier_channels():
+    """Keys late in the image that dominate (each row's running top moves after its sums have
+    accumulated: the rescaled path), a value channel 100x the others (the per-channel steps)
+    and a query row of zeros (uniform attention)."""
+    n, h, d = 700, 2, 64
+    q, k, v = torch.randn(n, 3, h, d).unbind(1)
+    k[600:603] *= 8
+    v[:, :, 5] *= 100
+    q[7] = 0
+    _assert_close_to_float64(native.attention_i16(lib, q, k, v), q, k, v)
+
+
+@needs_integer_attention
+def test_integer_vision_attention_leaves_what_it_does_not_cover_to_sdpa():
+    x = torch.randn(10, 2, 96)
+    assert native.attention_i16(lib, x, x, x) is None  # head size 96
+    assert native.attention_i16(lib, x[..., :64].bfloat16(), x[..., :64].bfloat16(), x[..., :64].bfloat16()) is None
+    q, k, v = torch.randn(3, 50, 2, 64).unbind(0)
+    k[17, 1, 3] = float("nan")
+    assert native.attention_i16(lib, q, k, v) is None  # NaN: no codes for it
+    out = image_attention(q, k, v, integer=True)  # SDPA takes over and carries the NaN as the reference does
+    assert out[:, 1].isnan().all() and not out[:, 0].isnan().any()
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("levels", [255, 127])

@@ -335,6 +335,19 @@ def test_check_program_on_every_tier(tier_lib, tmp_path):
     assert ran.returncode == 0 and f"features {lib.features}" in ran.stdout, ran.stdout
 
 
+def test_integer_vision_attention(tier_lib):
+    """qvl_attention_i16 built with each tier's flags: as float SDPA on x86 (AVX2 and AVX-512
+    builds, whose vision tower runs int8 x int8 in float32 there), declined elsewhere."""
+    tier, lib = tier_lib
+    q, k, v = (torch.randn(150, 3, 2, 72) * 2).unbind(1)
+    out = native.attention_i16(lib, q, k, v)
+    if not tier.name.startswith(("avx512", "avx2")):
+        assert out is None
+        return
+    ref = F.scaled_dot_product_attention(*(t.double().transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=0)
+
+
 def test_dispatch_choices_per_tier(tier_lib):
     tier, lib = tier_lib
     k = Kernels(tier, lib)
@@ -343,6 +356,9 @@ def test_dispatch_choices_per_tier(tier_lib):
     # the vision tower's: on AMX tiles where the process has them, else the AVX512-BF16 kernel
     assert k.vision_attention(torch.bfloat16) == (bf16_hw and (not tier.amx or bool(lib.features & native.AMX_INT8)))
     assert not k.vision_attention(torch.float32)
+    # float32 with int8 x int8 linears: 16-bit integer pairs on x86
+    assert k.integer_vision_attention(torch.float32) == tier.name.startswith(("avx512", "avx2"))
+    assert not k.integer_vision_attention(torch.bfloat16)
     assert k.vision_rope(torch.bfloat16) == bf16_hw
     for dtype in (torch.float32, torch.bfloat16):
         assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)

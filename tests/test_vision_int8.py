@@ -274,3 +274,34 @@ def test_calibrated_smoothing_through_qvl_quantize(tmp_path, tiny_checkpoint, ca
     assert "--vision-int8" in capsys.readouterr().err
     with pytest.raises(CheckpointError, match="needs images"):
         load_model(tiny_checkpoint, cfg, torch.float32, QuantSpec("int8", vision=True, smoothing="calibrated"))
+
+
+def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, tier_kernels):
+    """Where the vision tower's linears run int8 x int8 in float32 compute (plain AVX2 here), its
+    attention runs in 16-bit integer codes too (qvl_attention_i16; the tiny tower with one head of
+    64, a size the kernel takes): on the tower's own q, k and v it is closer to float64 than bf16
+    attention (what the bf16 tiers run) is, and the image features stay at cosine 0.999 of the
+    same tower with torch's float32 SDPA; without int8 x int8 linears the tower keeps SDPA."""
+    from qvl.synth import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "one-head", "tiny", seed=3, changes={"vision_config": {"num_heads": 1}})
+    engine = load_on(monkeypatch, tier_kernels("avx2"), checkpoint, weights="int8")
+    assert engine.model.dtype == torch.float32 and all(m.int8_activations for m in vision_layers(engine))
+    run, calls = native.attention_i16, []
+    monkeypatch.setattr(native, "attention_i16", lambda lib, q, k, v: calls.append((q, k, v)) or run(lib, q, k, v))
+    integer = features(engine)
+    assert len(calls) == engine.cfg.vision.depth and all(q.shape[-1] == 64 for q, _, _ in calls)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+
+    for q, k, v in calls:
+        exact = sdpa(q.double(), k.double(), v.double())
+        bf16 = sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16()).double()
+        assert (run(dispatch.kernels().lib, q, k, v).double() - exact).norm() < 0.5 * (bf16 - exact).norm()
+    monkeypatch.setattr(native, "attention_i16", lambda *a: None)  # declined: SDPA takes over
+    assert F.cosine_similarity(integer, features(engine), dim=-1).min() > 0.999
+    calls.clear()
+    monkeypatch.setattr(native, "attention_i16", lambda *a: calls.append(a) or run(*a))
+    features(load_on(monkeypatch, tier_kernels("avx2"), checkpoint, weights="int8", int8_activations="off"))
+    assert not calls

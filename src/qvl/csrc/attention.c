@@ -332,6 +332,263 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
 }
 #endif
 
+#if defined(QVL_AVX2) || defined(QVL_AVX512) /* the AVX-512 tier has AVX2 too */
+/* The vision tower's attention in 16-bit integer pairs (vpmaddwd: 16 multiply-adds per
+ * instruction, twice float32's FMA) for CPUs without bf16 dot products, where the tower's
+ * linears already run int8 x int8. q in codes per row, k per block of IBK keys (|c| <= QK_CODE),
+ * v per channel (|c| <= V_CODE). Per query row and key block, the probabilities 2^(s - the
+ * block's top score) in codes 0..P_CODE; their products with v are summed exactly in int32 and
+ * added to float sums weighed by 2^(block top - running top). The bounds keep every int32 sum
+ * exact: 128 pairs of q and k codes, IBK of P and v codes, stay below 2^31. */
+#define IBK 64  /* keys per block */
+#define ITQ 4   /* query rows per tile: ITQ x 2 accumulators in both products */
+#define IBQ 32  /* query rows per block: their float sums and a key block stay in L1 */
+#define QK_CODE 4095.f
+#define P_LOG2 13 /* P codes 0..2^13 */
+#define V_CODE 4095.f
+
+static inline uint32_t code_pair(float a, float b, float inv) {
+    return (uint32_t)(uint16_t)(int16_t)round_int(a * inv) | (uint32_t)(uint16_t)(int16_t)round_int(b * inv) << 16;
+}
+
+/* One head's keys as code pairs kp [D/2][S_pad] with a scale per block of IBK keys ks, and its
+ * values as code pairs vp [S_pad/2][D] (v[2j][d], v[2j+1][d]) with a scale per channel vs;
+ * zero past S. Returns 0, or 1 when k or v holds a NaN or an infinity. */
+static int pack_i16(const float* k, int64_t k_tok, const float* v, int64_t v_tok, int64_t S, int64_t S_pad,
+                    int64_t D, uint32_t* kp, float* ks, uint32_t* vp, float* vs) {
+    for (int64_t kb = 0; kb < S_pad; kb += IBK) {
+        const int64_t n = S - kb < IBK ? S - kb : IBK;
+        float m = 0.f;
+        for (int64_t j = kb; j < kb + n; j++) {
+            if (!all_finite(k + j * k_tok, D)) return 1;
+            const float a = absmax(k + j * k_tok, D);
+            m = a > m ? a : m;
+        }
+        const float inv = m > 0.f ? QK_CODE / m : 0.f;
+        ks[kb / IBK] = m / QK_CODE;
+        for (int64_t j = kb; j < kb + IBK; j++)
+            for (int64_t p = 0; p < D / 2; p++)
+                kp[p * S_pad + j] = j < S ? code_pair(k[j * k_tok + 2 * p], k[j * k_tok + 2 * p + 1], inv) : 0;
+    }
+    float inv[128];
+    for (int64_t d = 0; d < D; d++) vs[d] = 0.f;
+    for (int64_t j = 0; j < S; j++) {
+        if (!all_finite(v + j * v_tok, D)) return 1;
+        for (int64_t d = 0; d < D; d++) {
+            const float a = fabsf(v[j * v_tok + d]);
+            vs[d] = a > vs[d] ? a : vs[d];
+        }
+    }
+    for (int64_t d = 0; d < D; d++) {
+        inv[d] = vs[d] > 0.f ? V_CODE / vs[d] : 0.f;
+        vs[d] /= V_CODE;
+    }
+    for (int64_t j = 0; j < S_pad; j += 2)
+        for (int64_t d = 0; d < D; d++) {
+            const float a = j < S ? v[j * v_tok + d] : 0.f, b = j + 1 < S ? v[(j + 1) * v_tok + d] : 0.f;
+            vp[(j / 2) * D + d] = code_pair(a, b, inv[d]);
+        }
+    return 0;
+}
+
+static inline int32_t hmax256_epi32(__m256i v) {
+    __m128i s = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_max_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_max_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+static inline int32_t hsum256_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* P codes round(2^x) for x <= P_LOG2 (degree-4 polynomial, relative error ~4e-6, far below a
+ * code step); x below -100 gives 0. */
+static inline __m256i p_codes(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-100.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(9.6181291e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022652e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+    return _mm256_min_epi32(_mm256_cvtps_epi32(p), _mm256_set1_epi32(1 << P_LOG2));
+}
+
+/* Query rows t..t+ITQ of a block against keys kb..kb+IBK: scores, P codes, value products into
+ * the float sums o [IBQ][D], running tops mx and sums l. `masked` (constant after inlining):
+ * keys from S on are padding. */
+static inline __attribute__((always_inline)) void i16_tile(const uint32_t* qc, const float* qs, const uint32_t* kp,
+                                                           float kscale, const uint32_t* vp, int64_t S,
+                                                           int64_t S_pad, int t, int64_t kb, float* o, float* mx,
+                                                           float* l, const int D, const int masked) {
+    int32_t sc[ITQ][IBK] __attribute__((aligned(32)));
+    for (int c = 0; c < IBK; c += 16) {
+        __m256i acc[ITQ][2];
+        for (int i = 0; i < ITQ; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int p = 0; p < D / 2; p++) {
+            const __m256i k0 = _mm256_loadu_si256((const __m256i*)(kp + p * S_pad + kb + c));
+            const __m256i k1 = _mm256_loadu_si256((const __m256i*)(kp + p * S_pad + kb + c + 8));
+            for (int i = 0; i < ITQ; i++) {
+                const __m256i a = _mm256_set1_epi32((int)qc[(t + i) * (D / 2) + p]);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(a, k0));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(a, k1));
+            }
+        }
+        for (int i = 0; i < ITQ; i++) {
+            _mm256_store_si256((__m256i*)(sc[i] + c), acc[i][0]);
+            _mm256_store_si256((__m256i*)(sc[i] + c + 8), acc[i][1]);
+        }
+    }
+    if (masked)
+        for (int i = 0; i < ITQ; i++)
+            for (int j = 0; j < IBK; j++)
+                if (kb + j >= S) sc[i][j] = INT32_MIN / 2;
+    float f[ITQ], top[8] __attribute__((aligned(32))) = {0}, w[8] __attribute__((aligned(32)));
+    int32_t bt[ITQ];
+    for (int i = 0; i < ITQ; i++) { /* each row's top score in the block; a new running top shrinks the sums */
+        __m256i m = _mm256_load_si256((const __m256i*)sc[i]);
+        for (int j = 8; j < IBK; j += 8) m = _mm256_max_epi32(m, _mm256_load_si256((const __m256i*)(sc[i] + j)));
+        bt[i] = hmax256_epi32(m);
+        f[i] = qs[t + i] * kscale;
+        const float now = (float)bt[i] * f[i], prev = mx[t + i];
+        if (now > prev) {
+            const float corr = exp2f(prev - now);
+            for (int d = 0; d < D; d++) o[(t + i) * D + d] *= corr;
+            l[t + i] *= corr;
+            mx[t + i] = now;
+        }
+        top[i] = now - mx[t + i];
+    }
+    _mm256_store_ps(w, exp2_ps256(_mm256_load_ps(top))); /* each block's weight, 2^(block top - running top) */
+    uint32_t pc[ITQ][IBK / 2] __attribute__((aligned(32))); /* P code pairs */
+    for (int i = 0; i < ITQ; i++) {
+        const __m256 fv = _mm256_set1_ps(f[i]), off = _mm256_set1_ps((float)P_LOG2 - (float)bt[i] * f[i]);
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < IBK; j += 16) {
+            __m256i c0 = p_codes(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(sc[i] + j))), fv, off));
+            __m256i c1 = p_codes(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(sc[i] + j + 8))), fv, off));
+            if (masked) {
+                const __m256i at = _mm256_add_epi32(_mm256_set1_epi32((int)(kb + j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                const __m256i end = _mm256_set1_epi32((int)S);
+                c0 = _mm256_and_si256(c0, _mm256_cmpgt_epi32(end, at));
+                c1 = _mm256_and_si256(c1, _mm256_cmpgt_epi32(end, _mm256_add_epi32(at, _mm256_set1_epi32(8))));
+            }
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(c0, c1));
+            _mm256_store_si256((__m256i*)(pc[i] + j / 2), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
+        }
+        l[t + i] += w[i] * (float)hsum256_epi32(sum);
+    }
+    for (int d = 0; d < D; d += 16) {
+        const int two = d + 8 < D; /* D % 16 == 8: one vector left */
+        __m256i acc[ITQ][2];
+        for (int i = 0; i < ITQ; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int jp = 0; jp < IBK / 2; jp++) {
+            const uint32_t* vr = vp + (kb / 2 + jp) * D + d;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i*)vr);
+            const __m256i v1 = two ? _mm256_loadu_si256((const __m256i*)(vr + 8)) : v0;
+            for (int i = 0; i < ITQ; i++) {
+                const __m256i a = _mm256_set1_epi32((int)pc[i][jp]);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(a, v0));
+                if (two) acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(a, v1));
+            }
+        }
+        for (int i = 0; i < ITQ; i++) {
+            float* orow = o + (t + i) * D + d;
+            const __m256 wv = _mm256_set1_ps(w[i]);
+            _mm256_storeu_ps(orow, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][0]), wv, _mm256_loadu_ps(orow)));
+            if (two) _mm256_storeu_ps(orow + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), wv, _mm256_loadu_ps(orow + 8)));
+        }
+    }
+}
+
+/* Query rows [0, rows) of one head (rows <= IBQ) over all S keys. Returns 1 when q holds a
+ * NaN or an infinity. */
+static inline __attribute__((always_inline)) int i16_block(const float* q, int64_t q_tok, int64_t rows,
+                                                           const uint32_t* kp, const float* ks, const uint32_t* vp,
+                                                           const float* vs, int64_t S, int64_t S_pad, float scale2,
+                                                           float* out, int64_t o_tok, const int D) {
+    uint32_t qc[IBQ * 64] __attribute__((aligned(32)));
+    float qs[IBQ], mx[IBQ], l[IBQ], o[IBQ * 128] __attribute__((aligned(32)));
+    for (int r = 0; r < IBQ; r++) {
+        const float* qr = q + r * q_tok;
+        if (r < rows && !all_finite(qr, D)) return 1;
+        const float m = r < rows ? absmax(qr, D) : 0.f;
+        const float inv = m > 0.f ? QK_CODE / m : 0.f;
+        for (int p = 0; p < D / 2; p++) qc[r * (D / 2) + p] = r < rows ? code_pair(qr[2 * p], qr[2 * p + 1], inv) : 0;
+        qs[r] = m / QK_CODE * scale2, mx[r] = -1e30f, l[r] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * IBQ * D);
+    for (int64_t kb = 0; kb < S_pad; kb += IBK)
+        for (int t = 0; t < rows; t += ITQ) {
+            if (kb + IBK <= S)
+                i16_tile(qc, qs, kp, ks[kb / IBK], vp, S, S_pad, t, kb, o, mx, l, D, 0);
+            else
+                i16_tile(qc, qs, kp, ks[kb / IBK], vp, S, S_pad, t, kb, o, mx, l, D, 1);
+        }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = 1.f / l[r];
+        for (int d = 0; d < D; d++) out[r * o_tok + d] = o[r * D + d] * vs[d] * inv;
+    }
+    return 0;
+}
+
+/* out = softmax(q k^T / sqrt(D)) v over all S keys (no mask: the vision tower), H heads, all
+ * float32 with D contiguous and strides in elements (q[t][h] at t*q_tok + h*q_head, likewise
+ * k, v, out), products in 16-bit integer codes as above. D = 64, 72 or 80.
+ * Returns 0, -1 when out of memory, -2 when D is not supported, -3 when q, k or v holds a NaN
+ * or an infinity (the caller takes the float path, which carries them as the reference does). */
+int qvl_attention_i16(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t S, int64_t H,
+                      int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
+                      int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    if (D != 64 && D != 72 && D != 80) return -2;
+    const int64_t S_pad = (S + IBK - 1) / IBK * IBK;
+    uint32_t* kp = aligned_alloc(32, (size_t)(H * S_pad * D * 2));
+    uint32_t* vp = aligned_alloc(32, (size_t)(H * S_pad * D * 2));
+    float* ks = malloc((size_t)(H * S_pad / IBK) * sizeof(float));
+    float* vs = malloc((size_t)(H * D) * sizeof(float));
+    if (!kp || !vp || !ks || !vs) {
+        free(kp), free(vp), free(ks), free(vs);
+        return -1;
+    }
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+    for (int64_t h = 0; h < H; h++)
+        bad |= pack_i16(k + h * k_head, k_tok, v + h * v_head, v_tok, S, S_pad, D, kp + h * (D / 2) * S_pad,
+                        ks + h * (S_pad / IBK), vp + h * (S_pad / 2) * D, vs + h * D);
+    const int64_t blocks = (T + IBQ - 1) / IBQ;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
+    if (!bad) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : bad)
+        for (int64_t item = 0; item < H * blocks; item++) {
+            const int64_t h = item / blocks, r0 = item % blocks * IBQ, rows = T - r0 < IBQ ? T - r0 : IBQ;
+            const float* qh = q + r0 * q_tok + h * q_head;
+            float* oh = out + r0 * o_tok + h * o_head;
+            const uint32_t *kh = kp + h * (D / 2) * S_pad, *vh = vp + h * (S_pad / 2) * D;
+            if (D == 64)
+                bad |= i16_block(qh, q_tok, rows, kh, ks + h * (S_pad / IBK), vh, vs + h * D, S, S_pad, scale2, oh, o_tok, 64);
+            else if (D == 72)
+                bad |= i16_block(qh, q_tok, rows, kh, ks + h * (S_pad / IBK), vh, vs + h * D, S, S_pad, scale2, oh, o_tok, 72);
+            else
+                bad |= i16_block(qh, q_tok, rows, kh, ks + h * (S_pad / IBK), vh, vs + h * D, S, S_pad, scale2, oh, o_tok, 80);
+        }
+    }
+    free(kp), free(vp), free(ks), free(vs);
+    return bad ? -3 : 0;
+}
+#else
+int qvl_attention_i16(const float* q, const float* k, const float* v, float* out, int64_t T, int64_t S, int64_t H,
+                      int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
+                      int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)D, (void)q_tok, (void)q_head, (void)k_tok,
+        (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
+    return -2;
+}
+#endif
+
 
 /* 2^x for x <= 0 in plain C that the compiler vectorises (relative error ~2e-6). */
 static inline float exp2_poly(float x) {

@@ -37,11 +37,17 @@ class PatchEmbed(nn.Module):
         return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
-def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, integer: bool = False) -> torch.Tensor:
     """Full attention over one image's patches: q, k, v [n, H, hd] -> [n, H, hd]. qvl's native
     flash kernel where it applies (bf16; AMX tiles: hd <= 80, 1.7-2x torch's; AVX512-BF16: hd
-    64/128, ~1.9x), else SDPA (4-D: a 3-D call silently takes torch's slow math path)."""
-    out = native.attention(kernels().lib, q, k, v) if kernels().vision_attention(q.dtype) else None
+    64/128, ~1.9x); `integer` (the tower's linears run int8 x int8): float32 in 16-bit integer
+    codes where the tier has them (hd 64-80, ~1.4x torch's on AVX2); else SDPA (4-D: a 3-D call
+    silently takes torch's slow math path)."""
+    chosen, out = kernels(), None
+    if integer and chosen.integer_vision_attention(q.dtype):
+        out = native.attention_i16(chosen.lib, q, k, v)
+    elif chosen.vision_attention(q.dtype):
+        out = native.attention(chosen.lib, q, k, v)
     if out is None:
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
     return out
@@ -69,7 +75,9 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = norm_linear(norm, self.qkv, x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
         q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
-        outs = [image_attention(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        integer = getattr(self.qkv, "int8_activations", False)  # quantize.Int8Linear running int8 x int8
+        outs = [image_attention(qi, ki, vi, integer) for qi, ki, vi in zip(q.split(lengths), k.split(lengths),
+                                                                           v.split(lengths))]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return residual_linear(self.proj, out.reshape(n, -1), x)
 
