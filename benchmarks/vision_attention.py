@@ -1,8 +1,11 @@
 """The vision tower's attention, one call per shape: qvl's native kernel (on AMX-BF16 tiles
 where the CPU has them) against torch's SDPA, alternating, medians (min-max) of --rounds; and
-each side's largest difference from SDPA in float32.
+each side's largest difference from SDPA in float32. --integer: float32 inputs, qvl's 16-bit
+integer kernel (qvl_attention_i16, what the float32 tiers run where the tower's linears are int8
+x int8) against torch's float32 SDPA, differences from float64.
 
     python benchmarks/vision_attention.py --rounds 7
+    python benchmarks/vision_attention.py --integer --rounds 7
 
 Shapes: 2B's tower at 256 and 1024 image tokens (1008 and 4032 patches, 16 heads of 64) and
 the 1152-wide towers' at 256 (16 heads of 72).
@@ -35,24 +38,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--integer", action="store_true", help="float32: qvl_attention_i16 against SDPA")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = kernels()
     print(f"vision attention: {k.describe()['vision_attention']}; {args.threads} threads\n")
-    print("| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs float32) |")
+    dtype = torch.float32 if args.integer else torch.bfloat16
+    kernel = (lambda q, kk, v: native.attention_i16(k.lib, q, kk, v)) if args.integer else \
+        (lambda q, kk, v: native.attention(k.lib, q, kk, v))
+    exact = torch.float64 if args.integer else torch.float32
+    print(f"| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs {exact}) |")
     print("|---|---|---|---|---|")
     torch.manual_seed(0)
     for n, h, d in SHAPES:
-        q, kk, v = torch.randn(n, 3, h, d).bfloat16().unbind(1)  # strided, as the fused qkv gives them
-        ours = native.attention(k.lib, q, kk, v) if k.vision_attention(torch.bfloat16) else None
+        q, kk, v = torch.randn(n, 3, h, d).to(dtype).unbind(1)  # strided, as the fused qkv gives them
+        covered = k.integer_vision_attention(dtype) if args.integer else k.vision_attention(dtype)
+        ours = kernel(q, kk, v) if covered else None
         if ours is None:
             print(f"| {n}, {h} x {d} | - | - | (no native kernel for this shape) | |")
             continue
-        ref = sdpa(q.float(), kk.float(), v.float())
-        diffs = [(sdpa(q, kk, v).float() - ref).abs().max().item(), (ours.float() - ref).abs().max().item()]
+        ref = sdpa(q.to(exact), kk.to(exact), v.to(exact))
+        diffs = [(sdpa(q, kk, v).to(exact) - ref).abs().max().item(), (ours.to(exact) - ref).abs().max().item()]
         times = {"sdpa": [], "qvl": []}
         for _ in range(args.rounds):
-            for side, run in (("sdpa", lambda: sdpa(q, kk, v)), ("qvl", lambda: native.attention(k.lib, q, kk, v))):
+            for side, run in (("sdpa", lambda: sdpa(q, kk, v)), ("qvl", lambda: kernel(q, kk, v))):
                 started = time.perf_counter()
                 run()
                 times[side].append(time.perf_counter() - started)
