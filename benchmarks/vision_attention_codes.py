@@ -57,7 +57,7 @@ def attention(block: int | None, pv_codes: bool = False, pv_block: int = 0):
     """An image_attention replacement: q, k, v [n, H, hd] -> [n, H, hd]. pv_block > 0: P in
     unsigned 8-bit codes with a step per query row and run of pv_block keys (the block's
     largest probability / 255), V in int8 with a step per channel and run of pv_block tokens."""
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, integer: bool = False) -> torch.Tensor:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qf, kf = q.float(), k.float()
         kf = kf - kf.mean(0, keepdim=True)  # q . mean(k) is one constant per query row
         if block is not None:
@@ -93,20 +93,24 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| the defaults | {row_cosine(base.features, ref.features)[0]:.5f} | "
           f"{row_cosine(base.logits, ref.logits)[0]:.5f} | {top1(base.logits, ref.logits):.3f} | - |")
-    original = vision.image_attention
-    variants = (("torch SDPA in the compute dtype (the float path)", lambda q, k, v, integer=False: original(q, k, v)),
-                ("qvl's 16-bit integer kernel (where the tier has it)",
-                 lambda q, k, v, integer=False: original(q, k, v, integer=True)),
+    original, integer = vision.image_attention, vision.integer_image_attention
+
+    def float_path(q, k, v, cos, sin):  # what the tower runs without the integer kernel
+        return vision.image_attention(vision.vision_rotary(q, cos, sin), vision.vision_rotary(k, cos, sin), v)
+
+    variants = (("torch SDPA in the compute dtype (the float path)", original),
+                ("qvl's 16-bit integer kernel (where the tier has it)", None),
                 ("float, keys centred (control)", attention(None)), ("int8 QK, a step per token", attention(0)),
                 ("int8 QK, a step per 64 tokens", attention(64)),
                 ("int8 QK per 64 tokens + 8-bit P and V", attention(64, pv_codes=True)),
                 ("int8 QK per 64 tokens + 8-bit P and V per 64 keys", attention(64, pv_block=64)))
     for name, attend in variants:
-        vision.image_attention = attend
+        if attend is not None:  # the float path, with this image_attention
+            vision.image_attention, vision.integer_image_attention = attend, float_path
         try:
             out = run(engine, requests)
         finally:
-            vision.image_attention = original
+            vision.image_attention, vision.integer_image_attention = original, integer
         print(f"| {name} | {row_cosine(out.features, ref.features)[0]:.5f} | {row_cosine(out.logits, ref.logits)[0]:.5f} | "
               f"{top1(out.logits, ref.logits):.3f} | {top1(out.logits, base.logits):.3f} |", flush=True)
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from qvl import dispatch, native
 from qvl.kv_cache import BLOCK
-from qvl.model.vision import image_attention
+from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
+from qvl.model.vision import image_attention, integer_image_attention
 
 lib = dispatch.kernels().lib
 needs_native = pytest.mark.skipif(lib is None, reason="native kernels not built (no C compiler)")
@@ -138,8 +139,27 @@ def test_integer_vision_attention_leaves_what_it_does_not_cover_to_sdpa():
     q, k, v = torch.randn(3, 50, 2, 64).unbind(0)
     k[17, 1, 3] = float("nan")
     assert native.attention_i16(lib, q, k, v) is None  # NaN: no codes for it
-    out = image_attention(q, k, v, integer=True)  # SDPA takes over and carries the NaN as the reference does
+    cos, sin = _rope_tables(50, 64)
+    out = integer_image_attention(q, k, v, cos, sin)  # SDPA takes over and carries the NaN as the reference does
     assert out[:, 1].isnan().all() and not out[:, 0].isnan().any()
+
+
+def _rope_tables(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision tower's RoPE tables for n patches in rows of 16: cos, sin [n, 1, d]."""
+    rows = torch.stack([torch.arange(n) // 16, torch.arange(n) % 16], -1)
+    return vision_cos_sin(rows, inverse_frequencies(d // 2, 10000.0))
+
+
+@needs_integer_attention
+@pytest.mark.parametrize("n, d", [(1, 64), (130, 72), (300, 80)])
+def test_integer_vision_attention_rotates_q_and_k_as_it_codes_them(n, d):
+    """Given the tower's RoPE tables, the kernel rotates the unrotated q and k itself (the tower's
+    separate rotation passes skipped): as float64 SDPA over the reference's rotation."""
+    q, k, v = (torch.randn(n, 3, 2, d) * torch.tensor([2.0, 2.0, 1.0])[:, None, None]).unbind(1)
+    cos, sin = _rope_tables(n, d)
+    q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    _assert_close_to_float64(native.attention_i16(lib, q, k, v, cos, sin), q_rot, k_rot, v)
+    assert native.attention_i16(lib, q[:-1], k, v, cos, sin) is None if n > 1 else True  # tables need T == S
 
 
 @needs_native

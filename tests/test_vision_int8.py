@@ -287,19 +287,23 @@ def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, 
     checkpoint = write_checkpoint(tmp_path / "one-head", "tiny", seed=3, changes={"vision_config": {"num_heads": 1}})
     engine = load_on(monkeypatch, tier_kernels("avx2"), checkpoint, weights="int8")
     assert engine.model.dtype == torch.float32 and all(m.int8_activations for m in vision_layers(engine))
+    from qvl.model.rope import apply_rotary
+
     run, calls = native.attention_i16, []
-    monkeypatch.setattr(native, "attention_i16", lambda lib, q, k, v: calls.append((q, k, v)) or run(lib, q, k, v))
+    monkeypatch.setattr(native, "attention_i16", lambda *a: calls.append(a[1:]) or run(*a))
     integer = features(engine)
-    assert len(calls) == engine.cfg.vision.depth and all(q.shape[-1] == 64 for q, _, _ in calls)
+    assert len(calls) == engine.cfg.vision.depth and all(q.shape[-1] == 64 for q, *_ in calls)
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
 
-    for q, k, v in calls:
-        exact = sdpa(q.double(), k.double(), v.double())
-        bf16 = sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16()).double()
-        assert (run(dispatch.kernels().lib, q, k, v).double() - exact).norm() < 0.5 * (bf16 - exact).norm()
-    monkeypatch.setattr(native, "attention_i16", lambda *a: None)  # declined: SDPA takes over
+    for q, k, v, cos, sin in calls:  # q and k as the tower gives them, rotated by the kernel
+        q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        exact = sdpa(q_rot.double(), k_rot.double(), v.double())
+        bf16 = sdpa(q_rot.bfloat16(), k_rot.bfloat16(), v.bfloat16()).double()
+        ours = run(dispatch.kernels().lib, q, k, v, cos, sin).double()
+        assert (ours - exact).norm() < 0.5 * (bf16 - exact).norm()
+    monkeypatch.setattr(native, "attention_i16", lambda *a: None)  # declined: the float path takes over
     assert F.cosine_similarity(integer, features(engine), dim=-1).min() > 0.999
     calls.clear()
     monkeypatch.setattr(native, "attention_i16", lambda *a: calls.append(a) or run(*a))

@@ -173,7 +173,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [ptr, i64, i64, c_int]
     lib.qvl_attention.restype = c_int
-    lib.qvl_attention_i16.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [c_int]
+    lib.qvl_attention_i16.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [ptr, ptr, i64, c_int]
     lib.qvl_attention_i16.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr,
                                          c_int]
@@ -436,19 +436,30 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out if status == 0 else None
 
 
-def attention_i16(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+def attention_i16(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None = None,
+                  sin: torch.Tensor | None = None) -> torch.Tensor | None:
     """Full attention (the vision tower: no mask) with the products in 16-bit integer codes
     (AVX2 and AVX-512 builds): q [T, H, D], k and v [S, H, D] float32 (any token/head strides,
-    D contiguous; D 64, 72 or 80) -> [T, H, D] contiguous. None when the shapes do not apply or
-    an input holds a NaN or an infinity (the float path carries those as the reference does)."""
+    D contiguous; D 64, 72 or 80) -> [T, H, D] contiguous. cos, sin (the tower's RoPE tables,
+    [S, 1, D] or [S, D] float32): q and k are not rotated yet and the kernel rotates them as it
+    codes them (T == S). None when the shapes do not apply or an input holds a NaN or an
+    infinity (the float path carries those as the reference does)."""
     t, h, d = q.shape
     s = k.shape[0]
     if k.shape[1] != h or v.shape[1] != h or any(x.dtype != torch.float32 or x.stride(2) != 1 for x in (q, k, v)):
         return None
+    tables = None
+    if cos is not None:
+        tables = [x.reshape(x.shape[0], -1) for x in (cos, sin)]
+        if t != s or any(x.shape != (s, d) or x.dtype != torch.float32 or x.stride(1) != 1 for x in tables) \
+                or tables[0].stride(0) != tables[1].stride(0):
+            return None
     out = torch.empty(t, h, d)
     status = lib.qvl_attention_i16(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, d,
                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                   out.stride(0), out.stride(1), torch.get_num_threads())
+                                   out.stride(0), out.stride(1), *((x.data_ptr() for x in tables) if tables else
+                                                                   (None, None)),
+                                   tables[0].stride(0) if tables else 0, torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_attention_i16 could not allocate its packed keys and values")
     return out if status == 0 else None

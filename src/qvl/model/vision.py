@@ -37,19 +37,25 @@ class PatchEmbed(nn.Module):
         return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
-def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, integer: bool = False) -> torch.Tensor:
+def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full attention over one image's patches: q, k, v [n, H, hd] -> [n, H, hd]. qvl's native
     flash kernel where it applies (bf16; AMX tiles: hd <= 80, 1.7-2x torch's; AVX512-BF16: hd
-    64/128, ~1.9x); `integer` (the tower's linears run int8 x int8): float32 in 16-bit integer
-    codes where the tier has them (hd 64-80, ~1.4x torch's on AVX2); else SDPA (4-D: a 3-D call
-    silently takes torch's slow math path)."""
-    chosen, out = kernels(), None
-    if integer and chosen.integer_vision_attention(q.dtype):
-        out = native.attention_i16(chosen.lib, q, k, v)
-    elif chosen.vision_attention(q.dtype):
-        out = native.attention(chosen.lib, q, k, v)
+    64/128, ~1.9x), else SDPA (4-D: a 3-D call silently takes torch's slow math path)."""
+    out = native.attention(kernels().lib, q, k, v) if kernels().vision_attention(q.dtype) else None
     if out is None:
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+    return out
+
+
+def integer_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> torch.Tensor:
+    """image_attention in 16-bit integer codes (qvl_attention_i16, ~1.5x torch's float32 SDPA on
+    AVX2), for a tower whose linears run int8 x int8 in float32: q and k [n, H, hd] not rotated
+    yet, cos/sin [n, 1, hd]; the kernel rotates them as it codes them. Where it declines (a NaN
+    or infinity, a head size it does not take), the float path."""
+    out = native.attention_i16(kernels().lib, q, k, v, cos, sin)
+    if out is None:
+        out = image_attention(vision_rotary(q, cos, sin), vision_rotary(k, cos, sin), v)
     return out
 
 
@@ -74,10 +80,13 @@ class VisionAttention(nn.Module):
         # each) -> x + attention(norm(x)), [N, D]
         n = x.shape[0]
         q, k, v = norm_linear(norm, self.qkv, x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
-        q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
-        integer = getattr(self.qkv, "int8_activations", False)  # quantize.Int8Linear running int8 x int8
-        outs = [image_attention(qi, ki, vi, integer) for qi, ki, vi in zip(q.split(lengths), k.split(lengths),
-                                                                           v.split(lengths))]
+        # integer codes where the linears run int8 x int8 (quantize.Int8Linear) and the tier has them
+        if getattr(self.qkv, "int8_activations", False) and kernels().integer_vision_attention(x.dtype):
+            outs = [integer_image_attention(*parts) for parts in zip(*(t.split(lengths) for t in (q, k, v, cos, sin)))]
+        else:
+            q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
+            outs = [image_attention(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths),
+                                                                      v.split(lengths))]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return residual_linear(self.proj, out.reshape(n, -1), x)
 
