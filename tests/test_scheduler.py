@@ -156,6 +156,37 @@ def test_prefill_slices_shrink_where_prefill_is_slow(engine):
         assert [next(e for e in outputs[i] if isinstance(e, Done)).token_ids for i in (0, 1)] == alone, rate
 
 
+def test_a_prompt_token_computes_alike_in_any_slice(engine):
+    """On the default path where prefill's attention is qvl's flash kernel (AVX512-BF16 without
+    AMX), a prompt prefilled in slices of 1, 3, 16 or 25 tokens leaves the same keys and values,
+    to the bit, as one call, and the same last logits: a short slice takes prefill's kernels
+    (many-row int8 products, the flash attention, the native RoPE), not the decode step's.
+    Elsewhere prefill's attention is torch's SDPA, whose blocks follow the lengths (README)."""
+    from qvl.generate import new_cache, prefill_slice
+    from qvl.stream import Timings
+
+    model = engine.model
+    if not dispatch.kernels().flash_attention(model.dtype):
+        pytest.skip("prefill's attention is torch's SDPA here: slices may move the last bits (--deterministic)")
+    long = Request([{"role": "user", "content": " ".join(f"w{i}" for i in range(60))}], GREEDY)
+    prompt = engine.prepare(engine.parse(long), Timings())
+    t = len(prompt)
+
+    def sliced(n: int):
+        cache = new_cache(model, 1, t)
+        with torch.inference_mode():
+            for s in range(0, t, n):
+                logits = prefill_slice(model, cache, prompt, s, min(s + n, t))
+        return cache.pool.keys, cache.pool.values, logits
+
+    keys, values, logits = sliced(t)
+    for n in (1, 3, 16, 25):
+        k, v, last = sliced(n)
+        assert all(torch.equal(a, b) for a, b in zip(k, keys)), n
+        assert all(torch.equal(a, b) for a, b in zip(v, values)), n
+        assert torch.equal(last, logits), n
+
+
 def test_a_closed_stream_leaves_the_scheduler(engine):
     stream = engine.stream(Request([{"role": "user", "content": "Go on."}], GREEDY))
     assert isinstance(next(e for e in stream if isinstance(e, Delta)), Delta)

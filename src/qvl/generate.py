@@ -11,6 +11,7 @@ import torch
 
 from qvl.kv_cache import KVCache, contiguous_cache
 from qvl.model.qwen3_vl import Qwen3VL
+from qvl.quantize import prompt_products
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention matrix of long prompts
 
@@ -56,7 +57,8 @@ def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start:
         deepstack = [d[done_images : done_images + n_vis] for d in prompt.deepstack]
     h = model.embed(prompt.ids[start:end][None], embeds)
     cos, sin = model.rope(prompt.positions[:, None, start:end])
-    h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack)[:, -1:]
+    with prompt_products():  # the same products for a prompt token whatever the slice (the head: one row, always)
+        h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack)[:, -1:]
     return model.logits(h_last)[:, -1]
 
 

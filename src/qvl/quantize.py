@@ -10,6 +10,8 @@ and int4 the dequantised GEMM.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from dataclasses import dataclass
 
@@ -116,6 +118,27 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
+
+
+_PROMPT = contextvars.ContextVar("qvl_prompt_products", default=False)
+
+
+@contextlib.contextmanager
+def prompt_products():
+    """int8 products inside take the many-row kernels whatever their row count, so that a
+    prompt token is computed the same whether it is prefilled in one call or in a slice of a
+    few tokens (the GEMV's activation codes are 16-bit per row, the many-row ones 8-bit per
+    group where the CPU has VNNI, and oneDNN's or AMX's elsewhere). Decode steps stay outside."""
+    token = _PROMPT.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
+def _int8_gemv_rows() -> int:
+    """Up to how many rows an int8 product takes the GEMV here: none inside prompt_products."""
+    return 0 if _PROMPT.get() else kernels().int8_gemv_rows
 
 
 def _native_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: torch.Tensor,
@@ -231,7 +254,7 @@ class Int8Linear(nn.Module):
         # x: [..., I] -> [..., O]: norm(x) first when given, then the product, tanh-GELU when
         # gelu_tanh, residual + that when given ([..., O]); the int8 x int8 path fuses the norm
         # into its quantise pass and the rest into its rescale pass
-        if self.packed is not None and (self.weight is None or _rows(x) > kernels().int8_gemv_rows):
+        if self.packed is not None and (self.weight is None or _rows(x) > _int8_gemv_rows()):
             if x.dtype != self.scales.dtype:
                 raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
             fused = norm is not None and norm.weight is not None and norm.weight.dtype == x.dtype
@@ -274,7 +297,7 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     integer kernels (AMX tiles; elsewhere on x86 8-bit codes per group with `byte_codes` where
     the CPU has VNNI, else 16-bit pairs) or dequantise + GEMM, the native GEMV for few, torch's
     int8 kernel where the native one does not run."""
-    if _rows(x) > (max_rows := kernels().int8_gemv_rows):
+    if _rows(x) > (max_rows := _int8_gemv_rows()):
         if (y := _native_product(x, native.W_INT8, weight, scales, bias=bias, byte_codes=byte_codes)) is not None:
             return y
         return dequantized_product(x, weight.shape[0], lambda r: dequantize_int8(weight[r], scales[r], transient=True),

@@ -44,15 +44,15 @@ def cache_attention(q: torch.Tensor, cache: KVCache, layer: int, start: int | to
     b, _, t, _ = q.shape
     k, out = kernels(), None
     keys, values = cache.pool.keys[layer], cache.pool.values[layer]
-    if t == 1 and k.decode_attention(q.dtype):
-        lengths = start + 1 if isinstance(start, torch.Tensor) else torch.full((b,), start + 1)
-        out = native.decode_attention(k.lib, q, keys, values, cache.table, lengths)
-    elif b == 1 and t > 1 and k.flash_attention(q.dtype):
+    decoding = isinstance(start, torch.Tensor)  # a prompt's token takes prefill's kernel, even alone
+    if decoding and k.decode_attention(q.dtype):
+        out = native.decode_attention(k.lib, q, keys, values, cache.table, start + 1)
+    elif not decoding and b == 1 and k.flash_attention(q.dtype):
         out = native.paged_attention(k.lib, q[0].transpose(0, 1), keys, values, cache.table[0], start)
         out = None if out is None else out.transpose(0, 1)[None]
     if out is not None:
         return out
-    if t == 1 and isinstance(start, torch.Tensor):  # row by row over its own keys: nothing of another row enters
+    if decoding:  # row by row over its own keys: nothing of another row enters
         return torch.cat([F.scaled_dot_product_attention(q[i : i + 1], *cache.row(i).gather(layer, n + 1),
                                                          enable_gqa=True)
                           for i, n in enumerate(start.tolist())])
@@ -61,10 +61,10 @@ def cache_attention(q: torch.Tensor, cache: KVCache, layer: int, start: int | to
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, hd] rotated by cos/sin [B, 1, T, hd]: one native pass for a prefill row in
-    bf16, else the reference's ops."""
-    if x.shape[0] == 1 and x.shape[2] > 1 and (k := kernels()).fused_elementwise(x.dtype):
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefill: bool) -> torch.Tensor:
+    """x [B, H, T, hd] rotated by cos/sin [B, 1, T, hd]: one native pass for a prefill row
+    (any T, so that a prompt token rounds alike in any slice), else the reference's ops."""
+    if prefill and x.shape[0] == 1 and (k := kernels()).fused_elementwise(x.dtype):
         if (out := native.text_rope(k.lib, x, cos, sin)) is not None:
             return out
     return apply_rotary(x, cos, sin)
@@ -91,7 +91,8 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        prefill = not isinstance(start, torch.Tensor)
+        q, k = rotary(q, cos, sin, prefill), rotary(k, cos, sin, prefill)
         cache.write(self.layer, start, k, v)
         out = cache_attention(q, cache, self.layer, start)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -191,10 +192,8 @@ class TextModel(nn.Module):
         rows of different lengths); cos/sin: [B, 1, T, hd]; visual_mask: [B, T] image positions
         receiving deepstack[i] ([n_visual, D]) after layer i. Returns final-normed hidden
         states [B, T, D]. The caller owns the rows' lengths: nothing here counts them."""
-        if h.shape[1] == 1 and deepstack is None and (k := kernels()).decode_step(h.dtype):
-            b = h.shape[0]
-            slots = start if isinstance(start, torch.Tensor) else torch.full((b,), start)
-            out = self.decode_native(k.lib, h, cos, sin, cache, slots)
+        if isinstance(start, torch.Tensor) and (k := kernels()).decode_step(h.dtype):
+            out = self.decode_native(k.lib, h, cos, sin, cache, start)
             if out is not None:
                 return self.norm(out)
         for i, layer in enumerate(self.layers):
