@@ -6,6 +6,10 @@ x int8) against torch's float32 SDPA, differences from float64.
 
     python benchmarks/vision_attention.py --rounds 7
     python benchmarks/vision_attention.py --integer --rounds 7
+    QVL_ISA=avx512-nobf16 python benchmarks/vision_attention.py --integer --before /work/wt-head --rounds 7
+
+--before CHECKOUT: also that checkout's kernel, built for the same tier (QVL_ISA) from its
+sources, the three sides alternating in each round; the table adds its times and after/before.
 
 Shapes: 2B's tower at 256 and 1024 image tokens (1008 and 4032 patches, 16 heads of 64) and
 the 1152-wide towers' at 256 (16 heads of 72).
@@ -14,8 +18,13 @@ the 1152-wide towers' at 256 (16 heads of 72).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,21 +43,38 @@ def spread(ts: list[float]) -> str:
     return f"{statistics.median(ts) * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
 
 
+def checkout_library(checkout: str):
+    """The kernels of another checkout, built for this process's tier from its sources."""
+    out = tempfile.mkdtemp(prefix="qvl-before-")
+    code = ("import sys; from pathlib import Path; from qvl import native; "
+            "print(native.build(Path(sys.argv[1]), native.select_tier()))")
+    env = {**os.environ, "PYTHONPATH": str(Path(checkout) / "src")}
+    path = subprocess.run([sys.executable, "-c", code, out], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    return native.open_library(Path(path))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--integer", action="store_true", help="float32: qvl_attention_i16 against SDPA")
+    p.add_argument("--before", help="a checkout whose kernel (same tier) runs beside this one's")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = kernels()
     print(f"vision attention: {k.describe()['vision_attention']}; {args.threads} threads\n")
     dtype = torch.float32 if args.integer else torch.bfloat16
-    kernel = (lambda q, kk, v: native.attention_i16(k.lib, q, kk, v)) if args.integer else \
-        (lambda q, kk, v: native.attention(k.lib, q, kk, v))
+    def kernel_of(lib):
+        return (lambda q, kk, v: native.attention_i16(lib, q, kk, v)) if args.integer else \
+            (lambda q, kk, v: native.attention(lib, q, kk, v))
+
+    kernel = kernel_of(k.lib)
+    before = kernel_of(checkout_library(args.before)) if args.before else None
     exact = torch.float64 if args.integer else torch.float32
-    print(f"| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs {exact}) |")
-    print("|---|---|---|---|---|")
+    extra = " before ms | qvl / before |" if before else ""
+    print(f"| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs {exact}) |{extra}")
+    print("|---|---|---|---|---|" + ("---|---|" if before else ""))
     torch.manual_seed(0)
     for n, h, d in SHAPES:
         q, kk, v = torch.randn(n, 3, h, d).to(dtype).unbind(1)  # strided, as the fused qkv gives them
@@ -59,15 +85,21 @@ def main() -> None:
             continue
         ref = sdpa(q.to(exact), kk.to(exact), v.to(exact))
         diffs = [(sdpa(q, kk, v).to(exact) - ref).abs().max().item(), (ours.to(exact) - ref).abs().max().item()]
-        times = {"sdpa": [], "qvl": []}
-        for _ in range(args.rounds):
-            for side, run in (("sdpa", lambda: sdpa(q, kk, v)), ("qvl", lambda: kernel(q, kk, v))):
+        sides = [("sdpa", lambda: sdpa(q, kk, v)), ("qvl", lambda: kernel(q, kk, v))]
+        if before:
+            sides.append(("before", lambda: before(q, kk, v)))
+        times = {name: [] for name, _ in sides}
+        for r in range(args.rounds):
+            for side, run in (sides if r % 2 == 0 else sides[::-1]):
                 started = time.perf_counter()
                 run()
                 times[side].append(time.perf_counter() - started)
         ratio = statistics.median(times["qvl"]) / statistics.median(times["sdpa"])
-        print(f"| {n}, {h} x {d} | {spread(times['sdpa'])} | {spread(times['qvl'])} | {ratio:.2f} | "
-              f"{diffs[0]:.4f}, {diffs[1]:.4f} |")
+        row = (f"| {n}, {h} x {d} | {spread(times['sdpa'])} | {spread(times['qvl'])} | {ratio:.2f} | "
+               f"{diffs[0]:.4f}, {diffs[1]:.4f} |")
+        if before:
+            row += f" {spread(times['before'])} | {statistics.median(times['qvl']) / statistics.median(times['before']):.2f} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

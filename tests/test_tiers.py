@@ -348,6 +348,28 @@ def test_integer_vision_attention(tier_lib):
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=0)
 
 
+def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory):
+    """The AVX-512 builds (zmm, vpdpwssd with VNNI) and the AVX2 ones (ymm, vpmaddwd in
+    assembly) sum the same integer codes exactly and weigh them in the same float operations:
+    the same bits, for each head size, with the RoPE applied as the codes are made, and with
+    a last key block of padding."""
+    x86 = [t for t in TIERS if t.name.startswith(("avx512", "avx2"))]
+    if len(x86) < 2:
+        pytest.skip("one x86 build here")
+    libs = [(t.name, native.load(t, tmp_path_factory.getbasetemp() / "tiers")) for t in x86]
+    torch.manual_seed(5)
+    for d in (64, 72, 80):
+        q, k, v = (torch.randn(150, 3, 2, d) * 2).unbind(1)
+        cos, sin = torch.randn(150, d), torch.randn(150, d)
+        first = None
+        for name, lib in libs:
+            out = (native.attention_i16(lib, q, k, v), native.attention_i16(lib, q, k, v, cos, sin))
+            if first is None:
+                first = out
+                continue
+            assert torch.equal(out[0], first[0]) and torch.equal(out[1], first[1]), (name, d)
+
+
 def test_dispatch_choices_per_tier(tier_lib):
     tier, lib = tier_lib
     k = Kernels(tier, lib)

@@ -113,9 +113,10 @@ class Kernels:
 
     def integer_vision_attention(self, dtype: torch.dtype) -> bool:
         """The vision tower's attention in 16-bit integer codes (qvl_attention_i16: vpmaddwd pairs,
-        twice the float32 FMA's multiply-adds) where its linears run int8 x int8 in float32
-        compute (the caller asks only then): x86 with AVX2, AVX-512 builds included. 0.7x torch's
-        float32 SDPA at 4,032 patches on a Zen 3 (docs/benchmarks.md section 45)."""
+        twice the float32 FMA's multiply-adds; AVX-512 builds: zmm, vpdpwssd with AVX512-VNNI)
+        where its linears run int8 x int8 in float32 compute (the caller asks only then): x86
+        with AVX2. 0.65x torch's float32 SDPA at 4,032 patches on a Zen 3, 0.39x on the
+        avx512-nobf16 tier of a Zen 4 (docs/benchmarks.md sections 45 and 46)."""
         return self.lib is not None and self.has(native.AVX2) and dtype == torch.float32
 
     def vision_rope(self, dtype: torch.dtype) -> bool:
@@ -183,8 +184,9 @@ class Kernels:
                                "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
             "vision_attention": "AMX-BF16 flash kernel (head size <= 80)" if self.vision_attention(torch.bfloat16)
                                 and self.tier.amx else "as flash_attention" + (
-                                    "; float32 with int8 x int8 linears: 16-bit integer pairs (vpmaddwd, head size "
-                                    "64-80)" if self.integer_vision_attention(torch.float32) else ""),
+                                    "; float32 with int8 x int8 linears: 16-bit integer pairs ("
+                                    + ("vpdpwssd" if name.startswith("avx512") and f & native.VNNI else "vpmaddwd")
+                                    + ", head size 64-80)" if self.integer_vision_attention(torch.float32) else ""),
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
             "int8_activations": ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else

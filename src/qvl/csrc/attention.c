@@ -335,9 +335,9 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
 #endif
 
 #if defined(QVL_AVX2) || defined(QVL_AVX512) /* the AVX-512 tier has AVX2 too */
-/* The vision tower's attention in 16-bit integer pairs (vpmaddwd: 16 multiply-adds per
- * instruction, twice float32's FMA) for CPUs without bf16 dot products, where the tower's
- * linears already run int8 x int8. q in codes per row, k per block of IBK keys (|c| <= QK_CODE),
+/* The vision tower's attention in 16-bit integer pairs (vpmaddwd: 16 multiply-adds per ymm
+ * instruction, twice float32's FMA; the AVX-512 build: zmm, and vpdpwssd with AVX512-VNNI, 32)
+ * for CPUs without bf16 dot products, where the tower's linears already run int8 x int8. q in codes per row, k per block of IBK keys (|c| <= QK_CODE),
  * v per channel (|c| <= V_CODE). Per query row and key block, the probabilities 2^(s - the
  * block's top score) in codes 0..P_CODE; their products with v are summed exactly in int32 and
  * added to float sums weighed by 2^(block top - running top). The bounds keep every int32 sum
@@ -437,11 +437,27 @@ static inline __m256i p_codes(__m256 x) {
     return _mm256_min_epi32(_mm256_cvtps_epi32(p), _mm256_set1_epi32(1 << P_LOG2));
 }
 
+#if defined(QVL_AVX512)
+static inline __m512i p_codes512(__m512 x) { /* p_codes on 16 lanes, the same operations */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+    return _mm512_min_epi32(_mm512_cvtps_epi32(p), _mm512_set1_epi32(1 << P_LOG2));
+}
+#endif
+
 /* acc[i][0..1] (8 int32 each) += sum over p < n of the 16-bit pair a[i][p] (rows a_row bytes
  * apart) times the 16 pairs at b + p * b_step bytes, for 4 rows i: vpmaddwd and vpaddd in
  * assembly, because GCC copies every accumulator once per step here (section 45: 8 register
  * moves per 8 products, 1.25x slower). Both products run on it: q codes x key pairs, P codes x
  * value pairs. */
+#if !defined(QVL_AVX512)
 static inline void pair_products(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n,
                                  __m256i acc[4][2]) {
     const char* a2 = (const char*)a + 2 * a_row;
@@ -479,6 +495,145 @@ static inline void pair_products(const uint32_t* a, int64_t a_row, const uint32_
             : [ar] "r"(a_row), [bs] "r"(b_step)
             : "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
 }
+#endif
+
+#if defined(QVL_AVX512)
+/* The AVX-512 build's two products: zmm registers, and with AVX512-VNNI one vpdpwssd per 32
+ * multiply-adds (twice the AVX2 loop's rate per instruction). The same exact int32 sums, so the
+ * same bits as the AVX2 build. */
+#ifdef __AVX512VNNI__
+#define DPWSSD512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPWSSD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+#ifdef __AVX512VNNI__
+/* The loops in assembly, accumulators in zmm0-19 from zero, stored to `out` ([4][nv][16]
+ * int32) at the end: GCC 12 spills or copies the C loops' 16-20 zmm accumulators once per
+ * step, as it copied the AVX2 loop's. Per step: nv vectors of b (b_step bytes apart per step),
+ * the 4 rows' pairs of a (a_row bytes apart) broadcast, 4 x nv vpdpwssd. */
+#define DP4(v, r) "vpdpwssd %%zmm" v ", %%zmm28, %%zmm" #r "\n\t"
+#define ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define STORE(r, i) "vmovdqu32 %%zmm" #r ", " #i "*64(%[out])\n\t"
+#define LOOP_HEAD "1:\n\t" \
+    "vpbroadcastd (%[a]), %%zmm28\n\t" "vpbroadcastd (%[a], %[ar]), %%zmm29\n\t" \
+    "vpbroadcastd (%[a2]), %%zmm30\n\t" "vpbroadcastd (%[a2], %[ar]), %%zmm31\n\t"
+#define LOOP_TAIL "add $4, %[a]\n\t" "add $4, %[a2]\n\t" "add %[bs], %[b]\n\t" "dec %[n]\n\t" "jnz 1b\n\t"
+/* vector v (register zmm2x) against the 4 rows: accumulators r, r + nv, r + 2 nv, r + 3 nv */
+#define ROWS4(v, r0, r1, r2, r3) "vpdpwssd %%zmm" v ", %%zmm28, %%zmm" #r0 "\n\t" \
+    "vpdpwssd %%zmm" v ", %%zmm29, %%zmm" #r1 "\n\t" "vpdpwssd %%zmm" v ", %%zmm30, %%zmm" #r2 "\n\t" \
+    "vpdpwssd %%zmm" v ", %%zmm31, %%zmm" #r3 "\n\t"
+#define CLOBBER4 "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
+    "xmm12", "xmm13", "xmm14", "xmm15", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", \
+    "xmm31", "memory", "cc"
+
+/* 4 rows x 4 vectors: out[i][v] (16 int32 each). volatile: the stores to out are its only effect */
+static inline void products_4x4(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n,
+                                int32_t* out) {
+    const char* a2 = (const char*)a + 2 * a_row;
+    __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7)
+            ZERO(8) ZERO(9) ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15)
+            LOOP_HEAD
+            "vmovdqu32 (%[b]), %%zmm24\n\t" "vmovdqu32 64(%[b]), %%zmm25\n\t"
+            "vmovdqu32 128(%[b]), %%zmm26\n\t" "vmovdqu32 192(%[b]), %%zmm27\n\t"
+            ROWS4("24", 0, 4, 8, 12) ROWS4("25", 1, 5, 9, 13) ROWS4("26", 2, 6, 10, 14) ROWS4("27", 3, 7, 11, 15)
+            LOOP_TAIL
+            STORE(0, 0) STORE(1, 1) STORE(2, 2) STORE(3, 3) STORE(4, 4) STORE(5, 5) STORE(6, 6) STORE(7, 7)
+            STORE(8, 8) STORE(9, 9) STORE(10, 10) STORE(11, 11) STORE(12, 12) STORE(13, 13) STORE(14, 14)
+            STORE(15, 15)
+            : [a] "+r"(a), [a2] "+r"(a2), [b] "+r"(b), [n] "+r"(n)
+            : [ar] "r"(a_row), [bs] "r"(b_step), [out] "r"(out)
+            : CLOBBER4);
+}
+
+/* 4 rows x 5 vectors, the fifth masked: out[i][v] (16 int32 each) */
+static inline void products_4x5(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n,
+                                __mmask16 last, int32_t* out) {
+    const char* a2 = (const char*)a + 2 * a_row;
+    __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7) ZERO(8) ZERO(9)
+            ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15) ZERO(16) ZERO(17) ZERO(18) ZERO(19)
+            LOOP_HEAD
+            "vmovdqu32 (%[b]), %%zmm23\n\t" "vmovdqu32 64(%[b]), %%zmm24\n\t"
+            "vmovdqu32 128(%[b]), %%zmm25\n\t" "vmovdqu32 192(%[b]), %%zmm26\n\t"
+            "vmovdqu32 256(%[b]), %%zmm27%{%[m]%}%{z%}\n\t"
+            ROWS4("23", 0, 5, 10, 15) ROWS4("24", 1, 6, 11, 16) ROWS4("25", 2, 7, 12, 17) ROWS4("26", 3, 8, 13, 18)
+            ROWS4("27", 4, 9, 14, 19)
+            LOOP_TAIL
+            STORE(0, 0) STORE(1, 1) STORE(2, 2) STORE(3, 3) STORE(4, 4) STORE(5, 5) STORE(6, 6) STORE(7, 7)
+            STORE(8, 8) STORE(9, 9) STORE(10, 10) STORE(11, 11) STORE(12, 12) STORE(13, 13) STORE(14, 14)
+            STORE(15, 15) STORE(16, 16) STORE(17, 17) STORE(18, 18) STORE(19, 19)
+            : [a] "+r"(a), [a2] "+r"(a2), [b] "+r"(b), [n] "+r"(n)
+            : [ar] "r"(a_row), [bs] "r"(b_step), [out] "r"(out), [m] "Yk"(last)
+            : CLOBBER4, "xmm16", "xmm17", "xmm18", "xmm19");
+}
+#endif
+
+/* sc[i][0..IBK) = the ITQ rows' code pairs qc (rows np pairs apart) times keys kb.. of kp
+ * ([np][S_pad] pairs): 4 x 4 accumulators. */
+static inline __attribute__((always_inline)) void score_products512(const uint32_t* qc, const uint32_t* kp,
+                                                                    int64_t S_pad, const int np,
+                                                                    int32_t sc[ITQ][IBK]) {
+#ifdef __AVX512VNNI__
+    products_4x4(qc, (int64_t)np * 4, kp, S_pad * 4, np, sc[0]);
+#else
+    __m512i acc[ITQ][IBK / 16];
+    for (int i = 0; i < ITQ; i++)
+        for (int b = 0; b < IBK / 16; b++) acc[i][b] = _mm512_setzero_si512();
+    for (int p = 0; p < np; p++) {
+        __m512i kv[IBK / 16];
+        for (int b = 0; b < IBK / 16; b++) kv[b] = _mm512_loadu_si512(kp + p * S_pad + 16 * b);
+        for (int i = 0; i < ITQ; i++) {
+            const __m512i a = _mm512_set1_epi32((int)qc[i * np + p]);
+            for (int b = 0; b < IBK / 16; b++) acc[i][b] = DPWSSD512(acc[i][b], a, kv[b]);
+        }
+    }
+    for (int i = 0; i < ITQ; i++)
+        for (int b = 0; b < IBK / 16; b++) _mm512_store_si512(sc[i] + 16 * b, acc[i][b]);
+#endif
+}
+
+/* o[t+i][0..D) += w[i] * (the ITQ rows' P code pairs pc times the value pairs vp ([IBK/2][D]
+ * from the block's first)): 4 x ceil(D/16) accumulators, the last vector masked when D % 16. */
+static inline __attribute__((always_inline)) void value_products512(const uint32_t pc[ITQ][IBK / 2],
+                                                                    const uint32_t* vp, const float* w, float* o,
+                                                                    const int D) {
+    enum { NV = 5 };
+    const int nv = (D + 15) / 16;
+    const __mmask16 last = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+    int32_t sums[ITQ][NV][16] __attribute__((aligned(64)));
+#ifdef __AVX512VNNI__
+    if (nv == 4)
+        products_4x4(pc[0], IBK / 2 * 4, vp, (int64_t)D * 4, IBK / 2, sums[0][0]);
+    else
+        products_4x5(pc[0], IBK / 2 * 4, vp, (int64_t)D * 4, IBK / 2, last, sums[0][0]);
+    /* products_4x4 writes rows nv = 4 vectors apart: re-index below by nv */
+#else
+    __m512i acc[ITQ][NV];
+    for (int i = 0; i < ITQ; i++)
+        for (int d = 0; d < NV; d++) acc[i][d] = _mm512_setzero_si512();
+    for (int jp = 0; jp < IBK / 2; jp++) {
+        __m512i v[NV];
+        for (int d = 0; d < nv; d++)
+            v[d] = _mm512_maskz_loadu_epi32(d == nv - 1 ? last : (__mmask16)0xFFFF, vp + jp * D + 16 * d);
+        for (int i = 0; i < ITQ; i++) {
+            const __m512i a = _mm512_set1_epi32((int)pc[i][jp]);
+            for (int d = 0; d < nv; d++) acc[i][d] = DPWSSD512(acc[i][d], a, v[d]);
+        }
+    }
+    for (int i = 0; i < ITQ; i++)
+        for (int d = 0; d < nv; d++) _mm512_store_si512(sums[0][0] + (i * nv + d) * 16, acc[i][d]);
+#endif
+    for (int i = 0; i < ITQ; i++) {
+        const __m512 wv = _mm512_set1_ps(w[i]);
+        for (int d = 0; d < nv; d++) {
+            const __mmask16 m = d == nv - 1 ? last : (__mmask16)0xFFFF;
+            float* orow = o + i * D + 16 * d;
+            const __m512i acc = _mm512_load_si512(sums[0][0] + (i * nv + d) * 16);
+            _mm512_mask_storeu_ps(orow, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), wv, _mm512_maskz_loadu_ps(m, orow)));
+        }
+    }
+}
+#endif
 
 /* Query rows t..t+ITQ of a block against keys kb..kb+IBK: scores, P codes, value products into
  * the float sums o [IBQ][D], running tops mx and sums l. `masked` (constant after inlining):
@@ -487,7 +642,10 @@ static inline __attribute__((always_inline)) void i16_tile(const uint32_t* qc, c
                                                            float kscale, const uint32_t* vp, int64_t S,
                                                            int64_t S_pad, int t, int64_t kb, float* o, float* mx,
                                                            float* l, const int D, const int masked) {
-    int32_t sc[ITQ][IBK] __attribute__((aligned(32)));
+    int32_t sc[ITQ][IBK] __attribute__((aligned(64)));
+#if defined(QVL_AVX512)
+    score_products512(qc + t * (D / 2), kp + kb, S_pad, D / 2, sc);
+#else
     for (int c = 0; c < IBK; c += 16) {
         __m256i acc[ITQ][2];
         for (int i = 0; i < ITQ; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
@@ -497,6 +655,7 @@ static inline __attribute__((always_inline)) void i16_tile(const uint32_t* qc, c
             _mm256_store_si256((__m256i*)(sc[i] + c + 8), acc[i][1]);
         }
     }
+#endif
     if (masked)
         for (int i = 0; i < ITQ; i++)
             for (int j = 0; j < IBK; j++)
@@ -519,6 +678,23 @@ static inline __attribute__((always_inline)) void i16_tile(const uint32_t* qc, c
     }
     _mm256_store_ps(w, exp2_ps256(_mm256_load_ps(top))); /* each block's weight, 2^(block top - running top) */
     uint32_t pc[ITQ][IBK / 2] __attribute__((aligned(32))); /* P code pairs */
+#if defined(QVL_AVX512)
+    for (int i = 0; i < ITQ; i++) { /* the same operations on 16 lanes: the same codes */
+        const __m512 fv = _mm512_set1_ps(f[i]), off = _mm512_set1_ps((float)P_LOG2 - (float)bt[i] * f[i]);
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = 0; j < IBK; j += 16) {
+            __m512i c = p_codes512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc[i] + j)), fv, off));
+            if (masked) {
+                const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)(kb + j)),
+                                                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                c = _mm512_maskz_mov_epi32(_mm512_cmplt_epi32_mask(at, _mm512_set1_epi32((int)S)), c);
+            }
+            sum = _mm512_add_epi32(sum, c);
+            _mm256_store_si256((__m256i*)(pc[i] + j / 2), _mm512_cvtepi32_epi16(c));
+        }
+        l[t + i] += w[i] * (float)_mm512_reduce_add_epi32(sum);
+    }
+#else
     for (int i = 0; i < ITQ; i++) {
         const __m256 fv = _mm256_set1_ps(f[i]), off = _mm256_set1_ps((float)P_LOG2 - (float)bt[i] * f[i]);
         __m256i sum = _mm256_setzero_si256();
@@ -538,6 +714,10 @@ static inline __attribute__((always_inline)) void i16_tile(const uint32_t* qc, c
         }
         l[t + i] += w[i] * (float)hsum256_epi32(sum);
     }
+#endif
+#if defined(QVL_AVX512)
+    value_products512(pc, vp + (kb / 2) * D, w, o + t * D, D);
+#else
     for (int d = 0; d < D; d += 16) {
         const int two = d + 8 < D; /* D % 16 == 8: one vector left */
         __m256i acc[ITQ][2];
@@ -558,6 +738,7 @@ static inline __attribute__((always_inline)) void i16_tile(const uint32_t* qc, c
                 _mm256_storeu_ps(orow + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][1]), wv, _mm256_loadu_ps(orow + 8)));
         }
     }
+#endif
 }
 
 /* Query rows [0, rows) of one head (rows <= IBQ) over all S keys, rotated by their RoPE tables
