@@ -12,7 +12,7 @@ x int8) against torch's float32 SDPA, differences from float64.
 sources, the three sides alternating in each round; the table adds its times and after/before.
 
 Shapes: 2B's tower at 256 and 1024 image tokens (1008 and 4032 patches, 16 heads of 64) and
-the 1152-wide towers' at 256 (16 heads of 72).
+the 1152-wide towers' at 256 and 1024 (16 heads of 72).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from qvl import native
 from qvl.dispatch import kernels
 
-SHAPES = [(1008, 16, 64), (4032, 16, 64), (1008, 16, 72)]
+SHAPES = [(1008, 16, 64), (4032, 16, 64), (1008, 16, 72), (4032, 16, 72)]
 
 
 def sdpa(q, k, v):

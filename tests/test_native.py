@@ -31,13 +31,13 @@ AMX = lib is not None and bool(lib.features & native.AMX_INT8)
 
 def _vision_covers(d: int) -> bool:
     """The head sizes the vision kernel takes: AMX tiles up to 80 (2B's 64, the 1152-wide
-    towers' 72), AVX512-BF16 dot products 64 and 128."""
-    return d <= 80 if AMX else d in (64, 128)
+    towers' 72), AVX512-BF16 dot products 32, 64, 72, 80 and 128."""
+    return d <= 80 if AMX else d in (32, 64, 72, 80, 128)
 
 
 @needs_attention
 @settings(max_examples=25, deadline=None)
-@given(s=st.integers(1, 200), h=st.integers(1, 4), d=st.sampled_from([64, 72, 128]), scale=st.floats(0.1, 4.0))
+@given(s=st.integers(1, 200), h=st.integers(1, 4), d=st.sampled_from([64, 72, 80, 96, 128]), scale=st.floats(0.1, 4.0))
 def test_attention_matches_float_reference(s, h, d, scale):
     qkv = (torch.randn(s, 3, h, d) * scale).bfloat16()
     q, k, v = qkv.unbind(1)  # strided rows, as the vision tower's fused qkv gives them

@@ -421,7 +421,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     [S, H_kv, D] bf16 (any token/head strides, D contiguous) -> [T, H, D] contiguous.
     causal_from=None: every query sees every key (vision; on AMX tiles where the CPU has them,
     D <= 80); an int p: query t sits at position p + t and sees keys 0..p+t (prefill over a
-    cache; D 64 or 128). None when the shapes do not apply."""
+    cache; D 32, 64 or 128; vision also 72 and 80). None when the shapes do not apply."""
     t, h, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
     if d % 2 or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):

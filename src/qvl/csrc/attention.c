@@ -18,7 +18,8 @@
 static inline __attribute__((always_inline)) void attention_tile(
     const uint16_t* qb, const uint32_t* kp, const uint32_t* vp, int64_t S, int64_t S_pad, int64_t causal,
     __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const int D, const int masked) {
-    const int GR = D <= 64 ? 4 : 2; /* rows per value-product group: GR x D/16 accumulators */
+    const int DV = (D + 15) / 16 * 16; /* value pairs and sums per row: D, zero-padded to 16 lanes */
+    const int GR = DV <= 80 ? 4 : 2;    /* rows per value-product group: GR x DV/16 accumulators */
     float corr[ATQ];
     __mmask16 mask[ATQ][NKB];
     for (int i = 0; i < ATQ; i++) {
@@ -70,27 +71,27 @@ static inline __attribute__((always_inline)) void attention_tile(
     for (int g = 0; g < ATQ; g += GR) {
         __m512 acc[4][8];
         for (int i = 0; i < GR; i++)
-            for (int d = 0; d < D / 16; d++) {
-                __m512 prev = _mm512_loadu_ps(o + (t + g + i) * D + 16 * d);
+            for (int d = 0; d < DV / 16; d++) {
+                __m512 prev = _mm512_loadu_ps(o + (t + g + i) * DV + 16 * d);
                 acc[i][d] = corr[g + i] == 1.f ? prev : _mm512_mul_ps(prev, _mm512_set1_ps(corr[g + i]));
             }
         for (int jp = 0; jp < ABK / 2; jp++) {
-            const uint32_t* vrow = vp + (kb / 2 + jp) * D;
+            const uint32_t* vrow = vp + (kb / 2 + jp) * DV;
             for (int i = 0; i < GR; i++) {
                 __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
-                for (int d = 0; d < D / 16; d++)
+                for (int d = 0; d < DV / 16; d++)
                     acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
             }
         }
         for (int i = 0; i < GR; i++)
-            for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(o + (t + g + i) * D + 16 * d, acc[i][d]);
+            for (int d = 0; d < DV / 16; d++) _mm512_storeu_ps(o + (t + g + i) * DV + 16 * d, acc[i][d]);
     }
 }
 
 /* Flash attention for the query rows [0, rows) of one head: scores and products in
  * AVX512-BF16 dot products with float32 accumulation, online softmax in float32.
- * kp: [D/2][S_pad] key pairs (k[n][2p], k[n][2p+1]); vp: [S_pad/2][D] value pairs
- * (v[2j][d], v[2j+1][d]); keys >= S are zero and masked. causal >= 0: row r sees keys
+ * kp: [D/2][S_pad] key pairs (k[n][2p], k[n][2p+1]); vp: [S_pad/2][DV] value pairs
+ * (v[2j][d], v[2j+1][d]), DV = D rounded up to 16 (zero past D); keys >= S are zero and masked. causal >= 0: row r sees keys
  * j <= causal + r only (causal = the first row's position); -1: every row sees all keys. */
 static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
@@ -106,7 +107,8 @@ static inline __attribute__((always_inline)) void attention_block(
             memset(qb + r * D, 0, (size_t)D * 2);
         mx[r] = -1e30f;
     }
-    memset(o, 0, sizeof(float) * ABQ * D);
+    const int DV = (D + 15) / 16 * 16;
+    memset(o, 0, sizeof(float) * ABQ * DV);
     memset(l, 0, sizeof(l));
     const __m512 scale = _mm512_set1_ps(scale2);
     const int64_t key_end = causal < 0 ? S_pad : (causal + rows < S ? causal + rows : S); /* keys any row sees */
@@ -121,7 +123,7 @@ static inline __attribute__((always_inline)) void attention_block(
     }
     for (int64_t r = 0; r < rows; r++) {
         float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
-        for (int d = 0; d < D; d++) out[r * out_stride + d] = f32_to_bf16(o[r * D + d] * inv);
+        for (int d = 0; d < D; d++) out[r * out_stride + d] = f32_to_bf16(o[r * DV + d] * inv);
     }
 }
 
@@ -131,7 +133,7 @@ static inline __attribute__((always_inline)) void attention_block(
  * table (a paged KV cache; NULL: positions as strided above), position j of k or v is at
  * kv_blocks[j/block]*block_stride + (j%block)*k_tok (v_tok) + h*k_head (v_head); block % 16 == 0.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
- * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64 or 128; where the process has
+ * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64 or 128, and 72 or 80 for vision; where the process has
  * AMX tiles, vision attention runs only on them (qvl_amx_attention, D <= 80; -2 otherwise, and
  * the caller takes torch's SDPA, faster there than these dot products).
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
@@ -142,27 +144,31 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     if (causal < 0 && !kv_blocks && qvl_int8_amx_ready()) /* tiles: ~3x these dot products (and torch's SDPA) */
         return qvl_amx_attention(q, k, v, out, T, S, H, Hkv, D, q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok,
                                  o_head, threads);
-    if ((D != 32 && D != 64 && D != 128) || Hkv < 1 || H % Hkv != 0 || (kv_blocks && (block < 16 || block % 16))) return -2;
-    const int64_t S_pad = (S + ABK - 1) / ABK * ABK, G = H / Hkv;
-    uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
-    uint32_t* vp = aligned_alloc(64, (size_t)(Hkv * S_pad * D * 2));
+    const int vision_only = D == 72 || D == 80; /* the 1152-wide towers' heads (4B and larger) */
+    if ((D != 32 && D != 64 && D != 128 && !(vision_only && causal < 0 && !kv_blocks)) || Hkv < 1 || H % Hkv != 0 ||
+        (kv_blocks && (block < 16 || block % 16)))
+        return -2;
+    /* key pairs per key: D/2 rounded up to 16 (pack_keys' transposes); value lanes: D rounded up to 16 */
+    const int64_t S_pad = (S + ABK - 1) / ABK * ABK, G = H / Hkv, DP = (D / 2 + 15) / 16 * 32, DV = (D + 15) / 16 * 16;
+    uint32_t* kp = aligned_alloc(64, (size_t)(Hkv * S_pad * DP * 2));
+    uint32_t* vp = aligned_alloc(64, (size_t)(Hkv * S_pad * DV * 2));
     if (!kp || !vp) {
         free(kp), free(vp);
         return -1;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        uint32_t *kh = kp + h * (D / 2) * S_pad, *vh = vp + h * (S_pad / 2) * D;
+        uint32_t *kh = kp + h * (DP / 2) * S_pad, *vh = vp + h * (S_pad / 2) * DV;
         if (!kv_blocks) {
-            pack_keys(k + h * k_head, k_tok, S, S_pad, D, D, kh, S_pad);
-            pack_values(v + h * v_head, v_tok, S, S_pad, D, D, vh);
+            pack_keys(k + h * k_head, k_tok, S, S_pad, D, DP, kh, S_pad);
+            pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vh);
             continue;
         }
         for (int64_t n = 0; n < S_pad; n += block) { /* block by block; zeros past S */
             const int64_t seen = S - n < 0 ? 0 : S - n < block ? S - n : block, width = S_pad - n < block ? S_pad - n : block;
             const int64_t at = seen ? kv_blocks[n / block] * block_stride : 0;
-            pack_keys(k + at + h * k_head, k_tok, seen, width, D, D, kh + n, S_pad);
-            pack_values(v + at + h * v_head, v_tok, seen, width, D, D, vh + (n / 2) * D);
+            pack_keys(k + at + h * k_head, k_tok, seen, width, D, DP, kh + n, S_pad);
+            pack_values(v + at + h * v_head, v_tok, seen, width, D, DV, vh + (n / 2) * DV);
         }
     }
     const int64_t blocks = (T + ABQ - 1) / ABQ;
@@ -175,11 +181,15 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
         int64_t rows = T - r0 < ABQ ? T - r0 : ABQ;
         const uint16_t* qh = q + r0 * q_tok + h * q_head;
         uint16_t* oh = out + r0 * o_tok + h * o_head;
-        const uint32_t* kh = kp + (h / G) * (D / 2) * S_pad;
-        const uint32_t* vh = vp + (h / G) * (S_pad / 2) * D;
+        const uint32_t* kh = kp + (h / G) * (DP / 2) * S_pad;
+        const uint32_t* vh = vp + (h / G) * (S_pad / 2) * DV;
         int64_t first = causal < 0 ? -1 : causal + r0;
         if (D == 32) /* the tiny test checkpoints' heads: the tests run the default path's kernel */
             attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 32);
+        else if (D == 72)
+            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 72);
+        else if (D == 80)
+            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 80);
         else if (D == 64)
             attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 64);
         else

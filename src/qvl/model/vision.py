@@ -40,7 +40,7 @@ class PatchEmbed(nn.Module):
 def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full attention over one image's patches: q, k, v [n, H, hd] -> [n, H, hd]. qvl's native
     flash kernel where it applies (bf16; AMX tiles: hd <= 80, 1.7-2x torch's; AVX512-BF16: hd
-    64/128, ~1.9x), else SDPA (4-D: a 3-D call silently takes torch's slow math path)."""
+    64, 72, 80 or 128, 2.3-2.6x), else SDPA (4-D: a 3-D call silently takes torch's slow math path)."""
     out = native.attention(kernels().lib, q, k, v) if kernels().vision_attention(q.dtype) else None
     if out is None:
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
