@@ -4,6 +4,8 @@ dispatch object's choices per tier; the cache folder's fallback; importing witho
 
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 from pathlib import Path
@@ -349,11 +351,13 @@ def test_integer_vision_attention(tier_lib):
 
 
 def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory):
-    """The AVX-512 builds (zmm, vpdpwssd with VNNI) and the AVX2 ones (ymm, vpmaddwd in
-    assembly) sum the same integer codes exactly and weigh them in the same float operations:
-    the same bits, for each head size, with the RoPE applied as the codes are made, and with
-    a last key block of padding."""
+    """The AVX-512 builds (zmm, vpdpwssd with VNNI; vpmaddwd + vpaddd in C without, as on
+    Skylake-X) and the AVX2 ones (ymm, vpmaddwd in assembly) sum the same integer codes exactly
+    and weigh them in the same float operations: the same bits, for each head size, with the
+    RoPE applied as the codes are made, and with a last key block of padding."""
     x86 = [t for t in TIERS if t.name.startswith(("avx512", "avx2"))]
+    x86 += [dataclasses.replace(t, name=t.name + "-novnni", flags=t.flags + ("-mno-avx512vnni",))
+            for t in x86 if t.name == "avx512-nobf16"]
     if len(x86) < 2:
         pytest.skip("one x86 build here")
     libs = [(t.name, native.load(t, tmp_path_factory.getbasetemp() / "tiers")) for t in x86]

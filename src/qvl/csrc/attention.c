@@ -91,8 +91,9 @@ static inline __attribute__((always_inline)) void attention_tile(
 /* Flash attention for the query rows [0, rows) of one head: scores and products in
  * AVX512-BF16 dot products with float32 accumulation, online softmax in float32.
  * kp: [D/2][S_pad] key pairs (k[n][2p], k[n][2p+1]); vp: [S_pad/2][DV] value pairs
- * (v[2j][d], v[2j+1][d]), DV = D rounded up to 16 (zero past D); keys >= S are zero and masked. causal >= 0: row r sees keys
- * j <= causal + r only (causal = the first row's position); -1: every row sees all keys. */
+ * (v[2j][d], v[2j+1][d]), DV = D rounded up to 16 (zero past D); keys >= S are zero and
+ * masked. causal >= 0: row r sees keys j <= causal + r only (causal = the first row's
+ * position); -1: every row sees all keys. */
 static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
     int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const int D) {
@@ -133,8 +134,8 @@ static inline __attribute__((always_inline)) void attention_block(
  * table (a paged KV cache; NULL: positions as strided above), position j of k or v is at
  * kv_blocks[j/block]*block_stride + (j%block)*k_tok (v_tok) + h*k_head (v_head); block % 16 == 0.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
- * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64 or 128, and 72 or 80 for vision; where the process has
- * AMX tiles, vision attention runs only on them (qvl_amx_attention, D <= 80; -2 otherwise, and
+ * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64 or 128, and 72 or 80 for
+ * vision; where the process has AMX tiles, vision attention runs only on them (qvl_amx_attention, D <= 80; -2 otherwise, and
  * the caller takes torch's SDPA, faster there than these dot products).
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
@@ -144,7 +145,7 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     if (causal < 0 && !kv_blocks && qvl_int8_amx_ready()) /* tiles: ~3x these dot products (and torch's SDPA) */
         return qvl_amx_attention(q, k, v, out, T, S, H, Hkv, D, q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok,
                                  o_head, threads);
-    const int vision_only = D == 72 || D == 80; /* the 1152-wide towers' heads (4B and larger) */
+    const int vision_only = D == 72 || D == 80; /* the 1152-wide towers' heads (8B and larger) */
     if ((D != 32 && D != 64 && D != 128 && !(vision_only && causal < 0 && !kv_blocks)) || Hkv < 1 || H % Hkv != 0 ||
         (kv_blocks && (block < 16 || block % 16)))
         return -2;
@@ -347,8 +348,8 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
 #if defined(QVL_AVX2) || defined(QVL_AVX512) /* the AVX-512 tier has AVX2 too */
 /* The vision tower's attention in 16-bit integer pairs (vpmaddwd: 16 multiply-adds per ymm
  * instruction, twice float32's FMA; the AVX-512 build: zmm, and vpdpwssd with AVX512-VNNI, 32)
- * for CPUs without bf16 dot products, where the tower's linears already run int8 x int8. q in codes per row, k per block of IBK keys (|c| <= QK_CODE),
- * v per channel (|c| <= V_CODE). Per query row and key block, the probabilities 2^(s - the
+ * for CPUs without bf16 dot products, where the tower's linears already run int8 x int8. q in
+ * codes per row, k per block of IBK keys (|c| <= QK_CODE), v per channel (|c| <= V_CODE). Per query row and key block, the probabilities 2^(s - the
  * block's top score) in codes 0..P_CODE; their products with v are summed exactly in int32 and
  * added to float sums weighed by 2^(block top - running top). The bounds keep every int32 sum
  * exact: 128 pairs of q and k codes, IBK of P and v codes, stay below 2^31. */
@@ -511,18 +512,13 @@ static inline void pair_products(const uint32_t* a, int64_t a_row, const uint32_
 /* The AVX-512 build's two products: zmm registers, and with AVX512-VNNI one vpdpwssd per 32
  * multiply-adds (twice the AVX2 loop's rate per instruction). The same exact int32 sums, so the
  * same bits as the AVX2 build. */
-#ifdef __AVX512VNNI__
-#define DPWSSD512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#ifndef __AVX512VNNI__ /* the C loops below: AVX-512 without VNNI */
+#define MADD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #else
-#define DPWSSD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-#endif
-
-#ifdef __AVX512VNNI__
 /* The loops in assembly, accumulators in zmm0-19 from zero, stored to `out` ([4][nv][16]
  * int32) at the end: GCC 12 spills or copies the C loops' 16-20 zmm accumulators once per
  * step, as it copied the AVX2 loop's. Per step: nv vectors of b (b_step bytes apart per step),
  * the 4 rows' pairs of a (a_row bytes apart) broadcast, 4 x nv vpdpwssd. */
-#define DP4(v, r) "vpdpwssd %%zmm" v ", %%zmm28, %%zmm" #r "\n\t"
 #define ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
 #define STORE(r, i) "vmovdqu32 %%zmm" #r ", " #i "*64(%[out])\n\t"
 #define LOOP_HEAD "1:\n\t" \
@@ -594,7 +590,7 @@ static inline __attribute__((always_inline)) void score_products512(const uint32
         for (int b = 0; b < IBK / 16; b++) kv[b] = _mm512_loadu_si512(kp + p * S_pad + 16 * b);
         for (int i = 0; i < ITQ; i++) {
             const __m512i a = _mm512_set1_epi32((int)qc[i * np + p]);
-            for (int b = 0; b < IBK / 16; b++) acc[i][b] = DPWSSD512(acc[i][b], a, kv[b]);
+            for (int b = 0; b < IBK / 16; b++) acc[i][b] = MADD512(acc[i][b], a, kv[b]);
         }
     }
     for (int i = 0; i < ITQ; i++)
@@ -610,13 +606,12 @@ static inline __attribute__((always_inline)) void value_products512(const uint32
     enum { NV = 5 };
     const int nv = (D + 15) / 16;
     const __mmask16 last = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
-    int32_t sums[ITQ][NV][16] __attribute__((aligned(64)));
+    int32_t sums[ITQ * NV * 16] __attribute__((aligned(64))); /* [ITQ][nv][16] */
 #ifdef __AVX512VNNI__
     if (nv == 4)
-        products_4x4(pc[0], IBK / 2 * 4, vp, (int64_t)D * 4, IBK / 2, sums[0][0]);
+        products_4x4(pc[0], IBK / 2 * 4, vp, (int64_t)D * 4, IBK / 2, sums);
     else
-        products_4x5(pc[0], IBK / 2 * 4, vp, (int64_t)D * 4, IBK / 2, last, sums[0][0]);
-    /* products_4x4 writes rows nv = 4 vectors apart: re-index below by nv */
+        products_4x5(pc[0], IBK / 2 * 4, vp, (int64_t)D * 4, IBK / 2, last, sums);
 #else
     __m512i acc[ITQ][NV];
     for (int i = 0; i < ITQ; i++)
@@ -627,18 +622,18 @@ static inline __attribute__((always_inline)) void value_products512(const uint32
             v[d] = _mm512_maskz_loadu_epi32(d == nv - 1 ? last : (__mmask16)0xFFFF, vp + jp * D + 16 * d);
         for (int i = 0; i < ITQ; i++) {
             const __m512i a = _mm512_set1_epi32((int)pc[i][jp]);
-            for (int d = 0; d < nv; d++) acc[i][d] = DPWSSD512(acc[i][d], a, v[d]);
+            for (int d = 0; d < nv; d++) acc[i][d] = MADD512(acc[i][d], a, v[d]);
         }
     }
     for (int i = 0; i < ITQ; i++)
-        for (int d = 0; d < nv; d++) _mm512_store_si512(sums[0][0] + (i * nv + d) * 16, acc[i][d]);
+        for (int d = 0; d < nv; d++) _mm512_store_si512(sums + (i * nv + d) * 16, acc[i][d]);
 #endif
     for (int i = 0; i < ITQ; i++) {
         const __m512 wv = _mm512_set1_ps(w[i]);
         for (int d = 0; d < nv; d++) {
             const __mmask16 m = d == nv - 1 ? last : (__mmask16)0xFFFF;
             float* orow = o + i * D + 16 * d;
-            const __m512i acc = _mm512_load_si512(sums[0][0] + (i * nv + d) * 16);
+            const __m512i acc = _mm512_load_si512(sums + (i * nv + d) * 16);
             _mm512_mask_storeu_ps(orow, m, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), wv, _mm512_maskz_loadu_ps(m, orow)));
         }
     }
