@@ -200,20 +200,23 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
     del engine
     record("int8 weights, vision bf16", base)
 
-    for name, acts in (("vision int8 weights, smoothed (default: float32 tiers)", "off"),
-                       ("vision int8 x int8, smoothed (default: VNNI, AVX-VNNI, AMX)", "vision")):
+    vision = "vision int8 x int8, 8-bit codes per 64 columns, smoothed (default: VNNI, AVX-VNNI)" \
+        if kernels().group_codes(torch.bfloat16) else "vision int8 x int8, smoothed (default here)"
+    for name, acts in (("vision int8 weights, smoothed (default: float32 tiers without int8 products)", "off"),
+                       (vision, "vision")):
         engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
                                            int8_activations=acts))  # the loading path's own smoothing
         record(name, run(engine, evaluation))
         del engine
-    engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
-                                       int8_activations="off"))
-    for name, module in engine.model.named_modules():
-        if isinstance(module, Int8Linear) and name.startswith("visual."):
-            module.pack(127, keep_weight=False)  # what Engine.load does where oneDNN multiplies with vpmaddubsw
-    record("vision int8 x int8, 7-bit activations, smoothed (default: AVX2, AVX-512 without VNNI)",
-           run(engine, evaluation))
-    del engine
+    for levels, name in ((255, "vision int8 x int8, 8-bit codes per row, smoothed (default: AMX; VNNI before section 47)"),
+                         (127, "vision int8 x int8, 7-bit codes per row, smoothed (default: AVX2, AVX-512 without VNNI)")):
+        engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
+                                           int8_activations="off"))
+        for module_name, module in engine.model.named_modules():
+            if isinstance(module, Int8Linear) and module_name.startswith("visual."):
+                module.pack(levels, keep_weight=False)  # what Engine.load does where oneDNN multiplies (or AMX)
+        record(name, run(engine, evaluation))
+        del engine
 
     stats = calibrate(bf16.model, lambda: run(bf16, calibration))
     model = quantize_in_place(copy.deepcopy(bf16.model), False)

@@ -309,15 +309,15 @@ def test_engine_option_switches_int8_layers_to_int8_activations(tiny_checkpoint)
     fast = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", vision_int8=True, threads=1,
                                      int8_activations="all"))
     layers = [(n, m) for n, m in fast.model.named_modules() if isinstance(m, Int8Linear) and n != "lm_head"]
-    # the decoder layers in 8-bit codes per group where the CPU has VNNI (unpacked), else packed per row
+    # the vision tower's and decoder layers' products in 8-bit codes per group where the CPU has
+    # VNNI (unpacked), else packed per row
     groups = dispatch.kernels().group_codes(fast.model.dtype)
-    assert layers and all(m.int8_activations if n.startswith("visual.") or not groups else m.byte_codes
-                          for n, m in layers)
-    assert not any(m.byte_codes for _, m in layers if not groups)
+    assert layers and all(m.int8_activations and m.byte_codes == groups for n, m in layers)
+    assert all((m.packed is None) == groups for n, m in layers)
     assert not fast.model.lm_head.int8_activations  # prefill computes one row of logits: no packed copy
     assert plain.model_id != fast.model_id  # cached answers of one never serve the other
     layer, x = fast.model.visual.blocks[0].mlp.linear_fc1, torch.randn(50, 64).to(fast.model.dtype)
-    assert layer.weight is None  # only the packed copy stays: no second copy of the vision weights
+    assert (layer.weight is None) != groups  # one copy of the vision weights: the packed one or the plain one
     same = plain.model.visual.blocks[0].mlp.linear_fc1
     ref = F.linear(x.float(), same.dequantized().float(), same.bias.float())
     assert F.cosine_similarity(layer(x).float().flatten(), ref.flatten(), 0) > 0.999

@@ -321,7 +321,47 @@ def test_prefill_int8_products(tier_lib, codes):
     assert kernel(lib, x, q, s.double(), None) is None  # scales of another dtype than x
     if group:
         assert kernel(lib, x[:, :-2].contiguous(), q[:, :-2].contiguous(), s, None) is None  # K % 4
-        assert native.q8_linear(lib, x, q, s, bias, group=48) is None  # a group not dividing the kernel's panel
+        assert native.q8_linear(lib, x, q, s, bias, group=6) is None  # a group not a multiple of 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_byte_products_fuse_the_vision_blocks_norm_gelu_and_residual(tier_lib, dtype):
+    """The vision tower's products in 8-bit group codes (qvl_q8_linear) take its blocks' layer
+    norm (applied to each row as it is coded, as the module rounds it), tanh-GELU and residual
+    add (applied as the result is written): the residual bit for bit as `residual + product`,
+    the norm as the separate module (bit for bit in bf16, within float32 rounding of the
+    moments in float32), the GELU within bf16's rounding of GELU after; a norm or residual of
+    the wrong shape is refused."""
+    tier, lib = tier_lib
+    if not lib.features & (native.VNNI | native.AVX_VNNI):
+        pytest.skip(f"{tier.name} has no byte products")
+    torch.manual_seed(5)
+    rows, k_in, n = 37, 320, 96
+    q, s = quantize_int8(torch.randn(n, k_in))
+    s, bias = s.to(dtype), torch.randn(n).to(dtype)
+    x, residual = (torch.randn(rows, k_in) * 3 + 1).to(dtype), torch.randn(rows, n).to(dtype)
+    norm = torch.nn.LayerNorm(k_in, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k_in) + 0.5)
+        norm.bias.copy_(torch.randn(k_in) / 4)
+    layer_norm = (norm.weight.detach(), norm.bias.detach(), norm.eps)
+    plain = native.q8_linear(lib, x, q, s, bias)
+    assert torch.equal(native.q8_linear(lib, x, q, s, bias, residual=residual), residual + plain)
+    fused = native.q8_linear(lib, x, q, s, bias, layer_norm=layer_norm)
+    apart = native.q8_linear(lib, norm(x).detach(), q, s, bias)
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused, apart)
+    else:
+        torch.testing.assert_close(fused, apart, atol=1e-2 * apart.abs().max().item(), rtol=0)
+    gelu = native.q8_linear(lib, x, q, s, bias, gelu_tanh=True).float()
+    torch.testing.assert_close(gelu, F.gelu(plain.float(), approximate="tanh"),
+                               atol=1e-5 + (1e-2 if dtype == torch.bfloat16 else 0), rtol=1e-2)
+    both = native.q8_linear(lib, x, q, s, bias, gelu_tanh=True, residual=residual, layer_norm=layer_norm)
+    assert torch.equal(both, residual + native.q8_linear(lib, x, q, s, bias, gelu_tanh=True, layer_norm=layer_norm))
+    with pytest.raises(ValueError, match="residual"):
+        native.q8_linear(lib, x, q, s, bias, residual=residual[:-1])
+    with pytest.raises(ValueError, match="layer norm"):
+        native.q8_linear(lib, x, q, s, bias, layer_norm=(norm.weight.detach()[:64], None, 1e-6))
 
 
 def test_check_program_on_every_tier(tier_lib, tmp_path):

@@ -57,25 +57,27 @@ def features(engine, seed: int = 0) -> torch.Tensor:
 
 
 def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
-    """x86 without bf16 products: float32 compute, the vision tower int8 and int8 x int8
-    (oneDNN's int8 GEMM beats the float32 one there), and with VNNI prefill's int8 products in
-    8-bit codes per group (qvl's byte-product kernel, unpacked weights); portable C: int8 vision
-    weights (memory), float products; prefill's layers keep float or 16-bit codes elsewhere
-    unless asked."""
+    """x86 without bf16 products: float32 compute, the vision tower int8 and int8 x int8; with
+    VNNI the vision tower's and prefill's int8 products in 8-bit codes per group (qvl's
+    byte-product kernel, unpacked weights), elsewhere the vision tower's through oneDNN's int8
+    GEMM (it beats the float32 one there); portable C: int8 vision weights (memory), float
+    products; prefill's layers keep float or 16-bit codes elsewhere unless asked."""
     vnni = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8")
     assert vnni.model.dtype == torch.float32 and vnni.int8_activations == "all"
     assert vision_layers(vnni) and all(m.int8_activations for m in vision_layers(vnni))
-    assert all(m.byte_codes and not m.int8_activations for m in text_layers(vnni) if m is not vnni.model.lm_head)
+    unpacked = [m for m in vision_layers(vnni) + text_layers(vnni) if m is not vnni.model.lm_head]
+    assert all(m.byte_codes and m.packed is None and m.weight is not None for m in unpacked)
     assert not vnni.model.lm_head.byte_codes  # prefill computes only the last row's logits
     assert "vision-int8" in vnni.model_id and "int8-activations-all" in vnni.model_id
     assert "vision and prefill by default" in dispatch.kernels().describe()["int8_activations"]
     sixteen = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8",
                       int8_activations="vision")  # the opt-out: prefill back to 16-bit codes
     assert sixteen.int8_activations == "vision" and not any(m.byte_codes for m in text_layers(sixteen))
+    assert all(m.byte_codes for m in vision_layers(sixteen))  # the tower keeps its group codes
 
     avx2 = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int4")
     assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "vision"  # 1.5-1.7x MKL's float32
-    assert vision_layers(avx2) and all(m.int8_activations for m in vision_layers(avx2))
+    assert vision_layers(avx2) and all(m.packed is not None and not m.byte_codes for m in vision_layers(avx2))
     assert "vision by default" in dispatch.kernels().describe()["int8_activations"]
 
     portable = load_on(monkeypatch, tier_kernels("portable"), tiny_checkpoint, weights="int8")

@@ -200,17 +200,18 @@ class Engine:
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
-        byte_codes = activations == "all" and kernels().group_codes(runtime.dtype)
+        group_codes = kernels().group_codes(runtime.dtype)
         for name, module in model.named_modules():
-            # many-row products: the vision tower's, and with "all" the decoder layers' (not the
-            # head's: prefill computes only its last row's logits), these in 8-bit codes per
-            # group where the CPU has VNNI, else per row through oneDNN or AMX tiles
+            # many-row products int8 x int8: the vision tower's, and with "all" the decoder
+            # layers' (not the head's: prefill computes only its last row's logits); in 8-bit
+            # codes per group where the CPU has VNNI, else per row through oneDNN or AMX tiles
             vision = name.startswith("visual.")
             layer = name.startswith("language_model.layers.")
-            if byte_codes and layer and isinstance(module, (Int8Linear, Int8Experts)):
+            if not ((vision and activations != "off") or (layer and activations == "all")):
+                continue
+            if group_codes and isinstance(module, (Int8Linear, Int8Experts)):
                 module.byte_codes = True
-            elif isinstance(module, Int8Linear) and (vision or layer) \
-                    and (activations == "all" or (activations == "vision" and vision)):
+            elif isinstance(module, Int8Linear):
                 module.pack(kernels().int8_levels, keep_weight=not vision)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")

@@ -197,7 +197,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_amx_i16_linear.restype = c_int
     lib.qvl_i16_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int]
     lib.qvl_i16_linear.restype = c_int
-    lib.qvl_q8_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.qvl_q8_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ctypes.c_float,
+                                  c_int, ptr]
     lib.qvl_q8_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
@@ -267,6 +268,30 @@ def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scal
     return _int8_rows(lib.qvl_amx_i16_linear, x, weight, scale, bias, (torch.bfloat16,), 64)
 
 
+LayerNormArgs = tuple[torch.Tensor, "torch.Tensor | None", float]  # weight [K], bias [K] or None, eps
+
+
+def _fusions(x: torch.Tensor, n: int, residual: torch.Tensor | None, layer_norm: LayerNormArgs | None):
+    """A fused product's layer norm (x [..., K] normalised before its product: weight and bias
+    in x's dtype) and residual ([..., n] in x's dtype, added to its result), checked and made
+    contiguous: (norm weight or None, norm bias or None, eps, residual as [rows, n] or None)."""
+    k = x.shape[-1]
+    norm_w, norm_b, eps = None, None, 0.0
+    if layer_norm is not None:
+        norm_w, norm_b, eps = layer_norm
+        if norm_w.dtype != x.dtype or norm_w.shape != (k,) or (
+                norm_b is not None and (norm_b.dtype != x.dtype or norm_b.shape != (k,))):
+            raise ValueError(f"the layer norm's weight {tuple(norm_w.shape)} {norm_w.dtype} does not suit rows of "
+                             f"{k} {x.dtype}")
+        norm_w, norm_b = norm_w.contiguous(), None if norm_b is None else norm_b.contiguous()
+    if residual is not None:
+        if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], n):
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's "
+                             f"{(*x.shape[:-1], n)} {x.dtype}")
+        residual = residual.reshape(-1, n).contiguous()
+    return norm_w, norm_b, float(eps), residual
+
+
 def i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 16-bit
@@ -276,15 +301,19 @@ def i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: t
 
 
 def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-              bias: torch.Tensor | None = None, group: int = ACTIVATION_GROUP) -> torch.Tensor | None:
+              bias: torch.Tensor | None = None, group: int = ACTIVATION_GROUP, gelu_tanh: bool = False,
+              residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None) -> torch.Tensor | None:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 8-bit
     codes per `group` columns, on VNNI byte products (i16_gemm.c's qvl_q8_linear); None where
-    that kernel does not run (no AVX-512 VNNI or AVX-VNNI, K % 4, N not a multiple of 16)."""
-    return _int8_rows(lib.qvl_q8_linear, x, weight, scale, bias, tuple(_DTYPES), 4, group)
+    that kernel does not run (no AVX-512 VNNI or AVX-VNNI, K % 4, N not a multiple of 16).
+    `layer_norm`, `gelu_tanh` and `residual` are fused into it as int8_matmul's are."""
+    norm_w, norm_b, eps, residual = _fusions(x, scale.shape[0], residual, layer_norm)
+    return _int8_rows(lib.qvl_q8_linear, x, weight, scale, bias, tuple(_DTYPES), 4, group, _ptr(norm_w),
+                      _ptr(norm_b), eps, int(gelu_tanh), _ptr(residual))
 
 
 def _int8_rows(fn, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               dtypes: tuple[torch.dtype, ...], k_step: int, *extra: int) -> torch.Tensor | None:
+               dtypes: tuple[torch.dtype, ...], k_step: int, *extra) -> torch.Tensor | None:
     """A many-row int8 product kernel taking (x, dt, M, K, N, w, scale, bias, y, threads, *extra): None
     for shapes or dtypes it does not take (scale and bias must be x's dtype), or when it says -2."""
     k, n = x.shape[-1], weight.shape[0]
@@ -354,7 +383,6 @@ def _unit_weight_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(n), torch.zeros(n, dtype=torch.long)
 
 
-LayerNormArgs = tuple[torch.Tensor, "torch.Tensor | None", float]  # weight [K], bias [K] or None, eps
 
 
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
@@ -371,19 +399,7 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
     adds the result to `residual` ([..., N], x's dtype) when given, as `residual + product` would."""
     k, n = x.shape[-1], scale.shape[0]
     rows = x.reshape(-1, k).contiguous()
-    norm_w, norm_b, eps = None, None, 0.0
-    if layer_norm is not None:
-        norm_w, norm_b, eps = layer_norm
-        if norm_w.dtype != x.dtype or norm_w.shape != (k,) or (
-                norm_b is not None and (norm_b.dtype != x.dtype or norm_b.shape != (k,))):
-            raise ValueError(f"the layer norm's weight {tuple(norm_w.shape)} {norm_w.dtype} does not suit rows of "
-                             f"{k} {x.dtype}")
-        norm_w, norm_b = norm_w.contiguous(), None if norm_b is None else norm_b.contiguous()
-    if residual is not None:
-        if residual.dtype != x.dtype or residual.shape != (*x.shape[:-1], n):
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match the product's "
-                             f"{(*x.shape[:-1], n)} {x.dtype}")
-        residual = residual.reshape(-1, n).contiguous()
+    norm_w, norm_b, eps, residual = _fusions(x, n, residual, layer_norm)
     m, threads, dt = rows.shape[0], torch.get_num_threads(), _DTYPES[x.dtype]
     # the AMX kernel reads whole tiles: rows padded to 32 and columns to 64 with zero codes
     kp = packed.shape[1] if amx else k

@@ -206,17 +206,19 @@ def keep_bf16_storage(model: nn.Module) -> set[str]:
 
 
 class Int8Linear(nn.Module):
-    """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM,
-    or, once packed (`pack`), quantise the activations per row and run oneDNN's int8 x int8
-    GEMM (2.2-3.4x the float32 GEMM with VNNI or AVX-VNNI, 1.5-1.7x on plain AVX2, 1.7x bf16
-    on AMX; slightly less exact)."""
+    """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM;
+    with `byte_codes` (where the CPU has VNNI and no AMX for the dtype) they run qvl's byte
+    products with the activations in 8-bit codes per group of columns (native.q8_linear); or,
+    once packed (`pack`), they quantise the activations per row and run oneDNN's int8 x int8
+    GEMM (2.2-3.4x the float32 GEMM with VNNI or AVX-VNNI, 1.5-1.7x on plain AVX2) or AMX's
+    int8 tiles (1.7x bf16). The last two are slightly less exact than the float GEMM."""
 
     fuses_gelu_tanh = True  # forward(x, gelu_tanh=True): see vision.linear_gelu_tanh
     fuses_residual = True  # forward(x, residual=r) = r + forward(x): see vision.residual_linear
     fuses_layer_norm = True  # forward(x, norm=n) = forward(n(x)) for an nn.LayerNorm n: see vision.norm_linear
     packed: torch.Tensor | None = None  # the weight for int8 x int8 products: AMX tiles or oneDNN's copy
     amx = False  # packed holds AMX tiles (dispatch.Kernels.int8_tiles)
-    byte_codes = False  # unpacked many-row products take 8-bit activation codes per group where the CPU has VNNI
+    byte_codes = False  # many-row products take 8-bit activation codes per group where the CPU has VNNI
     colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
     levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
 
@@ -229,7 +231,8 @@ class Int8Linear(nn.Module):
 
     @property
     def int8_activations(self) -> bool:
-        return self.packed is not None
+        """Its many-row products run int8 x int8 (oneDNN's GEMM or AMX tiles, or byte products)."""
+        return self.packed is not None or self.byte_codes
 
     def pack(self, levels: int, keep_weight: bool) -> None:
         """Run many-row products int8 x int8 from now on, activations in codes 0..levels.
@@ -254,15 +257,21 @@ class Int8Linear(nn.Module):
         # x: [..., I] -> [..., O]: norm(x) first when given, then the product, tanh-GELU when
         # gelu_tanh, residual + that when given ([..., O]); the int8 x int8 path fuses the norm
         # into its quantise pass and the rest into its rescale pass
-        if self.packed is not None and (self.weight is None or _rows(x) > _int8_gemv_rows()):
+        many = _rows(x) > _int8_gemv_rows()
+        if (self.packed is not None and (self.weight is None or many)) or (
+                self.byte_codes and many and kernels().group_codes(x.dtype)):
             if x.dtype != self.scales.dtype:
                 raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
-            fused = norm is not None and norm.weight is not None and norm.weight.dtype == x.dtype
-            if norm is not None and not fused:
+            if norm is not None and not (norm.weight is not None and norm.weight.dtype == x.dtype):
                 x, norm = norm(x), None
-            return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
-                                      self.levels, gelu_tanh, residual,
-                                      (norm.weight, norm.bias, norm.eps) if fused else None, self.amx)
+            layer_norm = None if norm is None else (norm.weight, norm.bias, norm.eps)
+            if self.packed is not None:
+                return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
+                                          self.levels, gelu_tanh, residual, layer_norm, self.amx)
+            y = native.q8_linear(kernels().lib, x, self.weight, self.scales, self.bias, gelu_tanh=gelu_tanh,
+                                 residual=residual, layer_norm=layer_norm)
+            if y is not None:
+                return y
         if norm is not None:
             x = norm(x)
         y = self._product(x)

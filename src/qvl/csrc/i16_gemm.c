@@ -232,23 +232,43 @@ static void tile1(const int32_t* a, const int32_t* b, int64_t pairs, float* c, i
     I16_ROWS(FLUSH1)
 }
 
-/* y[m][n0 + j] = c[m][j] * scale[n0 + j] * s[m] (+ bias[n0 + j]) for m < M, j < nc; s NULL: 1. */
-static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
-                       const void* scale, const void* bias, int dt, int64_t N, void* y) {
-    float cs[I16_NC], cb[I16_NC], out[I16_NC];
+/* Columns n0..n0+nc-1 (nc <= I16_NC) of scale and bias (dt; bias NULL: zeros) as float32. */
+static void column_factors(const void* scale, const void* bias, int dt, int64_t n0, int64_t nc, float* cs, float* cb) {
     for (int64_t j = 0; j < nc; j++) cs[j] = get(scale, dt, n0 + j), cb[j] = bias ? get(bias, dt, n0 + j) : 0.f;
+}
+
+/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NC); s NULL: 1.
+ * Then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given ([M][N],
+ * dt), res + that rounded value, rounded again: as a separate GELU in float32 and `res + y`
+ * would (int8_gemm.c's rescale does the same). */
+static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
+                       const float* cs, const float* cb, int dt, int64_t N, int gelu, const void* res, void* y) {
+    float out[I16_NC];
     for (int64_t m = 0; m < M; m++) {
         float* dst = dt == F32 ? (float*)y + m * N + n0 : out;
         const vflt sm = vf_set1(s ? s[m] : 1.f);
         for (int64_t j = 0; j < nc; j += VL)
             vf_store(dst + j, vf_fmadd(vf_mul(vf_load(c + m * ldc + j), vf_load(cs + j)), sm, vf_load(cb + j)));
-        if (dt != BF16) continue;
+        if (gelu) qvl_gelu_tanh(dst, nc);
+        if (dt != BF16) {
+            const float* rf = res ? (const float*)res + m * N + n0 : NULL;
+            if (rf)
+                for (int64_t j = 0; j < nc; j += VL) vf_store(dst + j, vf_add(vf_load(dst + j), vf_load(rf + j)));
+            continue;
+        }
         uint16_t* yb = (uint16_t*)y + m * N + n0;
+        const uint16_t* rb = res ? (const uint16_t*)res + m * N + n0 : NULL;
         int64_t j = 0;
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
-        for (; j < nc; j += 16) _mm256_storeu_si256((__m256i*)(yb + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + j)));
+        for (; j < nc; j += 16) {
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + j));
+            if (rb)
+                h = (__m256i)_mm512_cvtneps_pbh(
+                    _mm512_add_ps(bf16x16_to_ps(h), bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(rb + j)))));
+            _mm256_storeu_si256((__m256i*)(yb + j), h);
+        }
 #endif
-        for (; j < nc; j++) yb[j] = f32_to_bf16(out[j]);
+        for (; j < nc; j++) yb[j] = f32_to_bf16(rb ? round_bf(out[j]) + bf16_to_f32(rb[j]) : out[j]);
     }
 }
 
@@ -311,7 +331,9 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
                     }
                 }
             }
-            write_rows(c, I16_NC, s, M, n0, nc, scale, bias, dt, N, y);
+            float cs[I16_NC], cb[I16_NC];
+            column_factors(scale, bias, dt, n0, nc, cs, cb);
+            write_rows(c, I16_NC, s, M, n0, nc, cs, cb, dt, N, 0, NULL, y);
         }
         free(b), free(c);
     }
@@ -328,11 +350,18 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * exact sum of w . q (|sum| <= 128 * 255 * 127 < 2^31). Each group's sum is multiplied by its
  * step and added in float32 in a fixed order, so a row's result again depends neither on the
  * other rows nor on the thread count. vpdpbusd multiplies four byte pairs per 32-bit lane:
- * twice vpdpwssd's products per instruction. */
+ * twice vpdpwssd's products per instruction.
+ *
+ * Blocking: each thread owns a range of output columns and takes them 32 at a time over the
+ * whole of K: the tile's weights (K * 32 bytes, w + 128 as quads) are laid out once and stay in
+ * L2 while every block of 6 rows runs over them, the block's float totals in registers from the
+ * first group to the last, its results written out (with the fused GELU and residual) at once.
+ * Unlike the pair kernel's panels, no float partial sums go through memory: for 1008 rows they
+ * were 1 MB per thread, past L2, and with two threads 0.87-0.9x of the time went with them
+ * (docs/benchmarks.md section 47). */
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
 #define QVL_Q8 1
 
-#define Q8_KC 256 /* inputs per panel; a multiple of every group size taken */
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #define Q8_ROWS I16_ROWS_6
 
@@ -348,16 +377,25 @@ static inline vint vi_dp8(vint acc, vint w, vint a) {
 }
 #endif
 
-/* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % 4 == 0; rows past M zero) -> int8 codes as quads
- * a[K/4][Q8_MR] (quad p of row r at a[p * Q8_MR + r]), each group's step sg[G][Q8_MR] and
- * -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
-static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, int64_t m0, int32_t* a,
-                        float* sg, int32_t* nq, float* buf, int8_t* codes) {
+/* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % 4 == 0; rows past M zero), layer-normalised first
+ * when nw (float32 [K], with nb) is given -> int8 codes as quads a[K/4][Q8_MR] (quad p of row r
+ * at a[p * Q8_MR + r]), each group's step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR],
+ * G = ceil(K / group). */
+static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, const float* nw,
+                        const float* nb, float eps, int64_t m0, int32_t* a, float* sg, int32_t* nq, float* buf,
+                        int8_t* codes) {
     const int64_t G = (K + group - 1) / group;
     for (int r = 0; r < Q8_MR; r++) {
         const float* row = buf;
         int finite = 1;
-        if (m0 + r < M) row = row_f32(x, dt, K, m0 + r, buf, &finite);
+        if (m0 + r < M) {
+            row = row_f32(x, dt, K, m0 + r, buf, &finite);
+            if (nw) { /* layer-normalised first, as the model's module would (rounded to dt) */
+                if (row != buf) memcpy(buf, row, (size_t)K * sizeof(float));
+                qvl_layer_norm_row(buf, K, nw, nb, eps, dt);
+                row = buf, finite = all_finite(buf, K);
+            }
+        }
         for (int64_t g = 0; g < G; g++) {
             const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
             const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f, inv = top > 0.f ? 127.f / top : 0.f;
@@ -441,16 +479,21 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
 }
 
 /* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
- * 8-bit codes per `group` columns. Returns 0, -1 when out of memory, -2 for shapes it does not
- * take (K % 4, N % VL, a group size not a multiple of 4 dividing Q8_KC). */
+ * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
+ * norm_w (dt [K], and norm_b or NULL) x's rows are layer-normalised first (never written);
+ * `gelu` applies tanh-GELU to the result and `residual` ([M][N] dt, or NULL) is added to it
+ * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K % 4,
+ * N % VL, a group size not a multiple of 4 or past 256). */
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                  const void* bias, void* y, int threads, int group) {
-    if (K % 4 || N % VL || M < 1 || K < 4 || group < 4 || group % 4 || Q8_KC % group) return -2;
+                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
+                  int gelu, const void* residual) {
+    if (K % 4 || N % VL || M < 1 || K < 4 || group < 4 || group % 4 || group > 256) return -2;
     const int64_t MB = (M + Q8_MR - 1) / Q8_MR, Q = K / 4, G = (K + group - 1) / group, T = threads < 1 ? 1 : threads;
     int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
     float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
     int32_t* nq = malloc((size_t)(MB * G * Q8_MR) * sizeof(int32_t));
-    if (!a || !sg || !nq) {
+    float *nw = NULL, *nb = NULL;
+    if (!a || !sg || !nq || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb))) {
         free(a), free(sg), free(nq);
         return -1;
     }
@@ -466,7 +509,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < MB; mb++)
             if (buf && codes)
-                pack_groups(x, dt, M, K, group, mb * Q8_MR, a + mb * Q * Q8_MR, sg + mb * G * Q8_MR,
+                pack_groups(x, dt, M, K, group, nw, nb, eps, mb * Q8_MR, a + mb * Q * Q8_MR, sg + mb * G * Q8_MR,
                             nq + mb * G * Q8_MR, buf, codes);
         free(buf), free(codes);
     }
@@ -474,38 +517,34 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) {
         const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
-        int32_t* b = nt1 > nt0 && !failed ? aligned_alloc(64, (size_t)(I16_NC / I16_NR) * (Q8_KC / 4) * I16_NR * 4) : NULL;
-        float* c = b ? aligned_alloc(64, (size_t)(MB * Q8_MR) * I16_NC * sizeof(float)) : NULL;
-        if (nt1 > nt0 && (!b || !c)) {
+        /* one column tile at a time over the whole of K: its weights (K * 32 bytes) stay in L2
+         * while every row block runs over them, each block's float totals stay in registers
+         * from the first group to the last, and its 6 x 32 results are written out at once */
+        int32_t* b = nt1 > nt0 && !failed ? aligned_alloc(64, (size_t)Q * I16_NR * 4) : NULL;
+        if (nt1 > nt0 && !b) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t n0 = nt0; n0 < nt1 && b && c; n0 += I16_NC) {
-            const int64_t nc = nt1 - n0 < I16_NC ? nt1 - n0 : I16_NC;
-            for (int64_t k0 = 0; k0 < K; k0 += Q8_KC) {
-                const int64_t kc = K - k0 < Q8_KC ? K - k0 : Q8_KC;
-                for (int64_t j = 0; j < nc; j += I16_NR)
-                    weight_panel(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc, 4,
-                                 b + j / I16_NR * (Q8_KC / 4) * I16_NR);
-                for (int64_t j = 0; j < nc; j += I16_NR) { /* a column tile's panel (8 KB) stays in L1 */
-                    const int32_t* bj = b + j / I16_NR * (Q8_KC / 4) * I16_NR;
-                    for (int64_t mb = 0; mb < MB; mb++) {
-                        float* cj = c + mb * Q8_MR * I16_NC + j;
-                        const int32_t* am = a + (mb * Q + k0 / 4) * Q8_MR;
-                        const float* sgm = sg + (mb * G + k0 / group) * Q8_MR;
-                        const int32_t* nqm = nq + (mb * G + k0 / group) * Q8_MR;
-                        if (nc - j >= I16_NR)
-                            q8_tile2(am, bj, kc / 4, gq, sgm, nqm, cj, I16_NC, k0 == 0);
-                        else
-                            q8_tile1(am, bj, kc / 4, gq, sgm, nqm, cj, I16_NC, k0 == 0);
-                    }
-                }
+        for (int64_t n0 = nt0; n0 < nt1 && b; n0 += I16_NR) {
+            const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
+            float c[Q8_MR * I16_NR], cs[I16_NR], cb[I16_NR];
+            weight_panel(w, K, n0, nr, 0, K, 4, b);
+            column_factors(scale, bias, dt, n0, nr, cs, cb);
+            for (int64_t mb = 0; mb < MB; mb++) {
+                const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
+                const int32_t* am = a + mb * Q * Q8_MR;
+                if (nr == I16_NR)
+                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
+                else
+                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
+                write_rows(c, I16_NR, NULL, rows, n0, nr, cs, cb, dt, N, gelu,  /* the steps are in c */
+                           residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
+                           (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
             }
-            write_rows(c, I16_NC, NULL, M, n0, nc, scale, bias, dt, N, y); /* the steps are in c */
         }
-        free(b), free(c);
+        free(b);
     }
-    free(a), free(sg), free(nq);
+    free(a), free(sg), free(nq), free(nw);
     return failed ? -1 : 0;
 }
 
@@ -521,8 +560,10 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 
 #ifndef QVL_Q8 /* no byte products: prefill keeps 16-bit codes */
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                  const void* bias, void* y, int threads, int group) {
+                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
+                  int gelu, const void* residual) {
     (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads, (void)group;
+    (void)norm_w, (void)norm_b, (void)eps, (void)gelu, (void)residual;
     return -2;
 }
 #endif

@@ -2,6 +2,25 @@
  * codes, and the rescale back to float (tanh-GELU fused into it). */
 #include "common.h"
 
+/* row[0..K) <- LayerNorm(row) as the model's nn.LayerNorm computes it: float32 mean and
+ * variance, then (row - mean) * rstd * nw + nb, rounded to dt (nw, nb: float32 [K]). */
+void qvl_layer_norm_row(float* row, int64_t K, const float* nw, const float* nb, float eps, int dt) {
+    float sum = 0.f, sq = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t k = 0; k < K; k++) sum += row[k];
+    const float mean = sum / (float)K;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t k = 0; k < K; k++) sq += (row[k] - mean) * (row[k] - mean);
+    const float rstd = 1.f / sqrtf(sq / (float)K + eps);
+    if (dt == BF16) {
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) row[k] = round_bf((row[k] - mean) * rstd * nw[k] + nb[k]);
+    } else {
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) row[k] = (row[k] - mean) * rstd * nw[k] + nb[k];
+    }
+}
+
 /* xq[M][K] = x quantised per row to the unsigned codes 0..levels (255; 127 where the GEMM
  * sums exactly only 7-bit activations): x ~= lo[m] + scale[m] * xq, lo the row's minimum.
  * Rows of xq are ldq >= K bytes apart, codes K..ldq-1 zero (the AMX kernel's padding).
@@ -11,14 +30,7 @@
 int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, const void* norm_w, const void* norm_b,
                       float eps, uint8_t* xq, int64_t ldq, float* scale, float* lo, int threads) {
     float *nw = NULL, *nb = NULL;
-    if (norm_w) {
-        nw = malloc((size_t)K * sizeof(float)), nb = malloc((size_t)K * sizeof(float));
-        if (!nw || !nb) {
-            free(nw), free(nb);
-            return -1;
-        }
-        for (int64_t k = 0; k < K; k++) nw[k] = get(norm_w, dt, k), nb[k] = norm_b ? get(norm_b, dt, k) : 0.f;
-    }
+    if (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -38,22 +50,7 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
             } else {
                 memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
             }
-            if (nw) {
-                float sum = 0.f, sq = 0.f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t k = 0; k < K; k++) sum += row[k];
-                const float mean = sum / (float)K;
-#pragma omp simd reduction(+ : sq)
-                for (int64_t k = 0; k < K; k++) sq += (row[k] - mean) * (row[k] - mean);
-                const float rstd = 1.f / sqrtf(sq / (float)K + eps);
-                if (dt == BF16) {
-#pragma omp simd
-                    for (int64_t k = 0; k < K; k++) row[k] = round_bf((row[k] - mean) * rstd * nw[k] + nb[k]);
-                } else {
-#pragma omp simd
-                    for (int64_t k = 0; k < K; k++) row[k] = (row[k] - mean) * rstd * nw[k] + nb[k];
-                }
-            }
+            if (nw) qvl_layer_norm_row(row, K, nw, nb, eps, dt);
             float mn = row[0], mx = row[0];
             int64_t k = 0;
 #ifdef QVL_AVX512
@@ -89,13 +86,13 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
         }
         free(row);
     }
-    free(nw), free(nb);
+    free(nw);
     return failed ? -1 : 0;
 }
 
 
 /* v[n] <- tanh-GELU(v[n]) = v / (1 + exp(-2u)), u = sqrt(2/pi) (v + 0.044715 v^3), in float32. */
-static void gelu_tanh(float* v, int64_t n) {
+void qvl_gelu_tanh(float* v, int64_t n) {
     int64_t i = 0;
 #ifdef QVL_AVX512
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, gelu_tanh_ps(_mm512_loadu_ps(v + i)));
@@ -131,7 +128,7 @@ void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, co
     const int64_t rest = N - done;
 #pragma omp simd
     for (int64_t n = done; n < N; n++) tmp[n - done] = cs[n] * (rs * a[n] + lo * colsum[n]) + b[n];
-    if (gelu) gelu_tanh(tmp, rest);
+    if (gelu) qvl_gelu_tanh(tmp, rest);
     if (dt == BF16) {
         uint16_t* o = (uint16_t*)y + done;
         const uint16_t* rb = res ? (const uint16_t*)res + done : NULL;
@@ -143,8 +140,9 @@ void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, co
     }
 }
 
-/* col_scale and bias (dt [N], bias may be NULL) as float32 arrays for qvl_rescale_row; NULL
- * when out of memory (free with free(*cs); *b is in the same block). */
+/* col_scale and bias (dt [N], bias may be NULL: zeros) as float32 arrays, for qvl_rescale_row
+ * (and a layer norm's weight and bias the same way); -1 when out of memory (free with
+ * free(*cs); *b is in the same block). */
 int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b) {
     *cs = malloc((size_t)(2 * N) * sizeof(float));
     if (!*cs) return -1;
