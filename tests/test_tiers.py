@@ -266,7 +266,8 @@ PREFILL_KERNELS = {
     "16-bit codes per row": (lambda lib, *a: native.i16_linear(lib, *a), 0, 32767,
                              ((29, 600, 48), (1, 64, 16), (13, 2050, 272)), lambda f: f & native.AVX2),
     "8-bit codes per 64 columns": (lambda lib, *a: native.q8_linear(lib, *a), 64, 127,
-                                   ((29, 600, 48), (1, 64, 16), (13, 2052, 272)), lambda f: f & (native.VNNI | native.AVX_VNNI)),
+                                   ((29, 600, 48), (1, 64, 16), (13, 2052, 272), (600, 4096, 16)),  # 2 chunks of rows
+                                   lambda f: f & (native.VNNI | native.AVX_VNNI)),
     "8-bit codes per 128 columns": (lambda lib, *a: native.q8_linear(lib, *a, group=128), 128, 127,
                                     ((21, 1000, 64),), lambda f: f & (native.VNNI | native.AVX_VNNI)),
 }

@@ -362,6 +362,9 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
 #define QVL_Q8 1
 
+#ifndef Q8_CHUNK
+#define Q8_CHUNK (2 << 20) /* bytes of activation codes per chunk of row blocks (2-4 MB measured best) */
+#endif
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #define Q8_ROWS I16_ROWS_6
 
@@ -518,30 +521,35 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     for (int64_t t = 0; t < T; t++) {
         const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
         /* one column tile at a time over the whole of K: its weights (K * 32 bytes) stay in L2
-         * while every row block runs over them, each block's float totals stay in registers
-         * from the first group to the last, and its 6 x 32 results are written out at once */
+         * while the row blocks of a chunk (their codes too: Q8_CHUNK bytes) run over them, each
+         * block's float totals in registers from the first group to the last, its 6 x 32
+         * results written out at once; then the next tile, and after the last the next chunk
+         * (its tiles' weights laid out again: a few % of the products' time, against the
+         * codes of every row streaming from memory once per tile) */
         int32_t* b = nt1 > nt0 && !failed ? aligned_alloc(64, (size_t)Q * I16_NR * 4) : NULL;
         if (nt1 > nt0 && !b) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t n0 = nt0; n0 < nt1 && b; n0 += I16_NR) {
-            const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
-            float c[Q8_MR * I16_NR], cs[I16_NR], cb[I16_NR];
-            weight_panel(w, K, n0, nr, 0, K, 4, b);
-            column_factors(scale, bias, dt, n0, nr, cs, cb);
-            for (int64_t mb = 0; mb < MB; mb++) {
-                const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
-                const int32_t* am = a + mb * Q * Q8_MR;
-                if (nr == I16_NR)
-                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
-                else
-                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
-                write_rows(c, I16_NR, NULL, rows, n0, nr, cs, cb, dt, N, gelu,  /* the steps are in c */
-                           residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
-                           (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
+        const int64_t chunk = Q8_CHUNK / (K * Q8_MR) > 1 ? Q8_CHUNK / (K * Q8_MR) : 1; /* row blocks */
+        for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
+            for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
+                const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
+                float c[Q8_MR * I16_NR], cs[I16_NR], cb[I16_NR];
+                weight_panel(w, K, n0, nr, 0, K, 4, b);
+                column_factors(scale, bias, dt, n0, nr, cs, cb);
+                for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
+                    const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
+                    const int32_t* am = a + mb * Q * Q8_MR;
+                    if (nr == I16_NR)
+                        q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
+                    else
+                        q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
+                    write_rows(c, I16_NR, NULL, rows, n0, nr, cs, cb, dt, N, gelu, /* the steps are in c */
+                               residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
+                               (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
+                }
             }
-        }
         free(b);
     }
     free(a), free(sg), free(nq), free(nw);
