@@ -189,10 +189,13 @@ class Kernels:
                                     + ", head size 64-80)" if self.integer_vision_attention(torch.float32) else ""),
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else
-                                 "oneDNN's int8 GEMM (prepacked weights)") + " + native quantise/rescale, activations "
-                                f"per row in {'8' if self.int8_levels == 255 else '7'} bits" + (
-                (", vision and prefill by default (prefill in 8-bit codes per group: prefill_int8_int4)"
+            "int8_activations": (f"byte products (vpdpbusd), activations in 8-bit codes per {native.ACTIVATION_GROUP} "
+                                 "columns, the vision blocks' norm, GELU and residual fused"
+                                 if self.group_codes(compute) else
+                                 ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else
+                                  "oneDNN's int8 GEMM (prepacked weights)") + " + native quantise/rescale, activations "
+                                 f"per row in {'8' if self.int8_levels == 255 else '7'} bits") + (
+                (", vision and prefill by default (prefill: prefill_int8_int4)"
                  if self.group_codes(compute) else ", vision by default (faster than the float GEMM here)")
                 if self.int8_activations() else
                 ", off by default (not faster than the float GEMM here)"),
