@@ -1,0 +1,95 @@
+"""The vision tower's int8 products where the CPU has VNNI and no AMX, per layer shape, alternating
+in every round: oneDNN's int8 GEMM on prepacked weights with the activations in 8-bit codes per
+row (`native.int8_matmul`, what the tower ran before section 47) against qvl's byte-product
+kernel with 8-bit codes per 64 columns (`native.q8_linear`, what it runs now), each with the
+fusions the tower asks of it (qkv: the layer norm; proj and fc2: the residual add; fc1: the layer
+norm and tanh-GELU). bf16, or float32 with --fp32 (the avx512-nobf16 and avx2-vnni tiers).
+
+    python benchmarks/vision_products.py --rows 1008 4032 --rounds 9
+    python benchmarks/vision_products.py --before /work/wt-before --rows 1008 4032 270 --rounds 9
+
+--before CHECKOUT: instead, this checkout's byte-product kernel against that checkout's (built
+for the same tier from its sources), plain products without fusions (older kernels have none),
+on the tower's shapes and 2B's decoder layers' (prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vision_attention import checkout_library
+
+from qvl import native
+from qvl.dispatch import kernels
+from qvl.quantize import quantize_int8
+
+VISION = {"qkv": (1024, 3072, "norm"), "proj": (1024, 1024, "residual"), "fc1": (1024, 4096, "norm, GELU"),
+          "fc2": (4096, 1024, "residual")}  # 2B's tower: in, out, fusions
+LAYERS = {"q/o": (2048, 2048, ""), "gate/up": (2048, 6144, ""), "down": (6144, 2048, "")}  # 2B's decoder
+
+
+def alternate(sides: dict, rounds: int) -> dict[str, list[float]]:
+    times = {name: [] for name in sides}
+    for f in sides.values():
+        f()  # warm
+    for r in range(rounds):
+        for name, f in (list(sides.items()) if r % 2 == 0 else list(sides.items())[::-1]):
+            started = time.perf_counter()
+            f()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def spread(v: list[float]) -> str:
+    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1008, 4032])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fp32", action="store_true")
+    p.add_argument("--before", help="a checkout whose byte-product kernel (same tier) runs beside this one's")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    k, dtype = kernels(), torch.float32 if args.fp32 else torch.bfloat16
+    if not k.group_codes(dtype):
+        raise SystemExit("this CPU (or tier) has no byte products for this dtype (VNNI without AMX)")
+    before = checkout_library(args.before) if args.before else None
+    names = ("before", "now") if before else ("oneDNN per row", "qvl per 64 columns")
+    print(f"| shape | rows | {names[0]} ms | {names[1]} ms | {names[1]} / {names[0]} |\n|---|---|---|---|---|")
+    totals = {rows: [0.0, 0.0] for rows in args.rows}
+    shapes = {**VISION, **LAYERS} if before else VISION
+    for name, (k_in, n, fusions) in shapes.items():
+        q, s = quantize_int8(torch.randn(n, k_in) / k_in**0.5)
+        s, bias = s.to(dtype), torch.randn(n).to(dtype)
+        packed, colsums = native.pack_int8(q), q.sum(1, dtype=torch.int32).float()
+        norm = ((torch.rand(k_in) + 0.5).to(dtype), torch.randn(k_in).to(dtype), 1e-6)
+        for rows in args.rows:
+            x, residual = torch.randn(rows, k_in).to(dtype), torch.randn(rows, n).to(dtype)
+            if before:
+                sides = {"a": lambda: native.q8_linear(before, x, q, s, bias),
+                         "b": lambda: native.q8_linear(k.lib, x, q, s, bias)}
+            else:
+                fused = dict(gelu_tanh="GELU" in fusions, residual=residual if "residual" in fusions else None,
+                             layer_norm=norm if "norm" in fusions else None)
+                sides = {"a": lambda: native.int8_matmul(k.lib, x, packed, colsums, s, bias, k.int8_levels, **fused),
+                         "b": lambda: native.q8_linear(k.lib, x, q, s, bias, **fused)}
+            t = alternate(sides, args.rounds)
+            ratio = statistics.median([b / a for a, b in zip(t["a"], t["b"])])
+            label = f"{name} ({k_in} -> {n}{', ' + fusions if fusions and not before else ''})"
+            print(f"| {label} | {rows} | {spread(t['a'])} | {spread(t['b'])} | {ratio:.2f} |", flush=True)
+            if name in VISION:
+                totals[rows][0] += statistics.median(t["a"])
+                totals[rows][1] += statistics.median(t["b"])
+    for rows, (a, b) in totals.items():
+        print(f"\none vision block's four products at {rows} rows: {a:.1f} ms against {b:.1f}: {b / a:.2f}")
+
+
+if __name__ == "__main__":
+    main()
