@@ -3,10 +3,10 @@ synthetic checkpoints at full width with fewer text layers (so they fit this dis
 memory; a decode step's bytes scale with the layers, so the ratio to the floor carries over).
 
     python benchmarks/family.py --presets 4b 8b --layers 8 --rounds 3
-    python benchmarks/family.py --presets 8b --llama-bin /work/llama/native-bin --gguf-dir /work/ckpt/gguf
+    python benchmarks/family.py --presets 8b --llama-bin /work/llama/build-native/bin --gguf-dir /work/ckpt/gguf
 
     python benchmarks/family.py --presets 30b-a3b --layers 4 --weights int4 --gguf-type Q4_K_M \
-        --llama-bin /work/llama/native-bin --gguf-dir /work/ckpt/gguf
+        --llama-bin /work/llama/build-native/bin --gguf-dir /work/ckpt/gguf
 
 With --llama-bin, llama.cpp's llama-bench decodes the same checkpoint converted to GGUF
 (`convert_hf_to_gguf.py CKPT --outtype q8_0 --outfile GGUF_DIR/qvl-P-Llayers-Q8_0.gguf`; Q4_K_M:

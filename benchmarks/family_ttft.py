@@ -4,11 +4,11 @@ image tokens) and llama-mtmd-cli on a 1920x1080 photo with --image-max-tokens 25
 and mmproj converted from the same checkpoint, alternating, model loading excluded.
 
     python benchmarks/family_ttft.py --model /work/ckpt/qvl-8b-8layers --gguf-dir /work/ckpt/gguf \\
-        --gguf qvl-8b-8layers-Q8_0.gguf --mmproj mmproj-qvl-8b-f16.gguf --llama-bin /work/llama/native-bin
+        --gguf qvl-8b-8layers-Q8_0.gguf --mmproj mmproj-qvl-8b-f16.gguf --llama-bin /work/llama/build-native/bin
 
     python benchmarks/family_ttft.py --model /work/ckpt/qvl-30b-a3b-4layers --weights int4 \
         --gguf-dir /work/ckpt/gguf --gguf qvl-30b-a3b-4layers-Q4_K_M.gguf --mmproj mmproj-qvl-30b-a3b-f16.gguf \
-        --llama-bin /work/llama/native-bin
+        --llama-bin /work/llama/build-native/bin
 
 Conversions: `convert_hf_to_gguf.py CKPT --outtype q8_0 --outfile DIR/qvl-8b-8layers-Q8_0.gguf` and
 `convert_hf_to_gguf.py CKPT --mmproj --outtype f16 --outfile DIR/mmproj-qvl-8b-f16.gguf`; Q4_K_M:
