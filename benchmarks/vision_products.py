@@ -10,7 +10,10 @@ norm and tanh-GELU). bf16, or float32 with --fp32 (the avx512-nobf16 and avx2-vn
 
 --before CHECKOUT: instead, this checkout's byte-product kernel against that checkout's (built
 for the same tier from its sources), plain products without fusions (older kernels have none),
-on the tower's shapes and 2B's decoder layers' (prefill).
+on the tower's shapes and 2B's decoder layers' (prefill); with --kernel i16 the 16-bit pair
+kernel's (`native.i16_linear`: prefill on plain AVX2, --int8-activations vision), e.g.
+
+    QVL_ISA=avx2 python benchmarks/vision_products.py --before /work/wt-before --kernel i16 --fp32 --rows 1008 270
 """
 
 from __future__ import annotations
@@ -55,11 +58,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fp32", action="store_true")
     p.add_argument("--before", help="a checkout whose byte-product kernel (same tier) runs beside this one's")
+    p.add_argument("--kernel", choices=["q8", "i16"], default="q8", help="with --before: which kernel")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k, dtype = kernels(), torch.float32 if args.fp32 else torch.bfloat16
-    if not k.group_codes(dtype):
-        raise SystemExit("this CPU (or tier) has no byte products for this dtype (VNNI without AMX)")
+    pairs = args.before and args.kernel == "i16"
+    if not (k.i16_products(dtype) if pairs else k.group_codes(dtype)):
+        raise SystemExit(f"this CPU (or tier) has no {'16-bit pair' if pairs else 'byte'} products for this dtype")
+    product = native.i16_linear if pairs else native.q8_linear
     before = checkout_library(args.before) if args.before else None
     names = ("before", "now") if before else ("oneDNN per row", "qvl per 64 columns")
     print(f"| shape | rows | {names[0]} ms | {names[1]} ms | {names[1]} / {names[0]} |\n|---|---|---|---|---|")
@@ -73,8 +79,8 @@ def main() -> None:
         for rows in args.rows:
             x, residual = torch.randn(rows, k_in).to(dtype), torch.randn(rows, n).to(dtype)
             if before:
-                sides = {"a": lambda: native.q8_linear(before, x, q, s, bias),
-                         "b": lambda: native.q8_linear(k.lib, x, q, s, bias)}
+                sides = {"a": lambda: product(before, x, q, s, bias),
+                         "b": lambda: product(k.lib, x, q, s, bias)}
             else:
                 fused = dict(gelu_tanh="GELU" in fusions, residual=residual if "residual" in fusions else None,
                              layer_norm=norm if "norm" in fusions else None)

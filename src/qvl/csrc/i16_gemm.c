@@ -11,16 +11,20 @@
  * are added in float32 in a fixed order, so a row's result depends neither on the other rows
  * nor on the number of threads.
  *
- * Blocking (as BLIS): each thread owns a range of output columns; per panel of I16_NC columns
- * and I16_KC inputs it widens the weights once into 16-bit pairs ([NR lanes] per input pair),
- * then runs every block of I16_MR activation rows over it with I16_MR x 2 vector
- * accumulators held in registers. */
+ * Blocking: each thread owns a range of output columns and takes them I16_NR at a time over
+ * the whole of K, widening the tile's weights once into 16-bit pairs ([NR lanes] per input pair,
+ * L2) and running every block of I16_MR activation rows of a chunk (ROW_CHUNK bytes of codes)
+ * over them with I16_MR x 2 vector accumulators in registers; the tile's float totals stay in
+ * L1. A panel of 256 columns with every row's float totals in memory (what it did before) was
+ * 1 MB per thread at 1008 rows, past L2 (docs/benchmarks.md section 47). */
 #include "common.h"
 
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
 
 #define I16_KC 256 /* inputs per int32 block */
-#define I16_NC 256 /* output columns per widened weight panel (I16_NC * I16_KC * 2 bytes: L2) */
+#ifndef ROW_CHUNK
+#define ROW_CHUNK (2 << 20) /* bytes of activation codes per chunk of row blocks (2-4 MB measured best) */
+#endif
 
 #ifdef QVL_AVX512
 #define VL 16
@@ -232,18 +236,18 @@ static void tile1(const int32_t* a, const int32_t* b, int64_t pairs, float* c, i
     I16_ROWS(FLUSH1)
 }
 
-/* Columns n0..n0+nc-1 (nc <= I16_NC) of scale and bias (dt; bias NULL: zeros) as float32. */
+/* Columns n0..n0+nc-1 (nc <= I16_NR) of scale and bias (dt; bias NULL: zeros) as float32. */
 static void column_factors(const void* scale, const void* bias, int dt, int64_t n0, int64_t nc, float* cs, float* cb) {
     for (int64_t j = 0; j < nc; j++) cs[j] = get(scale, dt, n0 + j), cb[j] = bias ? get(bias, dt, n0 + j) : 0.f;
 }
 
-/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NC); s NULL: 1.
+/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NR); s NULL: 1.
  * Then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given ([M][N],
  * dt), res + that rounded value, rounded again: as a separate GELU in float32 and `res + y`
  * would (int8_gemm.c's rescale does the same). */
 static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
                        const float* cs, const float* cb, int dt, int64_t N, int gelu, const void* res, void* y) {
-    float out[I16_NC];
+    float out[I16_NR];
     for (int64_t m = 0; m < M; m++) {
         float* dst = dt == F32 ? (float*)y + m * N + n0 : out;
         const vflt sm = vf_set1(s ? s[m] : 1.f);
@@ -306,36 +310,36 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) {
         const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
-        int32_t* b = nt1 > nt0 ? aligned_alloc(64, (size_t)(I16_NC / I16_NR) * (I16_KC / 2) * I16_NR * 4) : NULL;
-        float* c = nt1 > nt0 ? aligned_alloc(64, (size_t)(MB * I16_MR) * I16_NC * sizeof(float)) : NULL;
-        if (nt1 > nt0 && (!b || !c)) {
+        /* as the byte kernel below: a column tile's widened weights over the whole of K (K * 64
+         * bytes, L2) under every row block of a chunk; the int32 sums go to the tile's float
+         * totals (6-10 rows x 32 columns, L1) every I16_KC inputs */
+        int32_t* b = nt1 > nt0 ? aligned_alloc(64, (size_t)P * I16_NR * 4) : NULL;
+        if (nt1 > nt0 && !b) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t n0 = nt0; n0 < nt1 && b && c; n0 += I16_NC) {
-            const int64_t nc = nt1 - n0 < I16_NC ? nt1 - n0 : I16_NC;
-            for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
-                const int64_t kc = K - k0 < I16_KC ? K - k0 : I16_KC, pairs = kc / 2;
-                for (int64_t j = 0; j < nc; j += I16_NR)
-                    weight_panel(w, K, n0 + j, nc - j < I16_NR ? nc - j : I16_NR, k0, kc, 2,
-                                  b + j / I16_NR * (I16_KC / 2) * I16_NR);
-                for (int64_t mb = 0; mb < MB; mb++) {
-                    const int32_t* am = a + (mb * P + k0 / 2) * I16_MR;
-                    for (int64_t j = 0; j < nc; j += I16_NR) {
-                        const int32_t* bj = b + j / I16_NR * (I16_KC / 2) * I16_NR;
-                        float* cj = c + mb * I16_MR * I16_NC + j;
-                        if (nc - j >= I16_NR)
-                            tile2(am, bj, pairs, cj, I16_NC, k0 == 0);
+        const int64_t chunk = ROW_CHUNK / (K * 2 * I16_MR) > 1 ? ROW_CHUNK / (K * 2 * I16_MR) : 1; /* row blocks */
+        for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
+            for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
+                const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
+                float c[I16_MR * I16_NR], cs[I16_NR], cb[I16_NR];
+                weight_panel(w, K, n0, nr, 0, K, 2, b);
+                column_factors(scale, bias, dt, n0, nr, cs, cb);
+                for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
+                    const int64_t m0 = mb * I16_MR, rows = M - m0 < I16_MR ? M - m0 : I16_MR;
+                    for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
+                        const int64_t pairs = (K - k0 < I16_KC ? K - k0 : I16_KC) / 2;
+                        const int32_t* am = a + (mb * P + k0 / 2) * I16_MR;
+                        if (nr == I16_NR)
+                            tile2(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
                         else
-                            tile1(am, bj, pairs, cj, I16_NC, k0 == 0);
+                            tile1(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
                     }
+                    write_rows(c, I16_NR, s + m0, rows, n0, nr, cs, cb, dt, N, 0, NULL,
+                               (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
                 }
             }
-            float cs[I16_NC], cb[I16_NC];
-            column_factors(scale, bias, dt, n0, nc, cs, cb);
-            write_rows(c, I16_NC, s, M, n0, nc, cs, cb, dt, N, 0, NULL, y);
-        }
-        free(b), free(c);
+        free(b);
     }
     free(a), free(s);
     return failed ? -1 : 0;
@@ -362,9 +366,6 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
 #define QVL_Q8 1
 
-#ifndef Q8_CHUNK
-#define Q8_CHUNK (2 << 20) /* bytes of activation codes per chunk of row blocks (2-4 MB measured best) */
-#endif
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #define Q8_ROWS I16_ROWS_6
 
@@ -521,7 +522,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     for (int64_t t = 0; t < T; t++) {
         const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
         /* one column tile at a time over the whole of K: its weights (K * 32 bytes) stay in L2
-         * while the row blocks of a chunk (their codes too: Q8_CHUNK bytes) run over them, each
+         * while the row blocks of a chunk (their codes too: ROW_CHUNK bytes) run over them, each
          * block's float totals in registers from the first group to the last, its 6 x 32
          * results written out at once; then the next tile, and after the last the next chunk
          * (its tiles' weights laid out again: a few % of the products' time, against the
@@ -531,7 +532,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
 #pragma omp atomic write
             failed = 1;
         }
-        const int64_t chunk = Q8_CHUNK / (K * Q8_MR) > 1 ? Q8_CHUNK / (K * Q8_MR) : 1; /* row blocks */
+        const int64_t chunk = ROW_CHUNK / (K * Q8_MR) > 1 ? ROW_CHUNK / (K * Q8_MR) : 1; /* row blocks */
         for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
             for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
                 const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
