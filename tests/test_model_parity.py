@@ -189,6 +189,37 @@ def test_bf16_engine_stays_close_to_float32(checkpoint, request):
     assert (logits16 - logits).norm() / logits.norm() < 0.015
 
 
+def test_vision_heads_of_72_take_the_bf16_flash_kernel(tmp_path, monkeypatch):
+    """The 1152-wide towers' head size (16 heads of 72: 8B, 32B, 30B-A3B) on a tiny checkpoint
+    (2 heads of 72): in bf16 the vision attention runs qvl's flash kernel where the CPU has it
+    (AVX512-BF16 or AMX-BF16), and the image features stay within bf16's reach of float32."""
+    from qvl import native
+    from qvl.dispatch import kernels
+    from qvl.stream import Timings
+    from qvl.synth import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "wide", "tiny", seed=3,
+                            changes={"vision_config": {"hidden_size": 144, "num_heads": 2, "intermediate_size": 288}})
+    calls, attention = [], native.attention
+
+    def counted(lib, q, *args, **kwargs):  # head sizes the kernel took (None: declined, SDPA runs)
+        out = attention(lib, q, *args, **kwargs)
+        if out is not None:
+            calls.append(q.shape[-1])
+        return out
+
+    monkeypatch.setattr(native, "attention", counted)
+    features = []
+    for dtype in ("fp32", "bf16"):
+        engine = Engine.load(EngineOptions(model=str(path), weights=dtype, dtype=dtype, threads=2))
+        assert engine.cfg.vision.head_dim == 72
+        with torch.inference_mode():
+            features.append(engine.prepare(engine.parse(two_image_request()), Timings()).image_embeds.float())
+    if kernels().vision_attention(torch.bfloat16):
+        assert calls and set(calls) == {72}  # the tower's attention, bf16 only: float32 takes SDPA
+    assert (features[1] - features[0]).norm() / features[0].norm() < 0.012
+
+
 def test_default_path_prefill_runs_an_integer_kernel(tiny_checkpoint, monkeypatch):
     """The production default (int8 weights, this CPU's default compute dtype: bf16 where it has
     BF16, else float32; native kernels) prefills a two-image prompt through qvl's integer kernel:
