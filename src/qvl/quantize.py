@@ -258,14 +258,14 @@ class Int8Linear(nn.Module):
         # gelu_tanh, residual + that when given ([..., O]); the int8 x int8 path fuses the norm
         # into its quantise pass and the rest into its rescale pass
         many = _rows(x) > _int8_gemv_rows()
-        if (self.packed is not None and (self.weight is None or many)) or (
-                self.byte_codes and many and kernels().group_codes(x.dtype)):
-            if x.dtype != self.scales.dtype:
-                raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
+        packed = self.packed is not None and (self.weight is None or many)
+        if packed and x.dtype != self.scales.dtype:
+            raise TypeError(f"int8 x int8 products take {self.scales.dtype} activations, not {x.dtype}")
+        if packed or (self.byte_codes and many and x.dtype == self.scales.dtype and kernels().group_codes(x.dtype)):
             if norm is not None and not (norm.weight is not None and norm.weight.dtype == x.dtype):
                 x, norm = norm(x), None
             layer_norm = None if norm is None else (norm.weight, norm.bias, norm.eps)
-            if self.packed is not None:
+            if packed:
                 return native.int8_matmul(kernels().lib, x, self.packed, self.colsums, self.scales, self.bias,
                                           self.levels, gelu_tanh, residual, layer_norm, self.amx)
             y = native.q8_linear(kernels().lib, x, self.weight, self.scales, self.bias, gelu_tanh=gelu_tanh,
