@@ -383,8 +383,6 @@ def _unit_weight_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(n), torch.zeros(n, dtype=torch.long)
 
 
-
-
 def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None, levels: int, gelu_tanh: bool = False,
                 residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None,

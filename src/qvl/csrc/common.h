@@ -182,16 +182,22 @@ static inline void pack_values(const uint16_t* v, int64_t v_tok, int64_t S, int6
 }
 
 #ifdef __AVX512BF16__
-/* 16 outputs of the int8 x int8 rescale (qvl_rescale_row): cs * (rs * a + lo * colsum) + b,
- * tanh-GELU when `gelu`, rounded to bf16, then res + that, rounded again when res is given. */
-static inline void rescale16_bf16(__m512 a, __m512 rs, __m512 lo, __m512 cs, __m512 colsum, __m512 b, int gelu,
-                                  const uint16_t* res, uint16_t* out) {
-    __m512 v = _mm512_fmadd_ps(cs, _mm512_add_ps(_mm512_mul_ps(rs, a), _mm512_mul_ps(lo, colsum)), b);
-    if (gelu) v = gelu_tanh_ps(v);
+/* out[0..16) = v rounded to bf16, then, when res is given, res + that, rounded again (a layer's
+ * output added to the residual stream, as `res + y` in bf16 would). */
+static inline void store16_bf16(__m512 v, const uint16_t* res, uint16_t* out) {
     __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
     if (res)
         h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(bf16x16_to_ps(h), bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)res))));
     _mm256_storeu_si256((__m256i*)out, h);
+}
+
+/* 16 outputs of the int8 x int8 rescale (qvl_rescale_row): cs * (rs * a + lo * colsum) + b,
+ * tanh-GELU when `gelu`, then stored as store16_bf16 does. */
+static inline void rescale16_bf16(__m512 a, __m512 rs, __m512 lo, __m512 cs, __m512 colsum, __m512 b, int gelu,
+                                  const uint16_t* res, uint16_t* out) {
+    __m512 v = _mm512_fmadd_ps(cs, _mm512_add_ps(_mm512_mul_ps(rs, a), _mm512_mul_ps(lo, colsum)), b);
+    if (gelu) v = gelu_tanh_ps(v);
+    store16_bf16(v, res, out);
 }
 #endif
 #endif

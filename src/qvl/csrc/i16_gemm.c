@@ -236,12 +236,8 @@ static void tile1(const int32_t* a, const int32_t* b, int64_t pairs, float* c, i
     I16_ROWS(FLUSH1)
 }
 
-/* Columns n0..n0+nc-1 (nc <= I16_NR) of scale and bias (dt; bias NULL: zeros) as float32. */
-static void column_factors(const void* scale, const void* bias, int dt, int64_t n0, int64_t nc, float* cs, float* cb) {
-    for (int64_t j = 0; j < nc; j++) cs[j] = get(scale, dt, n0 + j), cb[j] = bias ? get(bias, dt, n0 + j) : 0.f;
-}
-
-/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NR); s NULL: 1.
+/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NR); s NULL: 1;
+ * cs, cb: the columns' scales and biases in float32 (from qvl_rescale_columns, at n0).
  * Then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given ([M][N],
  * dt), res + that rounded value, rounded again: as a separate GELU in float32 and `res + y`
  * would (int8_gemm.c's rescale does the same). */
@@ -264,13 +260,7 @@ static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, i
         const uint16_t* rb = res ? (const uint16_t*)res + m * N + n0 : NULL;
         int64_t j = 0;
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
-        for (; j < nc; j += 16) {
-            __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + j));
-            if (rb)
-                h = (__m256i)_mm512_cvtneps_pbh(
-                    _mm512_add_ps(bf16x16_to_ps(h), bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(rb + j)))));
-            _mm256_storeu_si256((__m256i*)(yb + j), h);
-        }
+        for (; j < nc; j += 16) store16_bf16(_mm512_loadu_ps(out + j), rb ? rb + j : NULL, yb + j);
 #endif
         for (; j < nc; j++) yb[j] = f32_to_bf16(rb ? round_bf(out[j]) + bf16_to_f32(rb[j]) : out[j]);
     }
@@ -284,7 +274,8 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
     const int64_t MB = (M + I16_MR - 1) / I16_MR, P = K / 2, T = threads < 1 ? 1 : threads;
     int32_t* a = aligned_alloc(64, (size_t)(MB * P * I16_MR * 4 + 63) / 64 * 64); /* a multiple of the alignment */
     float* s = malloc((size_t)(MB * I16_MR) * sizeof(float));
-    if (!a || !s) {
+    float *cs = NULL, *cb = NULL; /* the columns' scales and biases in float32 */
+    if (!a || !s || qvl_rescale_columns(scale, bias, dt, N, &cs, &cb)) {
         free(a), free(s);
         return -1;
     }
@@ -303,7 +294,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
         free(buf), free(codes);
     }
     if (failed) {
-        free(a), free(s);
+        free(a), free(s), free(cs);
         return -1;
     }
     const int64_t NB = (N + I16_NR - 1) / I16_NR; /* register blocks of columns, split between threads */
@@ -322,9 +313,8 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
         for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
             for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
                 const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
-                float c[I16_MR * I16_NR], cs[I16_NR], cb[I16_NR];
+                float c[I16_MR * I16_NR];
                 weight_panel(w, K, n0, nr, 0, K, 2, b);
-                column_factors(scale, bias, dt, n0, nr, cs, cb);
                 for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                     const int64_t m0 = mb * I16_MR, rows = M - m0 < I16_MR ? M - m0 : I16_MR;
                     for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
@@ -335,13 +325,13 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
                         else
                             tile1(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
                     }
-                    write_rows(c, I16_NR, s + m0, rows, n0, nr, cs, cb, dt, N, 0, NULL,
+                    write_rows(c, I16_NR, s + m0, rows, n0, nr, cs + n0, cb + n0, dt, N, 0, NULL,
                                (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
                 }
             }
         free(b);
     }
-    free(a), free(s);
+    free(a), free(s), free(cs);
     return failed ? -1 : 0;
 }
 
@@ -496,9 +486,10 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
     float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
     int32_t* nq = malloc((size_t)(MB * G * Q8_MR) * sizeof(int32_t));
-    float *nw = NULL, *nb = NULL;
-    if (!a || !sg || !nq || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb))) {
-        free(a), free(sg), free(nq);
+    float *nw = NULL, *nb = NULL, *cs = NULL, *cb = NULL; /* the norm's and the columns' factors in float32 */
+    if (!a || !sg || !nq || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb)) ||
+        qvl_rescale_columns(scale, bias, dt, N, &cs, &cb)) {
+        free(a), free(sg), free(nq), free(nw);
         return -1;
     }
     int failed = 0;
@@ -536,9 +527,8 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
         for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
             for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
                 const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
-                float c[Q8_MR * I16_NR], cs[I16_NR], cb[I16_NR];
+                float c[Q8_MR * I16_NR];
                 weight_panel(w, K, n0, nr, 0, K, 4, b);
-                column_factors(scale, bias, dt, n0, nr, cs, cb);
                 for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                     const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
                     const int32_t* am = a + mb * Q * Q8_MR;
@@ -546,14 +536,14 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
                         q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
                     else
                         q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
-                    write_rows(c, I16_NR, NULL, rows, n0, nr, cs, cb, dt, N, gelu, /* the steps are in c */
+                    write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
                                residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
                                (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
                 }
             }
         free(b);
     }
-    free(a), free(sg), free(nq), free(nw);
+    free(a), free(sg), free(nq), free(nw), free(cs);
     return failed ? -1 : 0;
 }
 
