@@ -226,7 +226,8 @@ def test_default_path_prefill_runs_an_integer_kernel(tiny_checkpoint, monkeypatc
     8-bit activation codes per 64 columns where the CPU has VNNI without AMX, else 16-bit codes
     per row (on AMX int8 tiles where the CPU has them, else in 16-bit pairs on x86), and its
     logits stay within bf16's reach of the path without it (AMX bf16 tiles, or dequantise +
-    oneDNN's GEMM)."""
+    oneDNN's GEMM). With 8-bit codes the vision tower's linears take the same kernel (its norm,
+    GELU and residual fused), so both sides here differ in the image features too."""
     from qvl import dispatch, native
     from qvl.generate import new_cache, prefill
     from qvl.stream import Timings
