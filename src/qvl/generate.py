@@ -58,7 +58,7 @@ def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start:
     h = model.embed(prompt.ids[start:end][None], embeds)
     cos, sin = model.rope(prompt.positions[:, None, start:end])
     with prompt_products():  # the same products for a prompt token whatever the slice (the head: one row, always)
-        h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack)[:, -1:]
+        h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack, last=1)
     return model.logits(h_last)[:, -1]
 
 

@@ -85,17 +85,21 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int | torch.Tensor,
+        queries: int | None = None,
     ) -> torch.Tensor:
-        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] positions of the cache's rows (T = 1)
+        # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] positions of the cache's rows (T = 1);
+        # queries: attend from the last `queries` positions only (prefill; every key and value is
+        # still written) -> [B, queries, D]; None: all T -> [B, T, D]
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        first = t - (t if queries is None else queries)  # the first position queried, from the slice's start
+        q = self.q_norm(self.q_proj(x[:, first:]).view(b, t - first, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         prefill = not isinstance(start, torch.Tensor)
-        q, k = rotary(q, cos, sin, prefill), rotary(k, cos, sin, prefill)
+        q, k = rotary(q, cos[:, :, first:], sin[:, :, first:], prefill), rotary(k, cos, sin, prefill)
         cache.write(self.layer, start, k, v)
-        out = cache_attention(q, cache, self.layer, start)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = cache_attention(q, cache, self.layer, start + first if first else start)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t - first, -1))
 
 
 class MLP(nn.Module):
@@ -163,8 +167,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+    def forward(self, x, cos, sin, cache, start, queries=None):
+        # x: [B, T, D] -> [B, T, D], or the last `queries` positions [B, queries, D] (see Attention)
+        out = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, queries)
+        x = x[:, x.shape[1] - out.shape[1]:] + out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -186,18 +192,26 @@ class TextModel(nn.Module):
         start: int | torch.Tensor,
         visual_mask: torch.Tensor | None = None,
         deepstack: list[torch.Tensor] | None = None,
+        last: int | None = None,
     ) -> torch.Tensor:
         """h: [B, T, D] embeddings written at positions start..start+T of the cache's B rows
         (start an int), or one token per row (T = 1) at position start[b] of row b ([B] long:
         rows of different lengths); cos/sin: [B, 1, T, hd]; visual_mask: [B, T] image positions
         receiving deepstack[i] ([n_visual, D]) after layer i. Returns final-normed hidden
-        states [B, T, D]. The caller owns the rows' lengths: nothing here counts them."""
+        states [B, T, D], or with `last` (prefill) those of the last `last` positions
+        [B, last, D]: the final layer then runs its queries, output projection and MLP for
+        those positions only (every position's keys and values are still written; a row's
+        result does not change, the kernels computing each row alike whatever the others).
+        The caller owns the rows' lengths: nothing here counts them."""
         if isinstance(start, torch.Tensor) and (k := kernels()).decode_step(h.dtype):
             out = self.decode_native(k.lib, h, cos, sin, cache, start)
             if out is not None:
                 return self.norm(out)
+        final = len(self.layers) - 1
+        if deepstack is not None and len(deepstack) > final:
+            last = None  # features are added after the final layer (a checkpoint this shallow only in tests)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, start)
+            h = layer(h, cos, sin, cache, start, last if i == final else None)
             if deepstack is not None and i < len(deepstack):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
         return self.norm(h)
