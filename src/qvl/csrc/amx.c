@@ -669,14 +669,6 @@ int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64
  * values 7. */
 #define AMX_SLACK 8.f
 
-static inline __m512 exp2_ps3(__m512 x) { /* 2^x within 8e-5 (degree 3; the result is rounded to bf16) */
-    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* x - floor(x) */
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(7.79071638e-2f), f, _mm512_set1_ps(2.26233194e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.95777096e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99927827e-1f));
-    return _mm512_scalef_ps(p, x); /* p * 2^floor(x); x of -1e30 (masked keys) gives 0 */
-}
-
 #define OUT_TILES(op) \
     do { op(0); if (ND > 1) op(1); if (ND > 2) op(2); if (ND > 3) op(3); if (ND > 4) op(4); } while (0)
 #define ZERO_OUT(t) _tile_zero(t)

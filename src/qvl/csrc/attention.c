@@ -40,15 +40,18 @@ static inline __attribute__((always_inline)) void attention_tile(
             for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
         }
     }
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* 1.0 in bf16 */
     for (int i = 0; i < ATQ; i++) {
         const __m512 low = _mm512_set1_ps(-1e30f);
         __m512 top = low;
-        for (int b = 0; b < NKB; b++) {
-            sc[i][b] = masked ? _mm512_mask_mul_ps(low, mask[i][b], sc[i][b], scale) : _mm512_mul_ps(sc[i][b], scale);
+        for (int b = 0; b < NKB; b++) { /* the raw scores' max (scale > 0), hidden keys at -1e30 */
+            if (masked) sc[i][b] = _mm512_mask_mov_ps(low, mask[i][b], sc[i][b]);
             top = _mm512_max_ps(top, sc[i][b]);
         }
-        /* the running max moves only when a score passes it by more than MAX_SLACK (so the
-         * exponentials stay below 2^MAX_SLACK): most tiles skip the reduction and rescale */
+        top = _mm512_mul_ps(top, scale);
+        /* the running max (of scaled scores, log2 units) moves only when a score passes it by
+         * more than MAX_SLACK (so the exponentials stay below 2^MAX_SLACK): most tiles skip the
+         * reduction and rescale */
         float prev = mx[t + i];
         corr[i] = 1.f;
         if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(prev + MAX_SLACK), _CMP_GT_OQ)) {
@@ -57,16 +60,18 @@ static inline __attribute__((always_inline)) void attention_tile(
             mx[t + i] = now;
             _mm512_store_ps(l + (t + i) * 16, _mm512_mul_ps(_mm512_load_ps(l + (t + i) * 16), _mm512_set1_ps(corr[i])));
         }
-        __m512 nv = _mm512_set1_ps(mx[t + i]), sum = _mm512_load_ps(l + (t + i) * 16);
-        for (int b = 0; b < NKB; b++) {
-            sc[i][b] = exp2_ps(_mm512_sub_ps(sc[i][b], nv));
+        const __m512 nv = _mm512_set1_ps(-mx[t + i]);
+        __m512 sum = _mm512_load_ps(l + (t + i) * 16);
+        for (int b = 0; b < NKB; b++) { /* 2^(score * scale - max), to be rounded to bf16 */
+            sc[i][b] = exp2_ps3(_mm512_fmadd_ps(sc[i][b], scale, nv));
             if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
-            /* summed as rounded to bf16, i.e. as the value product below weighs them */
-            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sc[i][b])));
+        }
+        for (int b = 0; b < NKB; b += 2) {
+            const __m512bh pair = _mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]);
+            _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)pair);
+            sum = _mm512_dpbf16_ps(sum, pair, ones); /* summed as rounded, as the value product weighs them */
         }
         _mm512_store_ps(l + (t + i) * 16, sum);
-        for (int b = 0; b < NKB; b += 2)
-            _mm512_storeu_si512(pb + i * ABK + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(sc[i][b + 1], sc[i][b]));
     }
     for (int g = 0; g < ATQ; g += GR) {
         __m512 acc[4][8];
