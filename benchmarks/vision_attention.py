@@ -9,7 +9,8 @@ x int8) against torch's float32 SDPA, differences from float64.
     QVL_ISA=avx512-nobf16 python benchmarks/vision_attention.py --integer --before /work/wt-head --rounds 7
 
 --before CHECKOUT: also that checkout's kernel, built for the same tier (QVL_ISA) from its
-sources, the three sides alternating in each round; the table adds its times and after/before.
+sources, the three sides alternating in each round; the table adds its times, after/before and
+its largest difference from SDPA in float32.
 
 Shapes: 2B's tower at 256 and 1024 image tokens (1008 and 4032 patches, 16 heads of 64) and
 the 1152-wide towers' at 256 and 1024 (16 heads of 72).
@@ -72,9 +73,9 @@ def main() -> None:
     kernel = kernel_of(k.lib)
     before = kernel_of(checkout_library(args.before)) if args.before else None
     exact = torch.float64 if args.integer else torch.float32
-    extra = " before ms | qvl / before |" if before else ""
+    extra = " before ms | qvl / before | before's max diff |" if before else ""
     print(f"| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs {exact}) |{extra}")
-    print("|---|---|---|---|---|" + ("---|---|" if before else ""))
+    print("|---|---|---|---|---|" + ("---|---|---|" if before else ""))
     torch.manual_seed(0)
     for n, h, d in SHAPES:
         q, kk, v = torch.randn(n, 3, h, d).to(dtype).unbind(1)  # strided, as the fused qkv gives them
@@ -98,7 +99,9 @@ def main() -> None:
         row = (f"| {n}, {h} x {d} | {spread(times['sdpa'])} | {spread(times['qvl'])} | {ratio:.2f} | "
                f"{diffs[0]:.4f}, {diffs[1]:.4f} |")
         if before:
-            row += f" {spread(times['before'])} | {statistics.median(times['qvl']) / statistics.median(times['before']):.2f} |"
+            was = (before(q, kk, v).to(exact) - ref).abs().max().item()
+            row += (f" {spread(times['before'])} | {statistics.median(times['qvl']) / statistics.median(times['before']):.2f} |"
+                    f" {was:.4f} |")
         print(row, flush=True)
 
 
