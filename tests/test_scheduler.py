@@ -189,9 +189,10 @@ def test_a_prompt_token_computes_alike_in_any_slice(engine):
 
 def test_prefill_runs_the_final_layer_for_the_last_token_only(engine):
     """Prefill wants the logits of its last token only: the final layer queries, projects and
-    runs its MLP for that position alone, yet writes every position's keys and values, and the
-    last hidden state is the one all positions give (to the bit where prefill's attention is
-    qvl's flash kernel; within float rounding where it is torch's SDPA)."""
+    runs its MLP for that position alone (for none in a slice inside the prompt), yet writes
+    every position's keys and values, and the last hidden state is the one all positions give
+    (to the bit where prefill's attention is qvl's flash kernel; within float rounding where it
+    is torch's SDPA)."""
     from qvl.generate import new_cache
     from qvl.quantize import prompt_products
     from qvl.stream import Timings
@@ -203,13 +204,13 @@ def test_prefill_runs_the_final_layer_for_the_last_token_only(engine):
     h = model.embed(prompt.ids[None])
     cos, sin = model.rope(prompt.positions[:, None])
     runs = []
-    for last in (None, 1):
+    for last in (None, 1, 0):
         cache = new_cache(model, 1, t)
         with torch.inference_mode(), prompt_products():
             runs.append((model.language_model(h, cos, sin, cache, 0, last=last), cache.pool.keys, cache.pool.values))
-    (full, keys, values), (tail, k, v) = runs
-    assert tail.shape == (1, 1, full.shape[-1])
-    assert torch.equal(k, keys) and torch.equal(v, values)
+    (full, keys, values), (tail, k, v), (none, k0, v0) = runs
+    assert tail.shape == (1, 1, full.shape[-1]) and none.shape == (1, 0, full.shape[-1])
+    assert torch.equal(k, keys) and torch.equal(v, values) and torch.equal(k0, keys) and torch.equal(v0, values)
     if dispatch.kernels().flash_attention(model.dtype):
         assert torch.equal(tail[0, 0], full[0, -1])
     else:

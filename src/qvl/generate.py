@@ -43,10 +43,12 @@ class PreparedPrompt:
 
 
 @torch.inference_mode()
-def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start: int, end: int) -> torch.Tensor:
+def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start: int,
+                  end: int) -> torch.Tensor | None:
     """Run prompt tokens start..end through the decoder into positions start..end of a B=1
     cache (or one row's view), whose first `start` positions already hold the prompt's first tokens.
-    Returns the logits of token end-1 [1, V]."""
+    Returns the logits of the prompt's last token [1, V] when the slice ends the prompt, else
+    None (the final layer then only writes its keys and values, and the head does not run)."""
     is_image = model.cfg.is_vision_token(prompt.ids)
     done_images = int(is_image[:start].sum()) - prompt.embeds_from  # image tokens before start, already embedded
     vis = is_image[start:end][None]
@@ -57,9 +59,10 @@ def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start:
         deepstack = [d[done_images : done_images + n_vis] for d in prompt.deepstack]
     h = model.embed(prompt.ids[start:end][None], embeds)
     cos, sin = model.rope(prompt.positions[:, None, start:end])
+    wanted = int(end == len(prompt))
     with prompt_products():  # the same products for a prompt token whatever the slice (the head: one row, always)
-        h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack, last=1)
-    return model.logits(h_last)[:, -1]
+        h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack, last=wanted)
+    return model.logits(h_last)[:, -1] if wanted else None
 
 
 def prefill(

@@ -401,7 +401,8 @@ class Scheduler:
         """--deterministic: prompt tokens seq.filled (a chunk boundary) to about `end` as whole
         DETERMINISTIC_CHUNK-token chunks at fixed positions, one call each (at least one), so
         every token's keys, values and logits are computed in the same products whatever the
-        slice sizes or the reused prefix were. Returns the last chunk's logits and the new end."""
+        slice sizes or the reused prefix were. Returns the last chunk's logits (None unless it ends
+        the prompt) and the new end."""
         chunk, total = DETERMINISTIC_CHUNK, len(seq.prompt)
         end = min(total, max(end // chunk * chunk, seq.filled + chunk))
         logits, view = None, self._view([seq])

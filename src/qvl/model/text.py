@@ -89,15 +89,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [B, T, D]; cos/sin: [B, 1, T, hd]; start: int, or [B] positions of the cache's rows (T = 1);
         # queries: attend from the last `queries` positions only (prefill; every key and value is
-        # still written) -> [B, queries, D]; None: all T -> [B, T, D]
+        # still written; 0: nothing else) -> [B, queries, D]; None: all T -> [B, T, D]
         b, t, _ = x.shape
         first = t - (t if queries is None else queries)  # the first position queried, from the slice's start
-        q = self.q_norm(self.q_proj(x[:, first:]).view(b, t - first, self.heads, self.head_dim)).transpose(1, 2)
+        prefill = not isinstance(start, torch.Tensor)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        prefill = not isinstance(start, torch.Tensor)
-        q, k = rotary(q, cos[:, :, first:], sin[:, :, first:], prefill), rotary(k, cos, sin, prefill)
-        cache.write(self.layer, start, k, v)
+        cache.write(self.layer, start, rotary(k, cos, sin, prefill), v)
+        if first == t:
+            return x[:, t:]
+        q = self.q_norm(self.q_proj(x[:, first:]).view(b, t - first, self.heads, self.head_dim)).transpose(1, 2)
+        q = rotary(q, cos[:, :, first:], sin[:, :, first:], prefill)
         out = cache_attention(q, cache, self.layer, start + first if first else start)
         return self.o_proj(out.transpose(1, 2).reshape(b, t - first, -1))
 
@@ -171,7 +173,7 @@ class DecoderLayer(nn.Module):
         # x: [B, T, D] -> [B, T, D], or the last `queries` positions [B, queries, D] (see Attention)
         out = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, queries)
         x = x[:, x.shape[1] - out.shape[1]:] + out
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x if x.shape[1] == 0 else x + self.mlp(self.post_attention_layernorm(x))
 
 
 class TextModel(nn.Module):
@@ -201,7 +203,8 @@ class TextModel(nn.Module):
         states [B, T, D], or with `last` (prefill) those of the last `last` positions
         [B, last, D]: the final layer then runs its queries, output projection and MLP for
         those positions only (every position's keys and values are still written; a row's
-        result does not change, the kernels computing each row alike whatever the others).
+        result does not change, the kernels computing each row alike whatever the others);
+        last = 0 (a slice inside a prompt, whose logits nobody reads): [B, 0, D].
         The caller owns the rows' lengths: nothing here counts them."""
         if isinstance(start, torch.Tensor) and (k := kernels()).decode_step(h.dtype):
             out = self.decode_native(k.lib, h, cos, sin, cache, start)
@@ -214,7 +217,7 @@ class TextModel(nn.Module):
             h = layer(h, cos, sin, cache, start, last if i == final else None)
             if deepstack is not None and i < len(deepstack):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
-        return self.norm(h)
+        return self.norm(h) if h.shape[1] else h
 
     def rows_independent(self) -> bool:
         """Whether a decode step computes each row as it would alone: the one-call native
