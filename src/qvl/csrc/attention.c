@@ -4,7 +4,7 @@
  * the build's tier, for float32 caches and every other CPU). */
 #include "common.h"
 
-#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+#if defined(QVL_AVX512) && defined(__AVX512BF16__) && defined(__AVX512DQ__) /* DQ: exp2_ps3 (every BF16 CPU has it) */
 #define QVL_BF16_ATTENTION 1
 #define ABK 64 /* keys per step */
 #define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */

@@ -211,12 +211,15 @@ class TextModel(nn.Module):
             if out is not None:
                 return self.norm(out)
         final = len(self.layers) - 1
-        if deepstack is not None and len(deepstack) > final:
-            last = None  # features are added after the final layer (a checkpoint this shallow only in tests)
+        # features added after the final layer (a checkpoint this shallow only in tests): it runs
+        # every position, and the last ones are taken after
+        queries = None if deepstack is not None and len(deepstack) > final else last
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, start, last if i == final else None)
+            h = layer(h, cos, sin, cache, start, queries if i == final else None)
             if deepstack is not None and i < len(deepstack):
                 h = h.index_put((visual_mask,), deepstack[i].to(h.dtype), accumulate=True)
+        if last is not None:
+            h = h[:, h.shape[1] - last :]
         return self.norm(h) if h.shape[1] else h
 
     def rows_independent(self) -> bool:
