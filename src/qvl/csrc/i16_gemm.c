@@ -59,6 +59,17 @@ typedef __m256 vflt;
 #endif
 #define I16_NR (2 * VL) /* output columns per register block: two vectors */
 
+/* The output columns [*n0, *n1) of thread t of T: an equal share of whole I16_NR-column tiles. */
+static inline void thread_columns(int64_t N, int64_t t, int64_t T, int64_t* n0, int64_t* n1) {
+    const int64_t tiles = (N + I16_NR - 1) / I16_NR, end = tiles * (t + 1) / T * I16_NR;
+    *n0 = tiles * t / T * I16_NR, *n1 = end < N ? end : N;
+}
+
+/* Row blocks per chunk: as many as ROW_CHUNK bytes of their codes hold (block_bytes each), at least one. */
+static inline int64_t chunk_blocks(int64_t block_bytes) {
+    return ROW_CHUNK / block_bytes > 1 ? ROW_CHUNK / block_bytes : 1;
+}
+
 /* acc += the sums of a . b's 16-bit pairs per 32-bit lane, in asm: with the intrinsics GCC
  * copied every accumulator to another register (and some to the stack) around each product,
  * which cost a third of the kernel's time (vpdpwssd) or half of it (vpmaddwd + vpaddd). */
@@ -297,10 +308,10 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
         free(a), free(s), free(cs);
         return -1;
     }
-    const int64_t NB = (N + I16_NR - 1) / I16_NR; /* register blocks of columns, split between threads */
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
+        int64_t nt0, nt1;
+        thread_columns(N, t, T, &nt0, &nt1);
         /* as the byte kernel below: a column tile's widened weights over the whole of K (K * 64
          * bytes, L2) under every row block of a chunk; the int32 sums go to the tile's float
          * totals (6-10 rows x 32 columns, L1) every I16_KC inputs */
@@ -309,7 +320,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #pragma omp atomic write
             failed = 1;
         }
-        const int64_t chunk = ROW_CHUNK / (K * 2 * I16_MR) > 1 ? ROW_CHUNK / (K * 2 * I16_MR) : 1; /* row blocks */
+        const int64_t chunk = chunk_blocks(K * 2 * I16_MR);
         for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
             for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
                 const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
@@ -508,10 +519,11 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
                             nq + mb * G * Q8_MR, buf, codes);
         free(buf), free(codes);
     }
-    const int64_t NB = (N + I16_NR - 1) / I16_NR, gq = group / 4;
+    const int64_t gq = group / 4;
 #pragma omp parallel for num_threads(T) schedule(static, 1)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t nt0 = NB * t / T * I16_NR, nt1 = NB * (t + 1) / T * I16_NR < N ? NB * (t + 1) / T * I16_NR : N;
+        int64_t nt0, nt1;
+        thread_columns(N, t, T, &nt0, &nt1);
         /* one column tile at a time over the whole of K: its weights (K * 32 bytes) stay in L2
          * while the row blocks of a chunk (their codes too: ROW_CHUNK bytes) run over them, each
          * block's float totals in registers from the first group to the last, its 6 x 32
@@ -523,7 +535,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
 #pragma omp atomic write
             failed = 1;
         }
-        const int64_t chunk = ROW_CHUNK / (K * Q8_MR) > 1 ? ROW_CHUNK / (K * Q8_MR) : 1; /* row blocks */
+        const int64_t chunk = chunk_blocks(K * Q8_MR);
         for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
             for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
                 const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
