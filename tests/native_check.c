@@ -236,11 +236,80 @@ static void test_decode_layers(void) {
     check("decode layers f32 (keys written)", &keys[0][0][0][0], &rk[0][0][0][0], DL * DKV * DCAP * DHD, 2e-3f);
 }
 
+/* The byte-product kernel (8-bit activation codes per group of columns; x86 VNNI, NEON dot
+ * products) against the scheme computed here: each group's codes and step as the kernel
+ * defines them, its exact integer sum, the steps applied in group order in float32. Then its
+ * fusions against the same steps done apart, and a row with a NaN alone turning NaN. */
+static float q8_reference(const float* x, const int8_t* w, int64_t K, int group) {
+    float acc = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += group) {
+        const int64_t n = K - k0 < group ? K - k0 : group;
+        float top = 0.f;
+        for (int64_t k = 0; k < n; k++) top = fabsf(x[k0 + k]) > top ? fabsf(x[k0 + k]) : top;
+        if (top == 0.f) continue;
+        const float inv = 127.f / top;
+        int64_t sum = 0;
+        for (int64_t k = 0; k < n; k++) sum += (int64_t)w[k0 + k] * round_int(x[k0 + k] * inv);
+        acc = fmaf((float)sum, top / 127.f, acc);
+    }
+    return acc;
+}
+
+static void test_q8_linear(void) {
+    enum { K = 320, NMAX = 48, M = 13 };
+    static float w[NMAX * K], x[M * K], y[M * NMAX], ref[M * NMAX], z[M * NMAX], res[M * NMAX], nx[M * K];
+    static float s8[NMAX], bias[NMAX], nw[K], nb[K];
+    static int8_t q8[NMAX * K];
+    for (int i = 0; i < NMAX * K; i++) w[i] = frand();
+    for (int i = 0; i < M * K; i++) x[i] = frand() * (i % 97 == 5 ? 40.f : 1.f); /* a few outliers */
+    for (int i = 0; i < M * NMAX; i++) res[i] = frand();
+    for (int i = 0; i < K; i++) nw[i] = 1.f + 0.5f * frand(), nb[i] = 0.1f * frand();
+    for (int n = 0; n < NMAX; n++) bias[n] = frand();
+    int8_weights(w, NMAX, K, q8, s8);
+    int N = 0; /* the last width the kernel took */
+    /* 20 columns: two 8-column NEON tiles and a 4-column one; 48: a 32-column x86 tile and a 16-column one */
+    for (int width = 20; width <= NMAX; width += NMAX - 20)
+        for (int group = 32; group <= 256; group *= 2)
+            for (int m = 1; m <= M; m += 4) {
+                if (qvl_q8_linear(x, F32, m, K, width, q8, s8, bias, y, 2, group, NULL, NULL, 0.f, 0, NULL) == -2)
+                    continue;
+                N = width;
+                for (int r = 0; r < m; r++)
+                    for (int n = 0; n < N; n++)
+                        ref[r * N + n] = q8_reference(x + r * K, q8 + n * K, K, group) * s8[n] + bias[n];
+                check("q8 linear", y, ref, m * N, 1e-5f);
+            }
+    if (!N) return; /* no byte products in this build */
+    qvl_q8_linear(x, F32, M, K, N, q8, s8, bias, y, 2, 64, NULL, NULL, 0.f, 0, NULL);
+    memcpy(ref, y, sizeof(float) * M * N);
+    qvl_gelu_tanh(ref, M * N);
+    qvl_q8_linear(x, F32, M, K, N, q8, s8, bias, z, 2, 64, NULL, NULL, 0.f, 1, NULL);
+    check("q8 linear + GELU", z, ref, M * N, 1e-6f);
+    for (int i = 0; i < M * N; i++) ref[i] = y[i] + res[i];
+    qvl_q8_linear(x, F32, M, K, N, q8, s8, bias, z, 2, 64, NULL, NULL, 0.f, 0, res);
+    check("q8 linear + residual", z, ref, M * N, 1e-6f);
+    memcpy(nx, x, sizeof x);
+    for (int r = 0; r < M; r++) qvl_layer_norm_row(nx + r * K, K, nw, nb, 1e-6f, F32);
+    qvl_q8_linear(nx, F32, M, K, N, q8, s8, bias, ref, 2, 64, NULL, NULL, 0.f, 0, NULL);
+    qvl_q8_linear(x, F32, M, K, N, q8, s8, bias, z, 2, 64, nw, nb, 1e-6f, 0, NULL);
+    check("q8 linear, layer norm fused", z, ref, M * N, 1e-6f);
+    x[3 * K + 7] = NAN;
+    qvl_q8_linear(x, F32, M, K, N, q8, s8, bias, z, 2, 64, NULL, NULL, 0.f, 0, NULL);
+    int nan_ok = 1;
+    for (int r = 0; r < M; r++)
+        for (int n = 0; n < N; n++) nan_ok &= r == 3 ? isnan(z[r * N + n]) : z[r * N + n] == y[r * N + n];
+    if (!nan_ok) {
+        printf("FAIL q8 linear: a NaN in row 3 should turn that row, and only it, NaN\n");
+        failures++;
+    }
+}
+
 int main(void) {
     printf("features %d\n", qvl_features());
     test_linear();
     test_decode_attention();
     test_decode_layers();
+    test_q8_linear();
     printf(failures ? "%d checks failed\n" : "all checks passed\n", failures);
     return failures ? 1 : 0;
 }

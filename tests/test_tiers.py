@@ -533,8 +533,8 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
 
 
 def test_aarch64_kernels_under_qemu(tmp_path):
-    """The NEON kernels (with and without dot products) and the portable C, cross-compiled for
-    aarch64 and run under qemu-user by tests/native_check.c."""
+    """The NEON kernels (with and without dot products; with them the byte-product kernel too) and
+    the portable C, cross-compiled for aarch64 and run under qemu-user by tests/native_check.c."""
     cc, qemu = "aarch64-linux-gnu-gcc", "qemu-aarch64"
     if subprocess.run(["which", cc, qemu], capture_output=True).returncode != 0:
         pytest.skip("no aarch64 cross compiler / qemu-user (test.sh installs them as root)")
@@ -551,6 +551,30 @@ def test_aarch64_kernels_under_qemu(tmp_path):
         features = int(ran.stdout.split("features ")[1].split()[0])
         assert bool(features & native.NEON) == (name != "portable")
         assert bool(features & native.DOTPROD) == (name == "neon-dotprod")
+
+
+@pytest.mark.parametrize("dot", [True, False])
+def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(monkeypatch, dot):
+    """On ARM the tier's build reports its features (tests/native_check.c runs the kernels themselves
+    under qemu): with dot products the vision tower's and prefill's int8 products take the byte
+    kernel (sdot, 8-bit codes per 64 columns) by default, as on x86 with VNNI; without them they
+    stay in float32 (dequantise + GEMM)."""
+    from types import SimpleNamespace
+
+    from qvl import engine as engine_module
+    from qvl.engine import EngineOptions, int8_plan
+
+    flags = frozenset({"asimddp"} if dot else set())
+    tier = native.tiers(flags, "aarch64")[0]
+    features = native.NEON | native.OPENMP | (native.DOTPROD if dot else 0)
+    k = dispatch.Kernels(tier, SimpleNamespace(features=features))
+    assert tier.name == ("neon" if dot else "neon-nodotprod")
+    assert k.group_codes(torch.float32) == dot and not k.i16_products(torch.float32)
+    assert k.default_int8_activations(torch.float32) == ("all" if dot else "off")
+    prefill = k.describe()["prefill_int8_int4"]
+    assert ("byte products (sdot)" in prefill) == dot and ("dequantise + float GEMM" in prefill)
+    monkeypatch.setattr(engine_module, "kernels", lambda: k)
+    assert int8_plan(EngineOptions(model="unused"), torch.float32, None) == (True, "all" if dot else "off")
 
 
 def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):

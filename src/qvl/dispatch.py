@@ -81,11 +81,18 @@ class Kernels:
     def group_codes(self, dtype: torch.dtype) -> bool:
         """Prefill's int8 products can take 8-bit activation codes per native.ACTIVATION_GROUP columns
         (qvl's byte-product kernel, i16_gemm.c's qvl_q8_linear: vpdpbusd with AVX-512 VNNI or
-        AVX-VNNI, 1.7-1.9x the 16-bit pair kernel per product: docs/benchmarks.md section 40),
-        except bf16 ones on AMX (whose int8 tiles take them). Plain AVX2 has no such product:
-        vpmaddubsw saturates on 8-bit codes."""
-        return (self.lib is not None and bool(self.features & (native.VNNI | native.AVX_VNNI))
+        AVX-VNNI, 1.7-1.9x the 16-bit pair kernel per product: docs/benchmarks.md section 40; sdot
+        on ARM with dot products, four times the multiply-adds of a float32 FMA per instruction,
+        unmeasured here: section 49), except bf16 ones on AMX (whose int8 tiles take them). Plain
+        AVX2 has no such product: vpmaddubsw saturates on 8-bit codes."""
+        return (self.lib is not None and bool(self.features & (native.VNNI | native.AVX_VNNI | native.DOTPROD))
                 and dtype in (torch.float32, torch.bfloat16) and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
+
+    def default_int8_activations(self, dtype: torch.dtype) -> str:
+        """What runs int8 x int8 by default (--int8-activations auto): "all" (the vision tower and
+        prefill) where the byte-product kernel runs; "vision" where oneDNN's or AMX's int8 GEMM
+        beats the float one; else "off"."""
+        return "all" if self.group_codes(dtype) else "vision" if self.int8_activations() else "off"
 
     @functools.cached_property
     def int8_levels(self) -> int:
@@ -155,6 +162,7 @@ class Kernels:
         extras = [n for bit, n in ((native.VNNI, "VNNI"), (native.BF16, "BF16"), (native.AVX_VNNI, "AVX-VNNI"),
                                    (native.DOTPROD, "dot products"), (native.AMX_INT8, "AMX-INT8"))
                   if f & bit]
+        byte = "sdot" if name.startswith("neon") else "vpdpbusd"
         integer = {"avx512": "AVX-512" + (" VNNI" if f & native.VNNI else " (16-bit pairs)"),
                    "avx2": "AVX2 " + ("AVX-VNNI" if f & native.AVX_VNNI else "vpmaddwd / vpmaddubsw"),
                    "neon": "NEON smlal" + (" / sdot" if f & native.DOTPROD else "")}
@@ -169,12 +177,15 @@ class Kernels:
             "prefill_int8_int4": "int8: AMX int8 tiles, activations in 16-bit codes per row; int4: AMX bf16 tiles, "
                                  "the weights converted panel by panel (up to 2^21 activation values)"
                                  if f & native.AMX_INT8 else
-                                 (f"int8: byte products (vpdpbusd), activations in 8-bit codes per "
-                                  f"{native.ACTIVATION_GROUP} columns (16-bit codes per row in pair products with "
-                                  "--int8-activations vision|off)" if self.group_codes(compute) else
+                                 (f"int8: byte products ({byte}), activations in 8-bit codes per "
+                                  f"{native.ACTIVATION_GROUP} columns ("
+                                  + ("16-bit codes per row in pair products" if self.i16_products(torch.float32)
+                                     else "dequantise + float GEMM") + " with --int8-activations vision|off)"
+                                  if self.group_codes(compute) else
                                   "int8: 16-bit pair products (vpmaddwd), activations in 16-bit codes per row")
-                                 + "; int4: dequantise + oneDNN float GEMM"
-                                 if self.i16_products(torch.float32) else "dequantise + oneDNN float GEMM",
+                                 + "; int4: dequantise + float GEMM"
+                                 if self.group_codes(compute) or self.i16_products(torch.float32)
+                                 else "dequantise + float GEMM",
             "gemv_int4": f"{products if family != 'neon' or f & native.DOTPROD else 'portable C'}, "
                          "activations in int8 per 128 columns",
             "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),
@@ -189,16 +200,15 @@ class Kernels:
                                     + ", head size 64-80)" if self.integer_vision_attention(torch.float32) else ""),
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": (f"byte products (vpdpbusd), activations in 8-bit codes per {native.ACTIVATION_GROUP} "
+            "int8_activations": (f"byte products ({byte}), activations in 8-bit codes per {native.ACTIVATION_GROUP} "
                                  "columns, the vision blocks' norm, GELU and residual fused"
                                  if self.group_codes(compute) else
                                  ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else
                                   "oneDNN's int8 GEMM (prepacked weights)") + " + native quantise/rescale, activations "
                                  f"per row in {'8' if self.int8_levels == 255 else '7'} bits") + (
-                (", vision and prefill by default (prefill: prefill_int8_int4)"
-                 if self.group_codes(compute) else ", vision by default (faster than the float GEMM here)")
-                if self.int8_activations() else
-                ", off by default (not faster than the float GEMM here)"),
+                {"all": ", vision and prefill by default (prefill: prefill_int8_int4)",
+                 "vision": ", vision by default (faster than the float GEMM here)",
+                 "off": ", off by default (not faster than the float GEMM here)"}[self.default_int8_activations(compute)]),
         }
 
 

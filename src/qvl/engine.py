@@ -126,7 +126,8 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     exact only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
     bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill too
-    ("all") where the CPU has VNNI without AMX: its activations in 8-bit codes per 64 columns,
+    ("all") where the CPU has VNNI without AMX, or ARM's dot products (dispatch's
+    default_int8_activations): its activations in 8-bit codes per 64 columns,
     as close to bf16 on the outlier stress checkpoint as 16-bit codes (docs/benchmarks.md,
     sections 39 and 40); elsewhere prefill keeps 16-bit codes (or the compute dtype) unless
     asked: 8-bit codes per row lose top-1 agreement on outlier channels (section 11)."""
@@ -136,8 +137,8 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     acts = options.int8_activations
     k = kernels()
     if acts == "auto":
-        acts = ("all" if k.group_codes(dtype) else "vision") if k.int8_activations() else "off"
-    elif acts != "off" and k.int8_levels == 0:
+        acts = k.default_int8_activations(dtype)
+    elif acts != "off" and not k.group_codes(dtype) and k.int8_levels == 0:
         raise ValueError(f"--int8-activations {acts}: torch has no exact int8 GEMM on this CPU")
     vision = stored.vision if stored else options.vision_int8
     if vision is None:

@@ -146,10 +146,10 @@ def _native_product(x: torch.Tensor, kind: int, weight: torch.Tensor, scales: to
                     byte_codes: bool = False):
     """Many rows of activations times an int8/int4 weight in qvl's own kernels. bf16 on AMX:
     int8 weights on int8 tiles with the activations in 16-bit codes per row, int4 (and the
-    shapes those do not take) on bf16 tiles. Elsewhere on x86, int8 weights: with `byte_codes`
-    where the CPU has VNNI, byte products with the activations in 8-bit codes per
-    native.ACTIVATION_GROUP columns (dispatch.Kernels.group_codes); else 16-bit pair products,
-    the activations in 16-bit codes per row (dispatch.Kernels.i16_products). None where none
+    shapes those do not take) on bf16 tiles. Elsewhere, int8 weights: with `byte_codes` where
+    the CPU has VNNI or ARM's dot products, byte products with the activations in 8-bit codes
+    per native.ACTIVATION_GROUP columns (dispatch.Kernels.group_codes); else on x86 16-bit pair
+    products, the activations in 16-bit codes per row (dispatch.Kernels.i16_products). None where none
     runs (dequantise + GEMM then)."""
     k = kernels()
     if x.dtype == torch.bfloat16 and k.has(native.AMX_INT8):
@@ -207,7 +207,7 @@ def keep_bf16_storage(model: nn.Module) -> set[str]:
 
 class Int8Linear(nn.Module):
     """int8 weights. Many-row products (prefill, vision) dequantise and run the float GEMM;
-    with `byte_codes` (where the CPU has VNNI and no AMX for the dtype) they run qvl's byte
+    with `byte_codes` (VNNI or ARM's dot products, and no AMX for the dtype) they run qvl's byte
     products with the activations in 8-bit codes per group of columns (native.q8_linear); or,
     once packed (`pack`), they quantise the activations per row and run oneDNN's int8 x int8
     GEMM (2.2-3.4x the float32 GEMM with VNNI or AVX-VNNI, 1.5-1.7x on plain AVX2) or AMX's
@@ -218,7 +218,7 @@ class Int8Linear(nn.Module):
     fuses_layer_norm = True  # forward(x, norm=n) = forward(n(x)) for an nn.LayerNorm n: see vision.norm_linear
     packed: torch.Tensor | None = None  # the weight for int8 x int8 products: AMX tiles or oneDNN's copy
     amx = False  # packed holds AMX tiles (dispatch.Kernels.int8_tiles)
-    byte_codes = False  # many-row products take 8-bit activation codes per group where the CPU has VNNI
+    byte_codes = False  # many-row products take 8-bit activation codes per group (dispatch.Kernels.group_codes)
     colsums: torch.Tensor | None = None  # [O] float32: the weight codes' sums over I
     levels = 0  # activation codes 0..levels (dispatch.Kernels.int8_levels)
 
@@ -303,8 +303,8 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor, rows: torch.Tens
 def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, byte_codes: bool = False) -> torch.Tensor:
     """x [..., I] @ (weight [O, I] int8 * scales [O]).T (+ bias) -> [..., O]: for many rows qvl's
-    integer kernels (AMX tiles; elsewhere on x86 8-bit codes per group with `byte_codes` where
-    the CPU has VNNI, else 16-bit pairs) or dequantise + GEMM, the native GEMV for few, torch's
+    integer kernels (AMX tiles; elsewhere 8-bit codes per group with `byte_codes` where the CPU
+    has VNNI or ARM's dot products, else on x86 16-bit pairs) or dequantise + GEMM, the native GEMV for few, torch's
     int8 kernel where the native one does not run."""
     if _rows(x) > (max_rows := _int8_gemv_rows()):
         if (y := _native_product(x, native.W_INT8, weight, scales, bias=bias, byte_codes=byte_codes)) is not None:

@@ -283,6 +283,9 @@ void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, co
 int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b);
 void qvl_layer_norm_row(float* row, int64_t K, const float* nw, const float* nb, float eps, int dt);
 void qvl_gelu_tanh(float* v, int64_t n);
+int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
+                  int gelu, const void* residual);
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads);
 int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,

@@ -1,6 +1,7 @@
 /* Many-row products with int8 weights where the CPU has no AMX (prefill on AVX-512 and AVX2):
  * y = x . (w * scale)^T (+ bias), the activations in 16-bit codes per row (qvl_i16_linear), or
- * with VNNI in 8-bit codes per group of columns (qvl_q8_linear, further down).
+ * with VNNI in 8-bit codes per group of columns (qvl_q8_linear, further down; on ARM with dot
+ * products too, where it is the only one of the two).
  *
  * Each row of x is quantised symmetrically to int16 codes (step max|row| / 32767: about bf16's
  * relative precision on the row's large values, finer than bf16 on its small ones, and
@@ -19,7 +20,7 @@
  * 1 MB per thread at 1008 rows, past L2 (docs/benchmarks.md section 47). */
 #include "common.h"
 
-#if defined(QVL_AVX512) || defined(QVL_AVX2)
+#if defined(QVL_AVX512) || defined(QVL_AVX2) || (defined(QVL_NEON) && defined(__ARM_FEATURE_DOTPROD))
 
 #define I16_KC 256 /* inputs per int32 block */
 #ifndef ROW_CHUNK
@@ -41,7 +42,7 @@ typedef __m512 vflt;
 #define vf_mul(a, b) _mm512_mul_ps(a, b)
 #define vf_fmadd(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vf_set1(v) _mm512_set1_ps(v)
-#else
+#elif defined(QVL_AVX2)
 #define VL 8
 #define I16_MR 6
 typedef __m256i vint;
@@ -56,6 +57,15 @@ typedef __m256 vflt;
 #define vf_mul(a, b) _mm256_mul_ps(a, b)
 #define vf_fmadd(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vf_set1(v) _mm256_set1_ps(v)
+#else /* NEON with dot products: the byte kernel only */
+#define VL 4
+typedef float32x4_t vflt;
+#define vf_load(p) vld1q_f32(p)
+#define vf_store(p, v) vst1q_f32(p, v)
+#define vf_add(a, b) vaddq_f32(a, b)
+#define vf_mul(a, b) vmulq_f32(a, b)
+#define vf_fmadd(a, b, c) vfmaq_f32(c, a, b)
+#define vf_set1(v) vdupq_n_f32(v)
 #endif
 #define I16_NR (2 * VL) /* output columns per register block: two vectors */
 
@@ -69,6 +79,52 @@ static inline void thread_columns(int64_t N, int64_t t, int64_t T, int64_t* n0, 
 static inline int64_t chunk_blocks(int64_t block_bytes) {
     return ROW_CHUNK / block_bytes > 1 ? ROW_CHUNK / block_bytes : 1;
 }
+
+/* Row m of x (dt [M][K]) as float32 (bf16 widened into buf); *finite: no NaN or infinity in it. */
+static const float* row_f32(const void* x, int dt, int64_t K, int64_t m, float* buf, int* finite) {
+    const float* row = (const float*)x + m * K;
+    if (dt == BF16) {
+        const uint16_t* h = (const uint16_t*)x + m * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
+        row = buf;
+    }
+    *finite = all_finite(row, K);
+    return row;
+}
+
+/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NR); s NULL: 1;
+ * cs, cb: the columns' scales and biases in float32 (from qvl_rescale_columns, at n0).
+ * Then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given ([M][N],
+ * dt), res + that rounded value, rounded again: as a separate GELU in float32 and `res + y`
+ * would (int8_gemm.c's rescale does the same). */
+static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
+                       const float* cs, const float* cb, int dt, int64_t N, int gelu, const void* res, void* y) {
+    float out[I16_NR];
+    for (int64_t m = 0; m < M; m++) {
+        float* dst = dt == F32 ? (float*)y + m * N + n0 : out;
+        const vflt sm = vf_set1(s ? s[m] : 1.f);
+        for (int64_t j = 0; j < nc; j += VL)
+            vf_store(dst + j, vf_fmadd(vf_mul(vf_load(c + m * ldc + j), vf_load(cs + j)), sm, vf_load(cb + j)));
+        if (gelu) qvl_gelu_tanh(dst, nc);
+        if (dt != BF16) {
+            const float* rf = res ? (const float*)res + m * N + n0 : NULL;
+            if (rf)
+                for (int64_t j = 0; j < nc; j += VL) vf_store(dst + j, vf_add(vf_load(dst + j), vf_load(rf + j)));
+            continue;
+        }
+        uint16_t* yb = (uint16_t*)y + m * N + n0;
+        const uint16_t* rb = res ? (const uint16_t*)res + m * N + n0 : NULL;
+        int64_t j = 0;
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+        for (; j < nc; j += 16) store16_bf16(_mm512_loadu_ps(out + j), rb ? rb + j : NULL, yb + j);
+#endif
+        for (; j < nc; j++) yb[j] = f32_to_bf16(rb ? round_bf(out[j]) + bf16_to_f32(rb[j]) : out[j]);
+    }
+}
+
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
+#define QVL_I16 1
 
 /* acc += the sums of a . b's 16-bit pairs per 32-bit lane, in asm: with the intrinsics GCC
  * copied every accumulator to another register (and some to the stack) around each product,
@@ -90,19 +146,6 @@ static inline vint vi_dp(vint acc, vint a, vint b) {
     return acc;
 }
 #endif
-
-/* Row m of x (dt [M][K]) as float32 (bf16 widened into buf); *finite: no NaN or infinity in it. */
-static const float* row_f32(const void* x, int dt, int64_t K, int64_t m, float* buf, int* finite) {
-    const float* row = (const float*)x + m * K;
-    if (dt == BF16) {
-        const uint16_t* h = (const uint16_t*)x + m * K;
-#pragma omp simd
-        for (int64_t k = 0; k < K; k++) buf[k] = bf16_to_f32(h[k]);
-        row = buf;
-    }
-    *finite = all_finite(row, K);
-    return row;
-}
 
 /* Rows m0..m0+I16_MR-1 of x (dt [M][K]; rows past M zero) -> codes as int16 pairs
  * a[K/2][I16_MR] (pair p of row r at a[p * I16_MR + r]) and each row's step s[r]. */
@@ -247,36 +290,6 @@ static void tile1(const int32_t* a, const int32_t* b, int64_t pairs, float* c, i
     I16_ROWS(FLUSH1)
 }
 
-/* y[m][n0 + j] = c[m][j] * cs[j] * s[m] + cb[j] for m < M, j < nc (nc <= I16_NR); s NULL: 1;
- * cs, cb: the columns' scales and biases in float32 (from qvl_rescale_columns, at n0).
- * Then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given ([M][N],
- * dt), res + that rounded value, rounded again: as a separate GELU in float32 and `res + y`
- * would (int8_gemm.c's rescale does the same). */
-static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
-                       const float* cs, const float* cb, int dt, int64_t N, int gelu, const void* res, void* y) {
-    float out[I16_NR];
-    for (int64_t m = 0; m < M; m++) {
-        float* dst = dt == F32 ? (float*)y + m * N + n0 : out;
-        const vflt sm = vf_set1(s ? s[m] : 1.f);
-        for (int64_t j = 0; j < nc; j += VL)
-            vf_store(dst + j, vf_fmadd(vf_mul(vf_load(c + m * ldc + j), vf_load(cs + j)), sm, vf_load(cb + j)));
-        if (gelu) qvl_gelu_tanh(dst, nc);
-        if (dt != BF16) {
-            const float* rf = res ? (const float*)res + m * N + n0 : NULL;
-            if (rf)
-                for (int64_t j = 0; j < nc; j += VL) vf_store(dst + j, vf_add(vf_load(dst + j), vf_load(rf + j)));
-            continue;
-        }
-        uint16_t* yb = (uint16_t*)y + m * N + n0;
-        const uint16_t* rb = res ? (const uint16_t*)res + m * N + n0 : NULL;
-        int64_t j = 0;
-#if defined(QVL_AVX512) && defined(__AVX512BF16__)
-        for (; j < nc; j += 16) store16_bf16(_mm512_loadu_ps(out + j), rb ? rb + j : NULL, yb + j);
-#endif
-        for (; j < nc; j++) yb[j] = f32_to_bf16(rb ? round_bf(out[j]) + bf16_to_f32(rb[j]) : out[j]);
-    }
-}
-
 /* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)).
  * Returns 0, -1 when out of memory, -2 for shapes it does not take (K odd, N % VL). */
 int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
@@ -347,7 +360,9 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 }
 
 
-/* ---- 8-bit activation codes per group of columns (VNNI) ----------------------------------
+#endif /* the pair kernel: x86 */
+
+/* ---- 8-bit activation codes per group of columns (VNNI, NEON dot products) ---------------
  * Each row of x is split into groups of `group` columns, each quantised symmetrically to int8
  * codes (step max|group| / 127: outlier channels coarsen only their own group). vpdpbusd takes
  * unsigned bytes times signed ones, so the weight panel holds w + 128 (1..255) and the codes
@@ -364,18 +379,19 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * Unlike the pair kernel's panels, no float partial sums go through memory: for 1008 rows they
  * were 1 MB per thread, past L2, and with two threads 0.87-0.9x of the time went with them
  * (docs/benchmarks.md section 47). */
-#if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__))
+#if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__)) || \
+    defined(QVL_NEON)
 #define QVL_Q8 1
 
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #define Q8_ROWS I16_ROWS_6
 
-#ifdef QVL_AVX512
+#if defined(QVL_AVX512)
 static inline vint vi_dp8(vint acc, vint w, vint a) { /* acc += per lane: 4 bytes w (unsigned) . a (signed) */
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
 }
-#else
+#elif defined(QVL_AVX2)
 static inline vint vi_dp8(vint acc, vint w, vint a) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
     return acc;
@@ -424,6 +440,7 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
     }
 }
 
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
 /* The register block, per row r: group sums c (first vector of columns) and d (second) in
  * int32, totals e and f in float32; a group's sums start at its nq and end scaled into e, f. */
 #define Q8_DECL2(r) vint c##r, d##r; vflt e##r = vf_set1(0.f), f##r = e##r;
@@ -443,19 +460,15 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
         f##r = vf_fmadd(vf_of(d##r), sv, f##r);       \
     }
 #define Q8_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_set1(sg[g * Q8_MR + (r)]), e##r);
-#define Q8_OUT(acc, r, off)                                                  \
-    {                                                                        \
-        float* cp = c + (r) * ldc + (off);                                   \
-        vf_store(cp, first ? acc : vf_add(vf_load(cp), acc));                \
-    }
+#define Q8_OUT(acc, r, off) vf_store(c + (r) * I16_NR + (off), acc);
 #define Q8_OUT2(r) Q8_OUT(e##r, r, 0) Q8_OUT(f##r, r, VL)
 #define Q8_OUT1(r) Q8_OUT(e##r, r, 0)
 
-/* c[r][0 .. 2 VL) (+)= the sum over groups of gq quads of each group's exact sum of
- * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg, nq: [groups][Q8_MR]); `first`:
- * store rather than add. */
+/* c[r][0 .. 2 VL) = the sum over groups of gq quads of each group's exact sum of
+ * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg, nq: [groups][Q8_MR]); c is
+ * [Q8_MR][I16_NR]. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c, int64_t ldc, int first) {
+                     const int32_t* nq, float* c) {
     Q8_ROWS(Q8_DECL2)
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START2)
@@ -470,7 +483,7 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c, int64_t ldc, int first) {
+                     const int32_t* nq, float* c) {
     Q8_ROWS(Q8_DECL1)
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START1)
@@ -482,6 +495,89 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
     }
     Q8_ROWS(Q8_OUT1)
 }
+
+/* The tile's weights: w rows n0..n0+nr-1 as quads b[K/4][I16_NR] (w + 128: vpdpbusd's unsigned operand). */
+static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
+    weight_panel(w, K, n0, nr, 0, K, 4, b);
+}
+#else
+/* NEON: sdot multiplies signed bytes by signed bytes, so the weights stay as they are (nq, the
+ * x86 kernels' offset, is not used) and each group's int32 sum is the exact sum of w . q
+ * (|sum| <= 64 * 127 * 127 < 2^31 at groups of up to 256). The register block: 6 rows x 8
+ * columns (two int32x4 of sums and two float32x4 of totals per row), each row's quad of
+ * codes taken by lane from one 16-byte (rows 0-3) or 8-byte (rows 4-5) load: 12 sdot per 4
+ * loads. The same integer sums and the same float32 operations in the same order as on x86:
+ * the same results. */
+
+/* The tile's weights: w rows n0..n0+nr-1 as quads b[K/4][I16_NR] (4 bytes of one row each;
+ * columns past nr zero). */
+static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
+    for (int64_t p = 0; p < K / 4; p++)
+        for (int64_t i = 0; i < I16_NR; i++) {
+            int32_t d = 0;
+            if (i < nr) memcpy(&d, w + (n0 + i) * K + 4 * p, 4);
+            b[p * I16_NR + i] = d;
+        }
+}
+
+#define Q8_NEON_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define Q8N_DECL2(r) int32x4_t c##r, d##r; float32x4_t e##r = vdupq_n_f32(0.f), f##r = e##r;
+#define Q8N_DECL1(r) int32x4_t c##r; float32x4_t e##r = vdupq_n_f32(0.f);
+#define Q8N_ZERO2(r) c##r = vdupq_n_s32(0), d##r = c##r;
+#define Q8N_ZERO1(r) c##r = vdupq_n_s32(0);
+#define Q8N_SCALE2(r)                                       \
+    e##r = vfmaq_n_f32(e##r, vcvtq_f32_s32(c##r), sg[g * Q8_MR + (r)]); \
+    f##r = vfmaq_n_f32(f##r, vcvtq_f32_s32(d##r), sg[g * Q8_MR + (r)]);
+#define Q8N_SCALE1(r) e##r = vfmaq_n_f32(e##r, vcvtq_f32_s32(c##r), sg[g * Q8_MR + (r)]);
+#define Q8N_OUT2(r) vst1q_f32(c + (r) * I16_NR, e##r), vst1q_f32(c + (r) * I16_NR + VL, f##r);
+#define Q8N_OUT1(r) vst1q_f32(c + (r) * I16_NR, e##r);
+
+/* c[r][0 .. 2 VL) = the sum over groups of gq quads of each group's exact sum of
+ * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg: [groups][Q8_MR]); c is
+ * [Q8_MR][I16_NR]. */
+static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
+                     const int32_t* nq, float* c) {
+    (void)nq;
+    Q8_NEON_ROWS(Q8N_DECL2)
+    for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
+        Q8_NEON_ROWS(Q8N_ZERO2)
+        for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
+            const int8x16_t b0 = vld1q_s8((const int8_t*)(b + p * I16_NR));
+            const int8x16_t b1 = vld1q_s8((const int8_t*)(b + p * I16_NR + VL));
+            const int8x16_t lo = vld1q_s8((const int8_t*)(a + p * Q8_MR)); /* rows 0-3 */
+            const int8x8_t hi = vld1_s8((const int8_t*)(a + p * Q8_MR + 4)); /* rows 4-5 */
+            c0 = vdotq_laneq_s32(c0, b0, lo, 0), d0 = vdotq_laneq_s32(d0, b1, lo, 0);
+            c1 = vdotq_laneq_s32(c1, b0, lo, 1), d1 = vdotq_laneq_s32(d1, b1, lo, 1);
+            c2 = vdotq_laneq_s32(c2, b0, lo, 2), d2 = vdotq_laneq_s32(d2, b1, lo, 2);
+            c3 = vdotq_laneq_s32(c3, b0, lo, 3), d3 = vdotq_laneq_s32(d3, b1, lo, 3);
+            c4 = vdotq_lane_s32(c4, b0, hi, 0), d4 = vdotq_lane_s32(d4, b1, hi, 0);
+            c5 = vdotq_lane_s32(c5, b0, hi, 1), d5 = vdotq_lane_s32(d5, b1, hi, 1);
+        }
+        Q8_NEON_ROWS(Q8N_SCALE2)
+    }
+    Q8_NEON_ROWS(Q8N_OUT2)
+}
+
+/* The same for the first VL columns only (a block of columns' tail). */
+static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
+                     const int32_t* nq, float* c) {
+    (void)nq;
+    Q8_NEON_ROWS(Q8N_DECL1)
+    for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
+        Q8_NEON_ROWS(Q8N_ZERO1)
+        for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
+            const int8x16_t b0 = vld1q_s8((const int8_t*)(b + p * I16_NR));
+            const int8x16_t lo = vld1q_s8((const int8_t*)(a + p * Q8_MR));
+            const int8x8_t hi = vld1_s8((const int8_t*)(a + p * Q8_MR + 4));
+            c0 = vdotq_laneq_s32(c0, b0, lo, 0), c1 = vdotq_laneq_s32(c1, b0, lo, 1);
+            c2 = vdotq_laneq_s32(c2, b0, lo, 2), c3 = vdotq_laneq_s32(c3, b0, lo, 3);
+            c4 = vdotq_lane_s32(c4, b0, hi, 0), c5 = vdotq_lane_s32(c5, b0, hi, 1);
+        }
+        Q8_NEON_ROWS(Q8N_SCALE1)
+    }
+    Q8_NEON_ROWS(Q8N_OUT1)
+}
+#endif
 
 /* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
  * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
@@ -540,14 +636,14 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
             for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
                 const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
                 float c[Q8_MR * I16_NR];
-                weight_panel(w, K, n0, nr, 0, K, 4, b);
+                q8_panel(w, K, n0, nr, b);
                 for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                     const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
                     const int32_t* am = a + mb * Q * Q8_MR;
                     if (nr == I16_NR)
-                        q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
+                        q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
                     else
-                        q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c, I16_NR, 1);
+                        q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
                     write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
                                residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
                                (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
@@ -559,9 +655,11 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     return failed ? -1 : 0;
 }
 
-#endif /* VNNI */
+#endif /* byte products */
 
-#else
+#endif
+
+#ifndef QVL_I16 /* no pair products (ARM, portable C) */
 int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                    const void* bias, void* y, int threads) {
     (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)y, (void)threads;
