@@ -12,8 +12,8 @@
  * are added in float32 in a fixed order, so a row's result depends neither on the other rows
  * nor on the number of threads.
  *
- * Blocking: each thread owns a range of output columns and takes them I16_NR at a time over
- * the whole of K, widening the tile's weights once into 16-bit pairs ([NR lanes] per input pair,
+ * Blocking: the threads take the output columns I16_NR at a time (take_item) over the whole
+ * of K, widening the tile's weights once into 16-bit pairs ([NR lanes] per input pair,
  * L2) and running every block of I16_MR activation rows of a chunk (ROW_CHUNK bytes of codes)
  * over them with I16_MR x 2 vector accumulators in registers; the tile's float totals stay in
  * L1. A panel of 256 columns with every row's float totals in memory (what it did before) was
@@ -69,10 +69,15 @@ typedef float32x4_t vflt;
 #endif
 #define I16_NR (2 * VL) /* output columns per register block: two vectors */
 
-/* The output columns [*n0, *n1) of thread t of T: an equal share of whole I16_NR-column tiles. */
-static inline void thread_columns(int64_t N, int64_t t, int64_t T, int64_t* n0, int64_t* n1) {
-    const int64_t tiles = (N + I16_NR - 1) / I16_NR, end = tiles * (t + 1) / T * I16_NR;
-    *n0 = tiles * t / T * I16_NR, *n1 = end < N ? end : N;
+/* The next of `items` pieces of work shared by the threads (*next counts those taken), or -1
+ * when none is left: the threads take (chunk of row blocks, column tile) pairs in turn as they
+ * finish the last, so a slower core (an E-core beside P-cores, a busy vCPU) takes fewer instead
+ * of keeping the others waiting; a tile's result does not depend on which thread computes it. */
+static inline int64_t take_item(int64_t* next, int64_t items) {
+    int64_t item;
+#pragma omp atomic capture
+    item = (*next)++;
+    return item < items ? item : -1;
 }
 
 /* Row blocks per chunk: as many as ROW_CHUNK bytes of their codes hold (block_bytes each), at least one. */
@@ -321,38 +326,38 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
         free(a), free(s), free(cs);
         return -1;
     }
-#pragma omp parallel for num_threads(T) schedule(static, 1)
-    for (int64_t t = 0; t < T; t++) {
-        int64_t nt0, nt1;
-        thread_columns(N, t, T, &nt0, &nt1);
+    const int64_t tiles = (N + I16_NR - 1) / I16_NR, chunk = chunk_blocks(K * 2 * I16_MR);
+    const int64_t items = (MB + chunk - 1) / chunk * tiles;
+    int64_t next = 0;
+#pragma omp parallel num_threads(T)
+    {
         /* as the byte kernel below: a column tile's widened weights over the whole of K (K * 64
          * bytes, L2) under every row block of a chunk; the int32 sums go to the tile's float
          * totals (6-10 rows x 32 columns, L1) every I16_KC inputs */
-        int32_t* b = nt1 > nt0 ? aligned_alloc(64, (size_t)P * I16_NR * 4) : NULL;
-        if (nt1 > nt0 && !b) {
+        int32_t* b = aligned_alloc(64, (size_t)(P * I16_NR * 4 + 63) / 64 * 64);
+        if (!b) {
 #pragma omp atomic write
             failed = 1;
         }
-        const int64_t chunk = chunk_blocks(K * 2 * I16_MR);
-        for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
-            for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
-                const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
-                float c[I16_MR * I16_NR];
-                weight_panel(w, K, n0, nr, 0, K, 2, b);
-                for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
-                    const int64_t m0 = mb * I16_MR, rows = M - m0 < I16_MR ? M - m0 : I16_MR;
-                    for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
-                        const int64_t pairs = (K - k0 < I16_KC ? K - k0 : I16_KC) / 2;
-                        const int32_t* am = a + (mb * P + k0 / 2) * I16_MR;
-                        if (nr == I16_NR)
-                            tile2(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
-                        else
-                            tile1(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
-                    }
-                    write_rows(c, I16_NR, s + m0, rows, n0, nr, cs + n0, cb + n0, dt, N, 0, NULL,
-                               (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
+        for (int64_t item; b && (item = take_item(&next, items)) >= 0;) {
+            const int64_t mb0 = item / tiles * chunk, n0 = item % tiles * I16_NR;
+            const int64_t nr = N - n0 < I16_NR ? N - n0 : I16_NR;
+            float c[I16_MR * I16_NR];
+            weight_panel(w, K, n0, nr, 0, K, 2, b);
+            for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
+                const int64_t m0 = mb * I16_MR, rows = M - m0 < I16_MR ? M - m0 : I16_MR;
+                for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {
+                    const int64_t pairs = (K - k0 < I16_KC ? K - k0 : I16_KC) / 2;
+                    const int32_t* am = a + (mb * P + k0 / 2) * I16_MR;
+                    if (nr == I16_NR)
+                        tile2(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
+                    else
+                        tile1(am, b + k0 / 2 * I16_NR, pairs, c, I16_NR, k0 == 0);
                 }
+                write_rows(c, I16_NR, s + m0, rows, n0, nr, cs + n0, cb + n0, dt, N, 0, NULL,
+                           (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
             }
+        }
         free(b);
     }
     free(a), free(s), free(cs);
@@ -372,10 +377,10 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * other rows nor on the thread count. vpdpbusd multiplies four byte pairs per 32-bit lane:
  * twice vpdpwssd's products per instruction.
  *
- * Blocking: each thread owns a range of output columns and takes them 32 at a time over the
- * whole of K: the tile's weights (K * 32 bytes, w + 128 as quads) are laid out once and stay in
- * L2 while every block of 6 rows runs over them, the block's float totals in registers from the
- * first group to the last, its results written out (with the fused GELU and residual) at once.
+ * Blocking: the threads take the output columns 32 at a time (take_item) over the whole of K:
+ * the tile's weights (K * 32 bytes, w + 128 as quads) are laid out once and stay in L2 while
+ * every block of 6 rows runs over them, the block's float totals in registers from the first
+ * group to the last, its results written out (with the fused GELU and residual) at once.
  * Unlike the pair kernel's panels, no float partial sums go through memory: for 1008 rows they
  * were 1 MB per thread, past L2, and with two threads 0.87-0.9x of the time went with them
  * (docs/benchmarks.md section 47). */
@@ -615,40 +620,39 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
                             nq + mb * G * Q8_MR, buf, codes);
         free(buf), free(codes);
     }
-    const int64_t gq = group / 4;
-#pragma omp parallel for num_threads(T) schedule(static, 1)
-    for (int64_t t = 0; t < T; t++) {
-        int64_t nt0, nt1;
-        thread_columns(N, t, T, &nt0, &nt1);
+    const int64_t gq = group / 4, tiles = (N + I16_NR - 1) / I16_NR, chunk = chunk_blocks(K * Q8_MR);
+    const int64_t items = (MB + chunk - 1) / chunk * tiles;
+    int64_t next = 0;
+#pragma omp parallel num_threads(T)
+    {
         /* one column tile at a time over the whole of K: its weights (K * 32 bytes) stay in L2
          * while the row blocks of a chunk (their codes too: ROW_CHUNK bytes) run over them, each
          * block's float totals in registers from the first group to the last, its 6 x 32
-         * results written out at once; then the next tile, and after the last the next chunk
-         * (its tiles' weights laid out again: a few % of the products' time, against the
-         * codes of every row streaming from memory once per tile) */
-        int32_t* b = nt1 > nt0 && !failed ? aligned_alloc(64, (size_t)Q * I16_NR * 4) : NULL;
-        if (nt1 > nt0 && !b) {
+         * results written out at once; (chunk, tile) pairs taken in turn (take_item), each
+         * tile's weights laid out again per chunk (a few % of the products' time, against the
+         * codes of every row streaming from memory per tile) */
+        int32_t* b = !failed ? aligned_alloc(64, (size_t)(Q * I16_NR * 4 + 63) / 64 * 64) : NULL;
+        if (!b) {
 #pragma omp atomic write
             failed = 1;
         }
-        const int64_t chunk = chunk_blocks(K * Q8_MR);
-        for (int64_t mb0 = 0; mb0 < MB && b; mb0 += chunk)
-            for (int64_t n0 = nt0; n0 < nt1; n0 += I16_NR) {
-                const int64_t nr = nt1 - n0 < I16_NR ? nt1 - n0 : I16_NR;
-                float c[Q8_MR * I16_NR];
-                q8_panel(w, K, n0, nr, b);
-                for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
-                    const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
-                    const int32_t* am = a + mb * Q * Q8_MR;
-                    if (nr == I16_NR)
-                        q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
-                    else
-                        q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
-                    write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
-                               residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
-                               (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
-                }
+        for (int64_t item; b && (item = take_item(&next, items)) >= 0;) {
+            const int64_t mb0 = item / tiles * chunk, n0 = item % tiles * I16_NR;
+            const int64_t nr = N - n0 < I16_NR ? N - n0 : I16_NR;
+            float c[Q8_MR * I16_NR];
+            q8_panel(w, K, n0, nr, b);
+            for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
+                const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
+                const int32_t* am = a + mb * Q * Q8_MR;
+                if (nr == I16_NR)
+                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
+                else
+                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
+                write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
+                           residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
+                           (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
             }
+        }
         free(b);
     }
     free(a), free(sg), free(nq), free(nw), free(cs);
