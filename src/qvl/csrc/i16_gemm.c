@@ -317,7 +317,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4) /* blocks of rows in turn, as take_item */
         for (int64_t mb = 0; mb < MB; mb++)
             if (buf && codes) pack_rows(x, dt, M, K, mb * I16_MR, a + mb * P * I16_MR, s + mb * I16_MR, buf, codes);
         free(buf), free(codes);
@@ -613,7 +613,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4) /* blocks of rows in turn, as take_item */
         for (int64_t mb = 0; mb < MB; mb++)
             if (buf && codes)
                 pack_groups(x, dt, M, K, group, nw, nb, eps, mb * Q8_MR, a + mb * Q * Q8_MR, sg + mb * G * Q8_MR,
