@@ -18,7 +18,10 @@ ARGS = ("--prompt", "Describe the image.", "--max-new-tokens", "32", "--temperat
 def start(checkpoint, folder, out) -> subprocess.Popen:
     argv = [sys.executable, "-m", "qvl.cli", "batch", str(folder), "--out", str(out), *ARGS,
             "--model", str(checkpoint), "--threads", "1", "--dtype", "fp32"]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child, so Python turns it into KeyboardInterrupt even when these
+    # tests run in a background job (whose shell starts them with SIGINT ignored, inherited)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_rows(out, proc, rows: int, timeout: float = 60) -> None:
