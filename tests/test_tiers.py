@@ -533,46 +533,51 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
 
 
 def test_aarch64_kernels_under_qemu(tmp_path):
-    """The NEON kernels (with and without dot products; with them the byte-product kernel too) and
-    the portable C, cross-compiled for aarch64 and run under qemu-user by tests/native_check.c."""
+    """The NEON kernels (with and without dot products; with them the byte-product kernel too, on
+    sdot or with i8mm on smmla) and the portable C, cross-compiled for aarch64 and run under
+    qemu-user (emulating every feature: -cpu max) by tests/native_check.c."""
     cc, qemu = "aarch64-linux-gnu-gcc", "qemu-aarch64"
     if subprocess.run(["which", cc, qemu], capture_output=True).returncode != 0:
         pytest.skip("no aarch64 cross compiler / qemu-user (test.sh installs them as root)")
     check = Path(__file__).with_name("native_check.c")
-    for name, flags in (("neon-dotprod", ["-march=armv8.2-a+dotprod"]), ("neon", ["-march=armv8-a"]),
-                        ("portable", ["-march=armv8-a", "-DQVL_PORTABLE"])):
+    for name, flags in (("neon-i8mm", ["-march=armv8.2-a+dotprod+i8mm"]), ("neon-dotprod", ["-march=armv8.2-a+dotprod"]),
+                        ("neon", ["-march=armv8-a"]), ("portable", ["-march=armv8-a", "-DQVL_PORTABLE"])):
         exe = tmp_path / f"check-{name}"
         cmd = [cc, "-O2", *flags, "-fopenmp", "-I", str(native.SOURCE_DIR), str(check),
                *map(str, sorted(native.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm", "-static"]
         built = subprocess.run(cmd, capture_output=True, text=True)
         assert built.returncode == 0, built.stderr
-        ran = subprocess.run([qemu, str(exe)], capture_output=True, text=True, timeout=300)
+        ran = subprocess.run([qemu, "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, f"{name}:\n{ran.stdout}\n{ran.stderr}"
         features = int(ran.stdout.split("features ")[1].split()[0])
         assert bool(features & native.NEON) == (name != "portable")
-        assert bool(features & native.DOTPROD) == (name == "neon-dotprod")
+        assert bool(features & native.DOTPROD) == name.startswith("neon-")
+        assert bool(features & native.I8MM) == (name == "neon-i8mm")
 
 
-@pytest.mark.parametrize("dot", [True, False])
-def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(monkeypatch, dot):
+@pytest.mark.parametrize("kind", ["i8mm", "dotprod", "neither"])
+def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(monkeypatch, kind):
     """On ARM the tier's build reports its features (tests/native_check.c runs the kernels themselves
     under qemu): with dot products the vision tower's and prefill's int8 products take the byte
-    kernel (sdot, 8-bit codes per 64 columns) by default, as on x86 with VNNI; without them they
-    stay in float32 (dequantise + GEMM)."""
+    kernel (8-bit codes per 64 columns; smmla with i8mm, else sdot) by default, as on x86 with
+    VNNI; without them they stay in float32 (dequantise + GEMM)."""
     from types import SimpleNamespace
 
     from qvl import engine as engine_module
     from qvl.engine import EngineOptions, int8_plan
 
-    flags = frozenset({"asimddp"} if dot else set())
+    dot = kind != "neither"
+    flags = frozenset({"asimddp", "i8mm"} if kind == "i8mm" else {"asimddp"} if dot else set())
     tier = native.tiers(flags, "aarch64")[0]
-    features = native.NEON | native.OPENMP | (native.DOTPROD if dot else 0)
+    features = native.NEON | native.OPENMP | (native.DOTPROD if dot else 0) | (native.I8MM if kind == "i8mm" else 0)
     k = dispatch.Kernels(tier, SimpleNamespace(features=features))
     assert tier.name == ("neon" if dot else "neon-nodotprod")
     assert k.group_codes(torch.float32) == dot and not k.i16_products(torch.float32)
     assert k.default_int8_activations(torch.float32) == ("all" if dot else "off")
     prefill = k.describe()["prefill_int8_int4"]
-    assert ("byte products (sdot)" in prefill) == dot and ("dequantise + float GEMM" in prefill)
+    assert ("byte products (smmla)" in prefill) == (kind == "i8mm")
+    assert ("byte products (sdot)" in prefill) == (kind == "dotprod")
+    assert "dequantise + float GEMM" in prefill
     monkeypatch.setattr(engine_module, "kernels", lambda: k)
     assert int8_plan(EngineOptions(model="unused"), torch.float32, None) == (True, "all" if dot else "off")
 

@@ -160,9 +160,10 @@ class Kernels:
         f, name = self.features, self.tier.name
         compute = torch.bfloat16 if self.native_bf16 else torch.float32  # the default compute dtype
         extras = [n for bit, n in ((native.VNNI, "VNNI"), (native.BF16, "BF16"), (native.AVX_VNNI, "AVX-VNNI"),
-                                   (native.DOTPROD, "dot products"), (native.AMX_INT8, "AMX-INT8"))
+                                   (native.DOTPROD, "dot products"), (native.I8MM, "int8 matrix products"),
+                                   (native.AMX_INT8, "AMX-INT8"))
                   if f & bit]
-        byte = "sdot" if name.startswith("neon") else "vpdpbusd"
+        byte = ("smmla" if f & native.I8MM else "sdot") if name.startswith("neon") else "vpdpbusd"
         integer = {"avx512": "AVX-512" + (" VNNI" if f & native.VNNI else " (16-bit pairs)"),
                    "avx2": "AVX2 " + ("AVX-VNNI" if f & native.AVX_VNNI else "vpmaddwd / vpmaddubsw"),
                    "neon": "NEON smlal" + (" / sdot" if f & native.DOTPROD else "")}

@@ -32,7 +32,7 @@ W_BF16, W_INT8, W_INT4 = 0, 1, 2
 ACTIVATION_GROUP = 64  # columns per scale of prefill's 8-bit activation codes (docs/benchmarks.md section 40)
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM (int8 on AMX: 64)
 # bits of qvl_features(): what the build has
-AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP, AMX_INT8 = 1, 2, 4, 8, 16, 32, 64, 128, 256
+AVX512, VNNI, BF16, AVX2, AVX_VNNI, NEON, DOTPROD, OPENMP, AMX_INT8, I8MM = 1, 2, 4, 8, 16, 32, 64, 128, 256, 512
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LIBRARY_SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
 

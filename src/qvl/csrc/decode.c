@@ -4,7 +4,7 @@
 
 /* What this build has, as bits: 1 AVX-512, 2 AVX-512 VNNI, 4 AVX512-BF16 (flash attention),
  * 8 AVX2+FMA, 16 AVX-VNNI, 32 NEON, 64 NEON dot products, 128 OpenMP, 256 AMX int8 tiles
- * (the int8 products of up to 64 rows). */
+ * (the int8 products of up to 64 rows), 512 NEON int8 matrix products (i8mm: the byte kernel's smmla). */
 int qvl_features(void) {
     int f = 0;
 #ifdef QVL_AVX512
@@ -26,6 +26,9 @@ int qvl_features(void) {
     f |= 32;
 #ifdef __ARM_FEATURE_DOTPROD
     f |= 64;
+#endif
+#ifdef __ARM_FEATURE_MATMUL_INT8
+    f |= 512;
 #endif
 #endif
 #ifdef _OPENMP

@@ -389,6 +389,11 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #define QVL_Q8 1
 
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
+#if defined(QVL_NEON) && defined(__ARM_FEATURE_MATMUL_INT8)
+#define Q8_UNIT 8 /* codes of a row per step: smmla (i8mm) takes 8 (rows in pairs), the dot products 4 */
+#else
+#define Q8_UNIT 4
+#endif
 #define Q8_ROWS I16_ROWS_6
 
 #if defined(QVL_AVX512)
@@ -403,10 +408,20 @@ static inline vint vi_dp8(vint acc, vint w, vint a) {
 }
 #endif
 
-/* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % 4 == 0; rows past M zero), layer-normalised first
- * when nw (float32 [K], with nb) is given -> int8 codes as quads a[K/4][Q8_MR] (quad p of row r
- * at a[p * Q8_MR + r]), each group's step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR],
- * G = ceil(K / group). */
+/* Row r's int8 codes[K] into its block's layout a (K * Q8_MR bytes): quads a[K/4][Q8_MR] (quad p
+ * of row r at a[p * Q8_MR + r]) for the dot products; for smmla octets in row pairs, [K/8][Q8_MR/2]
+ * of 16 bytes (row 2j's 8 codes, then row 2j + 1's). */
+static inline void place_codes(int32_t* a, const int8_t* codes, int64_t K, int r) {
+#if Q8_UNIT == 8
+    for (int64_t o = 0; o < K / 8; o++) memcpy((int8_t*)a + o * 8 * Q8_MR + (r / 2) * 16 + (r % 2) * 8, codes + 8 * o, 8);
+#else
+    for (int64_t p = 0; p < K / 4; p++) memcpy(a + p * Q8_MR + r, codes + 4 * p, 4); /* one quad */
+#endif
+}
+
+/* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % Q8_UNIT == 0; rows past M zero), layer-normalised
+ * first when nw (float32 [K], with nb) is given -> int8 codes in a (place_codes), each group's
+ * step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
 static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, const float* nw,
                         const float* nb, float eps, int64_t m0, int32_t* a, float* sg, int32_t* nq, float* buf,
                         int8_t* codes) {
@@ -441,7 +456,7 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
             sg[g * Q8_MR + r] = !finite ? NAN : coded ? top / 127.f : 0.f;
             nq[g * Q8_MR + r] = -128 * sum;
         }
-        for (int64_t p = 0; p < K / 4; p++) memcpy(a + p * Q8_MR + r, codes + 4 * p, 4); /* one quad */
+        place_codes(a, codes, K, r);
     }
 }
 
@@ -514,6 +529,83 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
  * loads. The same integer sums and the same float32 operations in the same order as on x86:
  * the same results. */
 
+#if Q8_UNIT == 8
+/* With i8mm, smmla multiplies a 2 x 8 block of codes (two rows) by an 8 x 2 block of weights (two
+ * columns) into a 2 x 2 block of int32 sums: 32 multiply-adds per instruction, twice sdot's. The
+ * register block stays 6 rows x 8 columns: 3 row pairs x 4 column pairs of 2 x 2 sums and as
+ * many float32 totals, 3 + 4 loads per 12 smmla per 8 codes. A group's sums are scaled per row
+ * (the step vector [s_r, s_r, s_r+1, s_r+1]) and added in one fmla: per output element the
+ * same integer sum and float operation as the dot-product kernels, the same results. */
+
+/* The tile's weights: w rows n0..n0+nr-1 as octets b[K/8][I16_NR][8 bytes] (columns past nr zero). */
+static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
+    int8_t* bb = (int8_t*)b;
+    for (int64_t o = 0; o < K / 8; o++)
+        for (int64_t i = 0; i < I16_NR; i++) {
+            if (i < nr)
+                memcpy(bb + (o * I16_NR + i) * 8, w + (n0 + i) * K + 8 * o, 8);
+            else
+                memset(bb + (o * I16_NR + i) * 8, 0, 8);
+        }
+}
+
+#define Q8M_BLOCKS2(X) X(0, 0) X(0, 1) X(0, 2) X(0, 3) X(1, 0) X(1, 1) X(1, 2) X(1, 3) X(2, 0) X(2, 1) X(2, 2) X(2, 3)
+#define Q8M_BLOCKS1(X) X(0, 0) X(0, 1) X(1, 0) X(1, 1) X(2, 0) X(2, 1)
+#define Q8M_DECL(p, q) int32x4_t c##p##q; float32x4_t e##p##q = vdupq_n_f32(0.f);
+#define Q8M_ZERO(p, q) c##p##q = vdupq_n_s32(0);
+#define Q8M_STEP(p, q) c##p##q = vmmlaq_s32(c##p##q, a##p, b##q);
+#define Q8M_SCALE(p, q) e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), s##p);
+#define Q8M_OUT(p, q)                                                     \
+    vst1_f32(c + (2 * (p)) * I16_NR + 2 * (q), vget_low_f32(e##p##q));     \
+    vst1_f32(c + (2 * (p) + 1) * I16_NR + 2 * (q), vget_high_f32(e##p##q));
+#define Q8M_PAIR_STEPS(g)                                                                                   \
+    const float32x4_t s0 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR]), vdup_n_f32(sg[(g) * Q8_MR + 1]));     \
+    const float32x4_t s1 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR + 2]), vdup_n_f32(sg[(g) * Q8_MR + 3])); \
+    const float32x4_t s2 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR + 4]), vdup_n_f32(sg[(g) * Q8_MR + 5]));
+
+/* c[r][0 .. 2 VL) = the sum over groups of gq quads (gq / 2 octets) of each group's exact sum of
+ * the codes a (place_codes) . the weights b (q8_panel) times its step (sg: [groups][Q8_MR]); c is
+ * [Q8_MR][I16_NR]. */
+static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
+                     const int32_t* nq, float* c) {
+    (void)nq;
+    const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
+    const int64_t octets = quads / 2, go = gq / 2;
+    Q8M_BLOCKS2(Q8M_DECL)
+    for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
+        Q8M_BLOCKS2(Q8M_ZERO)
+        for (int64_t o = o0; o < o0 + go && o < octets; o++) {
+            const int8x16_t a0 = vld1q_s8(ab + o * 48), a1 = vld1q_s8(ab + o * 48 + 16), a2 = vld1q_s8(ab + o * 48 + 32);
+            const int8x16_t b0 = vld1q_s8(bb + o * 64), b1 = vld1q_s8(bb + o * 64 + 16);
+            const int8x16_t b2 = vld1q_s8(bb + o * 64 + 32), b3 = vld1q_s8(bb + o * 64 + 48);
+            Q8M_BLOCKS2(Q8M_STEP)
+        }
+        Q8M_PAIR_STEPS(g)
+        Q8M_BLOCKS2(Q8M_SCALE)
+    }
+    Q8M_BLOCKS2(Q8M_OUT)
+}
+
+/* The same for the first VL columns only (a block of columns' tail). */
+static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
+                     const int32_t* nq, float* c) {
+    (void)nq;
+    const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
+    const int64_t octets = quads / 2, go = gq / 2;
+    Q8M_BLOCKS1(Q8M_DECL)
+    for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
+        Q8M_BLOCKS1(Q8M_ZERO)
+        for (int64_t o = o0; o < o0 + go && o < octets; o++) {
+            const int8x16_t a0 = vld1q_s8(ab + o * 48), a1 = vld1q_s8(ab + o * 48 + 16), a2 = vld1q_s8(ab + o * 48 + 32);
+            const int8x16_t b0 = vld1q_s8(bb + o * 64), b1 = vld1q_s8(bb + o * 64 + 16);
+            Q8M_BLOCKS1(Q8M_STEP)
+        }
+        Q8M_PAIR_STEPS(g)
+        Q8M_BLOCKS1(Q8M_SCALE)
+    }
+    Q8M_BLOCKS1(Q8M_OUT)
+}
+#else
 /* The tile's weights: w rows n0..n0+nr-1 as quads b[K/4][I16_NR] (4 bytes of one row each;
  * columns past nr zero). */
 static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
@@ -582,18 +674,19 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
     }
     Q8_NEON_ROWS(Q8N_OUT1)
 }
+#endif /* i8mm or dot products */
 #endif
 
 /* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
  * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
  * norm_w (dt [K], and norm_b or NULL) x's rows are layer-normalised first (never written);
  * `gelu` applies tanh-GELU to the result and `residual` ([M][N] dt, or NULL) is added to it
- * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K % 4,
- * N % VL, a group size not a multiple of 4 or past 256). */
+ * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K or the
+ * group size not a multiple of Q8_UNIT, a group past 256, N % VL). */
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
                   int gelu, const void* residual) {
-    if (K % 4 || N % VL || M < 1 || K < 4 || group < 4 || group % 4 || group > 256) return -2;
+    if (K % Q8_UNIT || N % VL || M < 1 || K < 4 || group < Q8_UNIT || group % Q8_UNIT || group > 256) return -2;
     const int64_t MB = (M + Q8_MR - 1) / Q8_MR, Q = K / 4, G = (K + group - 1) / group, T = threads < 1 ? 1 : threads;
     int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
     float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
