@@ -553,6 +553,7 @@ def test_aarch64_kernels_under_qemu(tmp_path):
         assert bool(features & native.NEON) == (name != "portable")
         assert bool(features & native.DOTPROD) == name.startswith("neon-")
         assert bool(features & native.I8MM) == (name == "neon-i8mm")
+        assert ("byte kernel checked" in ran.stdout) == name.startswith("neon-")
 
 
 @pytest.mark.parametrize("kind", ["i8mm", "dotprod", "neither"])

@@ -304,8 +304,9 @@ def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: to
               bias: torch.Tensor | None = None, group: int = ACTIVATION_GROUP, gelu_tanh: bool = False,
               residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None) -> torch.Tensor | None:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 8-bit
-    codes per `group` columns, on VNNI byte products (i16_gemm.c's qvl_q8_linear); None where
-    that kernel does not run (no AVX-512 VNNI or AVX-VNNI, K % 4, N not a multiple of 16).
+    codes per `group` columns, on byte products (i16_gemm.c's qvl_q8_linear: VNNI, ARM's sdot or
+    i8mm); None where that kernel does not run (no such products, K or the group not a multiple
+    of 4 (of 8 with i8mm), N not a multiple of 16).
     `layer_norm`, `gelu_tanh` and `residual` are fused into it as int8_matmul's are."""
     norm_w, norm_b, eps, residual = _fusions(x, scale.shape[0], residual, layer_norm)
     return _int8_rows(lib.qvl_q8_linear, x, weight, scale, bias, tuple(_DTYPES), 4, group, _ptr(norm_w),

@@ -242,6 +242,21 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
+#ifdef QVL_NEON
+static inline float32x4_t exp2_f32x4(float32x4_t x) { /* 2^x, x clamped to [-126, 127]: exp2_ps256's steps */
+    x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-126.f)), vdupq_n_f32(127.f));
+    const float32x4_t n = vrndnq_f32(x), f = vsubq_f32(x, n);
+    float32x4_t p = vdupq_n_f32(1.3534167e-3f);
+    p = vfmaq_f32(vdupq_n_f32(9.6588929e-3f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(5.5503406e-2f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(2.4022217e-1f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(6.9314699e-1f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.f), p, f);
+    const int32x4_t e = vshlq_n_s32(vcvtq_s32_f32(n), 23);
+    return vreinterpretq_f32_s32(vaddq_s32(vreinterpretq_s32_f32(p), e));
+}
+#endif
+
 /* One linear of a decoder layer, as qvl_linear takes it, and one decoder layer's weights
  * (QvlLinear / QvlLayer mirror native.LinearArgs / native.LayerArgs). */
 typedef struct {

@@ -27,7 +27,7 @@ int qvl_features(void) {
 #ifdef __ARM_FEATURE_DOTPROD
     f |= 64;
 #endif
-#ifdef __ARM_FEATURE_MATMUL_INT8
+#if defined(__ARM_FEATURE_DOTPROD) && defined(__ARM_FEATURE_MATMUL_INT8) /* the byte kernel's smmla */
     f |= 512;
 #endif
 #endif

@@ -523,11 +523,11 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
 #else
 /* NEON: sdot multiplies signed bytes by signed bytes, so the weights stay as they are (nq, the
  * x86 kernels' offset, is not used) and each group's int32 sum is the exact sum of w . q
- * (|sum| <= 64 * 127 * 127 < 2^31 at groups of up to 256). The register block: 6 rows x 8
+ * (|sum| <= 256 * 128 * 127 < 2^31 at groups of up to 256). The register block: 6 rows x 8
  * columns (two int32x4 of sums and two float32x4 of totals per row), each row's quad of
  * codes taken by lane from one 16-byte (rows 0-3) or 8-byte (rows 4-5) load: 12 sdot per 4
  * loads. The same integer sums and the same float32 operations in the same order as on x86:
- * the same results. */
+ * the same product bits (the fused layer norm's sums and GELU follow each build's vectors). */
 
 #if Q8_UNIT == 8
 /* With i8mm, smmla multiplies a 2 x 8 block of codes (two rows) by an 8 x 2 block of weights (two
@@ -535,7 +535,7 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
  * register block stays 6 rows x 8 columns: 3 row pairs x 4 column pairs of 2 x 2 sums and as
  * many float32 totals, 3 + 4 loads per 12 smmla per 8 codes. A group's sums are scaled per row
  * (the step vector [s_r, s_r, s_r+1, s_r+1]) and added in one fmla: per output element the
- * same integer sum and float operation as the dot-product kernels, the same results. */
+ * same integer sum and float operation as the dot-product kernels, the same product bits. */
 
 /* The tile's weights: w rows n0..n0+nr-1 as octets b[K/8][I16_NR][8 bytes] (columns past nr zero). */
 static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {

@@ -104,6 +104,13 @@ void qvl_gelu_tanh(float* v, int64_t n) {
         __m256 u = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(c3, x), _mm256_mul_ps(x, x), x), c1);
         _mm256_storeu_ps(v + i, div_one_plus_exp2_256(x, u));
     }
+#elif defined(QVL_NEON) /* the AVX2 steps (the byte kernel's fused GELU on ARM: not one tanhf per value) */
+    const float32x4_t c1 = vdupq_n_f32(-2.f * 0.7978845608f * 1.4426950409f), c3 = vdupq_n_f32(0.044715f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t x = vld1q_f32(v + i);
+        const float32x4_t u = vmulq_f32(vfmaq_f32(x, vmulq_f32(c3, x), vmulq_f32(x, x)), c1);
+        vst1q_f32(v + i, vdivq_f32(x, vaddq_f32(vdupq_n_f32(1.f), exp2_f32x4(u))));
+    }
 #endif
     for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
 }
