@@ -168,6 +168,16 @@ static inline int64_t first_prefetch(int64_t c0, int64_t every, int64_t phase) {
     return c0 + ((phase - c0 % every) % every + every) % every;
 }
 
+/* Where the int8 products' prefetch brings the next block's weights: into L2 only on AVX-512
+ * (a block ahead is 48 rows, 96-288 KB, far more than L1 holds; asked into L1 the one-row
+ * decode step took 1.33x as long on a Zen 4, 4 rows 1.37x, 8 rows 1.09x: docs/benchmarks.md
+ * section 49), into L1 on AVX2 (measured the same there, emulated on that Zen 4). */
+#ifdef QVL_AVX512
+#define WEIGHT_PREFETCH _MM_HINT_T1
+#else
+#define WEIGHT_PREFETCH _MM_HINT_T0
+#endif
+
 /* Asks for chunk c of nr weight rows (K apart) from pf, when c is *next (then the next one
  * is every chunks on): the int8 products' prefetch, spread over the chunks so that memory
  * streams under the products (a counter, not c % every: that was a division per chunk). */
@@ -176,8 +186,8 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const int8_t* p
     if (!pf || c != *next) return;
     *next += every;
     for (int r = 0; r < nr; r++) {
-        _mm_prefetch((const char*)(pf + r * K + c * CHUNK), _MM_HINT_T0);
-        _mm_prefetch((const char*)(pf + r * K + c * CHUNK + 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(pf + r * K + c * CHUNK), WEIGHT_PREFETCH);
+        _mm_prefetch((const char*)(pf + r * K + c * CHUNK + 64), WEIGHT_PREFETCH);
     }
 }
 #endif
