@@ -294,7 +294,7 @@ static inline __attribute__((always_inline)) void int4_tile(const int8_t* xq, in
     for (int64_t c = 0; c < C; c++) {
         for (int r = 0; r < nr; r++) {
             const uint8_t* wc = w + r * (K / 2) + c * (CHUNK / 2);
-            _mm_prefetch((const char*)(wc + 2 * nr * (K / 2)), _MM_HINT_T0); /* two row blocks ahead */
+            _mm_prefetch((const char*)(wc + 2 * nr * (K / 2)), WEIGHT_PREFETCH); /* two row blocks ahead */
             __m512i v = _mm512_loadu_si512(wc);
             __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             for (int m = 0; m < mt; m++) {
