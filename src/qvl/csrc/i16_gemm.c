@@ -713,6 +713,10 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
                             nq + mb * G * Q8_MR, buf, codes);
         free(buf), free(codes);
     }
+    if (failed) {
+        free(a), free(sg), free(nq), free(nw), free(cs);
+        return -1;
+    }
     const int64_t gq = group / 4, tiles = (N + I16_NR - 1) / I16_NR, chunk = chunk_blocks(K * Q8_MR);
     const int64_t items = (MB + chunk - 1) / chunk * tiles;
     int64_t next = 0;
@@ -724,7 +728,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
          * results written out at once; (chunk, tile) pairs taken in turn (take_item), each
          * tile's weights laid out again per chunk (a few % of the products' time, against the
          * codes of every row streaming from memory per tile) */
-        int32_t* b = !failed ? aligned_alloc(64, (size_t)(Q * I16_NR * 4 + 63) / 64 * 64) : NULL;
+        int32_t* b = aligned_alloc(64, (size_t)(Q * I16_NR * 4 + 63) / 64 * 64);
         if (!b) {
 #pragma omp atomic write
             failed = 1;
