@@ -782,31 +782,76 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
     TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, 1)
 }
 
+/* A thread's share of the blocks of a product, [front, back) packed in one word: the thread
+ * takes its blocks from the front, in order (its weights stream from memory as with an equal
+ * share), and a thread done with its own takes the last ones of another's (a slower core, an
+ * E-core or a busy vCPU, takes fewer instead of keeping the others waiting). */
+typedef struct {
+    int64_t span;         /* front << 32 | back, in blocks of INT8_BLOCK rows from row lo */
+    int64_t lo, hi;       /* its weight rows */
+    char pad[40];         /* one cache line each */
+} Share;
+
+/* The front block of *s (or its back one), or -1 when it is empty. */
+static inline int64_t share_take(Share* s, int back) {
+    int64_t v = __atomic_load_n(&s->span, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t front = v >> 32, end = v & 0xffffffff;
+        if (front >= end) return -1;
+        const int64_t taken = back ? front << 32 | (end - 1) : (front + 1) << 32 | end;
+        if (__atomic_compare_exchange_n(&s->span, &v, taken, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return back ? end - 1 : front;
+    }
+}
+
+/* Thread t's next block, its first row (-1 when none is left; its rows end at *last): the
+ * front of its own share, else the back of the next share that has any. */
+static inline int64_t next_block(Share* shares, int T, int t, int64_t* last) {
+    for (int i = 0; i < T; i++) {
+        Share* s = &shares[(t + i) % T];
+        const int64_t b = share_take(s, i > 0);
+        if (b < 0) continue;
+        const int64_t first = s->lo + b * INT8_BLOCK;
+        *last = first + INT8_BLOCK < s->hi ? first + INT8_BLOCK : s->hi;
+        return first;
+    }
+    return -1;
+}
+
 /* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of INT8_BLOCK, and for
  * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
  * the block taking the range before the next one. A product's running sums carry over between
  * ranges in `state`, so it is computed exactly as in one pass (the same sums in the same order,
- * whatever M, K or the tile). From 2 activation rows on, weight rows go up to INT8_PAIR at a
- * time (each activation load serves them all; on AVX-512, three rows to a tile of 3-4
- * activation rows: 8 rows 0.84x the time of pairs, the loads per product being the limit), and
- * as their chunks are multiplied the same chunks of the rows one block on are asked from
- * memory, each tile of activation rows asking for every tiles-th chunk: the next block streams
- * in under the products rather than after them (4 rows: the decode step from 1.6x to 1.2x one
- * row's; asked in a burst per row, as before, it did not overlap; one row: 0.97x without the
- * prefetch). One row alone streams its weights faster without pairs. */
+ * whatever M, K, the tile or the thread). From 2 activation rows on, weight rows go up to
+ * INT8_PAIR at a time (each activation load serves them all; on AVX-512, three rows to a tile of
+ * 3-4 activation rows: 8 rows 0.84x the time of pairs, the loads per product being the limit).
+ * Each thread takes the blocks of its share in order (next_block), claiming its next block
+ * when it starts one, so that as a block's chunks are multiplied the same chunks of the next
+ * block's rows are asked from memory, each tile of activation rows asking for every tiles-th chunk: the next
+ * block streams in under the products rather than after them (4 rows: the decode step from 1.6x
+ * to 1.2x one row's; asked in a burst per row, as before, it did not overlap; one row: 0.97x
+ * without the prefetch); a thread done with its share takes blocks from the end of another's.
+ * One row alone streams its weights
+ * faster without pairs. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
-    /* each thread an equal share of the rows (whole groups of INT8_PAIR), in blocks: whole
-     * blocks per thread left one waiting where N is not a multiple of threads blocks */
+    /* each thread an equal share of the rows (whole groups of INT8_PAIR), in blocks */
     const int T = threads < 1 ? 1 : threads;
     const int64_t share = ((N - n0 + T - 1) / T + INT8_PAIR - 1) / INT8_PAIR * INT8_PAIR;
+    Share shares[T];
+    for (int t = 0; t < T; t++) {
+        shares[t].lo = n0 + t * share < N ? n0 + t * share : N;
+        shares[t].hi = shares[t].lo + share < N ? shares[t].lo + share : N;
+        shares[t].span = (shares[t].hi - shares[t].lo + INT8_BLOCK - 1) / INT8_BLOCK;
+    }
 #pragma omp parallel for num_threads(T) schedule(static)
-    for (int64_t part = 0; part < T; part++) {
-        const int64_t start = n0 + part * share, end = start + share < N ? start + share : N;
-        for (int64_t first = start; first < end; first += INT8_BLOCK) {
-            const int64_t last = first + INT8_BLOCK < end ? first + INT8_BLOCK : end;
-            float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
+    for (int t = 0; t < T; t++) {
+        float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
+        int64_t last = 0, next_last = 0;
+        for (int64_t first = next_block(shares, T, t, &last), next; first >= 0; first = next, last = next_last) {
+            next = next_block(shares, T, t, &next_last);
+            const int64_t ahead = next >= 0 ? next : N; /* the next block's first row */
             for (int64_t m0 = 0; m0 < M; m0 += TILE) {
                 const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
                 /* one row streams its weights faster alone; a tile of 1-2 rows takes pairs (Zen 5,
@@ -820,7 +865,8 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                     const int64_t c1 = c0 + range < C ? c0 + range : C;
                     for (int64_t n = first; n < last; n += pair) {
                         const int nr = last - n < pair ? (int)(last - n) : (int)pair;
-                        const int8_t* pf = n + nr + INT8_BLOCK <= end ? w + (n + INT8_BLOCK) * K : NULL;
+                        const int64_t pn = ahead + (n - first); /* the same rows of the next block */
+                        const int8_t* pf = next >= 0 && pn + nr <= next_last ? w + pn * K : NULL;
                         int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf,
                                           tiles, m0 / TILE, nr);
                         if (c1 < C) continue;
