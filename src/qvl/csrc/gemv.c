@@ -712,6 +712,55 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
 }
 #endif
 
+/* A thread's share of a product's weight rows, taken in blocks: [front, back) packed in one word.
+ * The thread takes its blocks from the front, in order (its weights stream from memory as with
+ * an equal share), and a thread done with its own takes the last ones of another's (a slower
+ * core, an E-core or a busy vCPU, takes fewer instead of keeping the others waiting). Which
+ * thread computes a row does not change its bits. */
+typedef struct {
+    int64_t span;            /* front << 32 | back, in blocks from row lo */
+    int64_t lo, hi, block;   /* its weight rows; rows per block */
+    char pad[32];            /* one cache line each */
+} Share;
+
+/* T equal shares of rows n0..N-1 (each a multiple of `unit` rows but the last), in blocks of `block`. */
+static void split_shares(Share* shares, int T, int64_t n0, int64_t N, int64_t unit, int64_t block) {
+    const int64_t share = ((N - n0 + T - 1) / T + unit - 1) / unit * unit;
+    for (int t = 0; t < T; t++) {
+        Share* s = &shares[t];
+        s->lo = n0 + t * share < N ? n0 + t * share : N;
+        s->hi = s->lo + share < N ? s->lo + share : N;
+        s->block = block;
+        s->span = (s->hi - s->lo + block - 1) / block;
+    }
+}
+
+/* The front block of *s (or its back one), or -1 when it is empty. */
+static inline int64_t share_take(Share* s, int back) {
+    int64_t v = __atomic_load_n(&s->span, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t front = v >> 32, end = v & 0xffffffff;
+        if (front >= end) return -1;
+        const int64_t taken = back ? front << 32 | (end - 1) : (front + 1) << 32 | end;
+        if (__atomic_compare_exchange_n(&s->span, &v, taken, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return back ? end - 1 : front;
+    }
+}
+
+/* Thread t's next block, its first row (-1 when none is left; its rows end at *last): the
+ * front of its own share, else the back of the next share that has any. */
+static inline int64_t next_block(Share* shares, int T, int t, int64_t* last) {
+    for (int i = 0; i < T; i++) {
+        Share* s = &shares[(t + i) % T];
+        const int64_t b = share_take(s, i > 0);
+        if (b < 0) continue;
+        const int64_t first = s->lo + b * s->block;
+        *last = first + s->block < s->hi ? first + s->block : s->hi;
+        return first;
+    }
+    return -1;
+}
+
 /* ---- choosing the row product ----------------------------------------------------------------- */
 
 /* Call F(..., mt) with mt a compile-time constant, so the always-inline tiles unroll. */
@@ -782,42 +831,6 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
     TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, 1)
 }
 
-/* A thread's share of the blocks of a product, [front, back) packed in one word: the thread
- * takes its blocks from the front, in order (its weights stream from memory as with an equal
- * share), and a thread done with its own takes the last ones of another's (a slower core, an
- * E-core or a busy vCPU, takes fewer instead of keeping the others waiting). */
-typedef struct {
-    int64_t span;         /* front << 32 | back, in blocks of INT8_BLOCK rows from row lo */
-    int64_t lo, hi;       /* its weight rows */
-    char pad[40];         /* one cache line each */
-} Share;
-
-/* The front block of *s (or its back one), or -1 when it is empty. */
-static inline int64_t share_take(Share* s, int back) {
-    int64_t v = __atomic_load_n(&s->span, __ATOMIC_RELAXED);
-    for (;;) {
-        const int64_t front = v >> 32, end = v & 0xffffffff;
-        if (front >= end) return -1;
-        const int64_t taken = back ? front << 32 | (end - 1) : (front + 1) << 32 | end;
-        if (__atomic_compare_exchange_n(&s->span, &v, taken, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            return back ? end - 1 : front;
-    }
-}
-
-/* Thread t's next block, its first row (-1 when none is left; its rows end at *last): the
- * front of its own share, else the back of the next share that has any. */
-static inline int64_t next_block(Share* shares, int T, int t, int64_t* last) {
-    for (int i = 0; i < T; i++) {
-        Share* s = &shares[(t + i) % T];
-        const int64_t b = share_take(s, i > 0);
-        if (b < 0) continue;
-        const int64_t first = s->lo + b * INT8_BLOCK;
-        *last = first + INT8_BLOCK < s->hi ? first + INT8_BLOCK : s->hi;
-        return first;
-    }
-    return -1;
-}
-
 /* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of INT8_BLOCK, and for
  * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
  * the block taking the range before the next one. A product's running sums carry over between
@@ -836,15 +849,9 @@ static inline int64_t next_block(Share* shares, int T, int t, int64_t* last) {
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
-    /* each thread an equal share of the rows (whole groups of INT8_PAIR), in blocks */
     const int T = threads < 1 ? 1 : threads;
-    const int64_t share = ((N - n0 + T - 1) / T + INT8_PAIR - 1) / INT8_PAIR * INT8_PAIR;
-    Share shares[T];
-    for (int t = 0; t < T; t++) {
-        shares[t].lo = n0 + t * share < N ? n0 + t * share : N;
-        shares[t].hi = shares[t].lo + share < N ? shares[t].lo + share : N;
-        shares[t].span = (shares[t].hi - shares[t].lo + INT8_BLOCK - 1) / INT8_BLOCK;
-    }
+    Share shares[T]; /* whole groups of INT8_PAIR rows each */
+    split_shares(shares, T, n0, N, INT8_PAIR, INT8_BLOCK);
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int t = 0; t < T; t++) {
         float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
@@ -927,15 +934,21 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     }
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
     if (!failed && a.q8) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t b = 0; b < (N + INT4_ROWS - 1) / INT4_ROWS; b++) {
-            const int64_t n0 = b * INT4_ROWS;
-            const int nr = N - n0 < INT4_ROWS ? (int)(N - n0) : INT4_ROWS;
+        const int T = threads < 1 ? 1 : threads;
+        Share shares[T]; /* blocks of 12 x INT4_ROWS rows, groups of INT4_ROWS from row 0 as in one share */
+        split_shares(shares, T, 0, N, INT4_ROWS, 12 * INT4_ROWS);
+#pragma omp parallel for num_threads(T) schedule(static)
+        for (int t = 0; t < T; t++) {
             float out[INT4_ROWS * M];
-            int4_rows(a.q8, M, K, gs, w, scale, zero, dt, n0, nr, out);
-            for (int r = 0; r < nr; r++)
-                for (int64_t m = 0; m < M; m++)
-                    put(y, dt, m * N + n0 + r, bias ? out[r * M + m] + get(bias, dt, n0 + r) : out[r * M + m]);
+            int64_t last = 0;
+            for (int64_t first; (first = next_block(shares, T, t, &last)) >= 0;)
+                for (int64_t n0 = first; n0 < last; n0 += INT4_ROWS) {
+                    const int nr = last - n0 < INT4_ROWS ? (int)(last - n0) : INT4_ROWS;
+                    int4_rows(a.q8, M, K, gs, w, scale, zero, dt, n0, nr, out);
+                    for (int r = 0; r < nr; r++)
+                        for (int64_t m = 0; m < M; m++)
+                            put(y, dt, m * N + n0 + r, bias ? out[r * M + m] + get(bias, dt, n0 + r) : out[r * M + m]);
+                }
         }
         done = 1;
     }
@@ -954,21 +967,25 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     if (!failed && !done) {
         /* weight rows in blocks that stay in L2, each block taken once per tile of activation
          * rows: a tile's activations stay in L1 (8 rows at K = 2048 would not: 32 KB of codes),
-         * and every product is computed as with one tile */
-        const int64_t blocks = (N - covered + GEMV_BLOCK - 1) / GEMV_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = covered + b * GEMV_BLOCK, n1 = n0 + GEMV_BLOCK < N ? n0 + GEMV_BLOCK : N;
-            float out[TILE];
-            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-                int64_t mt = M - m0 < TILE ? M - m0 : TILE;
-                for (int64_t n = n0; n < n1; n++) {
-                    row_products(kind, &a, m0, mt, K, gs, w, scale, zero, dt, n, out);
-                    for (int64_t m = 0; m < mt; m++) {
-                        float v = out[m];
-                        if (kind == W_INT8) v *= get(scale, dt, n);
-                        if (bias) v += get(bias, dt, n);
-                        put(y, dt, (m0 + m) * N + n, v);
+         * and every product is computed as with one tile; each thread its share of the blocks */
+        const int T = threads < 1 ? 1 : threads;
+        Share shares[T];
+        split_shares(shares, T, covered, N, 1, GEMV_BLOCK);
+#pragma omp parallel for num_threads(T) schedule(static)
+        for (int t = 0; t < T; t++) {
+            int64_t n1 = 0;
+            for (int64_t n0; (n0 = next_block(shares, T, t, &n1)) >= 0;) {
+                float out[TILE];
+                for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+                    int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+                    for (int64_t n = n0; n < n1; n++) {
+                        row_products(kind, &a, m0, mt, K, gs, w, scale, zero, dt, n, out);
+                        for (int64_t m = 0; m < mt; m++) {
+                            float v = out[m];
+                            if (kind == W_INT8) v *= get(scale, dt, n);
+                            if (bias) v += get(bias, dt, n);
+                            put(y, dt, (m0 + m) * N + n, v);
+                        }
                     }
                 }
             }
