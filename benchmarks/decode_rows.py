@@ -3,10 +3,13 @@ alternating in one process: what the scheduler's batching gains from a kernel ch
 
     git worktree add /work/wt-before <commit>
     python benchmarks/decode_rows.py --model /work/ckpt/qvl-2b --before /work/wt-before --rows 1,4,8 --rounds 6
+    # rows at different lengths (the list repeated over the rows): long chats beside short ones
+    python benchmarks/decode_rows.py ... --rows 8 --positions 1200,1200,1200,1200,40,40,40,40
 
 The other checkout's native library is built for the same tier (QVL_ISA and torch's switches
 emulate a lower one, as everywhere) and swapped in between rounds, so both sides run the same
-model, weights and cache in the same process. One token per row over 300 cached positions;
+model, weights and cache in the same process. One token per row over 300 cached positions
+(or --positions);
 medians of the steps of each round. Per round, B rows' step over one row's (the batching cost)
 and this checkout's step over the other's.
 """
@@ -38,8 +41,9 @@ def library_of(checkout: str, tier: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def step_ms(model, cache, rows: int, steps: int) -> float:
-    tokens, slots = torch.full((rows,), 100), torch.full((rows,), 300)
+def step_ms(model, cache, rows: int, steps: int, positions: list[int]) -> float:
+    tokens = torch.full((rows,), 100)
+    slots = torch.tensor([positions[i % len(positions)] for i in range(rows)])
     times = []
     for i in range(steps + 2):
         started = time.perf_counter()
@@ -57,22 +61,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--weights", default="int8")
+    p.add_argument("--positions", default="300", help="each row's cached positions, the list repeated over the rows")
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, weights=args.weights, threads=2))
     chosen = dispatch.kernels()
     sides = {"before": dataclasses.replace(chosen, lib=native.open_library(library_of(args.before, chosen.tier.name))),
              "after": chosen}
     rows = [int(r) for r in args.rows.split(",")]
-    caches = {b: new_cache(engine.model, b, 512) for b in rows}
+    positions = [int(x) for x in args.positions.split(",")]
+    caches = {b: new_cache(engine.model, b, max(positions) + 64) for b in rows}
     ms: dict[tuple[str, int], list[float]] = {}
     for r in range(args.rounds):
         for side in (["before", "after"] if r % 2 == 0 else ["after", "before"]):
             dispatch._chosen[0] = sides[side]
             for b in rows:
-                ms.setdefault((side, b), []).append(step_ms(engine.model, caches[b], b, args.steps))
+                ms.setdefault((side, b), []).append(step_ms(engine.model, caches[b], b, args.steps, positions))
     dispatch._chosen[0] = chosen
-    print(f"tier {chosen.tier.name}, {args.weights}, 2 threads, {args.rounds} alternating rounds; "
-          "decode step ms, median (min-max)\n")
+    print(f"tier {chosen.tier.name}, {args.weights}, 2 threads, {args.rounds} alternating rounds, rows at "
+          f"positions {args.positions}; decode step ms, median (min-max)\n")
     print("| side | " + " | ".join(f"{b} rows" for b in rows) + " | " +
           " | ".join(f"{b} rows / 1 row, per round" for b in rows if b != 1) + " |")
     print("|---|" + "---|" * (2 * len(rows) - 1))

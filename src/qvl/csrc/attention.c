@@ -254,7 +254,9 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
     const int64_t G = H / Hkv;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D);
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    /* (row, key/value head) items in turn: rows of different lengths (a long image chat beside
+     * short text rows) would leave one thread waiting with equal shares */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, h = item % Hkv;
         const uint16_t* kh = keys + h * head_stride;
@@ -934,7 +936,9 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
     const float scale2 = 1.4426950408889634f / sqrtf((float)D);
     const size_t esize = dt == BF16 ? 2 : 4;
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    /* (row, key/value head) items in turn: rows of different lengths (a long image chat beside
+     * short text rows) would leave one thread waiting with equal shares */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < B * Hkv; item++) {
         const int64_t b = item / Hkv, h = item % Hkv;
         const char* kh = (const char*)keys + h * head_stride * esize;
