@@ -717,11 +717,20 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
  * an equal share), and a thread done with its own takes the last ones of another's (a slower
  * core, an E-core or a busy vCPU, takes fewer instead of keeping the others waiting). Which
  * thread computes a row does not change its bits. */
-typedef struct {
-    int64_t span;            /* front << 32 | back, in blocks from row lo */
-    int64_t lo, hi, block;   /* its weight rows; rows per block */
-    char pad[32];            /* one cache line each */
+typedef struct __attribute__((aligned(64))) { /* one cache line each */
+    int64_t span;          /* front << 32 | back, in blocks from row lo */
+    int64_t lo, hi, block; /* its weight rows; rows per block */
 } Share;
+
+/* The threads a product's shares are for: one where the build has no OpenMP (it runs them all). */
+static inline int share_threads(int threads) {
+#ifdef _OPENMP
+    return threads < 1 ? 1 : threads;
+#else
+    (void)threads;
+    return 1;
+#endif
+}
 
 /* T equal shares of rows n0..N-1 (each a multiple of `unit` rows but the last), in blocks of `block`. */
 static void split_shares(Share* shares, int T, int64_t n0, int64_t N, int64_t unit, int64_t block) {
@@ -748,9 +757,9 @@ static inline int64_t share_take(Share* s, int back) {
 }
 
 /* Thread t's next block, its first row (-1 when none is left; its rows end at *last): the
- * front of its own share, else the back of the next share that has any. */
-static inline int64_t next_block(Share* shares, int T, int t, int64_t* last) {
-    for (int i = 0; i < T; i++) {
+ * front of its own share, else (when `steal`) the back of the next share that has any. */
+static inline int64_t next_block(Share* shares, int T, int t, int steal, int64_t* last) {
+    for (int i = 0; i < (steal ? T : 1); i++) {
         Share* s = &shares[(t + i) % T];
         const int64_t b = share_take(s, i > 0);
         if (b < 0) continue;
@@ -838,27 +847,28 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
  * whatever M, K, the tile or the thread). From 2 activation rows on, weight rows go up to
  * INT8_PAIR at a time (each activation load serves them all; on AVX-512, three rows to a tile of
  * 3-4 activation rows: 8 rows 0.84x the time of pairs, the loads per product being the limit).
- * Each thread takes the blocks of its share in order (next_block), claiming its next block
- * when it starts one, so that as a block's chunks are multiplied the same chunks of the next
- * block's rows are asked from memory, each tile of activation rows asking for every tiles-th chunk: the next
- * block streams in under the products rather than after them (4 rows: the decode step from 1.6x
- * to 1.2x one row's; asked in a burst per row, as before, it did not overlap; one row: 0.97x
- * without the prefetch); a thread done with its share takes blocks from the end of another's.
- * One row alone streams its weights
- * faster without pairs. */
+ * Each thread takes the blocks of its share in order (next_block), claiming its share's next
+ * block when it starts one, so that as a block's chunks are multiplied the same chunks of the
+ * next block's rows are asked from memory, each tile of activation rows asking for every
+ * tiles-th chunk: the next block streams in under the products rather than after them (4 rows:
+ * the decode step from 1.6x to 1.2x one row's; asked in a burst per row, it did not overlap;
+ * one row: 0.97x without the prefetch). A thread done with its share takes blocks from the end
+ * of another's. One row alone streams its weights faster without pairs. */
 static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
                            const void* scale, const void* bias, int dt, void* y, int threads) {
     const int64_t C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
-    const int T = threads < 1 ? 1 : threads;
+    const int T = share_threads(threads);
     Share shares[T]; /* whole groups of INT8_PAIR rows each */
     split_shares(shares, T, n0, N, INT8_PAIR, INT8_BLOCK);
 #pragma omp parallel for num_threads(T) schedule(static)
     for (int t = 0; t < T; t++) {
         float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
-        int64_t last = 0, next_last = 0;
-        for (int64_t first = next_block(shares, T, t, &last), next; first >= 0; first = next, last = next_last) {
-            next = next_block(shares, T, t, &next_last);
-            const int64_t ahead = next >= 0 ? next : N; /* the next block's first row */
+        int64_t last = 0, next_last = 0, first = next_block(shares, T, t, 1, &last);
+        while (first >= 0) {
+            /* the next block of its own share is claimed now, to be asked from memory under this one's
+             * products; another's only once this one is done (claimed early, it could be the last
+             * block that share's own thread was about to take) */
+            const int64_t next = next_block(shares, T, t, 0, &next_last);
             for (int64_t m0 = 0; m0 < M; m0 += TILE) {
                 const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
                 /* one row streams its weights faster alone; a tile of 1-2 rows takes pairs (Zen 5,
@@ -872,7 +882,7 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                     const int64_t c1 = c0 + range < C ? c0 + range : C;
                     for (int64_t n = first; n < last; n += pair) {
                         const int nr = last - n < pair ? (int)(last - n) : (int)pair;
-                        const int64_t pn = ahead + (n - first); /* the same rows of the next block */
+                        const int64_t pn = next + (n - first); /* the same rows of the next block */
                         const int8_t* pf = next >= 0 && pn + nr <= next_last ? w + pn * K : NULL;
                         int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf,
                                           tiles, m0 / TILE, nr);
@@ -886,6 +896,10 @@ static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int6
                     }
                 }
             }
+            if (next >= 0)
+                first = next, last = next_last;
+            else
+                first = next_block(shares, T, t, 1, &last);
         }
     }
 }
@@ -934,14 +948,14 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     }
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
     if (!failed && a.q8) {
-        const int T = threads < 1 ? 1 : threads;
+        const int T = share_threads(threads);
         Share shares[T]; /* blocks of 12 x INT4_ROWS rows, groups of INT4_ROWS from row 0 as in one share */
         split_shares(shares, T, 0, N, INT4_ROWS, 12 * INT4_ROWS);
 #pragma omp parallel for num_threads(T) schedule(static)
         for (int t = 0; t < T; t++) {
             float out[INT4_ROWS * M];
             int64_t last = 0;
-            for (int64_t first; (first = next_block(shares, T, t, &last)) >= 0;)
+            for (int64_t first; (first = next_block(shares, T, t, 1, &last)) >= 0;)
                 for (int64_t n0 = first; n0 < last; n0 += INT4_ROWS) {
                     const int nr = last - n0 < INT4_ROWS ? (int)(last - n0) : INT4_ROWS;
                     int4_rows(a.q8, M, K, gs, w, scale, zero, dt, n0, nr, out);
@@ -968,13 +982,13 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
         /* weight rows in blocks that stay in L2, each block taken once per tile of activation
          * rows: a tile's activations stay in L1 (8 rows at K = 2048 would not: 32 KB of codes),
          * and every product is computed as with one tile; each thread its share of the blocks */
-        const int T = threads < 1 ? 1 : threads;
+        const int T = share_threads(threads);
         Share shares[T];
         split_shares(shares, T, covered, N, 1, GEMV_BLOCK);
 #pragma omp parallel for num_threads(T) schedule(static)
         for (int t = 0; t < T; t++) {
             int64_t n1 = 0;
-            for (int64_t n0; (n0 = next_block(shares, T, t, &n1)) >= 0;) {
+            for (int64_t n0; (n0 = next_block(shares, T, t, 1, &n1)) >= 0;) {
                 float out[TILE];
                 for (int64_t m0 = 0; m0 < M; m0 += TILE) {
                     int64_t mt = M - m0 < TILE ? M - m0 : TILE;
