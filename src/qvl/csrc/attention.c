@@ -265,6 +265,7 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
         const int64_t L = lengths[b];
         float* sc = malloc((size_t)(G * L) * sizeof(float));
         if (!sc) {
+#pragma omp atomic write
             failed = 1;
             continue;
         }
@@ -947,6 +948,7 @@ static int decode_attention_float(const void* q, const void* keys, const void* v
         const int64_t L = lengths[b];
         float* buf = malloc((size_t)(G * L + 2 * G * D) * sizeof(float));
         if (!buf) {
+#pragma omp atomic write
             failed = 1;
             continue;
         }

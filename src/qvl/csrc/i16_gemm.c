@@ -12,11 +12,11 @@
  * are added in float32 in a fixed order, so a row's result depends neither on the other rows
  * nor on the number of threads.
  *
- * Blocking: the threads take the output columns I16_NR at a time (take_item) over the whole
- * of K, widening the tile's weights once into 16-bit pairs ([NR lanes] per input pair,
- * L2) and running every block of I16_MR activation rows of a chunk (ROW_CHUNK bytes of codes)
- * over them with I16_MR x 2 vector accumulators in registers; the tile's float totals stay in
- * L1. A panel of 256 columns with every row's float totals in memory (what it did before) was
+ * Blocking: the threads take (chunk of row blocks, column tile of I16_NR columns) pairs in
+ * turn (take_item); a tile covers the whole of K, its weights widened once into 16-bit pairs
+ * ([NR lanes] per input pair, L2), and every block of I16_MR activation rows of the chunk
+ * (ROW_CHUNK bytes of codes) runs over them with I16_MR x 2 vector accumulators in registers;
+ * the tile's float totals stay in L1. A panel of 256 columns with every row's float totals in memory (what it did before) was
  * 1 MB per thread at 1008 rows, past L2 (docs/benchmarks.md section 47). */
 #include "common.h"
 
@@ -69,7 +69,7 @@ typedef float32x4_t vflt;
 #endif
 #define I16_NR (2 * VL) /* output columns per register block: two vectors */
 
-/* The next of `items` pieces of work shared by the threads (*next counts those taken), or -1
+/* The next of `items` pieces of work shared by the threads (*next counts the attempts), or -1
  * when none is left: the threads take (chunk of row blocks, column tile) pairs in turn as they
  * finish the last, so a slower core (an E-core beside P-cores, a busy vCPU) takes fewer instead
  * of keeping the others waiting; a tile's result does not depend on which thread computes it. */
