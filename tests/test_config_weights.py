@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qvl.config import ConfigError, GenerationDefaults, ModelConfig
+from qvl import runtime
 from qvl.runtime import choose_dtype
 from qvl.synth import OFFICIAL_2B, preset_config
 from qvl.weights import CheckpointError, load_model
@@ -57,6 +58,30 @@ def test_dtype_follows_cpu_features():
     assert choose_dtype("auto", native_bf16=True) == torch.bfloat16
     assert choose_dtype("auto", native_bf16=False) == torch.float32
     assert choose_dtype("fp32") == torch.float32
+
+
+def _fake_topology(root, siblings: dict[int, str]):
+    for cpu, text in siblings.items():
+        (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (root / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
+    return root
+
+
+def test_default_threads_count_cores_not_hardware_threads(tmp_path, monkeypatch):
+    """A hybrid laptop CPU: 6 P-cores with two threads each (CPUs 0-11, siblings 2k and 2k+1) and 8
+    E-cores with one (12-19): the default is one thread per core, 14 (dividing the allowed CPUs by
+    logical // physical = 20 // 14 = 1 gave 20); restricted to some CPUs, the cores among them."""
+    siblings = {c: f"{c - c % 2}-{c - c % 2 + 1}" for c in range(12)} | {c: str(c) for c in range(12, 20)}
+    root = _fake_topology(tmp_path / "cpu", siblings)
+    monkeypatch.setattr(runtime, "allowed_cpus", lambda: list(range(20)))
+    assert runtime.physical_cores(root) == 14
+    monkeypatch.setattr(runtime, "allowed_cpus", lambda: [0, 1, 2, 12, 13])
+    assert runtime.physical_cores(root) == 4  # cores {0,1}, {2,3}, 12 and 13
+    # without the topology files (another OS): allowed CPUs scaled by cores / logical CPUs
+    monkeypatch.setattr(runtime, "allowed_cpus", lambda: list(range(20)))
+    import psutil
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 20 if logical else 14)
+    assert runtime.physical_cores(tmp_path / "missing") == 14
 
 
 def _copy_without_weights(src, dst):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -64,15 +65,26 @@ def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyper-threads do not speed up matmuls)."""
+def physical_cores(sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Physical cores this process may run on (a core's second hardware thread does not speed
+    up matmuls): on Linux the distinct cores among the allowed CPUs (each CPU's thread
+    siblings), elsewhere the allowed CPUs scaled by cores / logical CPUs. A hybrid CPU (P-cores
+    with two threads, E-cores with one: 20 logical CPUs on 14 cores) counts 14, not 20."""
+    allowed = allowed_cpus()
+    cores = set()
+    for cpu in allowed:
+        try:
+            cores.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
+        except OSError:
+            cores = set()
+            break
+    if cores:
+        return len(cores)
     import psutil
 
-    allowed = len(allowed_cpus())
-    physical = psutil.cpu_count(logical=False) or allowed
-    logical = psutil.cpu_count(logical=True) or allowed
-    per_core = max(1, logical // physical)
-    return max(1, allowed // per_core)
+    physical = psutil.cpu_count(logical=False) or len(allowed)
+    logical = psutil.cpu_count(logical=True) or len(allowed)
+    return max(1, round(len(allowed) * physical / logical))
 
 
 def parse_cpu_list(text: str) -> list[int]:
