@@ -2,7 +2,10 @@
 where the CPU has them) against torch's SDPA, alternating, medians (min-max) of --rounds; and
 each side's largest difference from SDPA in float32. --integer: float32 inputs, qvl's 16-bit
 integer kernel (qvl_attention_i16, what the float32 tiers run where the tower's linears are int8
-x int8) against torch's float32 SDPA, differences from float64.
+x int8) against torch's float32 SDPA, differences from float64. Where the tier has it (AVX-512
+with VNNI and BF16, no AMX), bf16 runs add the kernel with the scores in 8-bit codes
+(qvl_attention_q8, what those CPUs run where the tower's linears are int8 x int8) against qvl's
+bf16 kernel.
 
     python benchmarks/vision_attention.py --rounds 7
     python benchmarks/vision_attention.py --integer --rounds 7
@@ -73,9 +76,11 @@ def main() -> None:
     kernel = kernel_of(k.lib)
     before = kernel_of(checkout_library(args.before)) if args.before else None
     exact = torch.float64 if args.integer else torch.float32
-    extra = " before ms | qvl / before | before's max diff |" if before else ""
+    byte_scores = not args.integer and k.byte_vision_attention(dtype)
+    extra = (" byte scores ms | byte scores / qvl | byte scores' max diff |" if byte_scores else "") + (
+        " before ms | qvl / before | before's max diff |" if before else "")
     print(f"| patches, heads x size | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs {exact}) |{extra}")
-    print("|---|---|---|---|---|" + ("---|---|---|" if before else ""))
+    print("|---|---|---|---|---|" + "---|---|---|" * (bool(byte_scores) + bool(before)))
     torch.manual_seed(0)
     for n, h, d in SHAPES:
         q, kk, v = torch.randn(n, 3, h, d).to(dtype).unbind(1)  # strided, as the fused qkv gives them
@@ -89,6 +94,8 @@ def main() -> None:
         sides = [("sdpa", lambda: sdpa(q, kk, v)), ("qvl", lambda: kernel(q, kk, v))]
         if before:
             sides.append(("before", lambda: before(q, kk, v)))
+        if byte_scores:
+            sides.append(("bytes", lambda: native.attention_q8(k.lib, q, kk, v)))
         times = {name: [] for name, _ in sides}
         for r in range(args.rounds):
             for side, run in (sides if r % 2 == 0 else sides[::-1]):
@@ -98,6 +105,10 @@ def main() -> None:
         ratio = statistics.median(times["qvl"]) / statistics.median(times["sdpa"])
         row = (f"| {n}, {h} x {d} | {spread(times['sdpa'])} | {spread(times['qvl'])} | {ratio:.2f} | "
                f"{diffs[0]:.4f}, {diffs[1]:.4f} |")
+        if byte_scores:
+            mine = native.attention_q8(k.lib, q, kk, v)
+            row += (f" {spread(times['bytes'])} | {statistics.median(times['bytes']) / statistics.median(times['qvl']):.2f} |"
+                    f" {(mine.to(exact) - ref).abs().max().item():.4f} |")
         if before:
             theirs = before(q, kk, v)
             was = float("nan") if theirs is None else (theirs.to(exact) - ref).abs().max().item()

@@ -1,6 +1,7 @@
 """Do integer products in the vision tower's attention keep its accuracy? Measured with qvl's
-kernel where the tier has it (qvl_attention_i16: float32 compute, 16-bit codes; "the defaults"
-run it on AVX2 and AVX-512 without bf16, against torch's float32 SDPA as the control), and
+kernels where the tier has them ("the defaults": qvl_attention_i16, float32 compute, 16-bit
+codes, on AVX2 and AVX-512 without bf16; qvl_attention_q8, bf16 compute, 8-bit score codes, on
+AVX-512 with VNNI and BF16), against the same tower without them (bf16 flash kernel or SDPA), and
 simulated in float for 8-bit schemes: SageAttention-style int8 QK^T (keys minus their mean over the image's
 patches, exact for softmax; int8 codes of q and k with one step per token and head, or per 64
 tokens and head), optionally P as unsigned 8-bit codes per query row and V as int8 per channel,
@@ -93,24 +94,27 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| the defaults | {row_cosine(base.features, ref.features)[0]:.5f} | "
           f"{row_cosine(base.logits, ref.logits)[0]:.5f} | {top1(base.logits, ref.logits):.3f} | - |")
-    original, integer = vision.image_attention, vision.integer_image_attention
+    original = (vision.image_attention, vision.byte_image_attention, vision.integer_image_attention)
 
-    def float_path(q, k, v, cos, sin):  # what the tower runs without the integer kernel
+    def float_path(q, k, v, cos, sin):  # what the tower runs without the 16-bit integer kernel
         return vision.image_attention(vision.vision_rotary(q, cos, sin), vision.vision_rotary(k, cos, sin), v)
 
-    variants = (("torch SDPA in the compute dtype (the float path)", original),
-                ("qvl's 16-bit integer kernel (where the tier has it)", None),
-                ("float, keys centred (control)", attention(None)), ("int8 QK, a step per token", attention(0)),
-                ("int8 QK, a step per 64 tokens", attention(64)),
-                ("int8 QK per 64 tokens + 8-bit P and V", attention(64, pv_codes=True)),
-                ("int8 QK per 64 tokens + 8-bit P and V per 64 keys", attention(64, pv_block=64)))
-    for name, attend in variants:
-        if attend is not None:  # the float path, with this image_attention
-            vision.image_attention, vision.integer_image_attention = attend, float_path
+    def everywhere(attend):  # (image, byte-score, 16-bit) attention all through `attend`
+        return attend, attend, float_path
+
+    variants = (("bf16 flash kernel or SDPA in the compute dtype (no integer products)", everywhere(original[0])),
+                ("qvl's integer kernels where the tier has them (the defaults)", original),
+                ("float, keys centred (control)", everywhere(attention(None))),
+                ("int8 QK, a step per token", everywhere(attention(0))),
+                ("int8 QK, a step per 64 tokens", everywhere(attention(64))),
+                ("int8 QK per 64 tokens + 8-bit P and V", everywhere(attention(64, pv_codes=True))),
+                ("int8 QK per 64 tokens + 8-bit P and V per 64 keys", everywhere(attention(64, pv_block=64))))
+    for name, (image, byte, integer) in variants:
+        vision.image_attention, vision.byte_image_attention, vision.integer_image_attention = image, byte, integer
         try:
             out = run(engine, requests)
         finally:
-            vision.image_attention, vision.integer_image_attention = original, integer
+            vision.image_attention, vision.byte_image_attention, vision.integer_image_attention = original
         print(f"| {name} | {row_cosine(out.features, ref.features)[0]:.5f} | {row_cosine(out.logits, ref.logits)[0]:.5f} | "
               f"{top1(out.logits, ref.logits):.3f} | {top1(out.logits, base.logits):.3f} |", flush=True)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from qvl import dispatch, native
 from qvl.kv_cache import BLOCK
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
-from qvl.model.vision import image_attention, integer_image_attention
+from qvl.model.vision import byte_image_attention, image_attention, integer_image_attention
 
 lib = dispatch.kernels().lib
 needs_native = pytest.mark.skipif(lib is None, reason="native kernels not built (no C compiler)")
@@ -92,6 +92,94 @@ def test_attention_declines_what_it_does_not_cover():
     assert native.attention(lib, q[..., :64].float(), q[..., :64].float(), q[..., :64].float()) is None  # fp32
     x = torch.randn(10, 2, 64)
     torch.testing.assert_close(image_attention(x, x, x), _reference_attention(x, x, x))  # SDPA takes over
+
+
+needs_byte_scores = pytest.mark.skipif(lib is None or not lib.features & native.BF16 or not lib.features & native.VNNI,
+                                       reason="no AVX-512 kernels with VNNI and BF16")
+
+
+def _round_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)  # the kernels' rounding (halves away from zero)
+
+
+def _byte_score_scheme(q, k, v):
+    """qvl_attention_q8's scheme in float64: keys minus their mean over the image, int8 codes with
+    one step per 64 keys and head; queries one step per row and head; exact integer scores;
+    softmax and the value product in float64 (the kernel rounds P and takes V in bf16)."""
+    q, k, v = q.double(), k.double(), v.double()
+    k = k - k.mean(0, keepdim=True)
+    s, h, d = k.shape
+    padded = F.pad(k, (0, 0, 0, 0, 0, (-s) % 64)).view(-1, 64, h, d)
+    k_step = padded.abs().amax(dim=(1, 3), keepdim=True) / 127
+    k_step = torch.where(k_step > 0, k_step, torch.ones_like(k_step))
+    k_codes = _round_away(padded / k_step).view(-1, h, d)[:s]
+    k_step = k_step.expand(-1, 64, -1, -1).reshape(-1, h, 1)[:s]
+    q_step = q.abs().amax(-1, keepdim=True) / 127
+    q_step = torch.where(q_step > 0, q_step, torch.ones_like(q_step))
+    q_codes = _round_away(q / q_step)
+    scores = torch.einsum("thd,shd->hts", q_codes, k_codes) * q_step.permute(1, 0, 2) * k_step.permute(1, 2, 0)
+    p = (scores / d ** 0.5).softmax(-1)
+    return torch.einsum("hts,shd->thd", p, v)
+
+
+def _assert_follows_scheme(out, q, k, v):
+    """Within bf16's rounding of P, V and the output of the scheme in float64 (as close as the
+    bf16 kernel is to exact attention: 0.15% of the norm), a code flipped at a rounding boundary
+    aside (the kernel centres the keys in float32)."""
+    scheme = _byte_score_scheme(q, k, v)
+    out = out.double()
+    assert (out - scheme).norm() <= 5e-3 * scheme.norm() + 1e-4
+    assert (out - scheme).abs().max() <= 5e-2 * max(1.0, scheme.abs().max().item())
+
+
+@needs_byte_scores
+@settings(max_examples=25, deadline=None)
+@given(s=st.integers(1, 300), h=st.integers(1, 3), d=st.sampled_from([32, 64, 72, 80, 128]),
+       scale=st.floats(0.1, 4.0), offset=st.floats(0.0, 8.0))
+def test_byte_score_vision_attention_computes_its_scheme(s, h, d, scale, offset):
+    """qvl_attention_q8 (the vision tower's attention where its linears run int8 x int8 in bf16):
+    any number of patches (one key, a padded last 64-key block, several query blocks), the head
+    sizes it takes, strided rows as the fused qkv gives them, keys sharing a large offset (the
+    centring keeps their codes fine): as its scheme, and within 10% of exact attention's norm."""
+    torch.manual_seed(s * 7 + d)
+    qkv = torch.randn(s, 3, h, d) * torch.tensor([scale, scale, 1.0])[:, None, None]
+    qkv[:, 1] += offset * torch.randn(1, h, d)
+    q, k, v = qkv.bfloat16().unbind(1)
+    out = native.attention_q8(lib, q, k, v)
+    assert out is not None and out.shape == (s, h, d) and out.dtype == torch.bfloat16
+    _assert_follows_scheme(out, q, k, v)
+    exact = _reference_attention(q.double(), k.double(), v.double())
+    assert (out.double() - exact).norm() <= 0.1 * exact.norm() + 1e-3
+
+
+@needs_byte_scores
+def test_byte_score_vision_attention_follows_a_moving_maximum():
+    """Keys late in the image that dominate (each row's running max moves after its sums have
+    accumulated), a query row of zeros (uniform attention): as its scheme."""
+    torch.manual_seed(0)
+    n, h, d = 700, 2, 64
+    q, k, v = torch.randn(n, 3, h, d).unbind(1)
+    k[600:603] *= 8
+    q[7] = 0
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = native.attention_q8(lib, q, k, v)
+    _assert_follows_scheme(out, q, k, v)
+    torch.testing.assert_close(out[7].double(), v.double().mean(0), atol=1e-2, rtol=0)
+
+
+@needs_byte_scores
+def test_byte_score_vision_attention_leaves_nan_and_other_heads_to_the_bf16_kernel():
+    x = torch.randn(10, 2, 96).bfloat16()
+    assert native.attention_q8(lib, x, x, x) is None  # head size 96
+    assert native.attention_q8(lib, *(x[..., :64].float(),) * 3) is None  # float32
+    q, k, v = torch.randn(3, 50, 2, 64).bfloat16().unbind(0)
+    for t in (q, k):
+        bad = t.clone()
+        bad[17, 1, 3] = float("nan")
+        args = (bad, k, v) if t is q else (q, bad, v)
+        assert native.attention_q8(lib, *args) is None  # no codes for a NaN
+        out = byte_image_attention(*args)  # the bf16 kernel carries it as the reference does
+        assert out[:, 1].isnan().any() and not out[:, 0].isnan().any()
 
 
 needs_integer_attention = pytest.mark.skipif(lib is None or not lib.features & native.AVX2, reason="no AVX2 kernels")

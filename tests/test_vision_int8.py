@@ -311,3 +311,29 @@ def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, 
     monkeypatch.setattr(native, "attention_i16", lambda *a: calls.append(a) or run(*a))
     features(load_on(monkeypatch, tier_kernels("avx2"), checkpoint, weights="int8", int8_activations="off"))
     assert not calls
+
+
+def test_bf16_tiers_vision_attention_scores_in_byte_codes(monkeypatch, tmp_path):
+    """On the default path of an AVX-512 CPU with VNNI and BF16 (no AMX), where the vision tower's
+    linears run int8 x int8 in bf16, its attention scores run in 8-bit codes (qvl_attention_q8;
+    the tiny tower with one head of 64, a size the kernel takes): called once per block, the
+    image features within cosine 0.999 of the same tower with the bf16 kernel's scores; with
+    --int8-activations off the tower keeps the bf16 kernel."""
+    from qvl.synth import write_checkpoint
+
+    chosen = dispatch.kernels()
+    if not chosen.byte_vision_attention(torch.bfloat16):
+        pytest.skip("this CPU's default tier has no byte-code vision attention (needs AVX-512 VNNI + BF16, no AMX)")
+    checkpoint = write_checkpoint(tmp_path / "one-head", "tiny", seed=3, changes={"vision_config": {"num_heads": 1}})
+    engine = load_on(monkeypatch, chosen, checkpoint, weights="int8")
+    assert engine.model.dtype == torch.bfloat16 and all(m.int8_activations for m in vision_layers(engine))
+    run, calls = native.attention_q8, []
+    monkeypatch.setattr(native, "attention_q8", lambda *a: calls.append(a[1:]) or run(*a))
+    scores_in_codes = features(engine)
+    assert len(calls) == engine.cfg.vision.depth and all(q.shape[-1] == 64 for q, *_ in calls)
+    monkeypatch.setattr(native, "attention_q8", lambda *a: None)  # declined: the bf16 kernel takes over
+    assert F.cosine_similarity(scores_in_codes, features(engine), dim=-1).min() > 0.999
+    calls.clear()
+    monkeypatch.setattr(native, "attention_q8", lambda *a: calls.append(a) or run(*a))
+    features(load_on(monkeypatch, chosen, checkpoint, weights="int8", int8_activations="off"))
+    assert not calls

@@ -173,6 +173,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [ptr, i64, i64, c_int]
     lib.qvl_attention.restype = c_int
+    lib.qvl_attention_q8.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [c_int]
+    lib.qvl_attention_q8.restype = c_int
     lib.qvl_attention_i16.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [ptr, ptr, i64, c_int]
     lib.qvl_attention_i16.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr,
@@ -448,6 +450,25 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                torch.get_num_threads())
     if status == -1:
         raise MemoryError("qvl_attention could not allocate its packed keys and values")
+    return out if status == 0 else None
+
+
+def attention_q8(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Full attention (the vision tower: no mask) with the scores in 8-bit integer codes
+    (AVX-512 builds with VNNI and BF16: keys centred over the image, a step per 64 keys; queries a
+    step per row; softmax and the value products in bf16 as `attention`): q [T, H, D], k and v
+    [S, H, D] bf16 (any token/head strides, D contiguous; D 32, 64, 72, 80 or 128) -> [T, H, D]
+    contiguous. None when the shapes do not apply or q or k holds a NaN or an infinity."""
+    t, h, d = q.shape
+    s = k.shape[0]
+    if k.shape[1] != h or v.shape[1] != h or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
+        return None
+    out = torch.empty(t, h, d, dtype=torch.bfloat16)
+    status = lib.qvl_attention_q8(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, d,
+                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                  out.stride(0), out.stride(1), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_attention_q8 could not allocate its packed keys and values")
     return out if status == 0 else None
 
 

@@ -12,12 +12,107 @@
 #define NKB (ABK / 16)
 #define MAX_SLACK 8.f /* log2 units */
 
+#ifdef __AVX512VNNI__
+#define QVL_BYTE_SCORES 1
+#endif
+/* One head's keys in 8-bit codes for integer scores (qvl_attention_q8): the keys minus their
+ * mean over the image (softmax does not see a constant per query row), one step per block of
+ * ABK keys. kq [D/4][S_pad]: a key's codes of dimensions 4g..4g+3 in one word (vpdpbusd's
+ * signed operand); corr [S_pad]: -128 x the sum of the key's codes (the queries enter as
+ * unsigned codes + 128); step [S_pad/ABK]. Keys past S: codes 0. */
+typedef struct {
+    const uint32_t* kq;
+    const int32_t* corr;
+    const float* step;
+} ByteScores;
+
+#ifdef QVL_BYTE_SCORES
+/* out[i][b] (16 int32) = corr[16b..16b+15] + the byte products of query row i's codes (rows D
+ * bytes apart from q, a word of 4 per group) with keys 16b..16b+15 (k: a row of words per group,
+ * k_step bytes apart), over n groups: 16 vpdpbusd per group. In assembly, accumulators in
+ * zmm0-15: GCC's loop copied every accumulator twice per group and spilled some (the scores ran
+ * at half the instruction's rate). */
+static inline __attribute__((always_inline)) void byte_scores(int32_t out[ATQ][NKB][16], const int32_t* corr,
+                                                              const char* k, int64_t k_step, const char* q, int64_t D,
+                                                              int64_t n) {
+    const int64_t D3 = 3 * D;
+    __asm__ volatile(
+        "vmovdqu64 (%[c]), %%zmm0\n\t"
+        "vmovdqu64 64(%[c]), %%zmm1\n\t"
+        "vmovdqu64 128(%[c]), %%zmm2\n\t"
+        "vmovdqu64 192(%[c]), %%zmm3\n\t"
+        "vmovdqa64 %%zmm0, %%zmm4\n\t"
+        "vmovdqa64 %%zmm1, %%zmm5\n\t"
+        "vmovdqa64 %%zmm2, %%zmm6\n\t"
+        "vmovdqa64 %%zmm3, %%zmm7\n\t"
+        "vmovdqa64 %%zmm0, %%zmm8\n\t"
+        "vmovdqa64 %%zmm1, %%zmm9\n\t"
+        "vmovdqa64 %%zmm2, %%zmm10\n\t"
+        "vmovdqa64 %%zmm3, %%zmm11\n\t"
+        "vmovdqa64 %%zmm0, %%zmm12\n\t"
+        "vmovdqa64 %%zmm1, %%zmm13\n\t"
+        "vmovdqa64 %%zmm2, %%zmm14\n\t"
+        "vmovdqa64 %%zmm3, %%zmm15\n\t"
+        "1:\n\t"
+        "vmovdqu64 (%[k]), %%zmm16\n\t"
+        "vmovdqu64 64(%[k]), %%zmm17\n\t"
+        "vmovdqu64 128(%[k]), %%zmm18\n\t"
+        "vmovdqu64 192(%[k]), %%zmm19\n\t"
+        "vpbroadcastd (%[q]), %%zmm20\n\t"
+        "vpbroadcastd (%[q],%[D]), %%zmm21\n\t"
+        "vpbroadcastd (%[q],%[D],2), %%zmm22\n\t"
+        "vpbroadcastd (%[q],%[D3]), %%zmm23\n\t"
+        "vpdpbusd %%zmm16, %%zmm20, %%zmm0\n\t"
+        "vpdpbusd %%zmm17, %%zmm20, %%zmm1\n\t"
+        "vpdpbusd %%zmm18, %%zmm20, %%zmm2\n\t"
+        "vpdpbusd %%zmm19, %%zmm20, %%zmm3\n\t"
+        "vpdpbusd %%zmm16, %%zmm21, %%zmm4\n\t"
+        "vpdpbusd %%zmm17, %%zmm21, %%zmm5\n\t"
+        "vpdpbusd %%zmm18, %%zmm21, %%zmm6\n\t"
+        "vpdpbusd %%zmm19, %%zmm21, %%zmm7\n\t"
+        "vpdpbusd %%zmm16, %%zmm22, %%zmm8\n\t"
+        "vpdpbusd %%zmm17, %%zmm22, %%zmm9\n\t"
+        "vpdpbusd %%zmm18, %%zmm22, %%zmm10\n\t"
+        "vpdpbusd %%zmm19, %%zmm22, %%zmm11\n\t"
+        "vpdpbusd %%zmm16, %%zmm23, %%zmm12\n\t"
+        "vpdpbusd %%zmm17, %%zmm23, %%zmm13\n\t"
+        "vpdpbusd %%zmm18, %%zmm23, %%zmm14\n\t"
+        "vpdpbusd %%zmm19, %%zmm23, %%zmm15\n\t"
+        "add %[ks], %[k]\n\t"
+        "add $4, %[q]\n\t"
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        "vmovdqu64 %%zmm0, (%[o])\n\t"
+        "vmovdqu64 %%zmm1, 64(%[o])\n\t"
+        "vmovdqu64 %%zmm2, 128(%[o])\n\t"
+        "vmovdqu64 %%zmm3, 192(%[o])\n\t"
+        "vmovdqu64 %%zmm4, 256(%[o])\n\t"
+        "vmovdqu64 %%zmm5, 320(%[o])\n\t"
+        "vmovdqu64 %%zmm6, 384(%[o])\n\t"
+        "vmovdqu64 %%zmm7, 448(%[o])\n\t"
+        "vmovdqu64 %%zmm8, 512(%[o])\n\t"
+        "vmovdqu64 %%zmm9, 576(%[o])\n\t"
+        "vmovdqu64 %%zmm10, 640(%[o])\n\t"
+        "vmovdqu64 %%zmm11, 704(%[o])\n\t"
+        "vmovdqu64 %%zmm12, 768(%[o])\n\t"
+        "vmovdqu64 %%zmm13, 832(%[o])\n\t"
+        "vmovdqu64 %%zmm14, 896(%[o])\n\t"
+        "vmovdqu64 %%zmm15, 960(%[o])"
+        : [k] "+r"(k), [q] "+r"(q), [n] "+r"(n)
+        : [ks] "r"(k_step), [D] "r"(D), [D3] "r"(D3), [c] "r"(corr), [o] "r"(&out[0][0][0])
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+          "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "memory",
+          "cc");
+}
+#endif
+
 /* One step of attention_block: query rows t..t+ATQ against keys kb..kb+ABK. `masked` (a
  * constant after inlining) = some of those keys are hidden from some rows (causal diagonal,
  * padding past S); most steps have none and skip the masking. */
 static inline __attribute__((always_inline)) void attention_tile(
     const uint16_t* qb, const uint32_t* kp, const uint32_t* vp, int64_t S, int64_t S_pad, int64_t causal,
-    __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const int D, const int masked) {
+    __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const ByteScores* bs,
+    const uint8_t* qc, const float* qf, const int D, const int masked) {
     const int DV = (D + 15) / 16 * 16; /* value pairs and sums per row: D, zero-padded to 16 lanes */
     const int GR = DV <= 80 ? 4 : 2;    /* rows per value-product group: GR x DV/16 accumulators */
     float corr[ATQ];
@@ -30,25 +125,37 @@ static inline __attribute__((always_inline)) void attention_tile(
         }
     }
     __m512 sc[ATQ][NKB];
-    for (int i = 0; i < ATQ; i++)
-        for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
-    for (int p = 0; p < D / 2; p++) {
-        __m512bh kv[NKB];
-        for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
-        for (int i = 0; i < ATQ; i++) {
-            __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
-            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
+#ifdef QVL_BYTE_SCORES
+    if (bs) { /* integer scores: sum of (q code + 128) x key code, from -128 x the key's code sum */
+        int32_t ac[ATQ][NKB][16] __attribute__((aligned(64)));
+        byte_scores(ac, bs->corr + kb, (const char*)(bs->kq + kb), S_pad * 4, (const char*)(qc + t * D), D, D / 4);
+        for (int i = 0; i < ATQ; i++)
+            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_cvtepi32_ps(_mm512_load_si512(ac[i][b]));
+    } else
+#endif
+    {
+        for (int i = 0; i < ATQ; i++)
+            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
+        for (int p = 0; p < D / 2; p++) {
+            __m512bh kv[NKB];
+            for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
+            for (int i = 0; i < ATQ; i++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
+                for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
+            }
         }
     }
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* 1.0 in bf16 */
     for (int i = 0; i < ATQ; i++) {
+        /* integer scores: this row's step x this key block's step x scale */
+        const __m512 rs = bs ? _mm512_set1_ps(qf[t + i] * bs->step[kb / ABK]) : scale;
         const __m512 low = _mm512_set1_ps(-1e30f);
         __m512 top = low;
         for (int b = 0; b < NKB; b++) { /* the raw scores' max (scale > 0), hidden keys at -1e30 */
             if (masked) sc[i][b] = _mm512_mask_mov_ps(low, mask[i][b], sc[i][b]);
             top = _mm512_max_ps(top, sc[i][b]);
         }
-        top = _mm512_mul_ps(top, scale);
+        top = _mm512_mul_ps(top, rs);
         /* the running max (of scaled scores, log2 units) moves only when a score passes it by
          * more than MAX_SLACK (so the exponentials stay below 2^MAX_SLACK): most tiles skip the
          * reduction and rescale */
@@ -63,7 +170,7 @@ static inline __attribute__((always_inline)) void attention_tile(
         const __m512 nv = _mm512_set1_ps(-mx[t + i]);
         __m512 sum = _mm512_load_ps(l + (t + i) * 16);
         for (int b = 0; b < NKB; b++) { /* 2^(score * scale - max), to be rounded to bf16 */
-            sc[i][b] = exp2_ps3(_mm512_fmadd_ps(sc[i][b], scale, nv));
+            sc[i][b] = exp2_ps3(_mm512_fmadd_ps(sc[i][b], rs, nv));
             if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
         }
         for (int b = 0; b < NKB; b += 2) {
@@ -101,8 +208,11 @@ static inline __attribute__((always_inline)) void attention_tile(
  * position); -1: every row sees all keys. */
 static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
-    int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const int D) {
+    int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const ByteScores* bs,
+    const int D) {
     uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
+    uint8_t qc[ABQ * 128] __attribute__((aligned(64))); /* with bs: each row's codes + 128 */
+    float qf[ABQ];                                      /* with bs: each row's step x scale2 */
     float o[ABQ * 128] __attribute__((aligned(64)));
     uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
     float mx[ABQ], l[ABQ * 16] __attribute__((aligned(64))); /* running max; running sums per lane */
@@ -112,6 +222,16 @@ static inline __attribute__((always_inline)) void attention_block(
         else
             memset(qb + r * D, 0, (size_t)D * 2);
         mx[r] = -1e30f;
+        if (bs) { /* one step per row: max |q| / 127 (the caller checked that q is finite) */
+            float amax = 0.f;
+            for (int d = 0; d < D; d++) {
+                const float a = fabsf(bf16_to_f32(qb[r * D + d]));
+                amax = a > amax ? a : amax;
+            }
+            const float step = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / step;
+            for (int d = 0; d < D; d++) qc[r * D + d] = (uint8_t)(round_int(bf16_to_f32(qb[r * D + d]) * inv) + 128);
+            qf[r] = step * scale2;
+        }
     }
     const int DV = (D + 15) / 16 * 16;
     memset(o, 0, sizeof(float) * ABQ * DV);
@@ -122,15 +242,31 @@ static inline __attribute__((always_inline)) void attention_block(
         for (int t = 0; t < ABQ && t < rows; t += ATQ) {
             int64_t first_seen = causal < 0 ? S : (causal + t + 1 < S ? causal + t + 1 : S);
             if (kb + ABK <= first_seen)
-                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 0);
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, bs, qc, qf, D, 0);
             else
-                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 1);
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, bs, qc, qf, D, 1);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
         float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
         for (int d = 0; d < D; d++) out[r * out_stride + d] = f32_to_bf16(o[r * DV + d] * inv);
     }
+}
+
+/* attention_block for a head size known at run time (D 32, 64, 72, 80 or 128). */
+static void head_block(const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp,
+                       int64_t S, int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride,
+                       const ByteScores* bs, int64_t D) {
+    if (D == 32) /* the tiny test checkpoints' heads: the tests run the default path's kernel */
+        attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 32);
+    else if (D == 72)
+        attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 72);
+    else if (D == 80)
+        attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 80);
+    else if (D == 64)
+        attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 64);
+    else
+        attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 128);
 }
 
 /* out = softmax(q k^T / sqrt(D)) v for T queries over S keys, grouped-query (query head h
@@ -189,21 +325,106 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
         uint16_t* oh = out + r0 * o_tok + h * o_head;
         const uint32_t* kh = kp + (h / G) * (DP / 2) * S_pad;
         const uint32_t* vh = vp + (h / G) * (S_pad / 2) * DV;
-        int64_t first = causal < 0 ? -1 : causal + r0;
-        if (D == 32) /* the tiny test checkpoints' heads: the tests run the default path's kernel */
-            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 32);
-        else if (D == 72)
-            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 72);
-        else if (D == 80)
-            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 80);
-        else if (D == 64)
-            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 64);
-        else
-            attention_block(qh, q_tok, rows, kh, vh, S, S_pad, first, scale2, oh, o_tok, 128);
+        head_block(qh, q_tok, rows, kh, vh, S, S_pad, causal < 0 ? -1 : causal + r0, scale2, oh, o_tok, NULL, D);
     }
     free(kp), free(vp);
     return 0;
 }
+
+#ifdef QVL_BYTE_SCORES
+static inline int all_finite_bf16(const uint16_t* x, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (x[i] & 0x7F80) == 0x7F80; /* exponent all ones: inf or NaN */
+    return !bad;
+}
+
+/* One head's keys as ByteScores (kq [D/4][S_pad], corr [S_pad], step [S_pad/ABK]) from k [S][D]
+ * bf16 (rows k_tok apart). Returns 0, or -2 when a key holds a NaN or an infinity. */
+static int pack_key_codes(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S_pad, int64_t D, uint32_t* kq,
+                          int32_t* corr, float* step) {
+    float mean[128] = {0}, x[ABK][128];
+    for (int64_t n = 0; n < S; n++)
+        for (int64_t d = 0; d < D; d++) mean[d] += bf16_to_f32(k[n * k_tok + d]);
+    for (int64_t d = 0; d < D; d++) {
+        if (!isfinite(mean[d])) return -2;
+        mean[d] /= (float)S;
+    }
+    for (int64_t n0 = 0; n0 < S_pad; n0 += ABK) {
+        float amax = 0.f;
+        for (int64_t j = 0; j < ABK; j++)
+            for (int64_t d = 0; d < D; d++) {
+                x[j][d] = n0 + j < S ? bf16_to_f32(k[(n0 + j) * k_tok + d]) - mean[d] : 0.f;
+                const float a = fabsf(x[j][d]);
+                amax = a > amax || a != a ? a : amax; /* a NaN sticks */
+            }
+        if (!isfinite(amax)) return -2;
+        const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+        step[n0 / ABK] = s;
+        for (int64_t j = 0; j < ABK; j++) {
+            int32_t sum = 0;
+            for (int64_t g = 0; g < D / 4; g++) {
+                uint32_t word = 0;
+                for (int e = 0; e < 4; e++) {
+                    const int32_t c = round_int(x[j][4 * g + e] * inv);
+                    sum += c;
+                    word |= (uint32_t)(uint8_t)(int8_t)c << (8 * e);
+                }
+                kq[g * S_pad + n0 + j] = word;
+            }
+            corr[n0 + j] = -128 * sum;
+        }
+    }
+    return 0;
+}
+
+/* qvl_attention for the vision tower (no mask, H == Hkv, D 32, 64, 72, 80 or 128) with the
+ * scores in 8-bit integer codes on VNNI's byte products (SageAttention's scheme: the keys
+ * centred over the image, one step per block of ABK keys; the queries one step per row): half
+ * the score products' instructions of bf16 pairs. Softmax and the value products as
+ * qvl_attention (bf16 P and V, float32 sums). Returns 0, -1 when out of memory, -2 when the
+ * shapes do not apply or q or k holds a NaN or an infinity (the caller takes the bf16 kernel). */
+int qvl_attention_q8(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                     int64_t H, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
+                     int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    if ((D != 32 && D != 64 && D != 72 && D != 80 && D != 128) || S < 1)
+        return -2;
+    for (int64_t t = 0; t < T; t++) /* q finite: its codes' steps need it (a pass over q, ~1% of the kernel) */
+        for (int64_t h = 0; h < H; h++)
+            if (!all_finite_bf16(q + t * q_tok + h * q_head, D)) return -2;
+    const int64_t S_pad = (S + ABK - 1) / ABK * ABK, DV = (D + 15) / 16 * 16;
+    uint32_t* kq = aligned_alloc(64, (size_t)(H * S_pad * D));
+    int32_t* corr = aligned_alloc(64, (size_t)(H * S_pad) * sizeof(int32_t));
+    float* steps = malloc((size_t)(H * (S_pad / ABK)) * sizeof(float));
+    uint32_t* vp = aligned_alloc(64, (size_t)(H * S_pad * DV * 2));
+    int status = !kq || !corr || !steps || !vp ? -1 : 0;
+    if (!status) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t h = 0; h < H; h++) {
+            if (pack_key_codes(k + h * k_head, k_tok, S, S_pad, D, kq + h * (D / 4) * S_pad, corr + h * S_pad,
+                               steps + h * (S_pad / ABK)) != 0) {
+#pragma omp atomic write
+                status = -2;
+            }
+            pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vp + h * (S_pad / 2) * DV);
+        }
+    }
+    if (status) {
+        free(kq), free(corr), free(steps), free(vp);
+        return status;
+    }
+    const int64_t blocks = (T + ABQ - 1) / ABQ;
+    const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < H * blocks; item++) {
+        const int64_t h = item / blocks, r0 = (item % blocks) * ABQ, rows = T - r0 < ABQ ? T - r0 : ABQ;
+        const ByteScores bs = {kq + h * (D / 4) * S_pad, corr + h * S_pad, steps + h * (S_pad / ABK)};
+        head_block(q + r0 * q_tok + h * q_head, q_tok, rows, NULL, vp + h * (S_pad / 2) * DV, S, S_pad, -1, scale2,
+                   out + r0 * o_tok + h * o_head, o_tok, &bs, D);
+    }
+    free(kq), free(corr), free(steps), free(vp);
+    return 0;
+}
+#endif
 
 /* Rotary embedding of the vision tower's q or k, as the reference computes it: in float32,
  * x*cos + rotate_half(x)*sin (two products and a sum, each rounded: the explicit-rounding
@@ -349,6 +570,15 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
 int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int64_t H, int64_t D, const float* cos,
                     const float* sin, uint16_t* out, int threads) {
     (void)x, (void)tok, (void)head, (void)N, (void)H, (void)D, (void)cos, (void)sin, (void)out, (void)threads;
+    return -2;
+}
+#endif
+#ifndef QVL_BYTE_SCORES
+int qvl_attention_q8(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
+                     int64_t H, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
+                     int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)D, (void)q_tok, (void)q_head, (void)k_tok,
+        (void)k_head, (void)v_tok, (void)v_head, (void)o_tok, (void)o_head, (void)threads;
     return -2;
 }
 #endif

@@ -47,6 +47,14 @@ def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return out
 
 
+def byte_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """image_attention with the scores in 8-bit integer codes (qvl_attention_q8), for a tower
+    whose linears run int8 x int8 in bf16: q, k rotated, [n, H, hd]. Where it declines (a NaN or
+    infinity, a head size it does not take), image_attention."""
+    out = native.attention_q8(kernels().lib, q, k, v)
+    return out if out is not None else image_attention(q, k, v)
+
+
 def integer_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor) -> torch.Tensor:
     """image_attention in 16-bit integer codes (qvl_attention_i16, ~1.5x torch's float32 SDPA on
@@ -85,8 +93,9 @@ class VisionAttention(nn.Module):
             outs = [integer_image_attention(*parts) for parts in zip(*(t.split(lengths) for t in (q, k, v, cos, sin)))]
         else:
             q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
-            outs = [image_attention(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths),
-                                                                      v.split(lengths))]
+            attend = (byte_image_attention if getattr(self.qkv, "int8_activations", False)
+                      and kernels().byte_vision_attention(x.dtype) else image_attention)
+            outs = [attend(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return residual_linear(self.proj, out.reshape(n, -1), x)
 
