@@ -173,8 +173,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rescale.restype = c_int
     lib.qvl_attention.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 14 + [ptr, i64, i64, c_int]
     lib.qvl_attention.restype = c_int
-    lib.qvl_attention_q8.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [c_int]
-    lib.qvl_attention_q8.restype = c_int
+    if hasattr(lib, "qvl_attention_q8"):  # every build has it; older checkouts' (benchmarks' --before) do not
+        lib.qvl_attention_q8.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [c_int]
+        lib.qvl_attention_q8.restype = c_int
     lib.qvl_attention_i16.argtypes = [ptr, ptr, ptr, ptr] + [i64] * 12 + [ptr, ptr, i64, c_int]
     lib.qvl_attention_i16.restype = c_int
     lib.qvl_decode_attention.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr,

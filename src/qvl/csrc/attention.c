@@ -27,6 +27,20 @@ typedef struct {
 } ByteScores;
 
 #ifdef QVL_BYTE_SCORES
+/* Codes of 16 floats: x * inv rounded half away from zero (as round_int), int32. */
+static inline __m512i codes16(__m512 x, __m512 inv) {
+    const __m512 y = _mm512_mul_ps(x, inv);
+    const __m512 half = _mm512_or_ps(_mm512_and_ps(y, _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u))),
+                                     _mm512_set1_ps(0.5f));
+    return _mm512_cvttps_epi32(_mm512_add_ps(y, half));
+}
+
+/* Lanes 0..n of D bf16 values (n < 16 masked, zeros past) as floats. */
+static inline __m512 load16_bf16(const uint16_t* x, int64_t n) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    return bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, x));
+}
+
 /* out[i][b] (16 int32) = corr[16b..16b+15] + the byte products of query row i's codes (rows D
  * bytes apart from q, a word of 4 per group) with keys 16b..16b+15 (k: a row of words per group,
  * k_step bytes apart), over n groups: 16 vpdpbusd per group. In assembly, accumulators in
@@ -222,16 +236,23 @@ static inline __attribute__((always_inline)) void attention_block(
         else
             memset(qb + r * D, 0, (size_t)D * 2);
         mx[r] = -1e30f;
+#ifdef QVL_BYTE_SCORES
         if (bs) { /* one step per row: max |q| / 127 (the caller checked that q is finite) */
-            float amax = 0.f;
-            for (int d = 0; d < D; d++) {
-                const float a = fabsf(bf16_to_f32(qb[r * D + d]));
-                amax = a > amax ? a : amax;
+            __m512 xs[8], amax = _mm512_setzero_ps();
+            for (int c = 0; c < (D + 15) / 16; c++) {
+                xs[c] = load16_bf16(qb + r * D + 16 * c, D - 16 * c);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(xs[c]));
             }
-            const float step = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / step;
-            for (int d = 0; d < D; d++) qc[r * D + d] = (uint8_t)(round_int(bf16_to_f32(qb[r * D + d]) * inv) + 128);
+            const float top = _mm512_reduce_max_ps(amax), step = top > 0.f ? top / 127.f : 1.f;
+            const __m512 inv = _mm512_set1_ps(1.f / step);
+            for (int c = 0; c < (D + 15) / 16; c++) {
+                const __m128i b = _mm512_cvtepi32_epi8(_mm512_add_epi32(codes16(xs[c], inv), _mm512_set1_epi32(128)));
+                _mm_mask_storeu_epi8(qc + r * D + 16 * c, D - 16 * c >= 16 ? (__mmask16)0xFFFF
+                                                                          : (__mmask16)((1u << (D - 16 * c)) - 1), b);
+            }
             qf[r] = step * scale2;
         }
+#endif
     }
     const int DV = (D + 15) / 16 * 16;
     memset(o, 0, sizeof(float) * ABQ * DV);
@@ -339,39 +360,55 @@ static inline int all_finite_bf16(const uint16_t* x, int64_t n) {
 }
 
 /* One head's keys as ByteScores (kq [D/4][S_pad], corr [S_pad], step [S_pad/ABK]) from k [S][D]
- * bf16 (rows k_tok apart). Returns 0, or -2 when a key holds a NaN or an infinity. */
+ * bf16 (rows k_tok apart), D % 4 == 0, D <= 128. 16 keys at a time: each key's codes as 16-byte
+ * rows of words (groups of 4 dimensions), transposed in registers to a row per group. Returns
+ * 0, or -2 when a key holds a NaN or an infinity. */
 static int pack_key_codes(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S_pad, int64_t D, uint32_t* kq,
                           int32_t* corr, float* step) {
-    float mean[128] = {0}, x[ABK][128];
+    const int64_t V = (D + 15) / 16; /* float vectors per key */
+    __m512 mean[8], x[ABK][8];
+    for (int64_t c = 0; c < V; c++) mean[c] = _mm512_setzero_ps();
     for (int64_t n = 0; n < S; n++)
-        for (int64_t d = 0; d < D; d++) mean[d] += bf16_to_f32(k[n * k_tok + d]);
-    for (int64_t d = 0; d < D; d++) {
-        if (!isfinite(mean[d])) return -2;
-        mean[d] /= (float)S;
+        for (int64_t c = 0; c < V; c++) mean[c] = _mm512_add_ps(mean[c], load16_bf16(k + n * k_tok + 16 * c, D - 16 * c));
+    const __m512 count = _mm512_set1_ps((float)S);
+    for (int64_t c = 0; c < V; c++) { /* a NaN or infinity in any key makes its lane of the sum one too */
+        mean[c] = _mm512_div_ps(mean[c], count);
+        if (_mm512_cmp_ps_mask(_mm512_abs_ps(mean[c]), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ)) return -2;
     }
     for (int64_t n0 = 0; n0 < S_pad; n0 += ABK) {
-        float amax = 0.f;
+        __m512 amax = _mm512_setzero_ps();
         for (int64_t j = 0; j < ABK; j++)
-            for (int64_t d = 0; d < D; d++) {
-                x[j][d] = n0 + j < S ? bf16_to_f32(k[(n0 + j) * k_tok + d]) - mean[d] : 0.f;
-                const float a = fabsf(x[j][d]);
-                amax = a > amax || a != a ? a : amax; /* a NaN sticks */
+            for (int64_t c = 0; c < V; c++) {
+                x[j][c] = n0 + j < S ? _mm512_sub_ps(load16_bf16(k + (n0 + j) * k_tok + 16 * c, D - 16 * c), mean[c])
+                                     : _mm512_setzero_ps(); /* lanes past D: zero (so is the mean there) */
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(x[j][c]));
             }
-        if (!isfinite(amax)) return -2;
-        const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-        step[n0 / ABK] = s;
-        for (int64_t j = 0; j < ABK; j++) {
-            int32_t sum = 0;
-            for (int64_t g = 0; g < D / 4; g++) {
-                uint32_t word = 0;
-                for (int e = 0; e < 4; e++) {
-                    const int32_t c = round_int(x[j][4 * g + e] * inv);
-                    sum += c;
-                    word |= (uint32_t)(uint8_t)(int8_t)c << (8 * e);
+        const float top = _mm512_reduce_max_ps(amax);
+        const float st = top > 0.f ? top / 127.f : 1.f;
+        const __m512 inv = _mm512_set1_ps(1.f / st);
+        step[n0 / ABK] = st;
+        for (int64_t j0 = 0; j0 < ABK; j0 += 16) {
+            __m512 r[2][16]; /* per key: its D codes as bytes, groups 0..15 and 16..31 as words */
+            for (int64_t j = 0; j < 16; j++) {
+                __m512i sum = _mm512_setzero_si512();
+                __m128i b[8];
+                for (int64_t c = 0; c < V; c++) {
+                    const __m512i q = codes16(x[j0 + j][c], inv);
+                    sum = _mm512_add_epi32(sum, q);
+                    b[c] = _mm512_cvtepi32_epi8(q);
                 }
-                kq[g * S_pad + n0 + j] = word;
+                for (int64_t c = V; c < 8; c++) b[c] = _mm_setzero_si128();
+                corr[n0 + j0 + j] = -128 * _mm512_reduce_add_epi32(sum);
+                r[0][j] = _mm512_castsi512_ps(_mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set_m128i(b[1], b[0])), _mm256_set_m128i(b[3], b[2]), 1));
+                r[1][j] = _mm512_castsi512_ps(_mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set_m128i(b[5], b[4])), _mm256_set_m128i(b[7], b[6]), 1));
             }
-            corr[n0 + j] = -128 * sum;
+            for (int h = 0; h < 2 && 16 * h < D / 4; h++) {
+                transpose16(r[h]);
+                for (int64_t g = 16 * h; g < D / 4 && g < 16 * h + 16; g++)
+                    _mm512_storeu_ps((float*)(kq + g * S_pad + n0 + j0), r[h][g - 16 * h]);
+            }
         }
     }
     return 0;
