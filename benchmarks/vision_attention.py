@@ -3,7 +3,7 @@ where the CPU has them) against torch's SDPA, alternating, medians (min-max) of 
 each side's largest difference from SDPA in float32. --integer: float32 inputs, qvl's 16-bit
 integer kernel (qvl_attention_i16, what the float32 tiers run where the tower's linears are int8
 x int8) against torch's float32 SDPA, differences from float64. Where the tier has it (AVX-512
-with VNNI and BF16, no AMX), bf16 runs add the kernel with the scores in 8-bit codes
+with VNNI and BF16, no AMX), bf16 runs add the kernel in 8-bit codes
 (qvl_attention_q8, what those CPUs run where the tower's linears are int8 x int8) against qvl's
 bf16 kernel.
 

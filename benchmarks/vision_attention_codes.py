@@ -1,6 +1,6 @@
 """Do integer products in the vision tower's attention keep its accuracy? Measured with qvl's
 kernels where the tier has them ("the defaults": qvl_attention_i16, float32 compute, 16-bit
-codes, on AVX2 and AVX-512 without bf16; qvl_attention_q8, bf16 compute, 8-bit score codes, on
+codes, on AVX2 and AVX-512 without bf16; qvl_attention_q8, bf16 compute, 8-bit codes for scores, P and V, on
 AVX-512 with VNNI and BF16), against the same tower without them (bf16 flash kernel or SDPA), and
 simulated in float for 8-bit schemes: SageAttention-style int8 QK^T (keys minus their mean over the image's
 patches, exact for softmax; int8 codes of q and k with one step per token and head, or per 64
@@ -13,6 +13,7 @@ alone moves the scores).
 
     python benchmarks/vision_attention_codes.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 256
     python benchmarks/vision_attention_codes.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 1024
+    python benchmarks/vision_attention_codes.py ... --kernels-only    # without the simulated schemes
 (at 1024 tokens the images are 1920x1080 and 1280x960: 4,032 and 4,800 patches)
 """
 
@@ -81,6 +82,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--max-image-tokens", type=int, default=256)
+    p.add_argument("--kernels-only", action="store_true", help="qvl's kernels only, not the simulated schemes")
     args = p.parse_args()
     sizes = eval_sizes(3) if args.max_image_tokens < 1024 else [(1920, 1080), (1280, 960)]
     requests = samples(sizes, PROMPTS, 0, args.max_image_tokens)
@@ -109,7 +111,7 @@ def main() -> None:
                 ("int8 QK, a step per 64 tokens", everywhere(attention(64))),
                 ("int8 QK per 64 tokens + 8-bit P and V", everywhere(attention(64, pv_codes=True))),
                 ("int8 QK per 64 tokens + 8-bit P and V per 64 keys", everywhere(attention(64, pv_block=64))))
-    for name, (image, byte, integer) in variants:
+    for name, (image, byte, integer) in variants[:2] if args.kernels_only else variants:
         vision.image_attention, vision.byte_image_attention, vision.integer_image_attention = image, byte, integer
         try:
             out = run(engine, requests)

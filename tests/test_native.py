@@ -102,24 +102,40 @@ def _round_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)  # the kernels' rounding (halves away from zero)
 
 
+def _block_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, ...] in blocks of 64 along dim 0 (zeros past n) -> codes [n64, ...] and steps (max |x|
+    over the block per remaining index / levels, 1 where 0) broadcast to them."""
+    n = x.shape[0]
+    blocks = F.pad(x, (0, 0) * (x.dim() - 1) + (0, (-n) % 64)).view(-1, 64, *x.shape[1:])
+    step = blocks.abs().amax(1, keepdim=True) / levels
+    step = torch.where(step > 0, step, torch.ones_like(step)).expand_as(blocks)
+    return _round_away(blocks / step).flatten(0, 1), step.flatten(0, 1)
+
+
 def _byte_score_scheme(q, k, v):
     """qvl_attention_q8's scheme in float64: keys minus their mean over the image, int8 codes with
-    one step per 64 keys and head; queries one step per row and head; exact integer scores;
-    softmax and the value product in float64 (the kernel rounds P and takes V in bf16)."""
+    one step per 64 keys and head; queries one step per row and head; exact integer scores; per
+    row and block of 64 keys, P in codes round(255 x 2^(score - the block's top)) (scores in log2
+    units); values in int8 codes with a step per channel and block of 64 keys."""
     q, k, v = q.double(), k.double(), v.double()
-    k = k - k.mean(0, keepdim=True)
     s, h, d = k.shape
-    padded = F.pad(k, (0, 0, 0, 0, 0, (-s) % 64)).view(-1, 64, h, d)
-    k_step = padded.abs().amax(dim=(1, 3), keepdim=True) / 127
+    blocks = F.pad(k - k.mean(0, keepdim=True), (0, 0, 0, 0, 0, (-s) % 64)).view(-1, 64, h, d)
+    k_step = blocks.abs().amax(dim=(1, 3), keepdim=True) / 127  # one step per block and head
     k_step = torch.where(k_step > 0, k_step, torch.ones_like(k_step))
-    k_codes = _round_away(padded / k_step).view(-1, h, d)[:s]
-    k_step = k_step.expand(-1, 64, -1, -1).reshape(-1, h, 1)[:s]
+    k_codes = _round_away(blocks / k_step).flatten(0, 1)  # [S64, h, d]
+    k_step = k_step.expand(-1, 64, -1, -1).flatten(0, 1)  # [S64, h, 1]
     q_step = q.abs().amax(-1, keepdim=True) / 127
     q_step = torch.where(q_step > 0, q_step, torch.ones_like(q_step))
     q_codes = _round_away(q / q_step)
     scores = torch.einsum("thd,shd->hts", q_codes, k_codes) * q_step.permute(1, 0, 2) * k_step.permute(1, 2, 0)
-    p = (scores / d ** 0.5).softmax(-1)
-    return torch.einsum("hts,shd->thd", p, v)
+    scores = scores * torch.log2(torch.tensor(torch.e, dtype=torch.float64)) / d ** 0.5
+    scores[..., s:] = -torch.inf  # keys past S
+    blocks = scores.view(*scores.shape[:2], -1, 64)
+    top = blocks.amax(-1, keepdim=True)
+    p = torch.round(255 * torch.exp2(blocks - top)) * torch.exp2(top - top.amax(2, keepdim=True))
+    v_codes, v_step = _block_codes(v, 127)
+    p = p.flatten(2)
+    return torch.einsum("hts,shd->thd", p, v_codes * v_step) / p.sum(-1).transpose(0, 1)[..., None]
 
 
 def _assert_follows_scheme(out, q, k, v):
@@ -134,12 +150,12 @@ def _assert_follows_scheme(out, q, k, v):
 
 @needs_byte_scores
 @settings(max_examples=25, deadline=None)
-@given(s=st.integers(1, 300), h=st.integers(1, 3), d=st.sampled_from([32, 64, 72, 80, 128]),
+@given(s=st.integers(1, 300), h=st.integers(1, 3), d=st.sampled_from([64, 72, 80]),
        scale=st.floats(0.1, 4.0), offset=st.floats(0.0, 8.0))
 def test_byte_score_vision_attention_computes_its_scheme(s, h, d, scale, offset):
-    """qvl_attention_q8 (the vision tower's attention where its linears run int8 x int8 in bf16):
-    any number of patches (one key, a padded last 64-key block, several query blocks), the head
-    sizes it takes, strided rows as the fused qkv gives them, keys sharing a large offset (the
+    """qvl_attention_q8 (the vision tower's attention in 8-bit codes where its linears run int8 x
+    int8 in bf16): any number of patches (one key, a padded last 64-key block, several query
+    blocks), the head sizes it takes, strided rows as the fused qkv gives them, keys sharing a large offset (the
     centring keeps their codes fine): as its scheme, and within 10% of exact attention's norm."""
     torch.manual_seed(s * 7 + d)
     qkv = torch.randn(s, 3, h, d) * torch.tensor([scale, scale, 1.0])[:, None, None]

@@ -315,9 +315,9 @@ def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, 
 
 def test_bf16_tiers_vision_attention_scores_in_byte_codes(monkeypatch, tmp_path):
     """On the default path of an AVX-512 CPU with VNNI and BF16 (no AMX), where the vision tower's
-    linears run int8 x int8 in bf16, its attention scores run in 8-bit codes (qvl_attention_q8;
+    linears run int8 x int8 in bf16, its attention runs in 8-bit codes (qvl_attention_q8;
     the tiny tower with one head of 64, a size the kernel takes): called once per block, the
-    image features within cosine 0.999 of the same tower with the bf16 kernel's scores; with
+    image features within cosine 0.999 of the same tower with the bf16 kernel; with
     --int8-activations off the tower keeps the bf16 kernel."""
     from qvl.synth import write_checkpoint
 

@@ -119,10 +119,10 @@ class Kernels:
         return self._bf16_products(dtype) and (not self.tier.amx or self.has(native.AMX_INT8))
 
     def byte_vision_attention(self, dtype: torch.dtype) -> bool:
-        """The vision tower's attention scores in 8-bit integer codes (qvl_attention_q8: VNNI's
-        byte products, half the instructions of bf16 pairs; softmax and values in bf16) where its
-        linears run int8 x int8 in bf16 compute (the caller asks only then): AVX-512 with VNNI and
-        BF16, no AMX (whose tiles take the whole attention). docs/benchmarks.md section 51."""
+        """The vision tower's attention in 8-bit integer codes (qvl_attention_q8: scores and value
+        products on VNNI's byte products, half the instructions of bf16 pairs) where its linears
+        run int8 x int8 in bf16 compute (the caller asks only then): AVX-512 with VNNI and BF16,
+        no AMX (whose tiles take the whole attention). docs/benchmarks.md section 51."""
         return self._bf16_products(dtype) and self.has(native.VNNI) and not self.tier.amx
 
     def integer_vision_attention(self, dtype: torch.dtype) -> bool:
@@ -203,7 +203,7 @@ class Kernels:
                                "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
             "vision_attention": "AMX-BF16 flash kernel (head size <= 80)" if self.vision_attention(torch.bfloat16)
                                 and self.tier.amx else "as flash_attention" + (
-                                    "; with int8 x int8 linears, scores in 8-bit codes (vpdpbusd)"
+                                    "; with int8 x int8 linears, vision in 8-bit codes (vpdpbusd, head size 64-80)"
                                     if self.byte_vision_attention(torch.bfloat16) else "") + (
                                     "; float32 with int8 x int8 linears: 16-bit integer pairs ("
                                     + ("vpdpwssd" if name.startswith("avx512") and f & native.VNNI else "vpmaddwd")

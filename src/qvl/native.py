@@ -455,11 +455,12 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def attention_q8(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """Full attention (the vision tower: no mask) with the scores in 8-bit integer codes
-    (AVX-512 builds with VNNI and BF16: keys centred over the image, a step per 64 keys; queries a
-    step per row; softmax and the value products in bf16 as `attention`): q [T, H, D], k and v
-    [S, H, D] bf16 (any token/head strides, D contiguous; D 32, 64, 72, 80 or 128) -> [T, H, D]
-    contiguous. None when the shapes do not apply or q or k holds a NaN or an infinity."""
+    """Full attention (the vision tower: no mask) in 8-bit integer codes (AVX-512 builds with VNNI
+    and BF16): scores from keys centred over the image with a step per 64 keys and queries with a
+    step per row, P and V with a step per 64 keys (per row and per channel), every product on
+    vpdpbusd. q [T, H, D], k and v [S, H, D] bf16 (any token/head strides, D contiguous; D 64, 72
+    or 80) -> [T, H, D] contiguous. None when the shapes do not apply or an input holds a NaN or
+    an infinity."""
     t, h, d = q.shape
     s = k.shape[0]
     if k.shape[1] != h or v.shape[1] != h or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):

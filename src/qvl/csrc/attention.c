@@ -4,6 +4,74 @@
  * the build's tier, for float32 caches and every other CPU). */
 #include "common.h"
 
+#if defined(QVL_AVX512) && defined(__AVX512VNNI__)
+/* The loops in assembly, accumulators in zmm0-19 from zero, stored to `out` ([4][nv][16]
+ * int32) at the end: GCC 12 spills or copies the C loops' 16-20 zmm accumulators once per
+ * step, as it copied the AVX2 loop's. Per step: nv vectors of b (b_step bytes apart per step),
+ * the 4 rows' words of a (a_row bytes apart) broadcast, 4 x nv `op`: vpdpwssd (16-bit pairs,
+ * qvl_attention_i16) or vpdpbusd (unsigned bytes of a, signed bytes of b: qvl_attention_q8). */
+#define ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define STORE(r, i) "vmovdqu32 %%zmm" #r ", " #i "*64(%[out])\n\t"
+#define LOOP_HEAD "1:\n\t" \
+    "vpbroadcastd (%[a]), %%zmm28\n\t" "vpbroadcastd (%[a], %[ar]), %%zmm29\n\t" \
+    "vpbroadcastd (%[a2]), %%zmm30\n\t" "vpbroadcastd (%[a2], %[ar]), %%zmm31\n\t"
+#define LOOP_TAIL "add $4, %[a]\n\t" "add $4, %[a2]\n\t" "add %[bs], %[b]\n\t" "dec %[n]\n\t" "jnz 1b\n\t"
+/* vector v (register zmm2x) against the 4 rows: accumulators r, r + nv, r + 2 nv, r + 3 nv */
+#define ROWS4(op, v, r0, r1, r2, r3) op " %%zmm" v ", %%zmm28, %%zmm" #r0 "\n\t" \
+    op " %%zmm" v ", %%zmm29, %%zmm" #r1 "\n\t" op " %%zmm" v ", %%zmm30, %%zmm" #r2 "\n\t" \
+    op " %%zmm" v ", %%zmm31, %%zmm" #r3 "\n\t"
+#define CLOBBER4 "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
+    "xmm12", "xmm13", "xmm14", "xmm15", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", \
+    "xmm31", "memory", "cc"
+
+#define PRODUCTS(name4, name5, op) \
+/* 4 rows x 4 vectors: out[i][v] (16 int32 each). volatile: the stores to out are its only effect */ \
+static inline void name4(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n, \
+                         int32_t* out) { \
+    const char* a2 = (const char*)a + 2 * a_row; \
+    __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7) \
+            ZERO(8) ZERO(9) ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15) \
+            LOOP_HEAD \
+            "vmovdqu32 (%[b]), %%zmm24\n\t" "vmovdqu32 64(%[b]), %%zmm25\n\t" \
+            "vmovdqu32 128(%[b]), %%zmm26\n\t" "vmovdqu32 192(%[b]), %%zmm27\n\t" \
+            ROWS4(op, "24", 0, 4, 8, 12) ROWS4(op, "25", 1, 5, 9, 13) ROWS4(op, "26", 2, 6, 10, 14) \
+            ROWS4(op, "27", 3, 7, 11, 15) \
+            LOOP_TAIL \
+            STORE(0, 0) STORE(1, 1) STORE(2, 2) STORE(3, 3) STORE(4, 4) STORE(5, 5) STORE(6, 6) STORE(7, 7) \
+            STORE(8, 8) STORE(9, 9) STORE(10, 10) STORE(11, 11) STORE(12, 12) STORE(13, 13) STORE(14, 14) \
+            STORE(15, 15) \
+            : [a] "+r"(a), [a2] "+r"(a2), [b] "+r"(b), [n] "+r"(n) \
+            : [ar] "r"(a_row), [bs] "r"(b_step), [out] "r"(out) \
+            : CLOBBER4); \
+} \
+ \
+/* 4 rows x 5 vectors, the fifth masked: out[i][v] (16 int32 each) */ \
+static inline void name5(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n, \
+                         __mmask16 last, int32_t* out) { \
+    const char* a2 = (const char*)a + 2 * a_row; \
+    __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7) ZERO(8) ZERO(9) \
+            ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15) ZERO(16) ZERO(17) ZERO(18) ZERO(19) \
+            LOOP_HEAD \
+            "vmovdqu32 (%[b]), %%zmm23\n\t" "vmovdqu32 64(%[b]), %%zmm24\n\t" \
+            "vmovdqu32 128(%[b]), %%zmm25\n\t" "vmovdqu32 192(%[b]), %%zmm26\n\t" \
+            "vmovdqu32 256(%[b]), %%zmm27%{%[m]%}%{z%}\n\t" \
+            ROWS4(op, "23", 0, 5, 10, 15) ROWS4(op, "24", 1, 6, 11, 16) ROWS4(op, "25", 2, 7, 12, 17) \
+            ROWS4(op, "26", 3, 8, 13, 18) \
+            ROWS4(op, "27", 4, 9, 14, 19) \
+            LOOP_TAIL \
+            STORE(0, 0) STORE(1, 1) STORE(2, 2) STORE(3, 3) STORE(4, 4) STORE(5, 5) STORE(6, 6) STORE(7, 7) \
+            STORE(8, 8) STORE(9, 9) STORE(10, 10) STORE(11, 11) STORE(12, 12) STORE(13, 13) STORE(14, 14) \
+            STORE(15, 15) STORE(16, 16) STORE(17, 17) STORE(18, 18) STORE(19, 19) \
+            : [a] "+r"(a), [a2] "+r"(a2), [b] "+r"(b), [n] "+r"(n) \
+            : [ar] "r"(a_row), [bs] "r"(b_step), [out] "r"(out), [m] "Yk"(last) \
+            : CLOBBER4, "xmm16", "xmm17", "xmm18", "xmm19"); \
+}
+PRODUCTS(products_4x4, products_4x5, "vpdpwssd")
+#ifdef __AVX512BF16__
+PRODUCTS(bytes_4x4, bytes_4x5, "vpdpbusd")
+#endif
+#endif
+
 #if defined(QVL_AVX512) && defined(__AVX512BF16__) && defined(__AVX512DQ__) /* DQ: exp2_ps3 (every BF16 CPU has it) */
 #define QVL_BF16_ATTENTION 1
 #define ABK 64 /* keys per step */
@@ -15,15 +83,18 @@
 #ifdef __AVX512VNNI__
 #define QVL_BYTE_SCORES 1
 #endif
-/* One head's keys in 8-bit codes for integer scores (qvl_attention_q8): the keys minus their
- * mean over the image (softmax does not see a constant per query row), one step per block of
- * ABK keys. kq [D/4][S_pad]: a key's codes of dimensions 4g..4g+3 in one word (vpdpbusd's
- * signed operand); corr [S_pad]: -128 x the sum of the key's codes (the queries enter as
- * unsigned codes + 128); step [S_pad/ABK]. Keys past S: codes 0. */
+/* One head's keys and values in 8-bit codes for qvl_attention_q8. Keys: minus their mean over
+ * the image (softmax does not see a constant per query row), one step per block of ABK keys;
+ * kq [D/4][S_pad]: a key's codes of dimensions 4g..4g+3 in one word (vpdpbusd's signed
+ * operand); corr [S_pad]: -128 x the sum of the key's codes (the queries enter as unsigned
+ * codes + 128); step [S_pad/ABK]. Values: a step per channel and block of ABK keys, vstep
+ * [S_pad/ABK][DV]; vq [S_pad/4][DV]: channel d of keys 4u..4u+3 in one word. Past S: codes 0. */
 typedef struct {
     const uint32_t* kq;
     const int32_t* corr;
     const float* step;
+    const uint32_t* vq;
+    const float* vstep;
 } ByteScores;
 
 #ifdef QVL_BYTE_SCORES
@@ -118,6 +189,63 @@ static inline __attribute__((always_inline)) void byte_scores(int32_t out[ATQ][N
           "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "memory",
           "cc");
 }
+/* attention_block's step for qvl_attention_q8 (no mask but the padding past S): query rows
+ * t..t+ATQ against keys kb..kb+ABK in integer codes. Scores as byte_scores; then per row the
+ * block's top score `top` (log2 units), P codes round(255 x 2^(score - top)) with the step
+ * 2^(top - running max) / 255, and the value products of P and V codes (V: a step per channel
+ * and block of ABK keys) scaled into the row's float sums; its P total (codes x step) into l. */
+static inline __attribute__((always_inline)) void byte_tile(const uint8_t* qc, const float* qf, const ByteScores* bs,
+                                                            int64_t S, int64_t S_pad, int t, int64_t kb, float* o,
+                                                            float* mx, float* l, const int D) {
+    const int DV = (D + 15) / 16 * 16, NV = DV / 16;
+    int32_t ac[ATQ][NKB][16] __attribute__((aligned(64)));
+    uint8_t pc[ATQ][ABK] __attribute__((aligned(64)));
+    float step[ATQ], corr[ATQ];
+    byte_scores(ac, bs->corr + kb, (const char*)(bs->kq + kb), S_pad * 4, (const char*)(qc + t * D), D, D / 4);
+    const __m512 low = _mm512_set1_ps(-1e30f);
+    for (int i = 0; i < ATQ; i++) {
+        const __m512 rs = _mm512_set1_ps(qf[t + i] * bs->step[kb / ABK]);
+        __m512 sc[NKB], top = low;
+        for (int b = 0; b < NKB; b++) {
+            sc[b] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ac[i][b])), rs);
+            const int64_t left = S - kb - 16 * b; /* keys past S: -1e30, P code 0 */
+            if (left < 16) sc[b] = _mm512_mask_mov_ps(low, left <= 0 ? 0 : (__mmask16)((1u << left) - 1), sc[b]);
+            top = _mm512_max_ps(top, sc[b]);
+        }
+        const float btop = _mm512_reduce_max_ps(top), prev = mx[t + i];
+        corr[i] = 1.f;
+        if (btop > prev + MAX_SLACK) { /* the running max moves (as attention_tile's) */
+            corr[i] = exp2f(prev - btop);
+            mx[t + i] = btop;
+            _mm512_store_ps(l + (t + i) * 16, _mm512_mul_ps(_mm512_load_ps(l + (t + i) * 16), _mm512_set1_ps(corr[i])));
+        }
+        step[i] = exp2f(btop - mx[t + i]) * (1.f / 255.f);
+        const __m512 nt = _mm512_set1_ps(-btop), full = _mm512_set1_ps(255.f);
+        __m512i total = _mm512_setzero_si512();
+        for (int b = 0; b < NKB; b++) {
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(exp2_ps3(_mm512_add_ps(sc[b], nt)), full));
+            total = _mm512_add_epi32(total, c);
+            _mm_store_si128((__m128i*)(pc[i] + 16 * b), _mm512_cvtepi32_epi8(c));
+        }
+        _mm512_store_ps(l + (t + i) * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(step[i]),
+                                                           _mm512_load_ps(l + (t + i) * 16)));
+    }
+    int32_t pv[ATQ * 5][16] __attribute__((aligned(64)));
+    const uint32_t* vq = bs->vq + (kb / 4) * DV;
+    if (NV == 4) /* P codes (4 rows ABK bytes apart, a word per 4 keys) x V codes (a row of DV words per 4 keys) */
+        bytes_4x4((const uint32_t*)pc, ABK, vq, DV * 4, ABK / 4, &pv[0][0]);
+    else
+        bytes_4x5((const uint32_t*)pc, ABK, vq, DV * 4, ABK / 4, (__mmask16)0xFFFF, &pv[0][0]);
+    const float* vstep = bs->vstep + (kb / ABK) * DV;
+    for (int i = 0; i < ATQ; i++)
+        for (int c = 0; c < NV; c++) {
+            float* oc = o + (t + i) * DV + 16 * c;
+            __m512 prev = _mm512_loadu_ps(oc);
+            if (corr[i] != 1.f) prev = _mm512_mul_ps(prev, _mm512_set1_ps(corr[i]));
+            const __m512 w = _mm512_mul_ps(_mm512_set1_ps(step[i]), _mm512_loadu_ps(vstep + 16 * c));
+            _mm512_storeu_ps(oc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(pv[i * NV + c])), w, prev));
+        }
+}
 #endif
 
 /* One step of attention_block: query rows t..t+ATQ against keys kb..kb+ABK. `masked` (a
@@ -125,8 +253,7 @@ static inline __attribute__((always_inline)) void byte_scores(int32_t out[ATQ][N
  * padding past S); most steps have none and skip the masking. */
 static inline __attribute__((always_inline)) void attention_tile(
     const uint16_t* qb, const uint32_t* kp, const uint32_t* vp, int64_t S, int64_t S_pad, int64_t causal,
-    __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const ByteScores* bs,
-    const uint8_t* qc, const float* qf, const int D, const int masked) {
+    __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const int D, const int masked) {
     const int DV = (D + 15) / 16 * 16; /* value pairs and sums per row: D, zero-padded to 16 lanes */
     const int GR = DV <= 80 ? 4 : 2;    /* rows per value-product group: GR x DV/16 accumulators */
     float corr[ATQ];
@@ -139,37 +266,25 @@ static inline __attribute__((always_inline)) void attention_tile(
         }
     }
     __m512 sc[ATQ][NKB];
-#ifdef QVL_BYTE_SCORES
-    if (bs) { /* integer scores: sum of (q code + 128) x key code, from -128 x the key's code sum */
-        int32_t ac[ATQ][NKB][16] __attribute__((aligned(64)));
-        byte_scores(ac, bs->corr + kb, (const char*)(bs->kq + kb), S_pad * 4, (const char*)(qc + t * D), D, D / 4);
-        for (int i = 0; i < ATQ; i++)
-            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_cvtepi32_ps(_mm512_load_si512(ac[i][b]));
-    } else
-#endif
-    {
-        for (int i = 0; i < ATQ; i++)
-            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
-        for (int p = 0; p < D / 2; p++) {
-            __m512bh kv[NKB];
-            for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
-            for (int i = 0; i < ATQ; i++) {
-                __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
-                for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
-            }
+    for (int i = 0; i < ATQ; i++)
+        for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512bh kv[NKB];
+        for (int b = 0; b < NKB; b++) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * S_pad + kb + 16 * b);
+        for (int i = 0; i < ATQ; i++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(qb + (t + i) * D))[p]);
+            for (int b = 0; b < NKB; b++) sc[i][b] = _mm512_dpbf16_ps(sc[i][b], a, kv[b]);
         }
     }
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* 1.0 in bf16 */
     for (int i = 0; i < ATQ; i++) {
-        /* integer scores: this row's step x this key block's step x scale */
-        const __m512 rs = bs ? _mm512_set1_ps(qf[t + i] * bs->step[kb / ABK]) : scale;
         const __m512 low = _mm512_set1_ps(-1e30f);
         __m512 top = low;
         for (int b = 0; b < NKB; b++) { /* the raw scores' max (scale > 0), hidden keys at -1e30 */
             if (masked) sc[i][b] = _mm512_mask_mov_ps(low, mask[i][b], sc[i][b]);
             top = _mm512_max_ps(top, sc[i][b]);
         }
-        top = _mm512_mul_ps(top, rs);
+        top = _mm512_mul_ps(top, scale);
         /* the running max (of scaled scores, log2 units) moves only when a score passes it by
          * more than MAX_SLACK (so the exponentials stay below 2^MAX_SLACK): most tiles skip the
          * reduction and rescale */
@@ -184,7 +299,7 @@ static inline __attribute__((always_inline)) void attention_tile(
         const __m512 nv = _mm512_set1_ps(-mx[t + i]);
         __m512 sum = _mm512_load_ps(l + (t + i) * 16);
         for (int b = 0; b < NKB; b++) { /* 2^(score * scale - max), to be rounded to bf16 */
-            sc[i][b] = exp2_ps3(_mm512_fmadd_ps(sc[i][b], rs, nv));
+            sc[i][b] = exp2_ps3(_mm512_fmadd_ps(sc[i][b], scale, nv));
             if (masked) sc[i][b] = _mm512_maskz_mov_ps(mask[i][b], sc[i][b]);
         }
         for (int b = 0; b < NKB; b += 2) {
@@ -262,10 +377,16 @@ static inline __attribute__((always_inline)) void attention_block(
     for (int64_t kb = 0; kb < key_end; kb += ABK) {
         for (int t = 0; t < ABQ && t < rows; t += ATQ) {
             int64_t first_seen = causal < 0 ? S : (causal + t + 1 < S ? causal + t + 1 : S);
+#ifdef QVL_BYTE_SCORES
+            if (bs) {
+                if (D == 64 || D == 72 || D == 80) byte_tile(qc, qf, bs, S, S_pad, t, kb, o, mx, l, D);
+                continue;
+            }
+#endif
             if (kb + ABK <= first_seen)
-                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, bs, qc, qf, D, 0);
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 0);
             else
-                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, bs, qc, qf, D, 1);
+                attention_tile(qb, kp, vp, S, S_pad, causal, scale, t, kb, o, mx, l, pb, D, 1);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -414,16 +535,49 @@ static int pack_key_codes(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S
     return 0;
 }
 
-/* qvl_attention for the vision tower (no mask, H == Hkv, D 32, 64, 72, 80 or 128) with the
- * scores in 8-bit integer codes on VNNI's byte products (SageAttention's scheme: the keys
- * centred over the image, one step per block of ABK keys; the queries one step per row): half
- * the score products' instructions of bf16 pairs. Softmax and the value products as
- * qvl_attention (bf16 P and V, float32 sums). Returns 0, -1 when out of memory, -2 when the
- * shapes do not apply or q or k holds a NaN or an infinity (the caller takes the bf16 kernel). */
+/* One head's values as ByteScores' vq [S_pad/4][DV] and vstep [S_pad/ABK][DV] from v [S][D] bf16
+ * (rows v_tok apart): per block of ABK keys and channel, max |v| / 127. Returns 0, or -2 when a
+ * value is a NaN or an infinity. */
+static int pack_value_codes(const uint16_t* v, int64_t v_tok, int64_t S, int64_t S_pad, int64_t D, uint32_t* vq,
+                            float* vstep) {
+    const int64_t NV = (D + 15) / 16, DV = 16 * NV;
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    for (int64_t n0 = 0; n0 < S_pad; n0 += ABK)
+        for (int64_t c = 0; c < NV; c++) {
+            __m512 x[ABK], amax = _mm512_setzero_ps();
+            __mmask16 bad = 0;
+            for (int64_t j = 0; j < ABK; j++) {
+                x[j] = n0 + j < S ? load16_bf16(v + (n0 + j) * v_tok + 16 * c, D - 16 * c) : _mm512_setzero_ps();
+                bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(x[j]), inf, _CMP_NLT_UQ);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(x[j]));
+            }
+            if (bad) return -2;
+            const __m512 st = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                   _mm512_set1_ps(1.f), _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), st);
+            _mm512_storeu_ps(vstep + (n0 / ABK) * DV + 16 * c, st);
+            for (int64_t j = 0; j < ABK; j += 4) { /* channel d of keys j..j+3 in one word */
+                __m512i w = _mm512_setzero_si512();
+                for (int e = 0; e < 4; e++)
+                    w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_and_si512(codes16(x[j + e], inv), byte), 8 * e));
+                _mm512_storeu_si512(vq + ((n0 + j) / 4) * DV + 16 * c, w);
+            }
+        }
+    return 0;
+}
+
+/* qvl_attention for the vision tower (no mask, H == Hkv, D 64, 72 or 80) in 8-bit integer codes
+ * on VNNI's byte products: the scores as SageAttention does (keys centred over the image, a step
+ * per block of ABK keys; queries a step per row), P in unsigned codes per row and key block
+ * (255 x 2^(score - the block's top)) and V in signed codes per channel and key block: every
+ * product in vpdpbusd, half the instructions of bf16 pairs (byte_tile). Returns 0, -1 when out
+ * of memory, -2 when the shapes do not apply or q, k or v holds a NaN or an infinity (the caller
+ * takes the bf16 kernel). */
 int qvl_attention_q8(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                      int64_t H, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
                      int64_t v_head, int64_t o_tok, int64_t o_head, int threads) {
-    if ((D != 32 && D != 64 && D != 72 && D != 80 && D != 128) || S < 1)
+    if ((D != 64 && D != 72 && D != 80) || S < 1)
         return -2;
     for (int64_t t = 0; t < T; t++) /* q finite: its codes' steps need it (a pass over q, ~1% of the kernel) */
         for (int64_t h = 0; h < H; h++)
@@ -432,21 +586,23 @@ int qvl_attention_q8(const uint16_t* q, const uint16_t* k, const uint16_t* v, ui
     uint32_t* kq = aligned_alloc(64, (size_t)(H * S_pad * D));
     int32_t* corr = aligned_alloc(64, (size_t)(H * S_pad) * sizeof(int32_t));
     float* steps = malloc((size_t)(H * (S_pad / ABK)) * sizeof(float));
-    uint32_t* vp = aligned_alloc(64, (size_t)(H * S_pad * DV * 2));
-    int status = !kq || !corr || !steps || !vp ? -1 : 0;
+    uint32_t* vq = aligned_alloc(64, (size_t)(H * S_pad * DV));
+    float* vsteps = aligned_alloc(64, (size_t)(H * (S_pad / ABK) * DV) * sizeof(float));
+    int status = !kq || !corr || !steps || !vq || !vsteps ? -1 : 0;
     if (!status) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t h = 0; h < H; h++) {
             if (pack_key_codes(k + h * k_head, k_tok, S, S_pad, D, kq + h * (D / 4) * S_pad, corr + h * S_pad,
-                               steps + h * (S_pad / ABK)) != 0) {
+                               steps + h * (S_pad / ABK)) != 0 ||
+                pack_value_codes(v + h * v_head, v_tok, S, S_pad, D, vq + h * (S_pad / 4) * DV,
+                                 vsteps + h * (S_pad / ABK) * DV) != 0) {
 #pragma omp atomic write
                 status = -2;
             }
-            pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vp + h * (S_pad / 2) * DV);
         }
     }
     if (status) {
-        free(kq), free(corr), free(steps), free(vp);
+        free(kq), free(corr), free(steps), free(vq), free(vsteps);
         return status;
     }
     const int64_t blocks = (T + ABQ - 1) / ABQ;
@@ -454,11 +610,12 @@ int qvl_attention_q8(const uint16_t* q, const uint16_t* k, const uint16_t* v, ui
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < H * blocks; item++) {
         const int64_t h = item / blocks, r0 = (item % blocks) * ABQ, rows = T - r0 < ABQ ? T - r0 : ABQ;
-        const ByteScores bs = {kq + h * (D / 4) * S_pad, corr + h * S_pad, steps + h * (S_pad / ABK)};
-        head_block(q + r0 * q_tok + h * q_head, q_tok, rows, NULL, vp + h * (S_pad / 2) * DV, S, S_pad, -1, scale2,
+        const ByteScores bs = {kq + h * (D / 4) * S_pad, corr + h * S_pad, steps + h * (S_pad / ABK),
+                               vq + h * (S_pad / 4) * DV, vsteps + h * (S_pad / ABK) * DV};
+        head_block(q + r0 * q_tok + h * q_head, q_tok, rows, NULL, NULL, S, S_pad, -1, scale2,
                    out + r0 * o_tok + h * o_head, o_tok, &bs, D);
     }
-    free(kq), free(corr), free(steps), free(vp);
+    free(kq), free(corr), free(steps), free(vq), free(vsteps);
     return 0;
 }
 #endif
@@ -787,66 +944,8 @@ static inline void pair_products(const uint32_t* a, int64_t a_row, const uint32_
 /* The AVX-512 build's two products: zmm registers, and with AVX512-VNNI one vpdpwssd per 32
  * multiply-adds (twice the AVX2 loop's rate per instruction). The same exact int32 sums, so the
  * same bits as the AVX2 build. */
-#ifndef __AVX512VNNI__ /* the C loops below: AVX-512 without VNNI */
+#ifndef __AVX512VNNI__ /* the C loops below: AVX-512 without VNNI (with it: products_4x4 and 4x5, above) */
 #define MADD512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
-#else
-/* The loops in assembly, accumulators in zmm0-19 from zero, stored to `out` ([4][nv][16]
- * int32) at the end: GCC 12 spills or copies the C loops' 16-20 zmm accumulators once per
- * step, as it copied the AVX2 loop's. Per step: nv vectors of b (b_step bytes apart per step),
- * the 4 rows' pairs of a (a_row bytes apart) broadcast, 4 x nv vpdpwssd. */
-#define ZERO(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
-#define STORE(r, i) "vmovdqu32 %%zmm" #r ", " #i "*64(%[out])\n\t"
-#define LOOP_HEAD "1:\n\t" \
-    "vpbroadcastd (%[a]), %%zmm28\n\t" "vpbroadcastd (%[a], %[ar]), %%zmm29\n\t" \
-    "vpbroadcastd (%[a2]), %%zmm30\n\t" "vpbroadcastd (%[a2], %[ar]), %%zmm31\n\t"
-#define LOOP_TAIL "add $4, %[a]\n\t" "add $4, %[a2]\n\t" "add %[bs], %[b]\n\t" "dec %[n]\n\t" "jnz 1b\n\t"
-/* vector v (register zmm2x) against the 4 rows: accumulators r, r + nv, r + 2 nv, r + 3 nv */
-#define ROWS4(v, r0, r1, r2, r3) "vpdpwssd %%zmm" v ", %%zmm28, %%zmm" #r0 "\n\t" \
-    "vpdpwssd %%zmm" v ", %%zmm29, %%zmm" #r1 "\n\t" "vpdpwssd %%zmm" v ", %%zmm30, %%zmm" #r2 "\n\t" \
-    "vpdpwssd %%zmm" v ", %%zmm31, %%zmm" #r3 "\n\t"
-#define CLOBBER4 "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
-    "xmm12", "xmm13", "xmm14", "xmm15", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", \
-    "xmm31", "memory", "cc"
-
-/* 4 rows x 4 vectors: out[i][v] (16 int32 each). volatile: the stores to out are its only effect */
-static inline void products_4x4(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n,
-                                int32_t* out) {
-    const char* a2 = (const char*)a + 2 * a_row;
-    __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7)
-            ZERO(8) ZERO(9) ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15)
-            LOOP_HEAD
-            "vmovdqu32 (%[b]), %%zmm24\n\t" "vmovdqu32 64(%[b]), %%zmm25\n\t"
-            "vmovdqu32 128(%[b]), %%zmm26\n\t" "vmovdqu32 192(%[b]), %%zmm27\n\t"
-            ROWS4("24", 0, 4, 8, 12) ROWS4("25", 1, 5, 9, 13) ROWS4("26", 2, 6, 10, 14) ROWS4("27", 3, 7, 11, 15)
-            LOOP_TAIL
-            STORE(0, 0) STORE(1, 1) STORE(2, 2) STORE(3, 3) STORE(4, 4) STORE(5, 5) STORE(6, 6) STORE(7, 7)
-            STORE(8, 8) STORE(9, 9) STORE(10, 10) STORE(11, 11) STORE(12, 12) STORE(13, 13) STORE(14, 14)
-            STORE(15, 15)
-            : [a] "+r"(a), [a2] "+r"(a2), [b] "+r"(b), [n] "+r"(n)
-            : [ar] "r"(a_row), [bs] "r"(b_step), [out] "r"(out)
-            : CLOBBER4);
-}
-
-/* 4 rows x 5 vectors, the fifth masked: out[i][v] (16 int32 each) */
-static inline void products_4x5(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n,
-                                __mmask16 last, int32_t* out) {
-    const char* a2 = (const char*)a + 2 * a_row;
-    __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7) ZERO(8) ZERO(9)
-            ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15) ZERO(16) ZERO(17) ZERO(18) ZERO(19)
-            LOOP_HEAD
-            "vmovdqu32 (%[b]), %%zmm23\n\t" "vmovdqu32 64(%[b]), %%zmm24\n\t"
-            "vmovdqu32 128(%[b]), %%zmm25\n\t" "vmovdqu32 192(%[b]), %%zmm26\n\t"
-            "vmovdqu32 256(%[b]), %%zmm27%{%[m]%}%{z%}\n\t"
-            ROWS4("23", 0, 5, 10, 15) ROWS4("24", 1, 6, 11, 16) ROWS4("25", 2, 7, 12, 17) ROWS4("26", 3, 8, 13, 18)
-            ROWS4("27", 4, 9, 14, 19)
-            LOOP_TAIL
-            STORE(0, 0) STORE(1, 1) STORE(2, 2) STORE(3, 3) STORE(4, 4) STORE(5, 5) STORE(6, 6) STORE(7, 7)
-            STORE(8, 8) STORE(9, 9) STORE(10, 10) STORE(11, 11) STORE(12, 12) STORE(13, 13) STORE(14, 14)
-            STORE(15, 15) STORE(16, 16) STORE(17, 17) STORE(18, 18) STORE(19, 19)
-            : [a] "+r"(a), [a2] "+r"(a2), [b] "+r"(b), [n] "+r"(n)
-            : [ar] "r"(a_row), [bs] "r"(b_step), [out] "r"(out), [m] "Yk"(last)
-            : CLOBBER4, "xmm16", "xmm17", "xmm18", "xmm19");
-}
 #endif
 
 /* sc[i][0..IBK) = the ITQ rows' code pairs qc (rows np pairs apart) times keys kb.. of kp

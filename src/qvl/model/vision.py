@@ -48,7 +48,7 @@ def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def byte_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """image_attention with the scores in 8-bit integer codes (qvl_attention_q8), for a tower
+    """image_attention in 8-bit integer codes (qvl_attention_q8: scores, P and V), for a tower
     whose linears run int8 x int8 in bf16: q, k rotated, [n, H, hd]. Where it declines (a NaN or
     infinity, a head size it does not take), image_attention."""
     out = native.attention_q8(kernels().lib, q, k, v)
