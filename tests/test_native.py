@@ -188,14 +188,19 @@ def test_byte_score_vision_attention_leaves_nan_and_other_heads_to_the_bf16_kern
     x = torch.randn(10, 2, 96).bfloat16()
     assert native.attention_q8(lib, x, x, x) is None  # head size 96
     assert native.attention_q8(lib, *(x[..., :64].float(),) * 3) is None  # float32
-    q, k, v = torch.randn(3, 50, 2, 64).bfloat16().unbind(0)
-    for t in (q, k):
-        bad = t.clone()
-        bad[17, 1, 3] = float("nan")
-        args = (bad, k, v) if t is q else (q, bad, v)
-        assert native.attention_q8(lib, *args) is None  # no codes for a NaN
-        out = byte_image_attention(*args)  # the bf16 kernel carries it as the reference does
-        assert out[:, 1].isnan().any() and not out[:, 0].isnan().any()
+    qkv = list(torch.randn(3, 50, 2, 64).bfloat16().unbind(0))
+    for which in range(3):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            args = list(qkv)
+            args[which] = args[which].clone()
+            args[which][17, 1, 3] = value
+            assert native.attention_q8(lib, *args) is None  # no codes for it
+            if value != value:  # NaN: the bf16 kernel carries it in its head as the reference does
+                out = byte_image_attention(*args)
+                assert out[:, 1].isnan().any() and not out[:, 0].isnan().any()
+    q, k, v = torch.randn(3, 3, 2, 64).bfloat16().unbind(0)
+    k[:, 1, 3] = torch.tensor([3e38, -3e38, -3e38])  # finite keys whose distance to their mean overflows
+    assert native.attention_q8(lib, q, k, v) is None
 
 
 needs_integer_attention = pytest.mark.skipif(lib is None or not lib.features & native.AVX2, reason="no AVX2 kernels")

@@ -505,6 +505,7 @@ static int pack_key_codes(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S
                 amax = _mm512_max_ps(amax, _mm512_abs_ps(x[j][c]));
             }
         const float top = _mm512_reduce_max_ps(amax);
+        if (!isfinite(top)) return -2; /* finite keys near bf16's limit whose distance to the mean overflows */
         const float st = top > 0.f ? top / 127.f : 1.f;
         const __m512 inv = _mm512_set1_ps(1.f / st);
         step[n0 / ABK] = st;
