@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void byte_tile(const uint8_t* qc, c
     byte_scores(ac, bs->corr + kb, (const char*)(bs->kq + kb), S_pad * 4, (const char*)(qc + t * D), D, D / 4);
     const __m512 low = _mm512_set1_ps(-1e30f);
     __m512 sc[ATQ][NKB];
-    float top[16] __attribute__((aligned(64))) = {0}; /* each row's top score in this block, then its step */
+    float top[16] __attribute__((aligned(64))) = {0}; /* each row's top score in this block (log2 units) */
     for (int i = 0; i < ATQ; i++) {
         const __m512 rs = _mm512_set1_ps(qf[t + i] * bs->step[kb / ABK]);
         __m512 m = low;
