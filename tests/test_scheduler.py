@@ -157,8 +157,8 @@ def test_prefill_slices_shrink_where_prefill_is_slow(engine):
 
 
 def test_a_prompt_token_computes_alike_in_any_slice(engine):
-    """On the default path where prefill's attention is qvl's flash kernel (AVX512-BF16 without
-    AMX), a prompt prefilled in slices of 1, 3, 16 or 25 tokens leaves the same keys and values,
+    """On the default path where prefill's attention is qvl's flash kernel (AVX512-BF16, AMX
+    CPUs included), a prompt prefilled in slices of 1, 3, 16 or 25 tokens leaves the same keys and values,
     to the bit, as one call, and the same last logits: a short slice takes prefill's kernels
     (many-row int8 products, the flash attention, the native RoPE), not the decode step's.
     Elsewhere prefill's attention is torch's SDPA, whose blocks follow the lengths (README)."""

@@ -107,10 +107,10 @@ class Kernels:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
 
     def flash_attention(self, dtype: torch.dtype) -> bool:
-        """Causal prefill attention: qvl's AVX512-BF16 flash kernel; elsewhere, and where the
-        CPU has AMX (whose tiles torch's oneDNN-backed SDPA uses, ~3x faster than vdpbf16ps),
-        torch's SDPA, which runs its own flash kernel vectorised for the CPU."""
-        return self._bf16_products(dtype) and not self.tier.amx
+        """Causal prefill attention: qvl's AVX512-BF16 flash kernel (reads through the block
+        table; a query row's result does not depend on the slice it comes in), AMX CPUs
+        included; elsewhere torch's SDPA, which runs its own flash kernel vectorised for the CPU."""
+        return self._bf16_products(dtype)
 
     def vision_attention(self, dtype: torch.dtype) -> bool:
         """The vision tower's attention (no mask): qvl's flash kernel on AMX-BF16 tiles where
@@ -199,8 +199,7 @@ class Kernels:
             "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),
             "decode_attention": "AVX512-BF16 (bf16 cache), float kernel (float32 cache)" if f & native.BF16
                                 else "float kernel (compiler-vectorised)",
-            "flash_attention": "torch SDPA (oneDNN, AMX tiles)" if self.tier.amx else
-                               "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
+            "flash_attention": "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
             "vision_attention": "AMX-BF16 flash kernel (head size <= 80)" if self.vision_attention(torch.bfloat16)
                                 and self.tier.amx else "as flash_attention" + (
                                     "; with int8 x int8 linears, vision in 8-bit codes (vpdpbusd, head size 64-80)"

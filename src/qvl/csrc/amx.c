@@ -676,14 +676,14 @@ int qvl_amx_bf16_linear(int kind, const uint16_t* x, int64_t M, int64_t K, int64
 #define LOAD_OUT(t) _tile_loadd(t, ob + 16 * t, DV * 4)
 #define VALUES(t) { _tile_loadd(7, vb + 16 * t, DV * 4); _tile_dpbf16ps(t, 6, 7); }
 
-/* Scores of the 16 query rows (qb [DP/32][16][32]) against keys kb..kb+31 -> sc [16][32]. */
-static inline void amx_scores(const uint16_t* qb, const uint32_t* kp, int64_t kb, int64_t S_pad, int64_t DP,
-                              float* sc) {
+/* Scores of the 16 query rows (qb [DP/32][16][32]) against keys kb..kb+31 -> sc [16][32];
+ * kp [S_pad/16][DP/2][16] key pairs: each B tile (16 pairs of 16 keys) is 1 KB in one piece. */
+static inline void amx_scores(const uint16_t* qb, const uint32_t* kp, int64_t kb, int64_t DP, float* sc) {
     for (int half = 0; half < 2; half++) {
         _tile_zero(5);
         for (int64_t c = 0; c < DP / 32; c++) {
             _tile_loadd(6, qb + c * 512, 64);
-            _tile_loadd(7, kp + 16 * c * S_pad + kb + 16 * half, S_pad * 4);
+            _tile_loadd(7, kp + ((kb / 16 + half) * (DP / 2) + 16 * c) * 16, 64);
             _tile_dpbf16ps(5, 6, 7);
         }
         _tile_stored(5, sc + 16 * half, 128);
@@ -724,7 +724,7 @@ static inline __attribute__((always_inline)) int amx_softmax(const float* sc, in
     return rescale;
 }
 
-/* Query rows (up to 16) of one head: qb [DP/32][16][32] bf16 (zero-padded); kp [DP/2][S_pad]
+/* Query rows (up to 16) of one head: qb [DP/32][16][32] bf16 (zero-padded); kp [S_pad/16][DP/2][16]
  * key pairs; vp [S_pad/2][DV] value pairs; out rows `out_stride` apart, D columns. */
 static void amx_attention_rows(const uint16_t* qb, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
                                int64_t S_pad, int64_t D, int64_t DP, int64_t DV, float scale2, uint16_t* out,
@@ -736,10 +736,10 @@ static void amx_attention_rows(const uint16_t* qb, int64_t rows, const uint32_t*
     __m512 l[16];
     for (int i = 0; i < 16; i++) mx[i] = raw[i] = -1e30f, l[i] = _mm512_setzero_ps();
     OUT_TILES(ZERO_OUT);
-    amx_scores(qb, kp, 0, S_pad, DP, sc[0]);
+    amx_scores(qb, kp, 0, DP, sc[0]);
     for (int64_t kb = 0; kb < S_pad; kb += 32) {
         const float* cur = sc[(kb / 32) & 1];
-        if (kb + 32 < S_pad) amx_scores(qb, kp, kb + 32, S_pad, DP, sc[((kb / 32) + 1) & 1]);
+        if (kb + 32 < S_pad) amx_scores(qb, kp, kb + 32, DP, sc[((kb / 32) + 1) & 1]);
         const int rescale = S - kb >= 32 ? amx_softmax(cur, 32, scale2, mx, raw, corr, l, pb, 0)
                                          : amx_softmax(cur, S - kb, scale2, mx, raw, corr, l, pb, 1);
         if (rescale) { /* a row's max moved: its output so far is scaled down to the new max */
@@ -784,7 +784,9 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        pack_keys(k + h * k_head, k_tok, S, S_pad, D, DP, kp + h * (DP / 2) * S_pad, S_pad);
+        for (int64_t n = 0; n < S_pad; n += 16) /* 16 keys at a time: [DP/2][16] each */
+            pack_keys(k + n * k_tok + h * k_head, k_tok, S - n < 16 ? S - n : 16, 16, D, DP,
+                      kp + h * (DP / 2) * S_pad + n * (DP / 2), 16);
         pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vp + h * (S_pad / 2) * DV);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
