@@ -30,9 +30,9 @@ AMX = lib is not None and bool(lib.features & native.AMX_INT8)
 
 
 def _vision_covers(d: int) -> bool:
-    """The head sizes the vision kernel takes: AMX tiles up to 80 (2B's 64, the 1152-wide
-    towers' 72), AVX512-BF16 dot products 32, 64, 72, 80 and 128."""
-    return d <= 80 if AMX else d in (32, 64, 72, 80, 128)
+    """The head sizes the vision kernel takes: AMX tiles any even size up to 128 (2B's 64, the
+    1152-wide towers' 72), AVX512-BF16 dot products 32, 64, 72, 80 and 128."""
+    return d <= 128 and d % 2 == 0 if AMX else d in (32, 64, 72, 80, 128)
 
 
 @needs_attention
@@ -51,7 +51,7 @@ def test_attention_matches_float_reference(s, h, d, scale):
 
 
 @needs_amx
-@pytest.mark.parametrize("d", [64, 72, 80, 40])
+@pytest.mark.parametrize("d", [64, 72, 80, 40, 128])
 def test_amx_vision_attention_over_a_whole_image(d):
     """A full-budget-like image (1000 patches: many 16-row query blocks, 32-key blocks and a
     padded last one) with a few very large keys late in the sequence, so each row's running
@@ -87,8 +87,8 @@ def test_amx_vision_attention_edge_shapes(t, s, h, hkv, d):
 
 @needs_attention
 def test_attention_declines_what_it_does_not_cover():
-    q = torch.randn(10, 2, 96).bfloat16()
-    assert native.attention(lib, q, q, q) is None  # head_dim 96: neither kernel
+    q = torch.randn(10, 2, 136).bfloat16()
+    assert native.attention(lib, q, q, q) is None  # head_dim 136: neither kernel
     assert native.attention(lib, q[..., :64].float(), q[..., :64].float(), q[..., :64].float()) is None  # fp32
     x = torch.randn(10, 2, 64)
     torch.testing.assert_close(image_attention(x, x, x), _reference_attention(x, x, x))  # SDPA takes over
@@ -491,6 +491,25 @@ def test_prefill_attention_reads_the_paged_cache(start, t, kv_heads, group, d):
                                          v.float().transpose(0, 1)[None], attn_mask=mask[None, None],
                                          enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out.float(), ref, atol=2e-2 * max(1.0, ref.abs().max().item()), rtol=2e-2)
+
+
+@needs_attention
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_attention_gives_a_row_the_same_bits_in_any_slice(d):
+    """A prompt prefilled in slices (each over the cache the earlier ones filled) leaves every
+    query row the bits one call gives it (AMX tiles or AVX512-BF16 dot products): so a request's
+    tokens do not depend on how the scheduler cut its prompt."""
+    t, kv_heads, group = 150, 2, 2
+    keys, values, table = _paged_rows(1, kv_heads, t, d)
+    q = (torch.randn(t, kv_heads * group, d) * 2).bfloat16()
+    q[100:103] *= 8  # rows whose scores are large: their running max moves
+    whole = native.paged_attention(lib, q, keys, values, table[0], 0)
+    for cut in ((1, 17, 48, 150), (25, 50, 75, 100, 125, 150), (3, 4, 149, 150)):
+        parts, start = [], 0
+        for end in cut:
+            parts.append(native.paged_attention(lib, q[start:end], keys, values, table[0], start))
+            start = end
+        assert torch.equal(torch.cat(parts), whole), cut
 
 
 @needs_attention

@@ -453,8 +453,8 @@ def test_dispatch_choices_per_tier(tier_lib):
     tier, lib = tier_lib
     k = Kernels(tier, lib)
     bf16_hw = tier.name in ("avx512", "avx512-noamx") and tier.bf16  # the tiers with bf16 products
-    # prefill's causal attention: qvl's AVX512-BF16 flash kernel wherever bf16 products run, AMX
-    # CPUs included (a prompt token then computes alike in any prefill slice)
+    # prefill's causal attention: qvl's flash kernel wherever bf16 products run (on AMX tiles where
+    # the process has them), so a prompt token computes alike in any prefill slice
     assert k.flash_attention(torch.bfloat16) == bf16_hw and not k.flash_attention(torch.float32)
     # the vision tower's: on AMX tiles where the process has them, else the AVX512-BF16 kernel
     assert k.vision_attention(torch.bfloat16) == (bf16_hw and (not tier.amx or bool(lib.features & native.AMX_INT8)))
@@ -478,7 +478,9 @@ def test_dispatch_choices_per_tier(tier_lib):
     assert k.i16_products(torch.bfloat16) == (x86 and not lib.features & native.AMX_INT8)
     described = k.describe()
     assert described["tier"].startswith(tier.name)
-    assert ("AVX512-BF16" in described["flash_attention"]) == bf16_hw
+    tiles = bool(lib.features & native.AMX_INT8)  # the process has AMX tiles: prefill's attention on them
+    assert ("AMX-BF16" in described["flash_attention"]) == (bf16_hw and tiles)
+    assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tiles)
     family = {"avx512": native.AVX512, "avx2": native.AVX2}.get(tier.name.split("-")[0], 0)
     assert bool(lib.features & native.AVX512) == (family == native.AVX512)
     assert bool(lib.features & native.AVX2) == (family in (native.AVX512, native.AVX2))

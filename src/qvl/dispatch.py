@@ -107,15 +107,16 @@ class Kernels:
         return self.lib is not None and dtype in (torch.bfloat16, torch.float32)
 
     def flash_attention(self, dtype: torch.dtype) -> bool:
-        """Causal prefill attention: qvl's AVX512-BF16 flash kernel (reads through the block
-        table; a query row's result does not depend on the slice it comes in), AMX CPUs
-        included; elsewhere torch's SDPA, which runs its own flash kernel vectorised for the CPU."""
+        """Causal prefill attention: qvl's flash kernel, reading through the block table, on
+        AMX-BF16 tiles where the process has them (0.35-0.47x torch's SDPA: docs/benchmarks.md
+        section 52), else on AVX512-BF16 dot products; a query row's result does not depend on
+        the slice it comes in. Elsewhere torch's SDPA, its own flash kernel vectorised for the CPU."""
         return self._bf16_products(dtype)
 
     def vision_attention(self, dtype: torch.dtype) -> bool:
         """The vision tower's attention (no mask): qvl's flash kernel on AMX-BF16 tiles where
-        the process has them (head size up to 80), else on AVX512-BF16 dot products except on
-        an AMX CPU; elsewhere torch's SDPA."""
+        the process has them (even head sizes up to 128), else on AVX512-BF16 dot products
+        except on an AMX CPU; elsewhere torch's SDPA."""
         return self._bf16_products(dtype) and (not self.tier.amx or self.has(native.AMX_INT8))
 
     def byte_vision_attention(self, dtype: torch.dtype) -> bool:
@@ -199,8 +200,9 @@ class Kernels:
             "gemv_bf16": "float products" + ("" if family == "portable" else f" ({family})"),
             "decode_attention": "AVX512-BF16 (bf16 cache), float kernel (float32 cache)" if f & native.BF16
                                 else "float kernel (compiler-vectorised)",
-            "flash_attention": "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
-            "vision_attention": "AMX-BF16 flash kernel (head size <= 80)" if self.vision_attention(torch.bfloat16)
+            "flash_attention": "AMX-BF16 flash kernel (head size <= 128)" if f & native.BF16 and f & native.AMX_INT8
+                               else "AVX512-BF16 flash kernel" if f & native.BF16 else "torch SDPA (float32)",
+            "vision_attention": "AMX-BF16 flash kernel (head size <= 128)" if self.vision_attention(torch.bfloat16)
                                 and self.tier.amx else "as flash_attention" + (
                                     "; with int8 x int8 linears, vision in 8-bit codes (vpdpbusd, head size 64-80)"
                                     if self.byte_vision_attention(torch.bfloat16) else "") + (

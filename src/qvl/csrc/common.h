@@ -290,7 +290,8 @@ int qvl_features(void);
 int qvl_int8_amx_ready(void);
 int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                       int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
-                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int threads);
+                      int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal,
+                      const int64_t* kv_blocks, int64_t block, int64_t block_stride, int threads);
 int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
                      const void* scale, const void* bias, int dt, void* y, int threads);
 void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, const float* cs, const float* b, int dt,
