@@ -493,6 +493,32 @@ def test_prefill_attention_reads_the_paged_cache(start, t, kv_heads, group, d):
     torch.testing.assert_close(out.float(), ref, atol=2e-2 * max(1.0, ref.abs().max().item()), rtol=2e-2)
 
 
+@needs_amx
+@pytest.mark.parametrize("d, block", [(128, 16), (96, 32), (112, 48), (64, 32)])
+def test_amx_prefill_attention_with_a_moving_max(d, block):
+    """Causal prefill on AMX tiles over a pool of other block sizes, with head sizes whose
+    output does not fit the tiles (96, 112, 128: columns past 64 summed in memory) and a few
+    late keys far larger than the rest, so rows' running max moves after their output has
+    accumulated: as SDPA in float32, for a whole prompt and for a slice after a prefix."""
+    length, kv_heads, group = 200, 2, 2
+    n = -(-length // block)
+    keys, values = (torch.randn(n + 2, kv_heads, block, d).bfloat16() for _ in range(2))
+    table = torch.randperm(n + 2)[:n]
+    flat = keys[table].permute(1, 0, 2, 3).reshape(kv_heads, -1, d)  # a copy, positions in order
+    flat[:, 150:153] *= 8  # late keys that dominate
+    for j in range(150, 153):
+        keys[table[j // block], :, j % block] = flat[:, j]
+    k, v = (x[table].permute(1, 0, 2, 3).reshape(kv_heads, -1, d)[:, :length].float() for x in (keys, values))
+    for start in (0, 120):
+        q = (torch.randn(length - start, kv_heads * group, d) * 2).bfloat16()
+        out = native.paged_attention(lib, q, keys, values, table, start)
+        mask = torch.arange(length)[None, :] <= torch.arange(start, length)[:, None]
+        ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k[None], v[None],
+                                             attn_mask=mask[None, None], enable_gqa=True)[0].transpose(0, 1)
+        assert out is not None
+        torch.testing.assert_close(out.float(), ref, atol=2e-2 * max(1.0, ref.abs().max().item()), rtol=2e-2)
+
+
 @needs_attention
 @pytest.mark.parametrize("d", [64, 128])
 def test_prefill_attention_gives_a_row_the_same_bits_in_any_slice(d):

@@ -437,9 +437,10 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               causal_from: int | None = None) -> torch.Tensor | None:
     """Attention of T queries over S keys (AVX512-BF16 builds): q [T, H, D], k and v
     [S, H_kv, D] bf16 (any token/head strides, D contiguous) -> [T, H, D] contiguous.
-    causal_from=None: every query sees every key (vision; on AMX tiles where the CPU has them,
-    D <= 80); an int p: query t sits at position p + t and sees keys 0..p+t (prefill over a
-    cache; D 32, 64 or 128; vision also 72 and 80). None when the shapes do not apply."""
+    causal_from=None: every query sees every key (vision); an int p: query t sits at position
+    p + t and sees keys 0..p+t (prefill over a cache). Head sizes: on AMX tiles where the CPU
+    has them any even D up to 128, else 32, 64 or 128 (vision also 72 and 80). None when the
+    shapes do not apply."""
     t, h, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
     if d % 2 or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
@@ -514,7 +515,8 @@ def check_table(table: torch.Tensor, lengths: torch.Tensor, block: int, blocks: 
 
 def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     blocks: torch.Tensor, causal_from: int) -> torch.Tensor | None:
-    """Causal prefill attention of one row over the paged cache (AVX512-BF16 builds): q
+    """Causal prefill attention of one row over the paged cache (AVX512-BF16 builds; on AMX
+    tiles where the CPU has them): q
     [T, H, D] bf16 (any token/head strides, D contiguous) at positions causal_from.. over
     that row's keys and values, one layer of the pool [blocks, H_kv, BLOCK, D], position j in
     block blocks[j // BLOCK] ([>= ceil((causal_from + T) / BLOCK)] int64) -> [T, H, D]

@@ -784,14 +784,15 @@ static void amx_attention_rows(const uint16_t* qb, int64_t rows, const uint32_t*
 
 /* softmax(q k^T / sqrt(D)) v for T queries over S keys, grouped heads, with the arguments of
  * qvl_attention: causal -1 (the vision tower: no mask) or causal prefill over a cache of S =
- * causal + T, the keys and values strided or through a block table (kv_blocks; block % 16 == 0).
- * Returns 0, -1 when out of memory, -2 when the CPU or D does not suit it (odd, or > 128). */
+ * causal + T (or more: keys past the last query's position are not read), the keys and values
+ * strided or through a block table (kv_blocks; block % 16 == 0). Returns 0, -1 when out of
+ * memory, -2 when the CPU or D does not suit it (odd, or > 128) or S < causal + T. */
 int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                       int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
                       int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal,
                       const int64_t* kv_blocks, int64_t block, int64_t block_stride, int threads) {
     if (!amx_granted || D > 128 || D % 2 || D < 2 || Hkv < 1 || H % Hkv || S < 1 || T < 1 ||
-        (kv_blocks && (block < 16 || block % 16)))
+        (kv_blocks && (block < 16 || block % 16)) || (causal >= 0 && causal + T > S))
         return -2;
     const int64_t S_pad = (S + 31) / 32 * 32, DP = (D + 31) / 32 * 32, DV = (D + 15) / 16 * 16, G = H / Hkv;
     const int64_t blocks = (T + 15) / 16;

@@ -429,13 +429,14 @@ static void head_block(const uint16_t* q, int64_t q_stride, int64_t rows, const 
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
  * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64 or 128, and 72 or 80 for
  * vision; where the process has AMX tiles, attention runs only on them (qvl_amx_attention, even D <= 128; -2 otherwise,
- * and the caller takes torch's SDPA).
+ * and the caller takes torch's SDPA), except causal calls over fewer keys than causal + T (query t then sees keys up
+ * to min(causal + t, S - 1)), which these dot products take.
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
                   int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal, const int64_t* kv_blocks,
                   int64_t block, int64_t block_stride, int threads) {
-    if (qvl_int8_amx_ready()) /* tiles: several times these dot products (and torch's SDPA) */
+    if (qvl_int8_amx_ready() && (causal < 0 || causal + T <= S)) /* tiles: several times these dot products */
         return qvl_amx_attention(q, k, v, out, T, S, H, Hkv, D, q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok,
                                  o_head, causal, kv_blocks, block, block_stride, threads);
     const int vision_only = D == 72 || D == 80; /* the 1152-wide towers' heads (8B and larger) */
