@@ -9,6 +9,14 @@ difference from float32 SDPA.
 
 --before CHECKOUT: also that checkout's kernel, built for the same tier from its sources.
 
+--model CKPT --image-tokens N: instead, the whole prefill of the 1920x1080 photo's prompt in the
+model (default engine; vision encoded once), with prefill's attention flipped between qvl's
+kernel and torch's SDPA (`Kernels.flash_attention`) in one process, the sides alternating run by
+run, so both see the same machine state (whole first tokens from two processes could not show a
+few percent on a VM whose speed moves within minutes):
+
+    python benchmarks/prefill_attention.py --model /work/ckpt/qvl-2b --image-tokens 256 --rounds 10
+
 Shapes: a whole prompt of 280 and 1,030 tokens (the photo at 256 and 1024 image tokens) and
 the last 64-token slice of the 1,030-token one (a slice beside generating rows).
 """
@@ -43,13 +51,53 @@ def gathered(x: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     return x[table].permute(1, 0, 2, 3).reshape(1, KV_HEADS, -1, D)[:, :, :length].contiguous()
 
 
+def in_model(args) -> None:
+    """The photo's prompt prefilled with prefill's attention on qvl's kernel and on SDPA, alternating."""
+    from qvl import dispatch
+    from qvl.bench import synthetic_image
+    from qvl.engine import Engine, EngineOptions, Request
+    from qvl.generate import new_cache, prefill_slice
+    from qvl.sampling import SamplingParams
+    from qvl.stream import Timings
+
+    engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, answer_cache_entries=0,
+                                       prefix_cache_mb=0, max_image_tokens=args.image_tokens))
+    request = Request([{"role": "user", "content": [{"type": "image", "image": synthetic_image(1920, 1080, seed=0)},
+                                                    {"type": "text", "text": "Describe this image."}]}],
+                      SamplingParams(temperature=0, max_new_tokens=1))
+    prompt = engine.prepare(engine.parse(request), Timings())
+    ours = dispatch.Kernels.flash_attention
+
+    def prefill(side: str) -> float:
+        dispatch.Kernels.flash_attention = ours if side == "qvl" else (lambda self, dtype: False)
+        cache = new_cache(engine.model, 1, len(prompt))
+        with torch.inference_mode():
+            started = time.perf_counter()
+            prefill_slice(engine.model, cache, prompt, 0, len(prompt))
+            return time.perf_counter() - started
+
+    times: dict[str, list[float]] = {"qvl": [], "sdpa": []}
+    for r in range(args.rounds):
+        for side in (("qvl", "sdpa") if r % 2 == 0 else ("sdpa", "qvl")):
+            times[side].append(prefill(side))
+    dispatch.Kernels.flash_attention = ours
+    print(f"{len(prompt)} prompt tokens; prefill ms, {args.rounds} alternating rounds: qvl's kernel "
+          f"{spread(times['qvl'])}, SDPA {spread(times['sdpa'])}; qvl / SDPA "
+          f"{statistics.median(times['qvl']) / statistics.median(times['sdpa']):.3f}, per round "
+          + ", ".join(f"{a / b:.3f}" for a, b in zip(times["qvl"], times["sdpa"])))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--before", help="a checkout whose kernel (same tier) runs beside this one's")
+    p.add_argument("--model", help="the whole prefill in this checkpoint instead (see above)")
+    p.add_argument("--image-tokens", type=int, default=256)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:
+        return in_model(args)
     lib = kernels().lib
     before = checkout_library(args.before) if args.before else None
     print(f"{kernels().describe()['flash_attention']} / AMX tiles: {bool(lib.features & native.AMX_INT8)}; "

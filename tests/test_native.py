@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from qvl import dispatch, native
@@ -140,11 +140,15 @@ def _byte_score_scheme(q, k, v):
 
 def _assert_follows_scheme(out, q, k, v):
     """Within bf16's rounding of P, V and the output of the scheme in float64 (as close as the
-    bf16 kernel is to exact attention: 0.15% of the norm), a code flipped at a rounding boundary
-    aside (the kernel centres the keys in float32)."""
+    bf16 kernel is to exact attention: 0.15% of the norm), codes flipped at a rounding boundary
+    aside (the kernel centres the keys in float32 and takes P's exp2 from a polynomial): one P
+    code per row rounded the other way moves that row by at most 2 max|v| / 255, since the row's
+    top key has the code 255 (a 3-key image with large scores showed one such flip, 0.57% of the
+    norm)."""
     scheme = _byte_score_scheme(q, k, v)
     out = out.double()
-    assert (out - scheme).norm() <= 5e-3 * scheme.norm() + 1e-4
+    flips = 2 / 255 * v.double().norm(dim=-1).max() * (out.shape[0] * out.shape[1]) ** 0.5
+    assert (out - scheme).norm() <= 5e-3 * scheme.norm() + flips + 1e-4
     assert (out - scheme).abs().max() <= 5e-2 * max(1.0, scheme.abs().max().item())
 
 
@@ -152,6 +156,7 @@ def _assert_follows_scheme(out, q, k, v):
 @settings(max_examples=25, deadline=None)
 @given(s=st.integers(1, 300), h=st.integers(1, 3), d=st.sampled_from([64, 72, 80]),
        scale=st.floats(0.1, 4.0), offset=st.floats(0.0, 8.0))
+@example(s=3, h=3, d=64, scale=2.8125, offset=0.0)  # one P code rounded the other way (see _assert_follows_scheme)
 def test_byte_score_vision_attention_computes_its_scheme(s, h, d, scale, offset):
     """qvl_attention_q8 (the vision tower's attention in 8-bit codes where its linears run int8 x
     int8 in bf16): any number of patches (one key, a padded last 64-key block, several query
