@@ -805,21 +805,9 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        uint32_t *kh = kp + h * (DP / 2) * S_pad, *vh = vp + h * (S_pad / 2) * DV;
-        for (int64_t n = 0; n < S_pad; n += 16) { /* 16 keys at a time: [DP/2][16] each; zeros past S */
-            const int64_t at = n >= S ? 0 : kv_blocks ? kv_blocks[n / block] * block_stride + (n % block) * k_tok
-                                                      : n * k_tok;
-            pack_keys(k + at + h * k_head, k_tok, S - n < 16 ? S - n : 16, 16, D, DP, kh + n * (DP / 2), 16);
-        }
-        if (!kv_blocks) {
-            pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vh);
-            continue;
-        }
-        for (int64_t n = 0; n < S_pad; n += block) { /* block by block; zeros past S */
-            const int64_t seen = S - n < 0 ? 0 : S - n < block ? S - n : block, width = S_pad - n < block ? S_pad - n : block;
-            const int64_t at = seen ? kv_blocks[n / block] * block_stride : 0;
-            pack_values(v + at + h * v_head, v_tok, seen, width, D, DV, vh + (n / 2) * DV);
-        }
+        /* keys 16 at a time, [DP/2][16] each (one tile in one piece) */
+        pack_head(k + h * k_head, k_tok, v + h * v_head, v_tok, S, S_pad, D, DP, DV, kv_blocks, block, block_stride,
+                  kp + h * (DP / 2) * S_pad, DP / 2, 16, vp + h * (S_pad / 2) * DV);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < H * blocks; item++) { /* [DP/32][16][32] per 16 query rows of a head */

@@ -453,18 +453,8 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < Hkv; h++) {
-        uint32_t *kh = kp + h * (DP / 2) * S_pad, *vh = vp + h * (S_pad / 2) * DV;
-        if (!kv_blocks) {
-            pack_keys(k + h * k_head, k_tok, S, S_pad, D, DP, kh, S_pad);
-            pack_values(v + h * v_head, v_tok, S, S_pad, D, DV, vh);
-            continue;
-        }
-        for (int64_t n = 0; n < S_pad; n += block) { /* block by block; zeros past S */
-            const int64_t seen = S - n < 0 ? 0 : S - n < block ? S - n : block, width = S_pad - n < block ? S_pad - n : block;
-            const int64_t at = seen ? kv_blocks[n / block] * block_stride : 0;
-            pack_keys(k + at + h * k_head, k_tok, seen, width, D, DP, kh + n, S_pad);
-            pack_values(v + at + h * v_head, v_tok, seen, width, D, DV, vh + (n / 2) * DV);
-        }
+        pack_head(k + h * k_head, k_tok, v + h * v_head, v_tok, S, S_pad, D, DP, DV, kv_blocks, block, block_stride,
+                  kp + h * (DP / 2) * S_pad, 1, S_pad, vp + h * (S_pad / 2) * DV);
     }
     const int64_t blocks = (T + ABQ - 1) / ABQ;
     const float scale2 = 1.4426950408889634f / sqrtf((float)D); /* softmax in base 2 */

@@ -191,6 +191,21 @@ static inline void pack_values(const uint16_t* v, int64_t v_tok, int64_t S, int6
         }
 }
 
+/* One head's keys (pack_keys: group of 16 keys n at kh + n * kh_group, pair rows kh_stride
+ * apart) and values (pack_values into vh [S_pad/2][DV]), 16 positions at a time, position j
+ * at j * tok or, with a block table (block % 16 == 0), at kv_blocks[j / block] * block_stride +
+ * (j % block) * tok; zeros past S. The flash kernels' one way of reading a cache. */
+static inline void pack_head(const uint16_t* k, int64_t k_tok, const uint16_t* v, int64_t v_tok, int64_t S,
+                             int64_t S_pad, int64_t D, int64_t DP, int64_t DV, const int64_t* kv_blocks, int64_t block,
+                             int64_t block_stride, uint32_t* kh, int64_t kh_group, int64_t kh_stride, uint32_t* vh) {
+    for (int64_t n = 0; n < S_pad; n += 16) {
+        const int64_t seen = S - n < 16 ? S - n : 16, base = n >= S || !kv_blocks ? 0 : kv_blocks[n / block] * block_stride;
+        const int64_t j = kv_blocks ? n % block : n; /* position n's index in its storage */
+        pack_keys(k + (seen > 0 ? base + j * k_tok : 0), k_tok, seen, 16, D, DP, kh + n * kh_group, kh_stride);
+        pack_values(v + (seen > 0 ? base + j * v_tok : 0), v_tok, seen, 16, D, DV, vh + (n / 2) * DV);
+    }
+}
+
 #ifdef __AVX512BF16__
 /* out[0..16) = v rounded to bf16, then, when res is given, res + that, rounded again (a layer's
  * output added to the residual stream, as `res + y` in bf16 would). */
