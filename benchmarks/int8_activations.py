@@ -243,6 +243,18 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
     return rows
 
 
+class Rows(list):
+    """Table rows (name, agreement) against `ref`; top-1 also against `base` once it is set."""
+
+    def __init__(self, ref: Output):
+        super().__init__()
+        self.ref, self.base = ref, None
+
+    def record(self, name: str, out: Output) -> None:
+        self.append((name, agreement(out, self.ref, self.base)))
+        print(f"  {name}: {self[-1][1]}", file=sys.stderr)
+
+
 def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The float32 tiers' prefill products: dequantised weights against 16-bit activation codes."""
     from qvl import native
@@ -252,25 +264,34 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(model=str(path), threads=args.threads, weights="bf16", dtype="fp32")),
               evaluation)
-    rows = []
-
-    def record(name: str, out: Output) -> None:
-        rows.append((name, agreement(out, ref, base)))
-        print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
-
-    base = None
+    rows = Rows(ref)
     i16_linear = native.i16_linear
     native.i16_linear = lambda *a, **k: None  # the float32 path before section 37
     try:
-        base = run(Engine.load(EngineOptions(**common, weights="int8", dtype="fp32")), evaluation)
+        rows.base = run(Engine.load(EngineOptions(**common, weights="int8", dtype="fp32")), evaluation)
     finally:
         native.i16_linear = i16_linear
-    record("float32, int8 weights, prefill's products dequantised (before)", base)
+    rows.record("float32, int8 weights, prefill's products dequantised (before)", rows.base)
     engine = Engine.load(EngineOptions(**common, weights="int8", dtype="fp32"))
     assert kernels().i16_products(torch.float32), "qvl_i16_linear does not run on this CPU"
-    record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
+    rows.record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
     del engine
-    record("bf16, int8 weights (the bf16 tiers)",
+    if kernels().group_codes(torch.float32):  # the byte kernel: VNNI's 8-bit codes, plain AVX2's 7-bit
+        levels = kernels().lib.q8_levels
+        engine = Engine.load(EngineOptions(**{**common, "int8_activations": "all"}, weights="int8", dtype="fp32"))
+        rows.record(f"float32, int8 weights, prefill in codes -{levels}..{levels} per {native.ACTIVATION_GROUP} columns "
+               "(the byte kernel)", run(engine, evaluation))
+        q8_linear = native.q8_linear
+        for top in (63, 127):  # both code widths with the sums in float32, for scale
+            native.q8_linear = lambda lib, x, w, s, bias=None, top=top, **kw: simulated_codes(
+                native.ACTIVATION_GROUP, top)(lib, x, w, s, bias)
+            try:
+                rows.record(f"float32, int8 weights, prefill in codes -{top}..{top} per {native.ACTIVATION_GROUP} "
+                       "columns, simulated in float32", run(engine, evaluation))
+            finally:
+                native.q8_linear = q8_linear
+        del engine
+    rows.record("bf16, int8 weights (the bf16 tiers)",
            run(Engine.load(EngineOptions(**common, weights="int8", dtype="bf16")), evaluation))
     return rows
 
@@ -298,13 +319,7 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     common = dict(model=str(path), threads=args.threads, quant_cache=False)
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
-    rows = []
-
-    def record(name: str, out: Output) -> None:
-        rows.append((name, agreement(out, ref, base)))
-        print(f"  {name}: {rows[-1][1]}", file=sys.stderr)
-
-    base = None
+    rows = Rows(ref)
     engine = Engine.load(EngineOptions(**common, weights="int8"))
     assert kernels().group_codes(torch.bfloat16), "qvl_q8_linear does not run on this CPU"
     layers = [m for m in engine.model.modules() if getattr(m, "byte_codes", False)]
@@ -327,18 +342,18 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
         m.byte_codes = False
     native.i16_linear = measured
     try:
-        base = run(engine, evaluation)
+        rows.base = run(engine, evaluation)
     finally:
         native.i16_linear = i16_linear
         for m in layers:
             m.byte_codes = True
-    record("16-bit codes per row (--int8-activations vision)", base)
+    rows.record("16-bit codes per row (--int8-activations vision)", rows.base)
     try:
         for g, product in schemes.items():
             native.q8_linear = lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
             per = f"{g} columns" + (" (the default)" if g == native.ACTIVATION_GROUP else "") if g else \
                 "row (simulated in float32)"
-            record(f"8-bit codes per {per}", run(engine, evaluation))
+            rows.record(f"8-bit codes per {per}", run(engine, evaluation))
             rows[-1][1]["note"] = f"products' rms distance to 16-bit codes {(squares[g] / total[0]) ** 0.5:.4f}"
         if args.noise:  # the same schemes with the sums in float32: how far float rounding alone moves the scores
             for name, product, layer_codes in (("16-bit codes per row", simulated_codes(0, 32767), False),
@@ -348,11 +363,40 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
                     m.byte_codes = layer_codes
                 native.i16_linear = native.q8_linear = \
                     lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
-                record(f"{name}, simulated in float32", run(engine, evaluation))
+                rows.record(f"{name}, simulated in float32", run(engine, evaluation))
     finally:
         native.i16_linear, native.q8_linear = i16_linear, q8_linear
         for m in layers:
             m.byte_codes = True
+    return rows
+
+
+def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
+    """The vision tower's int8 x int8 products on this tier (float32 compute, prefill as the
+    defaults): oneDNN's int8 GEMM with codes per row against qvl's byte kernel with codes per
+    native.ACTIVATION_GROUP columns, against float32 compute with bf16 weights."""
+    from qvl import dispatch, native
+
+    common = dict(model=str(path), threads=args.threads, quant_cache=False, dtype="fp32")
+    evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
+    ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
+    rows = Rows(ref)
+    rows.base = run(Engine.load(EngineOptions(**common, weights="int8", int8_activations="off")), evaluation)
+    rows.record("int8 vision weights, float products", rows.base)
+    k = kernels()
+    assert k.group_codes(torch.float32), "qvl's byte kernel does not run on this tier"
+    levels, byte_kernel = k.q8_levels, dispatch.Kernels.q8_levels
+    dispatch.Kernels.q8_levels = property(lambda self: 0)  # as a build without the byte kernel
+    try:
+        engine = Engine.load(EngineOptions(**common, weights="int8", int8_activations="vision"))
+        rows.record(f"the tower in oneDNN's codes 0..{k.int8_levels} per row", run(engine, evaluation))
+    finally:
+        dispatch.Kernels.q8_levels = byte_kernel
+    engine = Engine.load(EngineOptions(**common, weights="int8", int8_activations="vision"))
+    assert all(m.byte_codes for n, m in engine.model.named_modules() if n.startswith("visual.")
+               and getattr(m, "byte_codes", None) is not None)
+    rows.record(f"the tower in the byte kernel's codes -{levels}..{levels} per {native.ACTIVATION_GROUP} columns",
+           run(engine, evaluation))
     return rows
 
 
@@ -378,6 +422,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-codes", action="store_true", help="the float32 tiers' prefill products (see above)")
     parser.add_argument("--prefill-groups", action="store_true", help="prefill in 8-bit codes per group (see above)")
+    parser.add_argument("--vision-codes", action="store_true", help="the vision tower's int8 x int8 products: "
+                        "oneDNN's codes per row against the byte kernel's per group (float32 tiers)")
     parser.add_argument("--noise", action="store_true", help="with --prefill-groups: also 16-bit and 8-bit codes "
                         "with the sums in float32 (how far the scores move with float rounding alone)")
     args = parser.parse_args()
@@ -389,8 +435,8 @@ def main() -> int:
         results = {}
         for path in paths:
             print(f"{path}:", file=sys.stderr)
-            how = (measure_prefill_codes if args.prefill_codes
-                   else measure_prefill_groups if args.prefill_groups else measure)
+            how = (measure_prefill_codes if args.prefill_codes else measure_prefill_groups if args.prefill_groups
+                   else measure_vision_codes if args.vision_codes else measure)
             results[path.name] = how(path, args)
     print(table(results))
     return 0

@@ -236,21 +236,23 @@ static void test_decode_layers(void) {
     check("decode layers f32 (keys written)", &keys[0][0][0][0], &rk[0][0][0][0], DL * DKV * DCAP * DHD, 2e-3f);
 }
 
-/* The byte-product kernel (8-bit activation codes per group of columns; x86 VNNI, NEON dot
- * products) against the scheme computed here: each group's codes and step as the kernel
- * defines them, its exact integer sum, the steps applied in group order in float32. Then its
- * fusions against the same steps done apart, and a row with a NaN alone turning NaN. */
+/* The byte-product kernel (activation codes per group of columns: 8-bit with x86 VNNI and NEON
+ * dot products, 7-bit on plain AVX2) against the scheme computed here: each group's codes and
+ * step as the kernel defines them (its top code from qvl_q8_levels), its exact integer sum, the
+ * steps applied in group order in float32. Then its fusions against the same steps done apart,
+ * and a row with a NaN alone turning NaN. */
 static float q8_reference(const float* x, const int8_t* w, int64_t K, int group) {
+    const float levels = (float)qvl_q8_levels();
     float acc = 0.f;
     for (int64_t k0 = 0; k0 < K; k0 += group) {
         const int64_t n = K - k0 < group ? K - k0 : group;
         float top = 0.f;
         for (int64_t k = 0; k < n; k++) top = fabsf(x[k0 + k]) > top ? fabsf(x[k0 + k]) : top;
         if (top == 0.f) continue;
-        const float inv = 127.f / top;
+        const float inv = levels / top;
         int64_t sum = 0;
         for (int64_t k = 0; k < n; k++) sum += (int64_t)w[k0 + k] * round_int(x[k0 + k] * inv);
-        acc = fmaf((float)sum, top / 127.f, acc);
+        acc = fmaf((float)sum, top / levels, acc);
     }
     return acc;
 }

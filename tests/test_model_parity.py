@@ -235,7 +235,7 @@ def test_default_path_prefill_runs_an_integer_kernel(tiny_checkpoint, monkeypatc
     k = dispatch.kernels()
     dtype = torch.bfloat16 if k.native_bf16 else torch.float32
     name = ("amx_i16_linear" if dtype == torch.bfloat16 and k.has(native.AMX_INT8) else "q8_linear"
-            if k.group_codes(dtype) else "i16_linear" if k.i16_products(dtype) else None)
+            if k.default_int8_activations(dtype) == "all" else "i16_linear" if k.i16_products(dtype) else None)
     if name is None:
         pytest.skip("no integer prefill kernel runs on this CPU")
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_image_tokens=256))

@@ -295,29 +295,33 @@ def _code_bound(x: torch.Tensor, w: torch.Tensor, group: int, top: int) -> torch
     return steps @ weights.T / 2
 
 
-# (kernel, activation codes: columns per step or 0 for a row, top code, shapes (rows, K, N), tiers it runs on)
+# (kernel, activation codes: columns per step or 0 for a row, top code of the build (0: the kernel
+# is not built), shapes (rows, K, N))
 PREFILL_KERNELS = {
-    "16-bit codes per row": (lambda lib, *a: native.i16_linear(lib, *a), 0, 32767,
-                             ((29, 600, 48), (1, 64, 16), (13, 2050, 272)), lambda f: f & native.AVX2),
-    "8-bit codes per 64 columns": (lambda lib, *a: native.q8_linear(lib, *a), 64, 127,
-                                   ((29, 600, 48), (1, 64, 16), (13, 2052, 272), (600, 4096, 16)),  # 2 chunks of rows
-                                   lambda f: f & (native.VNNI | native.AVX_VNNI)),
-    "8-bit codes per 128 columns": (lambda lib, *a: native.q8_linear(lib, *a, group=128), 128, 127,
-                                    ((21, 1000, 64),), lambda f: f & (native.VNNI | native.AVX_VNNI)),
+    "16-bit codes per row": (lambda lib, *a: native.i16_linear(lib, *a), 0,
+                             lambda lib: 32767 if lib.features & native.AVX2 else 0,
+                             ((29, 600, 48), (1, 64, 16), (13, 2050, 272))),
+    # 8-bit codes with VNNI (vpdpbusd), 7-bit on plain AVX2 (vpmaddubsw)
+    "byte codes per 64 columns": (lambda lib, *a: native.q8_linear(lib, *a), 64, lambda lib: lib.q8_levels,
+                                  ((29, 600, 48), (1, 64, 16), (13, 2052, 272), (600, 4096, 16))),  # 2 chunks of rows
+    "byte codes per 128 columns": (lambda lib, *a: native.q8_linear(lib, *a, group=128), 128,
+                                   lambda lib: lib.q8_levels, ((21, 1000, 64),)),
 }
 
 
 @pytest.mark.parametrize("codes", PREFILL_KERNELS)
 def test_prefill_int8_products(tier_lib, codes):
     """Prefill's int8 products on the x86 tiers without AMX (i16_gemm.c): activation rows in
-    16-bit codes (exact integer pair sums), or with VNNI in 8-bit codes per group of columns
-    (exact integer byte sums per group, each scaled by its step). Within the codes' rounding
+    16-bit codes (exact integer pair sums), or in byte codes per group of columns (exact integer
+    byte sums per group, each scaled by its step): 8-bit with VNNI, 7-bit on plain AVX2, whose
+    vpmaddubsw would saturate its 16-bit pair sums on 8-bit ones. Within the codes' rounding
     (half a step per term) of the exact product even with an outlier 300x the rest, over
     shapes with tails (rows, a 16-column block, inputs past whole panels and groups); a zero
     row gives the bias; a row's result is bit for bit the same alone, among others and on 1 or
     2 threads; the tiers without the kernel say None."""
     tier, lib = tier_lib
-    kernel, group, top, shapes, runs = PREFILL_KERNELS[codes]
+    kernel, group, top_of, shapes = PREFILL_KERNELS[codes]
+    top = top_of(lib)
     torch.manual_seed(4)
     for rows, k_in, n in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -328,7 +332,7 @@ def test_prefill_int8_products(tier_lib, codes):
             if rows > 2:
                 x[2] = 0
             y = kernel(lib, x, q, s, bias)
-            if not runs(lib.features):
+            if not top:
                 assert y is None
                 return
             ws = q.double() * s.double()[:, None]
@@ -361,14 +365,14 @@ def test_prefill_int8_products(tier_lib, codes):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_byte_products_fuse_the_vision_blocks_norm_gelu_and_residual(tier_lib, dtype):
-    """The vision tower's products in 8-bit group codes (qvl_q8_linear) take its blocks' layer
+    """The vision tower's products in byte codes per group (qvl_q8_linear) take its blocks' layer
     norm (applied to each row as it is coded, as the module rounds it), tanh-GELU and residual
     add (applied as the result is written): the residual bit for bit as `residual + product`,
     the norm as the separate module (bit for bit in bf16, within float32 rounding of the
     moments in float32), the GELU within bf16's rounding of GELU after; a norm or residual of
     the wrong shape is refused."""
     tier, lib = tier_lib
-    if not lib.features & (native.VNNI | native.AVX_VNNI):
+    if not lib.q8_levels:
         pytest.skip(f"{tier.name} has no byte products")
     torch.manual_seed(5)
     rows, k_in, n = 37, 320, 96
@@ -476,6 +480,11 @@ def test_dispatch_choices_per_tier(tier_lib):
     x86 = tier.name.startswith(("avx512", "avx2"))
     assert k.i16_products(torch.float32) == x86
     assert k.i16_products(torch.bfloat16) == (x86 and not lib.features & native.AMX_INT8)
+    # the byte kernel (activation codes per 64 columns): 8-bit codes with VNNI; 7-bit on plain
+    # AVX2 (vpmaddubsw), the vision tower's only there (prefill's stays in 16-bit codes)
+    vnni = bool(lib.features & (native.VNNI | native.AVX_VNNI))
+    assert k.q8_levels == (127 if vnni else 63 if tier.name == "avx2" else 0)
+    assert k.default_int8_activations(torch.float32) == ("all" if vnni else "vision" if x86 else "off")
     described = k.describe()
     assert described["tier"].startswith(tier.name)
     tiles = bool(lib.features & native.AMX_INT8)  # the process has AMX tiles: prefill's attention on them
@@ -609,7 +618,7 @@ def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(monkeypatch
     flags = frozenset({"asimddp", "i8mm"} if kind == "i8mm" else {"asimddp"} if dot else set())
     tier = native.tiers(flags, "aarch64")[0]
     features = native.NEON | native.OPENMP | (native.DOTPROD if dot else 0) | (native.I8MM if kind == "i8mm" else 0)
-    k = dispatch.Kernels(tier, SimpleNamespace(features=features))
+    k = dispatch.Kernels(tier, SimpleNamespace(features=features, q8_levels=127 if dot else 0))
     assert tier.name == ("neon" if dot else "neon-nodotprod")
     assert k.group_codes(torch.float32) == dot and not k.i16_products(torch.float32)
     assert k.default_int8_activations(torch.float32) == ("all" if dot else "off")

@@ -75,10 +75,15 @@ def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
     assert sixteen.int8_activations == "vision" and not any(m.byte_codes for m in text_layers(sixteen))
     assert all(m.byte_codes for m in vision_layers(sixteen))  # the tower keeps its group codes
 
+    # plain AVX2: the byte kernel in 7-bit codes (vpmaddubsw) for the tower; prefill keeps 16-bit codes
     avx2 = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int4")
-    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "vision"  # 1.5-1.7x MKL's float32
-    assert vision_layers(avx2) and all(m.packed is not None and not m.byte_codes for m in vision_layers(avx2))
-    assert "vision by default" in dispatch.kernels().describe()["int8_activations"]
+    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "vision"
+    assert vision_layers(avx2) and all(m.byte_codes and m.packed is None for m in vision_layers(avx2))
+    assert "int8-activations-vision-7bit" in avx2.model_id
+    described = dispatch.kernels().describe()
+    assert "7-bit codes per 64 columns" in described["int8_activations"]
+    assert "vision by default" in described["int8_activations"]
+    assert described["prefill_int8_int4"].startswith("int8: 16-bit pair products")
 
     portable = load_on(monkeypatch, tier_kernels("portable"), tiny_checkpoint, weights="int8")
     assert portable.model.dtype == torch.float32 and portable.int8_activations == "off"
@@ -96,6 +101,9 @@ from qvl import dispatch, native
 from qvl.engine import Engine, EngineOptions
 
 # what the tests elsewhere cannot see on a CPU with VNNI: 8-bit codes saturate here, 7-bit ones do not
+# (oneDNN takes the tower where qvl's build has no byte kernel: AVX-512 without VNNI; here plain
+# AVX2's byte kernel is set aside to stand for that)
+dispatch.Kernels.q8_levels = property(lambda self: 0)
 w = torch.full((32, 64), 127, dtype=torch.int8)
 for levels, exact in ((255, False), (127, True)):
     codes = torch.full((32, 64), levels, dtype=torch.uint8)
@@ -128,8 +136,9 @@ def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_
                                                               kernel):
     """The default on x86 without bf16 products (int8 weights, float32 compute): prefill's int8
     products run qvl_q8_linear (8-bit activation codes per 64 columns) where the CPU has VNNI,
-    qvl_i16_linear (16-bit codes per row) elsewhere, and a two-image prompt's logits and greedy
-    answer match the dequantised float32 path they replaced."""
+    qvl_i16_linear (16-bit codes per row) elsewhere (plain AVX2's byte kernel has 7-bit codes,
+    too coarse for prefill: docs/benchmarks.md section 53), and a two-image prompt's logits and
+    greedy answer match the dequantised float32 path they replaced."""
     from tests.test_model_parity import two_image_request
 
     from qvl.generate import new_cache, prefill
@@ -138,9 +147,9 @@ def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_
     engine = load_on(monkeypatch, tier_kernels(tier), tiny_checkpoint, weights="int8", max_image_tokens=256,
                      vision_cache_mb=0, prefix_cache_mb=0, answer_cache_entries=0)  # every answer computed
     assert engine.model.dtype == torch.float32 and dispatch.kernels().i16_products(torch.float32)
-    assert dispatch.kernels().group_codes(torch.float32) == (kernel == "q8_linear")
-    assert ("8-bit codes per 64 columns" if kernel == "q8_linear" else "16-bit pair products") in \
-        dispatch.kernels().describe()["prefill_int8_int4"]
+    assert dispatch.kernels().default_int8_activations(torch.float32) == ("all" if kernel == "q8_linear" else "vision")
+    assert dispatch.kernels().describe()["prefill_int8_int4"].startswith(
+        "int8: byte products" if kernel == "q8_linear" else "int8: 16-bit pair products")
     run, calls, logits, answers = getattr(native, kernel), [], [], []
     for codes in (True, False):
         for name in ("q8_linear", "i16_linear"):  # off: dequantise + float32 GEMM
@@ -178,6 +187,7 @@ def test_amx_tier_runs_the_vision_tower_int8_with_bf16_compute(monkeypatch, tiny
     from qvl.engine import Engine, EngineOptions
 
     monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(amx, avx2.lib)])
+    monkeypatch.setattr(dispatch.Kernels, "q8_levels", property(lambda self: 0))  # AMX's bf16 skips the byte kernel
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=1, weights="int8"))
     assert engine.model.dtype == torch.bfloat16 and engine.int8_activations == "vision"
     assert vision_layers(engine) and all(m.int8_activations for m in vision_layers(engine))

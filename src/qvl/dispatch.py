@@ -78,21 +78,31 @@ class Kernels:
         return (self.lib is not None and self.has(native.AVX2) and dtype in (torch.float32, torch.bfloat16)
                 and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
 
+    @property
+    def q8_levels(self) -> int:
+        """The byte-product kernel's top activation code: 127 (8-bit codes) with VNNI, AVX-VNNI or
+        ARM's dot products; 63 (7-bit) on plain AVX2, whose vpmaddubsw sums pairs of products in
+        16 bits; 0 where the build has no byte kernel."""
+        return self.lib.q8_levels if self.lib is not None else 0
+
     def group_codes(self, dtype: torch.dtype) -> bool:
-        """Prefill's int8 products can take 8-bit activation codes per native.ACTIVATION_GROUP columns
+        """Prefill's int8 products can take activation codes per native.ACTIVATION_GROUP columns
         (qvl's byte-product kernel, i16_gemm.c's qvl_q8_linear: vpdpbusd with AVX-512 VNNI or
         AVX-VNNI, 1.7-1.9x the 16-bit pair kernel per product: docs/benchmarks.md section 40; sdot
         on ARM with dot products, four times the multiply-adds of a float32 FMA per instruction,
-        unmeasured here: section 49), except bf16 ones on AMX (whose int8 tiles take them). Plain
-        AVX2 has no such product: vpmaddubsw saturates on 8-bit codes."""
-        return (self.lib is not None and bool(self.features & (native.VNNI | native.AVX_VNNI | native.DOTPROD))
-                and dtype in (torch.float32, torch.bfloat16) and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
+        unmeasured here: section 49; vpmaddubsw in 7-bit codes on plain AVX2, 1.2-1.3x the pair
+        kernel on Intel's ports: section 53), except bf16 ones on AMX (whose int8 tiles take them)."""
+        return (self.q8_levels > 0 and dtype in (torch.float32, torch.bfloat16)
+                and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))
 
     def default_int8_activations(self, dtype: torch.dtype) -> str:
         """What runs int8 x int8 by default (--int8-activations auto): "all" (the vision tower and
-        prefill) where the byte-product kernel runs; "vision" where oneDNN's or AMX's int8 GEMM
-        beats the float one; else "off"."""
-        return "all" if self.group_codes(dtype) else "vision" if self.int8_activations() else "off"
+        prefill) where the byte-product kernel runs in 8-bit codes; "vision" where it runs in 7-bit
+        ones (plain AVX2: prefill keeps 16-bit codes) or where oneDNN's or AMX's int8 GEMM beats
+        the float one; else "off"."""
+        if self.group_codes(dtype):  # prefill's codes 8-bit: 7-bit ones move the logits too far (section 53)
+            return "all" if self.q8_levels == 127 else "vision"
+        return "vision" if self.int8_activations() else "off"
 
     @functools.cached_property
     def int8_levels(self) -> int:
@@ -171,7 +181,9 @@ class Kernels:
                                    (native.DOTPROD, "dot products"), (native.I8MM, "int8 matrix products"),
                                    (native.AMX_INT8, "AMX-INT8"))
                   if f & bit]
-        byte = ("smmla" if f & native.I8MM else "sdot") if name.startswith("neon") else "vpdpbusd"
+        byte = (("smmla" if f & native.I8MM else "sdot") if name.startswith("neon") else
+                "vpdpbusd" if f & (native.VNNI | native.AVX_VNNI) else "vpmaddubsw")
+        code_bits = "7" if self.q8_levels == 63 else "8"
         integer = {"avx512": "AVX-512" + (" VNNI" if f & native.VNNI else " (16-bit pairs)"),
                    "avx2": "AVX2 " + ("AVX-VNNI" if f & native.AVX_VNNI else "vpmaddwd / vpmaddubsw"),
                    "neon": "NEON smlal" + (" / sdot" if f & native.DOTPROD else "")}
@@ -190,8 +202,10 @@ class Kernels:
                                   f"{native.ACTIVATION_GROUP} columns ("
                                   + ("16-bit codes per row in pair products" if self.i16_products(torch.float32)
                                      else "dequantise + float GEMM") + " with --int8-activations vision|off)"
-                                  if self.group_codes(compute) else
-                                  "int8: 16-bit pair products (vpmaddwd), activations in 16-bit codes per row")
+                                  if self.default_int8_activations(compute) == "all" else
+                                  "int8: 16-bit pair products (vpmaddwd), activations in 16-bit codes per row"
+                                  + (f" (byte products ({byte}) in {code_bits}-bit codes per {native.ACTIVATION_GROUP}"
+                                     " columns with --int8-activations all)" if self.group_codes(compute) else ""))
                                  + "; int4: dequantise + float GEMM"
                                  if self.group_codes(compute) or self.i16_products(torch.float32)
                                  else "dequantise + float GEMM",
@@ -211,7 +225,7 @@ class Kernels:
                                     + ", head size 64-80)" if self.integer_vision_attention(torch.float32) else ""),
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": (f"byte products ({byte}), activations in 8-bit codes per {native.ACTIVATION_GROUP} "
+            "int8_activations": (f"byte products ({byte}), activations in {code_bits}-bit codes per {native.ACTIVATION_GROUP} "
                                  "columns, the vision blocks' norm, GELU and residual fused"
                                  if self.group_codes(compute) else
                                  ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else

@@ -235,8 +235,9 @@ class Engine:
         """Identifies what computes the answers: checkpoint, weight format, dtype."""
         vision = "|vision-int8" if isinstance(self.model.visual.blocks[0].attn.qkv, Int8Linear) else ""
         activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
-        if activations and not kernels().group_codes(self.model.dtype) and kernels().int8_levels < 255:
-            activations += "-7bit"  # oneDNN's per-token codes; the byte kernel's are 8-bit everywhere
+        k = kernels()
+        if activations and (k.q8_levels == 63 if k.group_codes(self.model.dtype) else k.int8_levels < 255):
+            activations += "-7bit"  # plain AVX2: the byte kernel's codes per group, or oneDNN's per token
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 
     @functools.cached_property

@@ -205,6 +205,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_q8_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
+    lib.qvl_q8_levels.argtypes = []
+    lib.qvl_q8_levels.restype = c_int
+    lib.q8_levels = lib.qvl_q8_levels()  # the byte kernel's top activation code (0: not built)
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
     lib.features = lib.qvl_features()  # fixed for the build: read once, not per call

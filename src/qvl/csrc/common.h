@@ -314,6 +314,7 @@ void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, co
 int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b);
 void qvl_layer_norm_row(float* row, int64_t K, const float* nw, const float* nb, float eps, int dt);
 void qvl_gelu_tanh(float* v, int64_t n);
+int qvl_q8_levels(void); /* the byte kernel's top activation code: 127, 63 on plain AVX2 (0: not built) */
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
                   int gelu, const void* residual);

@@ -383,10 +383,22 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * group to the last, its results written out (with the fused GELU and residual) at once.
  * Unlike the pair kernel's panels, no float partial sums go through memory: for 1008 rows they
  * were 1 MB per thread, past L2, and with two threads 0.87-0.9x of the time went with them
- * (docs/benchmarks.md section 47). */
-#if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || (defined(QVL_AVX2) && defined(__AVXVNNI__)) || \
-    defined(QVL_NEON)
+ * (docs/benchmarks.md section 47).
+ *
+ * Plain AVX2 (no VNNI) multiplies the same bytes with vpmaddubsw, whose pairs of products are
+ * summed in 16 bits with saturation: (w + 128) . q over a pair stays below 2^15 only for codes
+ * |q| <= 63 (2 * 255 * 63 = 32130), so there the codes are 7-bit (step max|group| / 63); then
+ * vpmaddwd by ones widens the pair sums to int32, still exact. Three instructions per 32
+ * multiply-adds against the 16-bit pair kernel's two per 16; on cores that run vpmaddwd and
+ * vpmaddubsw on two ports and vpaddd on three (Intel's), 1.2-1.3x its products per cycle
+ * (docs/benchmarks.md section 53). */
+#if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || defined(QVL_AVX2) || defined(QVL_NEON)
 #define QVL_Q8 1
+#if defined(QVL_AVX2) && !defined(__AVXVNNI__)
+#define Q8_LEVELS 63 /* vpmaddubsw: 7-bit codes */
+#else
+#define Q8_LEVELS 127
+#endif
 
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #if defined(QVL_NEON) && defined(__ARM_FEATURE_MATMUL_INT8)
@@ -401,9 +413,19 @@ static inline vint vi_dp8(vint acc, vint w, vint a) { /* acc += per lane: 4 byte
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
 }
-#elif defined(QVL_AVX2)
+#elif defined(QVL_AVX2) && defined(__AVXVNNI__)
 static inline vint vi_dp8(vint acc, vint w, vint a) {
     __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
+    return acc;
+}
+#elif defined(QVL_AVX2)
+static const int16_t q8_ones[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+/* vpmaddubsw (pairs of w . a in int16: exact for 7-bit codes), vpmaddwd by ones from memory (the
+ * register block uses all 16 ymm registers), vpaddd */
+static inline vint vi_dp8(vint acc, vint w, vint a) {
+    vint t;
+    __asm__("vpmaddubsw %3, %2, %1\n\tvpmaddwd %4, %1, %1\n\tvpaddd %1, %0, %0"
+            : "+x"(acc), "=&x"(t) : "x"(w), "x"(a), "m"(*(const __m256i*)q8_ones));
     return acc;
 }
 #endif
@@ -439,21 +461,21 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
-            const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f, inv = top > 0.f ? 127.f / top : 0.f;
-            /* rows past M, zero groups and groups too small for 127 / top to be finite add
+            const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f, inv = top > 0.f ? Q8_LEVELS / top : 0.f;
+            /* rows past M, zero groups and groups too small for Q8_LEVELS / top to be finite add
              * nothing; a row with NaN or infinity gives NaN (its steps); their codes stay 0 */
             const int coded = top > 0.f && inv <= FLT_MAX;
             int32_t sum = 0;
             if (coded) {
 #pragma omp simd reduction(+ : sum)
                 for (int64_t k = 0; k < n; k++) {
-                    const int32_t q = round_int(row[k0 + k] * inv); /* |q| <= 127 */
+                    const int32_t q = round_int(row[k0 + k] * inv); /* |q| <= Q8_LEVELS */
                     codes[k0 + k] = (int8_t)q, sum += q;
                 }
             } else {
                 memset(codes + k0, 0, (size_t)n);
             }
-            sg[g * Q8_MR + r] = !finite ? NAN : coded ? top / 127.f : 0.f;
+            sg[g * Q8_MR + r] = !finite ? NAN : coded ? top / Q8_LEVELS : 0.f;
             nq[g * Q8_MR + r] = -128 * sum;
         }
         place_codes(a, codes, K, r);
@@ -756,6 +778,7 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
     return failed ? -1 : 0;
 }
 
+int qvl_q8_levels(void) { return Q8_LEVELS; }
 #endif /* byte products */
 
 #endif
@@ -769,6 +792,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
 #endif
 
 #ifndef QVL_Q8 /* no byte products: prefill keeps 16-bit codes */
+int qvl_q8_levels(void) { return 0; }
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
                   int gelu, const void* residual) {
