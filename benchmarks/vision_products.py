@@ -14,6 +14,12 @@ on the tower's shapes and 2B's decoder layers' (prefill); with --kernel i16 the 
 kernel's (`native.i16_linear`: prefill on plain AVX2, --int8-activations vision), e.g.
 
     QVL_ISA=avx2 python benchmarks/vision_products.py --before /work/wt-before --kernel i16 --fp32 --rows 1008 270
+
+--tower MODEL: the whole vision tower both ways in one process (the tier's compute dtype), e.g. on
+plain AVX2 (torch held to the tier as tiers.py does):
+
+    QVL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python benchmarks/vision_products.py --tower /work/ckpt/qvl-2b --tokens 256 1024 --rounds 7
 """
 
 from __future__ import annotations
@@ -51,6 +57,35 @@ def spread(v: list[float]) -> str:
     return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
 
 
+def tower(args) -> None:
+    """--tower MODEL: the whole vision tower (the 1920x1080 photo at each --tokens) loaded twice in
+    one process, its int8 x int8 products through oneDNN's GEMM (codes per row, as a build
+    without the byte kernel runs it) and through the byte kernel, encoding in turn."""
+    from qvl import dispatch
+    from qvl.bench import synthetic_image
+    from qvl.engine import Engine, EngineOptions
+    from qvl.processing.image import max_pixels_for_tokens, preprocess
+
+    options = EngineOptions(model=args.tower, threads=args.threads, weights="int8", int8_activations="vision")
+    byte_kernel = dispatch.Kernels.q8_levels
+    dispatch.Kernels.q8_levels = property(lambda self: 0)  # as a build without the byte kernel
+    try:
+        onednn = Engine.load(options)
+    finally:
+        dispatch.Kernels.q8_levels = byte_kernel
+    byte = Engine.load(options)
+    print(f"tier {kernels().tier.name}, {byte.model.dtype}, {args.rounds} rounds\n\n| image tokens | oneDNN per row ms "
+          f"| qvl per 64 columns ms | qvl / oneDNN (median of rounds) |\n|---|---|---|---|")
+    for tokens in args.tokens:
+        processed = preprocess(synthetic_image(1920, 1080), byte.image_cfg,
+                               max_pixels=max_pixels_for_tokens(tokens, byte.image_cfg))
+        with torch.inference_mode():
+            t = alternate({name: lambda e=e: e.model.encode_images(processed.pixel_values, [processed.grid_thw])
+                           for name, e in (("a", onednn), ("b", byte))}, args.rounds)
+        ratio = statistics.median([b / a for a, b in zip(t["a"], t["b"])])
+        print(f"| {tokens} | {spread(t['a'])} | {spread(t['b'])} | {ratio:.2f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1008, 4032])
@@ -59,8 +94,12 @@ def main() -> None:
     p.add_argument("--fp32", action="store_true")
     p.add_argument("--before", help="a checkout whose byte-product kernel (same tier) runs beside this one's")
     p.add_argument("--kernel", choices=["q8", "i16"], default="q8", help="with --before: which kernel")
+    p.add_argument("--tower", metavar="MODEL", help="instead: the whole vision tower of MODEL, both ways (see tower)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256], help="with --tower: the photo's image tokens")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tower:
+        return tower(args)
     k, dtype = kernels(), torch.float32 if args.fp32 else torch.bfloat16
     pairs = args.before and args.kernel == "i16"
     if not (k.i16_products(dtype) if pairs else k.group_codes(dtype)):
