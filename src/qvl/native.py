@@ -205,9 +205,11 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_q8_linear.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
-    lib.qvl_q8_levels.argtypes = []
-    lib.qvl_q8_levels.restype = c_int
-    lib.q8_levels = lib.qvl_q8_levels()  # the byte kernel's top activation code (0: not built)
+    if hasattr(lib, "qvl_q8_levels"):  # every build has it; older checkouts' (benchmarks' --before) do not
+        lib.qvl_q8_levels.argtypes = []
+        lib.qvl_q8_levels.restype = c_int
+    # the byte kernel's top activation code (0: not built; before qvl_q8_levels it was 8-bit wherever built)
+    lib.q8_levels = lib.qvl_q8_levels() if hasattr(lib, "qvl_q8_levels") else 127
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
     lib.features = lib.qvl_features()  # fixed for the build: read once, not per call
