@@ -90,7 +90,7 @@ class Kernels:
         (qvl's byte-product kernel, i16_gemm.c's qvl_q8_linear: vpdpbusd with AVX-512 VNNI or
         AVX-VNNI, 1.7-1.9x the 16-bit pair kernel per product: docs/benchmarks.md section 40; sdot
         on ARM with dot products, four times the multiply-adds of a float32 FMA per instruction,
-        unmeasured here: section 49; vpmaddubsw in 7-bit codes on plain AVX2, 1.2-1.3x the pair
+        unmeasured here: section 49; vpmaddubsw in 7-bit codes on plain AVX2, 1.15-1.37x the pair
         kernel on Intel's ports: section 53), except bf16 ones on AMX (whose int8 tiles take them)."""
         return (self.q8_levels > 0 and dtype in (torch.float32, torch.bfloat16)
                 and not (dtype == torch.bfloat16 and self.has(native.AMX_INT8)))

@@ -122,15 +122,17 @@ def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | No
     """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
 
     auto: the vision tower's products run int8 x int8 where the tier's integer products beat
-    its float ones (dispatch: x86, AMX included; activations in 7 bits where oneDNN's GEMM is
-    exact only for those, plain AVX2 and AVX-512 without VNNI), and its weights are int8 there and
+    its float ones (dispatch: x86, AMX included; activations in 7 bits where the byte product is
+    vpmaddubsw, exact only for those: plain AVX2 in qvl's byte kernel, AVX-512 without VNNI in
+    oneDNN's GEMM), and its weights are int8 there and
     wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
     bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill too
     ("all") where the CPU has VNNI without AMX, or ARM's dot products (dispatch's
     default_int8_activations): its activations in 8-bit codes per 64 columns,
     as close to bf16 on the outlier stress checkpoint as 16-bit codes (docs/benchmarks.md,
     sections 39 and 40); elsewhere prefill keeps 16-bit codes (or the compute dtype) unless
-    asked: 8-bit codes per row lose top-1 agreement on outlier channels (section 11)."""
+    asked: 8-bit codes per row lose top-1 agreement on outlier channels (section 11), and so do
+    plain AVX2's 7-bit codes per group (section 53)."""
     if options.int8_activations not in INT8_ACTIVATIONS:
         raise ValueError(f"int8 activations must be one of {', '.join(INT8_ACTIVATIONS)}, "
                          f"not '{options.int8_activations}'")
@@ -204,8 +206,9 @@ class Engine:
         group_codes = kernels().group_codes(runtime.dtype)
         for name, module in model.named_modules():
             # many-row products int8 x int8: the vision tower's, and with "all" the decoder
-            # layers' (not the head's: prefill computes only its last row's logits); in 8-bit
-            # codes per group where the CPU has VNNI, else per row through oneDNN or AMX tiles
+            # layers' (not the head's: prefill computes only its last row's logits); in byte
+            # codes per group where qvl's byte kernel runs (8-bit; 7-bit on plain AVX2), else
+            # per row through oneDNN or AMX tiles
             vision = name.startswith("visual.")
             layer = name.startswith("language_model.layers.")
             if not ((vision and activations != "off") or (layer and activations == "all")):

@@ -390,7 +390,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * |q| <= 63 (2 * 255 * 63 = 32130), so there the codes are 7-bit (step max|group| / 63); then
  * vpmaddwd by ones widens the pair sums to int32, still exact. Three instructions per 32
  * multiply-adds against the 16-bit pair kernel's two per 16; on cores that run vpmaddwd and
- * vpmaddubsw on two ports and vpaddd on three (Intel's), 1.2-1.3x its products per cycle
+ * vpmaddubsw on two ports and vpaddd on three (Intel's), 1.15-1.37x its products per call
  * (docs/benchmarks.md section 53). */
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || defined(QVL_AVX2) || defined(QVL_NEON)
 #define QVL_Q8 1
