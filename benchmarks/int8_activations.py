@@ -277,22 +277,22 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     rows.record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
     del engine
     if kernels().group_codes(torch.float32):  # the byte kernel: VNNI's 8-bit codes, plain AVX2's 7-bit
-        levels = kernels().lib.q8_levels
+        levels = kernels().q8_levels
         engine = Engine.load(EngineOptions(**{**common, "int8_activations": "all"}, weights="int8", dtype="fp32"))
-        rows.record(f"float32, int8 weights, prefill in codes -{levels}..{levels} per {native.ACTIVATION_GROUP} columns "
-               "(the byte kernel)", run(engine, evaluation))
+        rows.record(f"float32, int8 weights, prefill in codes -{levels}..{levels} per {native.ACTIVATION_GROUP} "
+                    "columns (the byte kernel)", run(engine, evaluation))
         q8_linear = native.q8_linear
         for top in (63, 127):  # both code widths with the sums in float32, for scale
             native.q8_linear = lambda lib, x, w, s, bias=None, top=top, **kw: simulated_codes(
                 native.ACTIVATION_GROUP, top)(lib, x, w, s, bias)
             try:
                 rows.record(f"float32, int8 weights, prefill in codes -{top}..{top} per {native.ACTIVATION_GROUP} "
-                       "columns, simulated in float32", run(engine, evaluation))
+                            "columns, simulated in float32", run(engine, evaluation))
             finally:
                 native.q8_linear = q8_linear
         del engine
     rows.record("bf16, int8 weights (the bf16 tiers)",
-           run(Engine.load(EngineOptions(**common, weights="int8", dtype="bf16")), evaluation))
+                run(Engine.load(EngineOptions(**common, weights="int8", dtype="bf16")), evaluation))
     return rows
 
 
@@ -375,7 +375,8 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The vision tower's int8 x int8 products on this tier (float32 compute, prefill as the
     defaults): oneDNN's int8 GEMM with codes per row against qvl's byte kernel with codes per
     native.ACTIVATION_GROUP columns, against float32 compute with bf16 weights."""
-    from qvl import dispatch, native
+    from qvl import native
+    from vision_products import without_byte_kernel  # benchmarks/ is the script's folder
 
     common = dict(model=str(path), threads=args.threads, quant_cache=False, dtype="fp32")
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
@@ -385,18 +386,15 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     rows.record("int8 vision weights, float products", rows.base)
     k = kernels()
     assert k.group_codes(torch.float32), "qvl's byte kernel does not run on this tier"
-    levels, byte_kernel = k.q8_levels, dispatch.Kernels.q8_levels
-    dispatch.Kernels.q8_levels = property(lambda self: 0)  # as a build without the byte kernel
-    try:
+    levels = k.q8_levels
+    with without_byte_kernel():
         engine = Engine.load(EngineOptions(**common, weights="int8", int8_activations="vision"))
-        rows.record(f"the tower in oneDNN's codes 0..{k.int8_levels} per row", run(engine, evaluation))
-    finally:
-        dispatch.Kernels.q8_levels = byte_kernel
+    rows.record(f"the tower in oneDNN's codes 0..{k.int8_levels} per row", run(engine, evaluation))
     engine = Engine.load(EngineOptions(**common, weights="int8", int8_activations="vision"))
     assert all(m.byte_codes for n, m in engine.model.named_modules() if n.startswith("visual.")
                and getattr(m, "byte_codes", None) is not None)
     rows.record(f"the tower in the byte kernel's codes -{levels}..{levels} per {native.ACTIVATION_GROUP} columns",
-           run(engine, evaluation))
+                run(engine, evaluation))
     return rows
 
 

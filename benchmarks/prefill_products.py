@@ -97,7 +97,7 @@ def x86_tier(args, k) -> None:
     dtype = torch.bfloat16 if k.native_bf16 else torch.float32
     bytes_ = k.group_codes(dtype)  # the byte kernel runs here (8-bit codes with VNNI, 7-bit on plain AVX2)
     print(f"tier {k.tier.name}: {dtype}, int8 weights\n")
-    head = "| shape | rows | " + (f"{8 if k.q8_levels == 127 else 7}-bit group codes ms | " if bytes_ else "") + "16-bit pairs ms | dequantise + GEMM ms | "
+    head = "| shape | rows | " + (f"{k.q8_code_bits}-bit group codes ms | " if bytes_ else "") + "16-bit pairs ms | dequantise + GEMM ms | "
     head += ("pairs / group codes | " if bytes_ else "") + "dequantise / pairs |"
     print(head + "\n" + "|---" * (7 if bytes_ else 5) + "|")
     for name, (K, N) in SHAPES.items():

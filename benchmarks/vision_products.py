@@ -25,6 +25,7 @@ plain AVX2 (torch held to the tier as tiers.py does):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -57,22 +58,31 @@ def spread(v: list[float]) -> str:
     return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
 
 
+@contextlib.contextmanager
+def without_byte_kernel():
+    """Within it, dispatch sees no byte kernel (as a build without one: AVX-512 without VNNI), so
+    engines loaded there run the vision tower's int8 x int8 products through oneDNN's GEMM."""
+    from qvl import dispatch
+
+    byte_kernel = dispatch.Kernels.q8_levels
+    dispatch.Kernels.q8_levels = property(lambda self: 0)
+    try:
+        yield
+    finally:
+        dispatch.Kernels.q8_levels = byte_kernel
+
+
 def tower(args) -> None:
     """--tower MODEL: the whole vision tower (the 1920x1080 photo at each --tokens) loaded twice in
     one process, its int8 x int8 products through oneDNN's GEMM (codes per row, as a build
     without the byte kernel runs it) and through the byte kernel, encoding in turn."""
-    from qvl import dispatch
     from qvl.bench import synthetic_image
     from qvl.engine import Engine, EngineOptions
     from qvl.processing.image import max_pixels_for_tokens, preprocess
 
     options = EngineOptions(model=args.tower, threads=args.threads, weights="int8", int8_activations="vision")
-    byte_kernel = dispatch.Kernels.q8_levels
-    dispatch.Kernels.q8_levels = property(lambda self: 0)  # as a build without the byte kernel
-    try:
+    with without_byte_kernel():
         onednn = Engine.load(options)
-    finally:
-        dispatch.Kernels.q8_levels = byte_kernel
     byte = Engine.load(options)
     print(f"tier {kernels().tier.name}, {byte.model.dtype}, {args.rounds} rounds\n\n| image tokens | oneDNN per row ms "
           f"| qvl per 64 columns ms | qvl / oneDNN (median of rounds) |\n|---|---|---|---|")

@@ -85,6 +85,11 @@ class Kernels:
         16 bits; 0 where the build has no byte kernel."""
         return self.lib.q8_levels if self.lib is not None else 0
 
+    @property
+    def q8_code_bits(self) -> int:
+        """The byte kernel's activation codes in bits, sign included: 8, 7 on plain AVX2, 0 (no kernel)."""
+        return (self.q8_levels + 1).bit_length() if self.q8_levels else 0
+
     def group_codes(self, dtype: torch.dtype) -> bool:
         """Prefill's int8 products can take activation codes per native.ACTIVATION_GROUP columns
         (qvl's byte-product kernel, i16_gemm.c's qvl_q8_linear: vpdpbusd with AVX-512 VNNI or
@@ -101,7 +106,7 @@ class Kernels:
         ones (plain AVX2: prefill keeps 16-bit codes) or where oneDNN's or AMX's int8 GEMM beats
         the float one; else "off"."""
         if self.group_codes(dtype):  # prefill's codes 8-bit: 7-bit ones move the logits too far (section 53)
-            return "all" if self.q8_levels == 127 else "vision"
+            return "all" if self.q8_code_bits == 8 else "vision"
         return "vision" if self.int8_activations() else "off"
 
     @functools.cached_property
@@ -183,7 +188,6 @@ class Kernels:
                   if f & bit]
         byte = (("smmla" if f & native.I8MM else "sdot") if name.startswith("neon") else
                 "vpdpbusd" if f & (native.VNNI | native.AVX_VNNI) else "vpmaddubsw")
-        code_bits = "7" if self.q8_levels == 63 else "8"
         integer = {"avx512": "AVX-512" + (" VNNI" if f & native.VNNI else " (16-bit pairs)"),
                    "avx2": "AVX2 " + ("AVX-VNNI" if f & native.AVX_VNNI else "vpmaddwd / vpmaddubsw"),
                    "neon": "NEON smlal" + (" / sdot" if f & native.DOTPROD else "")}
@@ -204,7 +208,7 @@ class Kernels:
                                      else "dequantise + float GEMM") + " with --int8-activations vision|off)"
                                   if self.default_int8_activations(compute) == "all" else
                                   "int8: 16-bit pair products (vpmaddwd), activations in 16-bit codes per row"
-                                  + (f" (byte products ({byte}) in {code_bits}-bit codes per {native.ACTIVATION_GROUP}"
+                                  + (f" (byte products ({byte}) in {self.q8_code_bits}-bit codes per {native.ACTIVATION_GROUP}"
                                      " columns with --int8-activations all)" if self.group_codes(compute) else ""))
                                  + "; int4: dequantise + float GEMM"
                                  if self.group_codes(compute) or self.i16_products(torch.float32)
@@ -225,7 +229,7 @@ class Kernels:
                                     + ", head size 64-80)" if self.integer_vision_attention(torch.float32) else ""),
             "decode_step": "all layers in one native call (bf16 and float32; mixtures of experts with a bf16 router)",
             "rms_norm": "native (bf16), torch (float32)",
-            "int8_activations": (f"byte products ({byte}), activations in {code_bits}-bit codes per {native.ACTIVATION_GROUP} "
+            "int8_activations": (f"byte products ({byte}), activations in {self.q8_code_bits}-bit codes per {native.ACTIVATION_GROUP} "
                                  "columns, the vision blocks' norm, GELU and residual fused"
                                  if self.group_codes(compute) else
                                  ("AMX int8 tiles, each block rescaled in cache" if f & native.AMX_INT8 else

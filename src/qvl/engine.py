@@ -239,7 +239,7 @@ class Engine:
         vision = "|vision-int8" if isinstance(self.model.visual.blocks[0].attn.qkv, Int8Linear) else ""
         activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
         k = kernels()
-        if activations and (k.q8_levels == 63 if k.group_codes(self.model.dtype) else k.int8_levels < 255):
+        if activations and (k.q8_code_bits == 7 if k.group_codes(self.model.dtype) else k.int8_levels < 255):
             activations += "-7bit"  # plain AVX2: the byte kernel's codes per group, or oneDNN's per token
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 

@@ -208,11 +208,13 @@ def open_library(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "qvl_q8_levels"):  # every build has it; older checkouts' (benchmarks' --before) do not
         lib.qvl_q8_levels.argtypes = []
         lib.qvl_q8_levels.restype = c_int
-    # the byte kernel's top activation code (0: not built; before qvl_q8_levels it was 8-bit wherever built)
-    lib.q8_levels = lib.qvl_q8_levels() if hasattr(lib, "qvl_q8_levels") else 127
     lib.qvl_features.argtypes = []
     lib.qvl_features.restype = c_int
     lib.features = lib.qvl_features()  # fixed for the build: read once, not per call
+    # the byte kernel's top activation code (0: not built); before qvl_q8_levels it was built, in
+    # 8-bit codes, only with VNNI, AVX-VNNI or ARM's dot products
+    lib.q8_levels = lib.qvl_q8_levels() if hasattr(lib, "qvl_q8_levels") else (
+        127 if lib.features & (VNNI | AVX_VNNI | DOTPROD) else 0)
     return lib
 
 
