@@ -298,8 +298,7 @@ class Scheduler:
                 seq.seen[ids[ids < vocab]] = True
             if params.presence_penalty or params.frequency_penalty:
                 seq.counts = torch.zeros(vocab)
-            if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + seq.index)
+            seq.generator = params.generator(seq.index)
             if params.constraint is not None:
                 seq.guide = engine.grammars.guide(params.constraint)
             seq.text = self._text_stream(seq, seq.timings, seq.index)
@@ -413,7 +412,7 @@ class Scheduler:
     def _fork(self, seq: Sequence) -> None:
         """The request's other n-1 answers, once its prompt is prefilled: rows sharing its
         blocks (a shared block is copied before one writes into it), each with its own text
-        and generator (seeded seed + index)."""
+        and generator (`params.generator(index)`)."""
         if seq.rows == 1:
             return
         for index in range(1, seq.rows):
@@ -425,7 +424,7 @@ class Scheduler:
                                filled=seq.filled, position=seq.position, logits=seq.logits, index=index,
                                parent=seq, seen=None if seq.seen is None else seq.seen.clone(),
                                counts=None if seq.counts is None else seq.counts.clone(),
-                               generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index),
+                               generator=params.generator(index),
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = self._text_stream(seq, timings, index)
             self.pool.share(seq.blocks)  # once the sibling exists: nothing can fail between

@@ -301,11 +301,11 @@ def video_tokens(tokenizer: Tokenizer, layout: VideoLayout, video_id: int) -> li
 class _MessageText:
     """Keeps the text of the messages from producing special tokens.
 
-    Before rendering, every special token written in a message string (and a string's start
-    or end that could join the template's text or the next part into one) is swapped for a
-    placeholder of private-use characters with a per-call nonce. In the rendered prompt, the
-    special tokens left are the template's own; the text between them gets its placeholders
-    back and is encoded with special tokens off. The tokenizer splits at added tokens before
+    Before rendering, every special token written in a message string or dict key (and a
+    string's start or end that could join the template's text or the next part into one) is
+    swapped for a placeholder of private-use characters with a per-call nonce. In the rendered
+    prompt, the special tokens left are the template's own; the text between them gets its
+    placeholders back and is encoded with special tokens off. The tokenizer splits at added tokens before
     anything else, so encoding the pieces one by one gives the ids of the whole string, and
     prompts without such text keep transformers' ids exactly.
     """
@@ -336,11 +336,12 @@ class _MessageText:
         return (self._hide(text[:head]) if head else "") + text[head:end] + (self._hide(text[end:]) if tail else "")
 
     def protect(self, value: Any) -> Any:
-        """`value` with every string in it protected (dict keys and non-strings left alone)."""
+        """`value` with every string in it protected, dict keys included (templates write
+        tool schemas and call arguments with `tojson`, keys and all); non-strings left alone."""
         if isinstance(value, str):
             return self._protect_text(value)
         if isinstance(value, Mapping):
-            return {k: self.protect(v) for k, v in value.items()}
+            return {self.protect(k): self.protect(v) for k, v in value.items()}
         if isinstance(value, list):
             return [self.protect(v) for v in value]
         if isinstance(value, tuple):

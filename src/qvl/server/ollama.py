@@ -24,7 +24,7 @@ from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.openai import tool_choice
-from qvl.server.schemas import MAX_MESSAGES, _Strict
+from qvl.server.schemas import MAX_MESSAGES, Seed, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
@@ -44,7 +44,7 @@ class Options(_Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     num_predict: int | None = None  # -1 (or -2): up to the context
-    seed: int | None = None
+    seed: Seed = None
     stop: list[str] | None = Field(None, max_length=16)
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = Field(None, ge=-2, le=2)

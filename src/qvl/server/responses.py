@@ -23,7 +23,7 @@ from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.openai import call_arguments, format_constraint, tool_choice
-from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, _Strict
+from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, Seed, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
@@ -101,7 +101,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     background: bool | None = None
     # qvl extras (as in chat completions)
-    seed: int | None = None
+    seed: Seed = None
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
