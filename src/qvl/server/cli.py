@@ -1,4 +1,4 @@
-"""`qvl serve`: its arguments (registered through qvl.cli.FRONT_DOORS)."""
+"""`qvl serve`: its arguments (a front door the `qvl` subcommand table registers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from qvl.cli import add_engine_args, engine_options
+from qvl.options import add_engine_args, engine_options
 from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # and every other loopback address
