@@ -329,8 +329,8 @@ def decode_frames(container, where: str, info: ClipInfo, indices: list[int], siz
             if decoded > most_decoded(largest[0] * largest[1]):
                 raise VideoError(f"decoding the video{where} stopped after {decoded - 1} frames of "
                                  f"{largest[0]}x{largest[1]}, the most this server decodes per clip at that size, "
-                                 f"with {len(indices) - k} of its {len(indices)} sampled frames still to come (are "
-                                 "its keyframes too far apart?)")
+                                 f"with {len(indices) - k} of its {len(indices)} sampled frames still to come (sample "
+                                 "fewer frames, or re-encode it with a keyframe every few seconds)")
             yield from packet.decode()
 
     seeking, before_seek = True, -1  # a seek that lands at or before where it left is not worth another
