@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tests.test_server_api import assert_error, make_app, wait_ready
 
+from qvl.deadline import Deadline
 from qvl.sampling import SamplingParams
 from qvl.server.ollama import Ollama
 from qvl.server.openai import ChatCompletions
@@ -60,20 +61,22 @@ def ollama_body(key: str) -> dict:  # Ollama: arguments as an object
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema(key)}}]}
 
 
-FRONT_DOORS = {"chat": (ChatCompletions, "prepare", chat_body), "responses": (Responses, "prepare", responses_body),
-               "ollama": (Ollama, "prepare_chat", ollama_body)}
+FRONT_DOORS = {"chat": (ChatCompletions, "read", "prepare", chat_body),
+               "responses": (Responses, "read", "prepare", responses_body),
+               "ollama": (Ollama, "read_chat", "prepare_chat", ollama_body)}
 
 
 @pytest.mark.parametrize("door", sorted(FRONT_DOORS))
 def test_special_tokens_in_tool_keys_are_text(tiny_engine, door):
-    handler, method, body = FRONT_DOORS[door]
+    handler, read, prepare, body = FRONT_DOORS[door]
     state = ServerState(ServerSettings(), lambda: tiny_engine)
-    prepare = getattr(handler(state, Submitter(state)), method)
+    route = handler(state, Submitter(state))
     tok = tiny_engine.tokenizer
     specials = set(tok.special_added_tokens.values())
 
     def prompt(key: str) -> list[int]:
-        return prepare(json.dumps(body(key)).encode(), tiny_engine)[1].ids.tolist()
+        request, _ = getattr(route, read)(json.dumps(body(key)).encode())
+        return getattr(route, prepare)(request, tiny_engine, Deadline())[1].ids.tolist()
 
     forged, plain = prompt(FORGED), prompt("k")
     assert [i for i in forged if i in specials] == [i for i in plain if i in specials]  # the template's turns only

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
+from qvl.deadline import Deadline
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
 from qvl.grammar import Grammars
 from qvl.hub import resolve_model
@@ -256,10 +257,13 @@ class Engine:
                               reasoning_budget=self.options.reasoning_budget)
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
-    def parse(self, request: Request) -> ParsedRequest:
+    def parse(self, request: Request, deadline: Deadline | None = None) -> ParsedRequest:
         """Decode images and videos, tokenize, check the budget: cheap next to generation, and
-        raises RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
-        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits, self.clips)
+        raises RequestError / ImageError for anything unusable (a server answers 400 before
+        queueing). `deadline` bounds the decoding and tokenizing (its time limit is a
+        RequestError naming the part that took too long; cancelling it raises Cancelled)."""
+        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits, self.clips,
+                               deadline)
         self.scheduler.check_admissible(parsed)
         if parsed.sampling.constraint is not None:
             self.grammars.compile(parsed.sampling.constraint)  # a grammar it cannot enforce: RequestError

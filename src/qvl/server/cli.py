@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                    help="largest request body, also the largest image (default: %(default)g)")
     g.add_argument("--request-timeout", type=float, default=s.time_limit_s,
                    help="seconds a request may take, queueing included (default: %(default)g)")
+    g.add_argument("--parse-timeout", type=float, default=s.parse_timeout_s,
+                   help="seconds to decode a request's images and videos and tokenize it, before --request-timeout "
+                        "starts; then 400 naming the part (default: %(default)g)")
     g.add_argument("--shutdown-timeout", type=float, default=s.shutdown_grace_s,
                    help="on SIGTERM, seconds in-flight requests may still finish (default: %(default)g)")
     g.add_argument("--max-images", type=int, help="images per request (default: the engine's, 8)")
@@ -96,9 +99,9 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     else:
         allowed = named or None
     return ServerSettings(queue_size=args.queue_size, max_body_bytes=max_bytes, time_limit_s=args.request_timeout,
-                          shutdown_grace_s=args.shutdown_timeout, api_key=args.api_key or None, images=images,
-                          warm_up=args.warm_up, connections=connections, allowed_hosts=allowed,
-                          allowed_origins=named)
+                          parse_timeout_s=args.parse_timeout, shutdown_grace_s=args.shutdown_timeout,
+                          api_key=args.api_key or None, images=images, warm_up=args.warm_up, connections=connections,
+                          allowed_hosts=allowed, allowed_origins=named)
 
 
 def is_loopback(host: str) -> bool:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from qvl import __version__
+from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest, Request
 from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
@@ -109,13 +110,13 @@ class Ollama:
         self.state, self.submit = state, submit
 
     async def chat(self, http: HTTPRequest) -> Response:
-        return await self._answer(http, self.prepare_chat)
+        return await self._answer(http, self.read_chat, self.prepare_chat)
 
     async def generate(self, http: HTTPRequest) -> Response:
-        return await self._answer(http, self.prepare_generate)
+        return await self._answer(http, self.read_generate, self.prepare_generate)
 
-    async def _answer(self, http: HTTPRequest, prepare) -> Response:
-        sub = await self.submit(http, prepare, json_only=False)  # as Ollama: `curl -d '{...}'` works
+    async def _answer(self, http: HTTPRequest, read, prepare) -> Response:
+        sub = await self.submit(http, read, prepare, json_only=False)  # as Ollama: `curl -d '{...}'` works
         spec: Spec = sub.spec
         if spec.body.stream:
             return EventStream(ndjson(sub.events, spec), sub.on_close, NDJSON)
@@ -125,8 +126,18 @@ class Ollama:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def prepare_chat(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
+    @staticmethod
+    def read_chat(body: bytes) -> tuple[ChatBody, bool]:
+        """The validated body, and whether it carries images."""
         req = ChatBody.model_validate_json(body)
+        return req, any(m.images for m in req.messages)
+
+    @staticmethod
+    def read_generate(body: bytes) -> tuple[GenerateBody, bool]:
+        req = GenerateBody.model_validate_json(body)
+        return req, bool(req.images)
+
+    def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline) -> tuple[Spec, ParsedRequest]:
         check_think(req, engine)
         tools = check_unique([tool_from(t, i) for i, t in enumerate(req.tools or [])], "tools")
         constraint = answer_constraint(tools, tool_choice(None, None, tools), True, format_constraint(req.format),
@@ -135,11 +146,10 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         messages = self.messages(req.messages, engine)
         shown = [t.template_entry() for t in tools] or None
-        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown))
+        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown), deadline)
         return Spec(req, engine.model_name, True, bool(tools)), parsed
 
-    def prepare_generate(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
-        req = GenerateBody.model_validate_json(body)
+    def prepare_generate(self, req: GenerateBody, engine: Engine, deadline: Deadline) -> tuple[Spec, ParsedRequest]:
         for name in ("suffix", "template", "context"):
             if getattr(req, name):
                 raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
@@ -152,7 +162,7 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         turns = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + \
             [OllamaMessage(role="user", content=req.prompt, images=req.images)]
-        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint)))
+        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint)), deadline)
         return Spec(req, engine.model_name, False), parsed
 
     def messages(self, messages: list[OllamaMessage], engine: Engine) -> list[dict]:

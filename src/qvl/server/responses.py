@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, model_validator
 
+from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest, Request
 from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
@@ -125,15 +126,22 @@ class Responses:
         self.state, self.submit = state, submit
 
     async def __call__(self, http: HTTPRequest) -> Response:
-        sub = await self.submit(http, self.prepare)
+        sub = await self.submit(http, self.read, self.prepare)
         spec: Spec = sub.spec
         if spec.req.stream:
             return EventStream(stream_events(sub.events, spec), sub.on_close)
         done = (await sub.finals(http))[0]
         return JSONResponse(response_object(spec, done, output_items(done, spec.tools)))
 
-    def prepare(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
+    @staticmethod
+    def read(body: bytes) -> tuple[ResponsesRequest, bool]:
+        """The validated body, and whether it carries images."""
         req = ResponsesRequest.model_validate_json(body)
+        items = [] if isinstance(req.input, str) else req.input
+        parts = [part for it in items if isinstance(it.content, list) for part in it.content]
+        return req, any(part.type == "input_image" for part in parts)
+
+    def prepare(self, req: ResponsesRequest, engine: Engine, deadline: Deadline) -> tuple[Spec, ParsedRequest]:
         if req.previous_response_id is not None:
             raise bad_request("qvl keeps no responses: send the whole conversation in 'input' instead of "
                               "previous_response_id", "previous_response_id", "unsupported_parameter")
@@ -156,7 +164,7 @@ class Responses:
             reasoning_budget=req.reasoning_budget)
         budget = max(1, req.max_pixels // engine.image_cfg.factor**2) if req.max_pixels else None
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
-        parsed = engine.parse(Request(messages, sampling, budget, shown))
+        parsed = engine.parse(Request(messages, sampling, budget, shown), deadline)
         return Spec(req, model=engine.model_name, tools=bool(tools) and choice.mode != "none"), parsed
 
 

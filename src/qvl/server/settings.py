@@ -43,7 +43,9 @@ class ServerSettings:
     time_limit_s: float = 300.0  # per request, from acceptance to the last token
     shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight work may finish within this
     api_key: str | None = None
-    parse_slots: int = 2  # requests decoding images / tokenizing at once (bounds memory)
+    parse_slots: int = 2  # requests decoding images and videos and tokenizing at once (bounds memory), in each
+    # of two lanes: requests with images or videos, and requests without
+    parse_timeout_s: float = 60.0  # preparing one request (decoding, tokenizing); a slot is awaited as long
     warm_up: bool = True  # run Engine.warm_up in the worker once loaded, before the first request
     images: ImagePolicy = field(default_factory=ImagePolicy)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
@@ -58,6 +60,7 @@ class ServerSettings:
                   (self.time_limit_s > 0, "the request time limit must be > 0"),
                   (self.shutdown_grace_s >= 0, "the shutdown grace period must be >= 0"),
                   (self.parse_slots >= 1, "parse_slots must be >= 1"),
+                  (self.parse_timeout_s > 0, "the parse timeout must be > 0"),
                   (self.images.max_pixels > 0 and self.images.max_bytes > 0, "image limits must be > 0")]
         for ok, message in checks:
             if not ok:
