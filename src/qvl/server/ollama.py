@@ -319,14 +319,16 @@ def details(engine: Engine) -> dict:
 
 
 def answer_parts(done: Done, tools: bool) -> tuple[str, list[dict]]:
-    """(text, Ollama tool calls) of a whole answer."""
+    """(text, Ollama tool calls) of a whole answer: only whole calls whose arguments are an
+    object count, any other `<tool_call>` block (cut by num_predict, not JSON) stays text."""
     if not tools:
         return done.text, []
-    text, calls = parse_answer(done.text)
+    text, calls = parse_answer(done.text, whole=True)
     return (text if not calls else text.strip()), [ollama_call(c) for c in calls]
 
 
 def ollama_call(call) -> dict:
+    """A call read with `whole=True` (its arguments parse as an object) in Ollama's shape."""
     return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
 
 
@@ -354,10 +356,10 @@ def final_line(spec: Spec, done: Done, text: str, calls: list[dict] | None = Non
 
 
 async def ndjson(events: AsyncIterator[Delta | Done], spec: Spec) -> AsyncIterator[str]:
-    """One JSON object per line: text pieces, a tool call as soon as it is whole, then the
-    final object. An error after the headers went out is a line {"error": ...}, as Ollama
-    sends it."""
-    parser = ToolCallStream() if spec.tools else None
+    """One JSON object per line: text pieces, a tool call as soon as it is whole (a block that
+    is no whole call is text), then the final object. An error after the headers went out is
+    a line {"error": ...}, as Ollama sends it."""
+    parser = ToolCallStream(whole=True) if spec.tools else None
     sent_calls = 0
     try:
         async for event in events:

@@ -314,19 +314,19 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     yield emit("response.created", response=response_object(spec, None, []))
     yield emit("response.in_progress", response=response_object(spec, None, []))
     parser = ToolCallStream() if spec.tools else None
-    message: dict | None = None  # the open message item: {"id", "index", "text"}
-    call: dict | None = None  # the open function_call item
-    thought: dict | None = None  # the open reasoning item
+    message: dict | None = None  # the open message item: {"id", "index", "parts"} (its text in pieces)
+    call: dict | None = None  # the open function_call item: {"id", "index", "call_id", "name", "parts"}
+    thought: dict | None = None  # the open reasoning item: {"id", "index", "parts"}
 
     def think(piece: str) -> list[str]:
         nonlocal thought
         out = []
         if thought is None:
-            thought = {"id": new_item_id("rs"), "index": len(output), "text": ""}
+            thought = {"id": new_item_id("rs"), "index": len(output), "parts": []}
             output.append(None)
             out.append(emit("response.output_item.added", output_index=thought["index"],
                             item=reasoning_item(thought["id"], "", "in_progress")))
-        thought["text"] += piece
+        thought["parts"].append(piece)
         return out + [emit("response.reasoning_text.delta", item_id=thought["id"], output_index=thought["index"],
                            content_index=0, delta=piece)]
 
@@ -335,15 +335,15 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
         t, thought = thought, None
         if t is None:
             return []
-        item = reasoning_item(t["id"], t["text"])
+        item = reasoning_item(t["id"], "".join(t["parts"]))
         output[t["index"]] = item
         return [emit("response.reasoning_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
-                     text=t["text"]),
+                     text=item["content"][0]["text"]),
                 emit("response.output_item.done", output_index=t["index"], item=item)]
 
     def open_message() -> list[str]:
         nonlocal message
-        message = {"id": new_item_id("msg"), "index": len(output), "text": ""}
+        message = {"id": new_item_id("msg"), "index": len(output), "parts": []}
         output.append(None)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [emit("response.output_item.added", output_index=message["index"],
@@ -354,10 +354,10 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     def close_message() -> list[str]:
         nonlocal message
         m, message = message, None
-        item = message_item(m["id"], m["text"])
+        item = message_item(m["id"], "".join(m["parts"]))
         output[m["index"]] = item
         return [emit("response.output_text.done", item_id=m["id"], output_index=m["index"], content_index=0,
-                     text=m["text"], logprobs=[]),
+                     text=item["content"][0]["text"], logprobs=[]),
                 emit("response.content_part.done", item_id=m["id"], output_index=m["index"], content_index=0,
                      part=item["content"][0]),
                 emit("response.output_item.done", output_index=m["index"], item=item)]
@@ -365,10 +365,10 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     def close_call() -> list[str]:
         nonlocal call
         c, call = call, None
-        item = call_item(c["id"], c["call_id"], c["name"], c["arguments"])
+        item = call_item(c["id"], c["call_id"], c["name"], "".join(c["parts"]))
         output[c["index"]] = item
         return [emit("response.function_call_arguments.done", item_id=c["id"], output_index=c["index"],
-                     name=c["name"], arguments=c["arguments"]),
+                     name=c["name"], arguments=item["arguments"]),
                 emit("response.output_item.done", output_index=c["index"], item=item)]
 
     def on(pieces: list) -> list[str]:
@@ -380,19 +380,19 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
                     out += close_call()
                 if message is None:
                     out += open_message()
-                message["text"] += piece.text
+                message["parts"].append(piece.text)
                 out.append(emit("response.output_text.delta", item_id=message["id"], output_index=message["index"],
                                 content_index=0, delta=piece.text, logprobs=[]))
             elif isinstance(piece, CallStart):
                 out += close_message() if message is not None else []
                 out += close_call() if call is not None else []
                 call = {"id": new_item_id("fc"), "index": len(output), "call_id": piece.id, "name": piece.name,
-                        "arguments": ""}
+                        "parts": []}
                 output.append(None)
                 out.append(emit("response.output_item.added", output_index=call["index"],
                                 item=call_item(call["id"], piece.id, piece.name, "", "in_progress")))
             elif isinstance(piece, CallArguments):
-                call["arguments"] += piece.text
+                call["parts"].append(piece.text)
                 out.append(emit("response.function_call_arguments.delta", item_id=call["id"],
                                 output_index=call["index"], delta=piece.text))
         return out
