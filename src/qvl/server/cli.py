@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--max-image-pixels", type=int, default=im.max_pixels,
                    help="largest source image, width x height, checked before decoding (default: %(default)s)")
     g.add_argument("--max-connections", type=int, default=cl.max_connections,
-                   help="open connections; past it the longest-idle one without a request is closed, "
-                        "or the new one gets 503 when all carry requests (default: %(default)s)")
+                   help="open connections; past it the longest-idle one without a request is closed, else "
+                        "the one sending its body most slowly (408); the new one gets 503 only when all others "
+                        "are being answered (default: %(default)s)")
     g.add_argument("--header-timeout", type=float, default=cl.header_timeout_s,
                    help="seconds a client has to send a complete request head, from connecting or "
                         "from the previous answer; then 408 and closed (default: %(default)g)")
@@ -62,6 +63,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                    help="seconds a client has to send the whole body after the head (default: %(default)g)")
     g.add_argument("--keep-alive-timeout", type=float, default=cl.keep_alive_s,
                    help="seconds an idle connection stays open between requests (default: %(default)g)")
+    g.add_argument("--write-timeout", type=float, default=cl.write_timeout_s,
+                   help="seconds a client may take none of its answer (the server's send buffer full) before "
+                        "it is cut off and its request cancelled (default: %(default)g)")
     g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
@@ -92,7 +96,8 @@ def settings(args: argparse.Namespace) -> ServerSettings:
                          url_timeout_s=args.image_url_timeout, local_dir=args.image_dir,
                          max_video_bytes=int(args.max_video_mb * MB))
     connections = ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
-                                   body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive_timeout)
+                                   body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive_timeout,
+                                   write_timeout_s=args.write_timeout)
     named = tuple(h.strip().lower().rstrip(".") for h in args.allowed_hosts.split(",") if h.strip())
     if is_loopback(args.host):  # a page on another site must not reach us through DNS rebinding
         allowed: tuple[str, ...] | None = LOOPBACK_HOSTS + named

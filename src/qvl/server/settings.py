@@ -21,19 +21,22 @@ class ImagePolicy:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """How long a client may take to send its request, and how many connections stay open."""
+    """How long a client may take to send its request and to take its answer, and how many
+    connections stay open."""
 
-    max_connections: int = 64  # past it, the longest-idle connection without a request is closed
+    max_connections: int = 64  # past it, the longest-idle connection without a request is closed,
+    # else the slowest one still sending its body
     header_timeout_s: float = 10.0  # a request head must be complete this long after the connection
     # opened (or the previous answer ended)
     body_timeout_s: float = 60.0  # the body must be complete this long after its head
     keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    write_timeout_s: float = 30.0  # a client that takes none of its answer for this long is cut off
 
     def __post_init__(self):
         if self.max_connections < 1:
             raise ValueError("--max-connections must be >= 1")
-        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
-            raise ValueError("the header, body and keep-alive timeouts must be > 0")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s, self.write_timeout_s) <= 0:
+            raise ValueError("the header, body, write and keep-alive timeouts must be > 0")
 
 
 @dataclass(frozen=True)
