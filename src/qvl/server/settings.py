@@ -1,4 +1,4 @@
-"""What an operator can change: limits, image sources, the API key. No heavy imports, so
+"""What an operator can change: limits, image sources, the API keys. No heavy imports, so
 `qvl serve --help` can show these defaults without loading torch."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class ServerSettings:
     max_body_bytes: int = 20 * MB
     time_limit_s: float = 300.0  # per request, from acceptance to the last token
     shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight work may finish within this
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens the API; each is a cache namespace of its own
+    hide_cache_stats: bool = False  # answers do not say what came from the caches
     parse_slots: int = 2  # requests decoding images and videos and tokenizing at once (bounds memory), in each
     # of two lanes: requests with images or videos, and requests without
     parse_timeout_s: float = 60.0  # preparing one request (decoding, tokenizing); a slot is awaited as long
