@@ -5,7 +5,6 @@ take seconds."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import socket
@@ -14,37 +13,8 @@ import time
 
 import httpx
 
-from qvl.server.app import create_app
-from qvl.server.serve import Server, config
 from qvl.server.settings import ConnectionLimits
-from tests.test_server_hardening import HELLO, URL, Client, Live, head, make_settings, wait_ready
-
-
-@contextlib.contextmanager
-def serving(engine, limits: ConnectionLimits, send_buffer: int | None = None):
-    """qvl's uvicorn server in a thread, on a listening socket of its own: accepted sockets
-    inherit its send buffer (a small one fills after a few KB instead of megabytes)."""
-    listener = socket.socket()
-    if send_buffer:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
-    listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    app = create_app(make_settings(connections=limits), lambda: engine)
-    server = Server(config(app, "127.0.0.1", port, "warning"), app.state.qvl)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    wait_ready(lambda path: httpx.get(url + path, timeout=5))
-    try:
-        yield Live(url, port, server, thread)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        listener.close()
+from tests.test_server_hardening import HELLO, URL, Client, head, live
 
 
 def until(condition, seconds: float = 20.0) -> None:
@@ -73,7 +43,7 @@ def test_slow_body_senders_cannot_lock_out_new_requests(tiny_engine):
     every connection is busy receiving a body. A new request gets served (the slowest sender
     makes room, with 408), and the steady upload still completes."""
     limits = ConnectionLimits(header_timeout_s=60, body_timeout_s=60)  # the default 64 connections
-    with serving(tiny_engine, limits) as srv:
+    with live(tiny_engine, limits) as srv:
         connections = srv.server.server_state.connections
         stalled = [Client(srv.port, head=head(srv.port, 1000) + b"\r\n{") for _ in range(63)]
         until(lambda: sum(c.in_request for c in list(connections)) == 63)
@@ -102,7 +72,7 @@ def test_a_client_that_reads_nothing_is_cut_off_and_its_request_cancelled(tiny_e
     connection is aborted, its generation cancelled, and its slot serves the next client
     (while it was being answered, a newcomer got 503: answered requests are never evicted)."""
     limits = ConnectionLimits(max_connections=1, write_timeout_s=1.0)
-    with serving(tiny_engine, limits, send_buffer=4096) as srv:
+    with live(tiny_engine, limits, send_buffer=4096) as srv:
         connections = srv.server.server_state.connections
         body = json.dumps({"messages": HELLO, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "n": 4,
                            "stream": True, "logprobs": True, "top_logprobs": 20}).encode()

@@ -20,7 +20,6 @@ from qvl.server.app import create_app
 from qvl.server.cli import LOOPBACK_HOSTS
 from qvl.server.serve import Server, config
 from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
-from tests.test_server_support import free_port
 
 URL = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -151,12 +150,17 @@ class Live:
 
 
 @contextlib.contextmanager
-def live(engine, limits: ConnectionLimits, **changes):
-    """qvl's uvicorn server in a thread."""
-    port = free_port()
+def live(engine, limits: ConnectionLimits, send_buffer: int | None = None, **changes):
+    """qvl's uvicorn server in a thread, on a listening socket of its own: accepted sockets
+    inherit its `send_buffer` (a small one fills after a few KB instead of megabytes)."""
+    listener = socket.socket()
+    if send_buffer:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     app = create_app(make_settings(connections=limits, **changes), lambda: engine)
     server = Server(config(app, "127.0.0.1", port, "warning"), app.state.qvl)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -169,6 +173,7 @@ def live(engine, limits: ConnectionLimits, **changes):
     finally:
         server.should_exit = True
         thread.join(30)
+        listener.close()
 
 
 @dataclass
