@@ -52,7 +52,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.deadline: asyncio.TimerHandle | None = None  # for reading (head, body)
-        self.stall: asyncio.TimerHandle | None = None  # for writing: armed while the client takes nothing
+        self.stall: asyncio.TimerHandle | None = None  # for writing: armed while its answer waits unsent
         self.idle_since = self.loop.time()
         self.body_since = self.idle_since  # when the current request's head arrived
         self.body_bytes = 0  # bytes received since
