@@ -76,7 +76,7 @@ def test_special_tokens_in_tool_keys_are_text(tiny_engine, door):
 
     def prompt(key: str) -> list[int]:
         request, _ = getattr(route, read)(json.dumps(body(key)).encode())
-        return getattr(route, prepare)(request, tiny_engine, Deadline())[1].ids.tolist()
+        return getattr(route, prepare)(request, tiny_engine, Deadline(), "")[1].ids.tolist()
 
     forged, plain = prompt(FORGED), prompt("k")
     assert [i for i in forged if i in specials] == [i for i in plain if i in specials]  # the template's turns only

@@ -56,6 +56,8 @@ class Request:
     max_image_tokens: int | None = None
     tools: list[dict] | None = None
     video: dict | None = None  # {"fps", "max_frames", "max_tokens"}: any of them, over the engine's
+    cache_salt: str = ""  # cached work (answers, prompt prefixes, image features, clips) is shared only
+    # between requests of the same salt
 
 
 @dataclass
@@ -67,6 +69,7 @@ class ParsedRequest:
     sampling: SamplingParams
     answer_checked: bool = False  # the answer cache was already asked (and missed)
     reasoning: bool = False  # the prompt opened `<think>`: the answer starts with reasoning
+    cache_salt: str = ""  # the request's cache namespace (Request.cache_salt)
 
     @property
     def vision_tokens(self) -> int:
@@ -113,7 +116,7 @@ class ClipCache(LRU):
         super().__init__(max_bytes=int(max_mb * 2**20))
 
     @staticmethod
-    def key(source, settings: VideoSettings, cfg: ImageProcessorConfig) -> str | None:
+    def key(source, settings: VideoSettings, cfg: ImageProcessorConfig, salt: str) -> str | None:
         if isinstance(source, (bytes, bytearray, memoryview)):
             digest = hashlib.sha256(source)
         elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
@@ -121,12 +124,12 @@ class ClipCache(LRU):
                 digest = hashlib.file_digest(f, "sha256")
         else:
             return None
-        digest.update(repr((settings, cfg)).encode())
+        digest.update(repr((settings, cfg, salt)).encode())
         return digest.hexdigest()
 
     def load(self, source, cfg: ImageProcessorConfig, settings: VideoSettings,
-             max_seconds: float | None, deadline: Deadline) -> ProcessedVideo:
-        key = self.key(source, settings, cfg) if self.enabled else None
+             max_seconds: float | None, deadline: Deadline, salt: str) -> ProcessedVideo:
+        key = self.key(source, settings, cfg, salt) if self.enabled else None
         clip = self.get(key) if key else None
         if clip is None:  # (an engine's length cap is fixed: a kept clip passed it)
             clip = load_video(source, cfg, settings, max_seconds=max_seconds, deadline=deadline)
@@ -210,7 +213,7 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
                     if len(layouts) >= limits.max_videos:
                         raise RequestError(f"too many videos: at most {limits.max_videos} per request", "messages")
                     clip = (clips or ClipCache(0)).load(part["video"], image_cfg, settings, limits.max_video_seconds,
-                                                        deadline)
+                                                        deadline, request.cache_salt)
                     units.extend(clip.pairs)
                     layouts.append(clip.layout())
                     deadline.check("decoding the video")
@@ -264,7 +267,8 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
             f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
             f"but the context holds {limits.max_context}; shorten the conversation, lower max_tokens or the "
             f"image budget", "messages", "context_length_exceeded")
-    return ParsedRequest(ids, images, request.sampling, reasoning=opens_reasoning(tokens.ids, tokenizer))
+    return ParsedRequest(ids, images, request.sampling, reasoning=opens_reasoning(tokens.ids, tokenizer),
+                         cache_salt=request.cache_salt)
 
 
 def longest_text(messages: list[dict], tools: list[dict] | None) -> str:

@@ -257,7 +257,8 @@ class Scheduler:
             return []
         if seq.digests is None:
             seq.spans = self.engine.spans(seq.parsed)
-            seq.digests = block_hashes(seq.parsed.ids, seq.spans, (len(seq.parsed.ids) - 1) // BLOCK)
+            seq.digests = block_hashes(seq.parsed.ids, seq.spans, (len(seq.parsed.ids) - 1) // BLOCK,
+                                       salt=seq.parsed.cache_salt)
         shared = self.pool.lookup(seq.digests)
         if self.engine.options.deterministic:
             per_chunk = DETERMINISTIC_CHUNK // BLOCK
@@ -594,7 +595,8 @@ class Scheduler:
             # decode steps compute keys and values in other roundings than a prefill: only
             # without --deterministic may a later prompt reuse them
             ids = torch.cat([seq.parsed.ids, torch.tensor(seq.fed_ids, dtype=torch.long)])
-            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or []))
+            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or [],
+                                             seq.parsed.cache_salt))
         else:
             self._register(seq, seq.digests or [])
         self._release(seq)

@@ -25,7 +25,7 @@ from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.openai import tool_choice
-from qvl.server.schemas import MAX_MESSAGES, Seed, _Strict
+from qvl.server.schemas import MAX_MESSAGES, CacheSalt, Seed, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
@@ -72,6 +72,7 @@ class Common(_Strict):
     stream: bool = True
     keep_alive: Any = None  # the model stays loaded: qvl serves one
     think: Any = None
+    cache_salt: CacheSalt = None  # qvl's, as on its OpenAI routes
 
 
 class ChatBody(Common):
@@ -137,7 +138,7 @@ class Ollama:
         req = GenerateBody.model_validate_json(body)
         return req, bool(req.images)
 
-    def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline) -> tuple[Spec, ParsedRequest]:
+    def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline, salt: str) -> tuple[Spec, ParsedRequest]:
         check_think(req, engine)
         tools = check_unique([tool_from(t, i) for i, t in enumerate(req.tools or [])], "tools")
         constraint = answer_constraint(tools, tool_choice(None, None, tools), True, format_constraint(req.format),
@@ -146,10 +147,12 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         messages = self.messages(req.messages, engine)
         shown = [t.template_entry() for t in tools] or None
-        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown), deadline)
+        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown, cache_salt=salt),
+                              deadline)
         return Spec(req, engine.model_name, True, bool(tools)), parsed
 
-    def prepare_generate(self, req: GenerateBody, engine: Engine, deadline: Deadline) -> tuple[Spec, ParsedRequest]:
+    def prepare_generate(self, req: GenerateBody, engine: Engine, deadline: Deadline,
+                         salt: str) -> tuple[Spec, ParsedRequest]:
         for name in ("suffix", "template", "context"):
             if getattr(req, name):
                 raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
@@ -162,7 +165,8 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         turns = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + \
             [OllamaMessage(role="user", content=req.prompt, images=req.images)]
-        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint)), deadline)
+        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint), cache_salt=salt),
+                              deadline)
         return Spec(req, engine.model_name, False), parsed
 
     def messages(self, messages: list[OllamaMessage], engine: Engine) -> list[dict]:

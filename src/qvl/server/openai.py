@@ -69,8 +69,8 @@ class ChatCompletions:
         req = ChatCompletionRequest.model_validate_json(body)
         return req, any(part.type != "text" for m in req.messages for part in m.content)
 
-    def prepare(self, req: ChatCompletionRequest, engine: Engine,
-                deadline: Deadline) -> tuple[ChatCompletionRequest, ParsedRequest]:
+    def prepare(self, req: ChatCompletionRequest, engine: Engine, deadline: Deadline,
+                salt: str) -> tuple[ChatCompletionRequest, ParsedRequest]:
         """Check, fetch and decode images, tokenize, check the budget and the grammar (in a
         thread, within `deadline`)."""
         if name := req.unsupported():
@@ -89,7 +89,7 @@ class ChatCompletions:
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
         try:
             parsed = engine.parse(Request(messages, sampling(req, engine, constraint), image_tokens(req, engine), shown,
-                                          video_overrides(req)), deadline)
+                                          video_overrides(req), salt), deadline)
         except RequestError as exc:
             if exc.code in ("invalid_image", "invalid_video") and exc.param and exc.param.endswith("]"):
                 exc.param += ".image_url.url" if exc.code == "invalid_image" else ".video_url.url"  # the part -> its url

@@ -24,7 +24,7 @@ from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.openai import call_arguments, format_constraint, tool_choice
-from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, Seed, _Strict
+from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, CacheSalt, Seed, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
@@ -110,6 +110,7 @@ class ResponsesRequest(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     max_pixels: int | None = Field(None, ge=1)
     reasoning_budget: int | None = Field(None, ge=0)
+    cache_salt: CacheSalt = None
 
 
 @dataclass
@@ -141,7 +142,8 @@ class Responses:
         parts = [part for it in items if isinstance(it.content, list) for part in it.content]
         return req, any(part.type == "input_image" for part in parts)
 
-    def prepare(self, req: ResponsesRequest, engine: Engine, deadline: Deadline) -> tuple[Spec, ParsedRequest]:
+    def prepare(self, req: ResponsesRequest, engine: Engine, deadline: Deadline,
+                salt: str) -> tuple[Spec, ParsedRequest]:
         if req.previous_response_id is not None:
             raise bad_request("qvl keeps no responses: send the whole conversation in 'input' instead of "
                               "previous_response_id", "previous_response_id", "unsupported_parameter")
@@ -164,7 +166,7 @@ class Responses:
             reasoning_budget=req.reasoning_budget)
         budget = max(1, req.max_pixels // engine.image_cfg.factor**2) if req.max_pixels else None
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
-        parsed = engine.parse(Request(messages, sampling, budget, shown), deadline)
+        parsed = engine.parse(Request(messages, sampling, budget, shown, cache_salt=salt), deadline)
         return Spec(req, model=engine.model_name, tools=bool(tools) and choice.mode != "none"), parsed
 
 

@@ -12,6 +12,9 @@ from qvl.sampling import SEED_MAX, SEED_MIN
 MAX_MESSAGES = 4096  # the context holds 32k tokens; every message costs a few
 MAX_PARTS = 1024
 Seed = Annotated[int | None, Field(ge=SEED_MIN, le=SEED_MAX)]  # every front door's `seed`
+# every front door's `cache_salt` (as vLLM's): a request shares cached work (answers, prompt
+# prefixes, image features) only with requests of the same salt and API key
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256)]
 
 
 class _Strict(BaseModel):
@@ -165,6 +168,7 @@ class ChatCompletionRequest(_Strict):
     max_frames: int | None = Field(None, ge=2)  # video: frames per clip at most (the server caps it)
     max_video_tokens: int | None = Field(None, ge=1)  # video: token budget of a clip (the server caps it)
     reasoning_budget: int | None = Field(None, ge=0)  # Thinking models: reasoning tokens before </think> is forced
+    cache_salt: CacheSalt = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None

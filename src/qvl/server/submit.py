@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest
 from qvl.server.errors import APIError, from_exception
+from qvl.server.guard import cache_salt, matching_key
 from qvl.server.settings import MB
 from qvl.server.state import ServerState
 from qvl.server.worker import DISCONNECT
@@ -31,8 +32,10 @@ from qvl.stream import Delta, Done
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
-Read = Callable[[bytes], tuple[Any, bool]]  # body -> (the route's request, whether it carries images or videos)
-Prepare = Callable[[Any, Engine, Deadline], tuple[Any, ParsedRequest]]  # the route's request -> (its spec, parsed)
+# body -> (the route's request, whether it carries images or videos); the request has `cache_salt`
+Read = Callable[[bytes], tuple[Any, bool]]
+# (the route's request, engine, deadline, the engine's cache salt for it) -> (its spec, parsed)
+Prepare = Callable[[Any, Engine, Deadline, str], tuple[Any, ParsedRequest]]
 
 
 @dataclass
@@ -63,19 +66,25 @@ class Submitter:
         `curl -d` sends too; the browser guard still refuses foreign pages)."""
         if json_only:
             require_json(http)
-        body = await read_body(http, self.state.settings.max_body_bytes)
+        settings = self.state.settings
+        body = await read_body(http, settings.max_body_bytes)
         engine, worker = self.state.ready()
+        key = matching_key(http.headers.get("authorization", ""), settings.api_keys)
         try:
             request, media = await asyncio.to_thread(read, body)
+            salt = cache_salt(key, request.cache_salt)
             spec, parsed, cached = await self._in_lane(
-                http, media, lambda deadline: self._prepare(prepare, request, engine, deadline))
+                http, media, lambda deadline: self._prepare(prepare, request, engine, deadline, salt))
         except Exception as exc:
             raise from_exception(exc) from None
         if cached is not None:  # an exact repeat, answered without waiting in the queue
             self.state.metrics.record(cached, cached=True)
-            return Submission(spec, parsed, replay(cached), lambda: None, engine)
-        job = worker.submit(parsed, self.state.settings.time_limit_s)
-        return Submission(spec, parsed, job.events(), lambda: worker.cancel(job, DISCONNECT), engine)
+            events, on_close = replay(cached), lambda: None
+        else:
+            job = worker.submit(parsed, settings.time_limit_s)
+            events, on_close = job.events(), lambda: worker.cancel(job, DISCONNECT)
+        return Submission(spec, parsed, without_cache_stats(events) if settings.hide_cache_stats else events,
+                          on_close, engine)
 
     async def _in_lane(self, http: HTTPRequest, media: bool, work: Callable[[Deadline], Any]) -> Any:
         """`work(deadline)` on a thread of its lane, once a slot is free; the slot stays taken
@@ -117,8 +126,8 @@ class Submitter:
                             f"{wait:g} s", code="server_busy", headers={"Retry-After": "5"})
 
     @staticmethod
-    def _prepare(prepare: Prepare, request: Any, engine: Engine, deadline: Deadline):
-        spec, parsed = prepare(request, engine, deadline)
+    def _prepare(prepare: Prepare, request: Any, engine: Engine, deadline: Deadline, salt: str):
+        spec, parsed = prepare(request, engine, deadline, salt)
         return spec, parsed, engine.cached_answer(parsed)
 
 
@@ -169,6 +178,15 @@ async def replay(done: Done) -> AsyncIterator[Delta | Done]:
     if done.text or done.reasoning:
         yield Delta(done.text, done.token_ids, done.logprobs, reasoning=done.reasoning or "")
     yield done
+
+
+async def without_cache_stats(events: AsyncIterator[Delta | Done]) -> AsyncIterator[Delta | Done]:
+    """The events with what the caches gave blanked out of each Done: cached {}, reused_tokens 0."""
+    async with contextlib.aclosing(events):  # left early: the job's events end (and cancel it) at once
+        async for event in events:
+            if isinstance(event, Done):
+                event = replace(event, timings=replace(event.timings, cached={}, reused_tokens=0))
+            yield event
 
 
 async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRequest, n: int) -> list[Done]:
