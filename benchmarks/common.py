@@ -6,10 +6,12 @@ Standard library only: scripts run it under other interpreters too (a peer's own
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -52,7 +54,11 @@ class Finished:
 
 class Child:
     """A child process in its own session (a time-out kills all it started), its output in
-    temporary files, reaped with wait4 so that its peak resident memory is known."""
+    temporary files, reaped with wait4 so that its peak resident memory is known. Children still
+    running when the script exits (an exception, Ctrl-C, or SIGTERM after stop_on_sigterm) are
+    killed with their groups."""
+
+    live: set[Child] = set()
 
     def __init__(self, cmd: list[str], env: dict | None = None, cwd: str | None = None):
         self.started = time.perf_counter()
@@ -60,6 +66,7 @@ class Child:
         self.pid = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._out,
                                     stderr=self._err, text=True, start_new_session=True).pid
         self._status: tuple[int, int] | None = None  # (exit code, ru_maxrss bytes) once reaped
+        Child.live.add(self)
 
     def alive(self) -> bool:
         if self._status is None:
@@ -85,6 +92,7 @@ class Child:
                 self._signal(signal.SIGKILL)
             time.sleep(0.02)
         self._signal(signal.SIGKILL)  # anything it left behind in its group
+        Child.live.discard(self)
         code, rss = self._status
         return Finished(code, self._read(self._out), self._read(self._err), time.perf_counter() - self.started, rss,
                         timed_out)
@@ -100,6 +108,17 @@ class Child:
         f.flush()
         f.seek(0)
         return f.read()
+
+
+@atexit.register
+def _kill_live() -> None:
+    for child in list(Child.live):
+        child._signal(signal.SIGKILL)
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM exit the script the normal way, so that its children are killed too."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: str | None = None) -> Finished:

@@ -97,7 +97,7 @@ def qvl_engine(weights: str) -> Engine:
         r = last_json(done)
         return {"ttft_s": r["ttft_ms"] / 1000, "decode_ms": r["decode_ms_per_token"], "rss": done.peak_rss_bytes,
                 "image_tokens": r["image_tokens"], "prompt_tokens": r["prompt_tokens"],
-                "generated": r["new_tokens"], "detail": f"compute {r['dtype']}"}
+                "generated": r["new_tokens"]}
 
     return Engine(f"qvl-{weights}", f"qvl {weights}" + (" (default)" if weights == "int8" else ""),
                   lambda args: None, measure)
@@ -414,6 +414,10 @@ def section(args, engines: list[Engine], results: dict, skipped: dict) -> str:
         if errors:
             notes.append(f"- {e.label}: {len(errors)} of {args.rounds} rounds failed: "
                          f"{errors[0].splitlines()[0]}")
+    prompts = {e.label: results[e.key]["rounds"][0]["prompt_tokens"] for e in engines if results[e.key]["rounds"]}
+    if len(set(prompts.values())) > 1:
+        notes.append("- Prompt tokens (image and text) differ: "
+                     + ", ".join(f"{label} {n}" for label, n in prompts.items()) + ".")
     if versions:
         notes.append(f"- Peers: {', '.join(versions)}.")
     return "\n".join(lines + ([""] + notes if notes else []))
@@ -462,6 +466,7 @@ def main() -> None:
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--warm-image", help=argparse.SUPPRESS)
     args = p.parse_args()
+    common.stop_on_sigterm()
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args)))
         return
