@@ -268,7 +268,8 @@ def transformers_worker(args) -> dict:
     model = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     images = AutoImageProcessor.from_pretrained(args.model, backend="pil")
-    limits = {"shortest_edge": images.size["shortest_edge"], "longest_edge": args.image_tokens * (images.patch_size * images.merge_size) ** 2}
+    token_pixels = (images.patch_size * images.merge_size) ** 2
+    limits = {"shortest_edge": images.size["shortest_edge"], "longest_edge": args.image_tokens * token_pixels}
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
