@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from qvl.batch.inputs import UsageError
+from qvl.batch.inputs import UsageError, read_items
 from qvl.batch.output import ResultsFile, repair
 
 GOOD = [{"id": "a", "text": "x"}, {"id": "b", "error": "not an image"}, {"id": "c", "text": "中文\n2"}]
@@ -77,3 +78,19 @@ def test_a_second_writer_is_refused(tmp_path):
         with pytest.raises(UsageError, match="another qvl batch is writing"):
             ResultsFile(path)
     ResultsFile(path).close()  # free again once the first one closed
+
+
+def test_a_file_name_that_is_not_utf8_is_written_and_resumed(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / os.fsdecode(b"\xff.png")).write_bytes(b"")  # bytes from another locale
+    (item,) = read_items(str(folder))
+    path = tmp_path / "results.jsonl"
+    with ResultsFile(path) as results:
+        results.write({"id": item.id, **item.fields(), "error": "not a recognised image format"})
+        results.write({"id": "next", "text": "the run goes on"})
+    lines = path.read_bytes().decode("utf-8").splitlines()  # strict: every line is UTF-8 JSON
+    row = json.loads(lines[0])
+    assert row["id"] == item.id and os.fsencode(row["image"]) == os.fsencode(folder) + b"/\xff.png"
+    with ResultsFile(path) as results:
+        assert results.done == {item.id: False, "next": True}  # resume knows the item

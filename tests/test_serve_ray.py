@@ -122,7 +122,7 @@ def test_the_front_refuses_a_wrong_host_or_key_before_reading_the_body():
     from qvl.server.cluster import Front
     from qvl.server.settings import ServerSettings
 
-    front = Front(None, None, ServerSettings(api_key="sesame", allowed_hosts=("localhost",)))
+    front = Front(None, None, ServerSettings(api_keys=("sesame",), allowed_hosts=("localhost",)))
     received: list = []
     cases = [("/v1/chat/completions", {"host": "localhost"}, 401),
              ("/metrics", {"host": "localhost", "authorization": "Bearer wrong"}, 401),

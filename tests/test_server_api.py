@@ -228,7 +228,7 @@ def test_failed_load_is_reported(tiny_engine):
 
 
 def test_api_key_guards_api_routes_only(tiny_engine):
-    with TestClient(make_app(tiny_engine, api_key="s3cret")) as c:
+    with TestClient(make_app(tiny_engine, api_keys=("s3cret",))) as c:
         wait_ready(c)
         assert_error(c.post(URL, json={"messages": HELLO}), 401, code="invalid_api_key")
         assert_error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
@@ -314,7 +314,7 @@ def test_serve_arguments():
     config = settings(args)
     assert commands["serve"] and config.queue_size == 3 and config.max_body_bytes == 5 * MB
     assert config.images.url_hosts == ("a.com", "*.b.org") and config.images.max_bytes == 5 * MB
-    assert config.api_key is None and args.host == "127.0.0.1"
+    assert config.api_keys == () and args.host == "127.0.0.1"
     with pytest.raises(ValueError, match="queue size"):
         settings(parser.parse_args(["serve", "--queue-size", "-1"]))
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))

@@ -20,7 +20,6 @@ from qvl.server.app import create_app
 from qvl.server.cli import LOOPBACK_HOSTS
 from qvl.server.serve import Server, config
 from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
-from tests.test_server_support import free_port
 
 URL = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -151,12 +150,17 @@ class Live:
 
 
 @contextlib.contextmanager
-def live(engine, limits: ConnectionLimits, **changes):
-    """qvl's uvicorn server in a thread."""
-    port = free_port()
+def live(engine, limits: ConnectionLimits, send_buffer: int | None = None, **changes):
+    """qvl's uvicorn server in a thread, on a listening socket of its own: accepted sockets
+    inherit its `send_buffer` (a small one fills after a few KB instead of megabytes)."""
+    listener = socket.socket()
+    if send_buffer:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     app = create_app(make_settings(connections=limits, **changes), lambda: engine)
     server = Server(config(app, "127.0.0.1", port, "warning"), app.state.qvl)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -169,6 +173,7 @@ def live(engine, limits: ConnectionLimits, **changes):
     finally:
         server.should_exit = True
         thread.join(30)
+        listener.close()
 
 
 @dataclass
@@ -281,7 +286,8 @@ def test_a_slow_next_request_on_a_kept_connection_is_dropped(tiny_engine):
 
 def test_room_is_made_from_idle_connections_only(tiny_engine):
     """Past --max-connections the longest-idle connection goes; when every connection carries
-    a request, the newcomer gets 503."""
+    a request, one still sending its body gets 408 (tests/test_connections.py: which one, and
+    the 503 when all are being answered)."""
     limits = ConnectionLimits(max_connections=3, header_timeout_s=30, body_timeout_s=30)
     with live(tiny_engine, limits) as srv:
         connections = srv.server.server_state.connections
@@ -306,10 +312,13 @@ def test_room_is_made_from_idle_connections_only(tiny_engine):
             assert c.closed_after is None
         newcomer.sock.sendall(head(srv.port, 100) + b"\r\n{")  # now all three carry requests
         until(lambda: in_request() == 3)
-        refused = Client(srv.port)
-        until(lambda: (refused.tick(), refused.closed_after)[1] is not None)
-        assert refused.received.startswith(b"HTTP/1.1 503")
-        for c in [idle, newcomer, refused, *busy]:
+        senders = [newcomer, *busy]
+        later = Client(srv.port)
+        until(lambda: any((c.tick(), c.closed_after)[1] is not None for c in senders))
+        assert sum(c.received.startswith(b"HTTP/1.1 408") for c in senders) == 1
+        later.tick()
+        assert later.closed_after is None
+        for c in [idle, later, *senders]:
             c.sock.close()
 
 

@@ -1,6 +1,8 @@
 """Caches keyed by content: image features by image hash and whole answers by the exact
 request, both bounded LRU maps. (KV states by token prefix live in the KV pool's unused
-blocks: qvl.kv_cache.)"""
+blocks: qvl.kv_cache.) Every key includes the request's cache salt (Request.cache_salt):
+requests of different salts share nothing, so neither a cache flag nor a faster answer tells
+one client what another asked."""
 
 from __future__ import annotations
 
@@ -83,13 +85,16 @@ class ImageFeatures:
 
 
 class VisionCache(LRU):
-    """The vision tower's output per image content hash (pixels + preprocessing)."""
+    """The vision tower's output per cache salt and image content hash (pixels + preprocessing)."""
 
     def __init__(self, max_mb: float):
         super().__init__(max_bytes=int(max_mb * 2**20))
 
-    def add(self, content_hash: str, features: ImageFeatures) -> None:
-        self.put(content_hash, features, features.nbytes)
+    def find(self, salt: str, content_hash: str) -> ImageFeatures | None:
+        return self.get((salt, content_hash))
+
+    def add(self, salt: str, content_hash: str, features: ImageFeatures) -> None:
+        self.put((salt, content_hash), features, features.nbytes)
 
 
 def image_spans(is_image: torch.Tensor, hashes: list[str]) -> list[tuple[int, int, str]]:
@@ -107,8 +112,9 @@ class AnswerCache(LRU):
         super().__init__(max_entries=max_entries)
 
     @staticmethod
-    def key(model_id: str, ids: torch.Tensor, image_hashes: list[str], params: Any) -> str:
-        h = hashlib.sha256(model_id.encode())
+    def key(model_id: str, ids: torch.Tensor, image_hashes: list[str], params: Any, salt: str = "") -> str:
+        h = hashlib.sha256(hashlib.sha256(salt.encode()).digest())  # fixed length: no salt runs into the rest
+        h.update(model_id.encode())
         h.update(ids.numpy().tobytes())
         h.update("|".join(image_hashes).encode())
         h.update(repr(params).encode())

@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from qvl.options import SamplingOptions, UsageError, add_engine_args, add_sampling_args, engine_options, prompt_text
+
 FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli")
 
 
@@ -20,197 +22,9 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     return ValueError, RuntimeError, OSError, SafetensorError, TemplateError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from qvl.processing.video import DEFAULT_FPS, DEFAULT_MAX_FRAMES, DEFAULT_MAX_VIDEO_TOKENS, VIDEO_TOKENS_CAP
-
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", "-m", help="model folder or Hugging Face id (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="compute dtype of int8/int4 models; auto = bf16 where the CPU has AVX512-BF16/AMX, else fp32")
-    g.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
-                   help="weight format; auto = a pre-quantised checkpoint's own, else int8 (quantised at load)")
-    g.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
-    g.add_argument("--vision-int8", action=argparse.BooleanOptionalAction, default=None,
-                   help="quantise the vision tower to int8 too (default: where compute is float32 or its "
-                        "products run int8 x int8; see `qvl info`)")
-    g.add_argument("--int8-activations", nargs="?", const="all", default="auto",
-                   choices=["auto", "off", "vision", "all"],
-                   help="which int8 layers run their many-row products int8 x int8 (activations quantised "
-                        "per token): auto = the vision tower where that is faster than the float GEMM "
-                        "(x86: 7-bit activations without VNNI), else off; all (the bare flag) adds prefill: a faster "
-                        "first token, slightly less exact")
-    g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
-    g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
-    g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
-    g.add_argument("--prefix-cache-mb", type=float, default=512, help="of the KV pool, what finished requests' blocks may keep for reuse by prompts "
-                        "that begin the same way (0 disables)")
-    g.add_argument("--answer-cache", type=int, default=256, help="answers kept for exact repeats (0 disables)")
-    g.add_argument("--max-batch", type=int, default=8,
-                   help="requests decoded together, each with its own sampling (serve, batch); more wait")
-    g.add_argument("--reasoning-budget", type=int, metavar="N",
-                   help="Thinking models: after N reasoning tokens </think> is forced, so an answer always comes "
-                        "(the default of every request; an API request may set its own)")
-    g.add_argument("--deterministic", action="store_true",
-                   help="answers that do not depend on prefill slicing or prefix reuse either (prefill in fixed "
-                        "128-token chunks, only prompt keys/values reused): slower first tokens")
-    g.add_argument("--kv-cache-mb", type=float,
-                   help="the KV pool, in blocks of 16 positions: running rows take blocks as they grow; "
-                        "when it is full new requests wait and the newest running one is recomputed later "
-                        "(default: half the memory available after loading, at most 8192)")
-    g.add_argument("--image-tokens-cap", type=int, default=4096,
-                   help="the largest image budget a request may ask for (default 4096 tokens, 4 megapixels)")
-    budget = g.add_mutually_exclusive_group()
-    budget.add_argument("--max-image-tokens", type=int, help="image budget per image, in LLM tokens")
-    budget.add_argument("--max-pixels", type=int, help="image budget per image, in pixels (32x32 pixels per token)")
-    v = p.add_argument_group("video (frames are sampled, resized and paired as Qwen3-VL's video processor does)")
-    v.add_argument("--fps", type=float, default=DEFAULT_FPS, help="frames sampled per second of clip (default 2)")
-    v.add_argument("--max-frames", type=int, default=DEFAULT_MAX_FRAMES,
-                   help=f"frames per clip at most, spread evenly over longer clips (default {DEFAULT_MAX_FRAMES})")
-    v.add_argument("--max-video-tokens", type=int, default=DEFAULT_MAX_VIDEO_TOKENS,
-                   help="token budget of a whole clip: frames shrink to fit it (default "
-                        f"{DEFAULT_MAX_VIDEO_TOKENS}, ~12 s to the first token on 2 cores for the 2B model)")
-    v.add_argument("--video-tokens-cap", type=int, default=VIDEO_TOKENS_CAP,
-                   help=f"the largest clip budget a request may ask for (default {VIDEO_TOKENS_CAP})")
-    v.add_argument("--max-video-seconds", type=float, help="refuse longer clips (default: any length)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    from qvl.tasks import TASKS
-
-    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
-    g.add_argument("--max-new-tokens", type=int)
-    g.add_argument("--temperature", type=float, help="0 = greedy")
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--min-p", type=float, help="keep tokens at least this fraction as likely as the top one")
-    g.add_argument("--min-tokens", type=int, help="do not end (EOS) before this many tokens")
-    g.add_argument("--ignore-eos", action="store_true", default=None, help="generate exactly --max-new-tokens")
-    g.add_argument("--logprobs", type=int, metavar="K",
-                   help="with --json: each token's log-probability and its K (0-20) best alternatives")
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--presence-penalty", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--task", choices=list(TASKS),
-                   help="a preset prompt: describe; ocr (greedy); markdown, html (a document page as Markdown or "
-                        "HTML, tables kept); detect, point (the PROMPT names what to find, e.g. \"cats, bicycles\": "
-                        "boxes or points in the image's pixels, with --json or --draw)")
-    shape = g.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE",
-                       help="the answer is JSON valid under this JSON Schema file, on one line ({} allows any "
-                            "JSON); with --json the parsed answer is printed under \"json\" too")
-    shape.add_argument("--grammar", metavar="FILE",
-                       help="the answer matches this Lark grammar, in llguidance's dialect (%%json {...} "
-                            "embeds a JSON schema)")
-    shape.add_argument("--regex", metavar="PATTERN", help="the answer matches this regular expression")
-
-
-def engine_options(args: argparse.Namespace):
-    from qvl.engine import DEFAULT_MAX_IMAGE_TOKENS, EngineOptions
-    from qvl.processing.video import VideoSettings
-    from qvl.runtime import parse_cpu_list
-
-    from qvl.tasks import get_task
-
-    tokens = args.max_image_tokens or (max(1, args.max_pixels // 1024) if args.max_pixels else None)
-    if tokens is None and getattr(args, "task", None):
-        tokens = get_task(args.task).max_image_tokens  # e.g. OCR reads small print at a larger budget
-    return EngineOptions(
-        model=args.model, dtype=args.dtype, weights=args.weights, group_size=args.group_size,
-        vision_int8=args.vision_int8, int8_activations=args.int8_activations, threads=args.threads,
-        cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
-        max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,
-        vision_cache_mb=args.vision_cache_mb,
-        prefix_cache_mb=args.prefix_cache_mb, answer_cache_entries=args.answer_cache, max_batch=args.max_batch,
-        kv_cache_mb=args.kv_cache_mb, deterministic=args.deterministic, reasoning_budget=args.reasoning_budget,
-        video=VideoSettings(fps=args.fps, max_frames=args.max_frames, max_tokens=args.max_video_tokens),
-        video_tokens_cap=args.video_tokens_cap,
-        max_video_seconds=args.max_video_seconds,
-    )
-
-
-def answer_constraint(args: argparse.Namespace):
-    """--json-schema FILE, --grammar FILE or --regex PATTERN as a Constraint (None without them),
-    checked before any model loads: a file that cannot be read, a schema that is not JSON, a
-    grammar llguidance cannot compile raise UsageError (exit status 2). The engine compiles it
-    again against its tokenizer when each request is parsed."""
-    from qvl.batch.inputs import UsageError
-    from qvl.grammar import Constraint
-
-    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--grammar", args.grammar),
-                                               ("--regex", args.regex)) if value is not None]
-    if not given:
-        return None
-    flag, value = given[0]  # argparse lets one through at most
-    if args.ignore_eos:
-        raise UsageError(f"--ignore-eos cannot be combined with {flag}: the constraint decides where the answer ends")
-    if flag == "--regex":
-        constraint = Constraint("regex", value)
-    else:
-        try:
-            with open(value, encoding="utf-8-sig") as f:  # a byte-order mark is no reason to refuse a file
-                source = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{flag} {value}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
-        constraint = Constraint("lark", source) if flag == "--grammar" else json_schema_constraint(value, source)
-    check_constraint(constraint, f"{flag} {value}")
-    return constraint
-
-
-def json_schema_constraint(path: str, source: str):
-    from qvl.batch.inputs import UsageError
-    from qvl.grammar import Constraint
-
-    try:
-        schema = json.loads(source)
-    except json.JSONDecodeError as exc:
-        where = f"line {exc.lineno} column {exc.colno}"
-        raise UsageError(f"--json-schema {path}: not JSON ({exc.msg} at {where})") from None
-    if not isinstance(schema, dict):
-        raise UsageError(f"--json-schema {path}: a JSON schema must be a JSON object ({{...}})")
-    return Constraint.json(schema)
-
-
-def check_constraint(constraint, what: str) -> None:
-    """UsageError naming `what` if llguidance cannot compile the constraint (before the model loads)."""
-    from qvl.batch.inputs import UsageError
-
-    if problem := constraint.problem():
-        raise UsageError(f"{what}: cannot enforce this {constraint.name}: {problem}")
-
-
-def sampling_params(engine, args: argparse.Namespace, constraint=None):
-    from qvl.tasks import get_task
-
-    greedy = args.task is not None and get_task(args.task).greedy
-    temperature = args.temperature if args.temperature is not None else (0.0 if greedy else None)
-    return engine.sampling_defaults(
-        max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-        stop=tuple(args.stop) if args.stop else None, constraint=constraint,
-    )
-
-
 def user_message(text: str, images: list, videos: list = ()) -> dict:
     return {"role": "user", "content": [{"type": "image", "image": im} for im in images]
             + [{"type": "video", "video": clip} for clip in videos] + [{"type": "text", "text": text}]}
-
-
-def prompt_text(args: argparse.Namespace) -> str:
-    from qvl.tasks import get_task
-
-    prompt = args.prompt
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    task = get_task(args.task) if args.task else None
-    if task is not None and task.subject is not None:
-        return task.prompt_for(prompt)  # the PROMPT names what to find
-    if not prompt:
-        if task is None:
-            raise ValueError("give a PROMPT (or - to read it from stdin), or a --task")
-        prompt = task.prompt
-    return prompt
 
 
 def check_files(paths: list[str], kind: str = "image") -> None:
@@ -241,19 +55,19 @@ def question_images(images: list[str], grounding: bool) -> list[list[str]]:
 def cmd_ask(args: argparse.Namespace) -> int:
     from qvl.engine import Engine, Request
     from qvl.stream import Delta, Done
-    from qvl.tasks import get_task
 
     check_files(args.image)
     check_files(args.video, "video")
     if args.draw and not args.image:
         raise ValueError("--draw needs an image (-i) to draw on")
-    text = prompt_text(args)
-    constraint = answer_constraint(args)
-    grounding = bool(args.draw) or (args.task is not None and get_task(args.task).grounding)
+    text = prompt_text(args.prompt, args.task)
+    sampling = SamplingOptions.from_args(args)
+    constraint = sampling.constraint
+    grounding = bool(args.draw) or sampling.grounding
     engine = Engine.load(engine_options(args))
     questions = question_images(args.image, grounding)
     for k, images in enumerate(questions):
-        parsed = engine.parse(Request([user_message(text, images, args.video)], sampling_params(engine, args, constraint)))
+        parsed = engine.parse(Request([user_message(text, images, args.video)], sampling.params(engine)))
         for event in engine.stream(parsed):
             if isinstance(event, Delta) and not args.json:
                 show_reasoning(event.reasoning, args.hide_reasoning)
@@ -312,9 +126,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     check_files(args.image)
     check_files(args.video, "video")
-    constraint = answer_constraint(args)
+    sampling = SamplingOptions.from_args(args)
     engine = Engine.load(engine_options(args))
-    params = sampling_params(engine, args, constraint)
+    params = sampling.params(engine)
     history: list[dict] = []
     pending, clips = list(args.image), list(args.video)
     print("qvl chat: type a message; /image PATH attaches a picture (or a PDF: doc.pdf#pages=2), /video PATH a "
@@ -635,8 +449,6 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             print(f"qvl {args.command}: error: --cpus {args.cpus}: {exc}", file=sys.stderr)
             return 2
-    from qvl.batch.inputs import UsageError
-
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

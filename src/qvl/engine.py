@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 
 from qvl.cache import AnswerCache, ImageFeatures, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
+from qvl.deadline import Deadline
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
 from qvl.grammar import Grammars
 from qvl.hub import resolve_model
@@ -210,10 +211,13 @@ class Engine:
                               reasoning_budget=self.options.reasoning_budget)
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
-    def parse(self, request: Request) -> ParsedRequest:
+    def parse(self, request: Request, deadline: Deadline | None = None) -> ParsedRequest:
         """Decode images and videos, tokenize, check the budget: cheap next to generation, and
-        raises RequestError / ImageError for anything unusable (a server answers 400 before queueing)."""
-        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits, self.clips)
+        raises RequestError / ImageError for anything unusable (a server answers 400 before
+        queueing). `deadline` bounds the decoding and tokenizing (its time limit is a
+        RequestError naming the part that took too long; cancelling it raises Cancelled)."""
+        parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits, self.clips,
+                               deadline)
         self.scheduler.check_admissible(parsed)
         if parsed.sampling.constraint is not None:
             self.grammars.compile(parsed.sampling.constraint)  # a grammar it cannot enforce: RequestError
@@ -221,13 +225,13 @@ class Engine:
 
     # -- vision and prompt layout ---------------------------------------------------------
 
-    def _features(self, units: list[ProcessedImage], timings: Timings,
+    def _features(self, units: list[ProcessedImage], salt: str, timings: Timings,
                   use_cache: bool = True) -> Generator[None, None, list[ImageFeatures]]:
-        """The units' features (images, video frame pairs), through the vision cache; those it
-        misses are encoded together, up to VISION_GROUP_PATCHES patches per pass (a clip's
-        small frame pairs fill the matrix products as one image would). Yields between
-        vision blocks."""
-        found = {u.content_hash: f for u in units if use_cache and (f := self.vision_cache.get(u.content_hash))}
+        """The units' features (images, video frame pairs), through the vision cache (within
+        the cache salt's namespace); those it misses are encoded together, up to
+        VISION_GROUP_PATCHES patches per pass (a clip's small frame pairs fill the matrix
+        products as one image would). Yields between vision blocks."""
+        found = {u.content_hash: f for u in units if use_cache and (f := self.vision_cache.find(salt, u.content_hash))}
         missing = list({u.content_hash: u for u in units if u.content_hash not in found}.values())
         groups: list[list[ProcessedImage]] = []
         filled = 0  # patches in the last group
@@ -248,7 +252,7 @@ class Engine:
                 found[unit.content_hash] = features = ImageFeatures(  # copies: the cache counts what it holds
                     unit_embeds.clone(), [d.clone() for d in unit_deepstack])
                 if use_cache:
-                    self.vision_cache.add(unit.content_hash, features)
+                    self.vision_cache.add(salt, unit.content_hash, features)
         return [found[u.content_hash] for u in units]
 
     def spans(self, parsed: ParsedRequest) -> list[tuple[int, int, str]]:
@@ -274,7 +278,7 @@ class Engine:
         embeds = deepstack = None
         if needed:
             timings.cached["vision"] = True  # until an image misses
-            encoding = self._features([im for im, _ in needed], timings, use_cache)
+            encoding = self._features([im for im, _ in needed], parsed.cache_salt, timings, use_cache)
             while True:
                 check(cancel)
                 try:
@@ -330,7 +334,7 @@ class Engine:
     def _answer_key(self, parsed: ParsedRequest) -> str | None:
         if not (self.answer_cache.enabled and parsed.sampling.deterministic) or parsed.sampling.n > 1:
             return None
-        return AnswerCache.key(self.model_id, parsed.ids, parsed.image_hashes, parsed.sampling)
+        return AnswerCache.key(self.model_id, parsed.ids, parsed.image_hashes, parsed.sampling, parsed.cache_salt)
 
     def cached_answer(self, request: Request | ParsedRequest) -> Done | None:
         """The stored answer of an exact repeat of a deterministic request, if any."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qvl.deadline import Cancelled
 from qvl.kernels.products import prompt_products
 from qvl.kv_cache import KVCache, contiguous_cache
 from qvl.model.qwen3_vl import Qwen3VL
@@ -16,10 +17,6 @@ from qvl.model.qwen3_vl import Qwen3VL
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention matrix of long prompts
 
 CancelCheck = Callable[[], bool]  # True = stop now (client gone, time limit)
-
-
-class Cancelled(Exception):
-    """Raised between steps when the request's cancel check says so."""
 
 
 def check(cancel: CancelCheck | None) -> None:

@@ -127,7 +127,8 @@ class Grammars:
 
     def compile(self, constraint: Constraint, param: str = "response_format"):
         """The compiled matcher (a pristine one, never advanced); raises RequestError naming
-        `param` for a grammar llguidance cannot enforce."""
+        `param` for a grammar llguidance cannot enforce, its runtime limits included (checked
+        on the answer's first token, see `Guide.first_step_error`)."""
         with self._lock:
             matcher = self._compiled.get(constraint)
             if matcher is not None:
@@ -142,8 +143,9 @@ class Grammars:
             raise RequestError(f"invalid {constraint.kind.replace('_', ' ')}: {exc}", param,
                                "invalid_grammar") from None
         matcher = llguidance.LLMatcher(index, grammar, log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"cannot enforce this {constraint.kind.replace('_', ' ')}: {matcher.get_error()}",
+        error = matcher.get_error() or Guide(matcher.deep_copy(), self.vocab_size).first_step_error()
+        if error:
+            raise RequestError(f"cannot enforce this {constraint.kind.replace('_', ' ')}: {error}",
                                param, "invalid_grammar")
         with self._lock:
             self._compiled[constraint] = matcher
@@ -167,14 +169,28 @@ class Guide:
         self.matcher, self.vocab_size = matcher, vocab_size
         self.bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)  # bit i of the row: token i allowed
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [1, V] float32 with every token the constraint forbids at -inf (in place).
-        The bits are unpacked with numpy (~0.1 ms): llguidance.torch's own kernel is a
-        torch.compile function whose first call takes seconds and a C++ compiler."""
+    def allowed(self) -> np.ndarray:
+        """[V] uint8: 1 where the constraint allows the token next. The bits are unpacked with
+        numpy (~0.1 ms): llguidance.torch's own kernel is a torch.compile function whose
+        first call takes seconds and a C++ compiler."""
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
-        allowed = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
-        logits.masked_fill_(torch.from_numpy(allowed == 0)[None], float("-inf"))
+        return np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] float32 with every token the constraint forbids at -inf (in place)."""
+        logits.masked_fill_(torch.from_numpy(self.allowed() == 0)[None], float("-inf"))
         return logits
+
+    def first_step_error(self) -> str | None:
+        """llguidance's error on the answer's first step (the mask, then the lowest token it
+        allows: when the grammar forces a start, that start), or None; advances this guide.
+        A grammar can compile and still need more lexer states or parser items than
+        llguidance allows as soon as decoding starts (`a{1000000}`, a 20,000-way choice, a
+        required `$ref` cycle): such a one is refused with a request, not met mid-answer."""
+        allowed = np.flatnonzero(self.allowed())
+        if len(allowed):
+            self.matcher.consume_token(int(allowed[0]))
+        return self.matcher.get_error().split("\n<", 1)[0].strip() or None  # without its state dump
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):

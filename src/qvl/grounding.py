@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
+from json.decoder import scanstring
 
 SCALE = 1000  # Qwen3-VL's relative coordinates run 0..1000 on both axes
 
@@ -44,7 +46,7 @@ def parse(text: str) -> tuple[list[Box], list[Point]]:
     boxes, points = [], []
     for obj in _objects(text):
         label = obj.get("label")
-        label = label if isinstance(label, str) else "" if label is None else json.dumps(label, ensure_ascii=False)
+        label = label if isinstance(label, str) else "" if label is None else _written(label)
         box, point = obj.get("bbox_2d"), obj.get("point_2d")
         if _numbers(box, 4):
             x1, y1, x2, y2 = (float(v) for v in box)
@@ -54,6 +56,14 @@ def parse(text: str) -> tuple[list[Box], list[Point]]:
     return boxes, points
 
 
+def _written(value) -> str:
+    """A label that is no string, as JSON text ("" if it nests too deeply to be written)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        return ""
+
+
 def _numbers(value, n: int) -> bool:
     return (isinstance(value, list) and len(value) == n
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
@@ -61,21 +71,91 @@ def _numbers(value, n: int) -> bool:
 
 def _objects(text: str):
     """The JSON objects of `text` that hold a box or a point: each `{` is tried as the start of
-    an object; one with a box or a point is taken whole, any other is searched inside."""
-    decoder = json.JSONDecoder()
-    i = 0
-    while (i := text.find("{", i)) != -1:
-        try:
-            obj, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+    an object; one with a box or a point is taken whole, any other is searched inside. Linear
+    in the text: a reading records every object it opens (whole, or broken where the JSON
+    breaks), so only a `{` no reading has opened is read, one an earlier reading saw inside a
+    string; that reading sees the quotes the other way round, so no character is read more than
+    twice."""
+    read: dict[int, tuple[dict, int] | None] = {}
+    i = text.find("{")
+    while i != -1:
+        if i not in read:
+            _read(text, i, read)
+        found = read[i]
+        if found is not None and ("bbox_2d" in found[0] or "point_2d" in found[0]):
+            yield found[0]
+            i = found[1]
+        else:
             i += 1
-            continue
-        if isinstance(obj, dict):
-            if "bbox_2d" in obj or "point_2d" in obj:
-                yield obj
-                i = end
-                continue
-        i += 1
+        i = text.find("{", i)
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+_NUMBER = re.compile(r"(-?(?:0|[1-9]\d*))(\.\d+)?([eE][-+]?\d+)?")  # as Python's json reads one
+_WORDS = {"null": None, "true": True, "false": False, "NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _read(text: str, start: int, read: dict) -> None:
+    """JSON from the `{` at `start`, as Python's json reads it but with a stack of its own
+    (so any depth): into `read`, by position, every object opened, as (object, end) once it
+    closes, None if the JSON breaks while it is open."""
+    stack: list[tuple[int, dict | list, str | None]] = []  # open objects and arrays: (start, it, its key)
+    key, i, expect = None, start, "value"  # expect "key?" / "value?": just opened, its closing bracket may come
+    try:
+        while True:
+            i = _SPACE.match(text, i).end() if stack else i
+            char = text[i: i + 1]
+            container = stack[-1][1] if stack else None
+            if expect in ("key", "key?") and char == '"':
+                key, i = scanstring(text, i + 1)
+                expect = "colon"
+            elif expect == "colon" and char == ":":
+                i, expect = i + 1, "value"
+            elif expect == "next" and char == ",":
+                i, expect = i + 1, "key" if isinstance(container, dict) else "value"
+            elif expect in ("next", "key?", "value?") and char == ("}" if isinstance(container, dict) else "]"):
+                at, done, key = stack.pop()
+                i, expect = i + 1, "next"
+                if isinstance(done, dict):
+                    read[at] = (done, i)
+                if not stack:
+                    return
+                _put(stack[-1][1], key, done)
+            elif expect in ("value", "value?") and char in ("{", "["):
+                stack.append((i, {} if char == "{" else [], key))
+                i, expect = i + 1, "key?" if char == "{" else "value?"
+            elif expect in ("value", "value?"):
+                value, i = _scalar(text, i)
+                _put(container, key, value)
+                expect = "next"
+            else:
+                raise ValueError(f"unexpected {char!r} at {i}")
+    except ValueError:  # broken JSON (a bad character, a cut, a number Python will not read)
+        for at, container, _ in stack:
+            if isinstance(container, dict):
+                read[at] = None
+
+
+def _put(container: dict | list, key: str | None, value) -> None:
+    """Adds `value` to the open container (under `key` in an object)."""
+    if isinstance(container, dict):
+        container[key] = value
+    else:
+        container.append(value)
+
+
+def _scalar(text: str, i: int):
+    """(value, end) of the string, word or number at `i`; ValueError if none is there."""
+    if text.startswith('"', i):
+        return scanstring(text, i + 1)
+    for word, value in _WORDS.items():
+        if text.startswith(word, i):
+            return value, i + len(word)
+    number = _NUMBER.match(text, i)
+    if number is None:
+        raise ValueError(f"no JSON value at {i}")
+    whole, fraction, exponent = number.groups()  # int() of more than 4300 digits: ValueError
+    return float(number.group()) if fraction or exponent else int(whole), number.end()
 
 
 def to_pixels(boxes: list[Box], points: list[Point], width: int, height: int) -> tuple[list[Box], list[Point]]:

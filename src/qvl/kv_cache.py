@@ -5,8 +5,9 @@ table[j // BLOCK] at slot j % BLOCK. Blocks are reference-counted, so sequences 
 the n answers of one request share their prompt's blocks (a shared block is copied before one
 of them writes into it), and requests that begin alike (the same tokens and the same images)
 share the full blocks of that beginning. A full block is known by a hash of every token and
-image up to its end; once no sequence holds it, it stays as the prefix cache (least recently
-used first out, within its own byte cap) until the pool needs its memory.
+image up to its end, seeded by the request's cache salt (requests of other salts share
+nothing); once no sequence holds it, it stays as the prefix cache (least recently used first
+out, within its own byte cap) until the pool needs its memory.
 """
 
 from __future__ import annotations
@@ -168,13 +169,14 @@ def blocks_for(positions: int) -> int:
 
 
 def block_hashes(ids: torch.Tensor, spans: list[tuple[int, int, str]], count: int,
-                 known: list[bytes] = ()) -> list[bytes]:
+                 known: list[bytes] = (), salt: str = "") -> list[bytes]:
     """The prefix hash of each of the first `count` full blocks of a sequence: its tokens ids
     [T] and every image (or video frame group) among them, (start, end, content hash), from
     the first token to the block's end. `known`: the hashes of its first blocks, already
-    computed (the chain goes on from them)."""
+    computed (the chain goes on from them). `salt` (the request's cache salt) seeds the
+    chain, so only requests of the same salt find each other's blocks."""
     out = list(known[:count])
-    digest = out[-1] if out else b""
+    digest = out[-1] if out else salt_seed(salt)
     ids = ids.to(torch.int64)
     for i in range(len(out), count):
         start, end = i * BLOCK, (i + 1) * BLOCK
@@ -186,6 +188,11 @@ def block_hashes(ids: torch.Tensor, spans: list[tuple[int, int, str]], count: in
         digest = h.digest()
         out.append(digest)
     return out
+
+
+def salt_seed(salt: str) -> bytes:
+    """What a salted chain starts from: a digest of the salt (b"" for none, as before salts)."""
+    return hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
 
 
 @dataclass

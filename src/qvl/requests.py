@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from qvl.cache import LRU
+from qvl.deadline import Deadline, DeadlineExceeded
 from qvl.processing.image import (
     ImageError,
     ImageProcessorConfig,
@@ -18,7 +19,7 @@ from qvl.processing.image import (
     preprocess,
 )
 from qvl.processing.pdf import is_pdf, render_pages, split_pages
-from qvl.processing.prompt import tokenize_chat
+from qvl.processing.prompt import PromptTooLong, tokenize_chat
 from qvl.processing.video import (
     MAX_VIDEOS,
     VIDEO_FRAMES_CAP,
@@ -55,6 +56,8 @@ class Request:
     max_image_tokens: int | None = None
     tools: list[dict] | None = None
     video: dict | None = None  # {"fps", "max_frames", "max_tokens"}: any of them, over the engine's
+    cache_salt: str = ""  # cached work (answers, prompt prefixes, image features, clips) is shared only
+    # between requests of the same salt
 
 
 @dataclass
@@ -66,6 +69,7 @@ class ParsedRequest:
     sampling: SamplingParams
     answer_checked: bool = False  # the answer cache was already asked (and missed)
     reasoning: bool = False  # the prompt opened `<think>`: the answer starts with reasoning
+    cache_salt: str = ""  # the request's cache namespace (Request.cache_salt)
 
     @property
     def vision_tokens(self) -> int:
@@ -112,7 +116,7 @@ class ClipCache(LRU):
         super().__init__(max_bytes=int(max_mb * 2**20))
 
     @staticmethod
-    def key(source, settings: VideoSettings, cfg: ImageProcessorConfig) -> str | None:
+    def key(source, settings: VideoSettings, cfg: ImageProcessorConfig, salt: str) -> str | None:
         if isinstance(source, (bytes, bytearray, memoryview)):
             digest = hashlib.sha256(source)
         elif isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
@@ -120,15 +124,15 @@ class ClipCache(LRU):
                 digest = hashlib.file_digest(f, "sha256")
         else:
             return None
-        digest.update(repr((settings, cfg)).encode())
+        digest.update(repr((settings, cfg, salt)).encode())
         return digest.hexdigest()
 
     def load(self, source, cfg: ImageProcessorConfig, settings: VideoSettings,
-             max_seconds: float | None) -> ProcessedVideo:
-        key = self.key(source, settings, cfg) if self.enabled else None
+             max_seconds: float | None, deadline: Deadline, salt: str) -> ProcessedVideo:
+        key = self.key(source, settings, cfg, salt) if self.enabled else None
         clip = self.get(key) if key else None
         if clip is None:  # (an engine's length cap is fixed: a kept clip passed it)
-            clip = load_video(source, cfg, settings, max_seconds=max_seconds)
+            clip = load_video(source, cfg, settings, max_seconds=max_seconds, deadline=deadline)
             if key:
                 self.put(key, clip, sum(p.pixels.nbytes for p in clip.pairs))
         return clip
@@ -172,9 +176,11 @@ def pictures_of(part: dict, max_pixels: int, room: int) -> list:
     return render_pages(source, pages, max_pixels=max_pixels, max_pages=max(room, 0))
 
 
-def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Limits, clips: ClipCache | None):
+def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Limits, clips: ClipCache | None,
+                  deadline: Deadline):
     """Template-ready messages (image and video parts reduced to {"type": ...}), the vision
-    units in prompt order (images, and each video's frame pairs) and each video's layout."""
+    units in prompt order (images, and each video's frame pairs) and each video's layout.
+    `deadline` is checked after each part (and between a video's packets)."""
     tokens = request.max_image_tokens or limits.max_image_tokens
     if tokens < 1:
         raise RequestError("max_image_tokens must be >= 1", "max_image_tokens")
@@ -202,15 +208,20 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
                                                "pages count as images)", "messages")
                         units.extend(preprocess(p, image_cfg, max_pixels=max_pixels) for p in pictures)
                         parts.extend({"type": kind} for _ in pictures)
+                        deadline.check("decoding the image")
                         continue
                     if len(layouts) >= limits.max_videos:
                         raise RequestError(f"too many videos: at most {limits.max_videos} per request", "messages")
-                    clip = (clips or ClipCache(0)).load(part["video"], image_cfg, settings, limits.max_video_seconds)
+                    clip = (clips or ClipCache(0)).load(part["video"], image_cfg, settings, limits.max_video_seconds,
+                                                        deadline, request.cache_salt)
                     units.extend(clip.pairs)
                     layouts.append(clip.layout())
+                    deadline.check("decoding the video")
                 except ImageError as exc:  # named by its place, as a client wrote it
                     code = "invalid_video" if isinstance(exc, VideoError) else "invalid_image"
                     raise RequestError(str(exc), f"messages[{i}].content[{j}]", code) from exc
+                except DeadlineExceeded as exc:
+                    raise RequestError(str(exc), f"messages[{i}].content[{j}]", "timeout") from None
                 parts.append({"type": kind})
             content = parts
         messages.append({**message, "content": content})
@@ -218,19 +229,37 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
 
 
 def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
-                  limits: Limits, clips: ClipCache | None = None) -> ParsedRequest:
+                  limits: Limits, clips: ClipCache | None = None, deadline: Deadline | None = None) -> ParsedRequest:
     """Decode images and videos (through `clips`), render and tokenize the conversation,
     check the context budget. Raises RequestError for anything unusable (an image or video
-    that cannot be decoded names its part)."""
+    that cannot be decoded names its part; so does one that takes past `deadline`), and
+    `deadline`'s Cancelled once it is cancelled. A prompt whose text alone is over the
+    context is refused before it is tokenized."""
     if not request.messages:
         raise RequestError("messages must not be empty", "messages")
     outside = [i for i, _ in request.sampling.logit_bias if not 0 <= i < tokenizer.vocab_size]
     if outside:
         raise RequestError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{tokenizer.vocab_size - 1})",
                            "logit_bias")
-    messages, images, layouts = _decode_media(request, image_cfg, limits, clips)
-    tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images if not im.video],
-                           tools=request.tools, video_layouts=layouts)
+    room = limits.max_context - request.sampling.max_new_tokens  # tokens the prompt may have
+    if room < 1:
+        raise RequestError(f"max_tokens asks for up to {request.sampling.max_new_tokens} tokens, but the context "
+                           f"holds {limits.max_context} with the prompt; lower max_tokens", "messages",
+                           "context_length_exceeded")
+    deadline = deadline or Deadline()
+    messages, images, layouts = _decode_media(request, image_cfg, limits, clips, deadline)
+    try:
+        tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images if not im.video],
+                               tools=request.tools, video_layouts=layouts, max_tokens=room)
+    except PromptTooLong as exc:
+        field = longest_text(messages, request.tools)
+        raise RequestError(f"{exc}; the context of {limits.max_context} tokens leaves {room:,} for the "
+                           f"prompt beside max_tokens {request.sampling.max_new_tokens}: shorten {field}", field,
+                           "context_length_exceeded") from None
+    try:
+        deadline.check("tokenizing the prompt")
+    except DeadlineExceeded as exc:
+        raise RequestError(str(exc), "messages", "timeout") from None
     ids = torch.tensor(tokens.ids, dtype=torch.long)
     wanted = len(ids) + request.sampling.max_new_tokens
     if wanted > limits.max_context:
@@ -238,7 +267,25 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
             f"the prompt has {len(ids)} tokens and asks for up to {request.sampling.max_new_tokens} more, "
             f"but the context holds {limits.max_context}; shorten the conversation, lower max_tokens or the "
             f"image budget", "messages", "context_length_exceeded")
-    return ParsedRequest(ids, images, request.sampling, reasoning=opens_reasoning(tokens.ids, tokenizer))
+    return ParsedRequest(ids, images, request.sampling, reasoning=opens_reasoning(tokens.ids, tokenizer),
+                         cache_salt=request.cache_salt)
+
+
+def longest_text(messages: list[dict], tools: list[dict] | None) -> str:
+    """The field holding the most text: "messages[i]" or "tools"."""
+    fields = {f"messages[{i}]": message for i, message in enumerate(messages)} | {"tools": tools}
+    return max(fields, key=lambda name: _characters(fields[name]))
+
+
+def _characters(value) -> int:
+    """Characters of the strings in `value`, through dicts and lists."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(map(_characters, value.values()))
+    if isinstance(value, (list, tuple)):
+        return sum(map(_characters, value))
+    return 0
 
 
 def opens_reasoning(ids: list[int], tokenizer: Tokenizer) -> bool:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (dividing by ~0 overflows)
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (negative: mod 2**64)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS is not sampled before this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best alternatives
-    n: int = 1  # answers to the same prompt, forked after one prefill; sampled ones seeded seed, seed+1, ...
+    n: int = 1  # answers to the same prompt, forked after one prefill; sampled ones use `generator(index)`
     constraint: Constraint | None = None  # what the answer must match (a JSON schema, regex, grammar)
     reasoning_budget: int | None = None  # a Thinking model's reasoning tokens before `</think>` is forced
 
@@ -53,6 +54,7 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.n >= 1, "n must be >= 1"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"seed must be in [{SEED_MIN}, {SEED_MAX}]"),
             (self.reasoning_budget is None or self.reasoning_budget >= 0, "reasoning_budget must be >= 0"),
             (self.constraint is None or not self.ignore_eos, "ignore_eos cannot be combined with a grammar: "
              "the grammar decides where the answer ends"),
@@ -69,6 +71,13 @@ class SamplingParams:
     def deterministic(self) -> bool:
         """Same inputs give the same output (greedy, or sampled with a fixed seed)."""
         return self.greedy or self.seed is not None
+
+    def generator(self, index: int) -> torch.Generator | None:
+        """The random numbers of answer `index` of n: seeded (seed + index) mod 2**64 (a seed
+        near the top of the range wraps to 0, 1, ... rather than overflowing); None unseeded."""
+        if self.seed is None:
+            return None
+        return torch.Generator().manual_seed((self.seed + index) % 2**64)
 
 
 def apply_penalties(

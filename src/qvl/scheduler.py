@@ -257,7 +257,8 @@ class Scheduler:
             return []
         if seq.digests is None:
             seq.spans = self.engine.spans(seq.parsed)
-            seq.digests = block_hashes(seq.parsed.ids, seq.spans, (len(seq.parsed.ids) - 1) // BLOCK)
+            seq.digests = block_hashes(seq.parsed.ids, seq.spans, (len(seq.parsed.ids) - 1) // BLOCK,
+                                       salt=seq.parsed.cache_salt)
         shared = self.pool.lookup(seq.digests)
         if self.engine.options.deterministic:
             per_chunk = DETERMINISTIC_CHUNK // BLOCK
@@ -298,8 +299,7 @@ class Scheduler:
                 seq.seen[ids[ids < vocab]] = True
             if params.presence_penalty or params.frequency_penalty:
                 seq.counts = torch.zeros(vocab)
-            if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + seq.index)
+            seq.generator = params.generator(seq.index)
             if params.constraint is not None:
                 seq.guide = engine.grammars.guide(params.constraint)
             seq.text = self._text_stream(seq, seq.timings, seq.index)
@@ -413,7 +413,7 @@ class Scheduler:
     def _fork(self, seq: Sequence) -> None:
         """The request's other n-1 answers, once its prompt is prefilled: rows sharing its
         blocks (a shared block is copied before one writes into it), each with its own text
-        and generator (seeded seed + index)."""
+        and generator (`params.generator(index)`)."""
         if seq.rows == 1:
             return
         for index in range(1, seq.rows):
@@ -425,7 +425,7 @@ class Scheduler:
                                filled=seq.filled, position=seq.position, logits=seq.logits, index=index,
                                parent=seq, seen=None if seq.seen is None else seq.seen.clone(),
                                counts=None if seq.counts is None else seq.counts.clone(),
-                               generator=None if params.seed is None else torch.Generator().manual_seed(params.seed + index),
+                               generator=params.generator(index),
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = self._text_stream(seq, timings, index)
             self.pool.share(seq.blocks)  # once the sibling exists: nothing can fail between
@@ -595,7 +595,8 @@ class Scheduler:
             # decode steps compute keys and values in other roundings than a prefill: only
             # without --deterministic may a later prompt reuse them
             ids = torch.cat([seq.parsed.ids, torch.tensor(seq.fed_ids, dtype=torch.long)])
-            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or []))
+            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or [],
+                                             seq.parsed.cache_salt))
         else:
             self._register(seq, seq.digests or [])
         self._release(seq)

@@ -4,7 +4,9 @@ Every front door consumes these events."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 
 from qvl.processing.tokenizer import StreamDecoder, Tokenizer
 
@@ -84,36 +86,63 @@ class Done:
 
 
 class StopStrings:
-    """Finds the first stop string; holds back only a tail that could still grow into one."""
+    """Finds the first stop string as the text streams in (the first to end; of two ending on
+    the same character, the longer); holds back only a tail that could still grow into one.
+    Each stop string follows the text with a KMP automaton, so each character is read once
+    per stop string (and held back and let go once), however long the strings are and
+    however the text arrives."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
-        self.pending = ""
-
-    def _partial_tail(self) -> int:
-        """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+        self.fallbacks = [_fallback(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)  # per stop string: its longest prefix that ends the text so far
+        self.pending: deque[str] = deque()  # held back, a character each: the last max(matched) characters
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        cut = len(self.pending) - self._partial_tail()
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
+        if not self.stops:
+            return text, False
+        for at, char in enumerate(text):
+            if ended := self._step(char):
+                self.pending.extend(text[: at + 1])
+                out = "".join(islice(self.pending, len(self.pending) - ended))
+                self.pending.clear()
+                return out, True
+        self.pending.extend(text)
+        let_go = len(self.pending) - max(self.matched)
+        return "".join([self.pending.popleft() for _ in range(let_go)]), False
+
+    def _step(self, char: str) -> int:
+        """Every stop string reads the next character: the length of the longest one it
+        completes, or 0."""
+        ended = 0
+        for k, stop in enumerate(self.stops):
+            fallback, m = self.fallbacks[k], self.matched[k]
+            while m and stop[m] != char:
+                m = fallback[m - 1]
+            if stop[m] == char:
+                m += 1
+                if m == len(stop):
+                    ended, m = max(ended, m), fallback[m - 1]
+            self.matched[k] = m
+        return ended
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out = "".join(self.pending)
+        self.pending.clear()
         return out
+
+
+def _fallback(stop: str) -> list[int]:
+    """KMP's table: for each prefix stop[:i + 1], the length of its longest proper prefix that
+    is also its suffix."""
+    table, m = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while m and stop[i] != stop[m]:
+            m = table[m - 1]
+        m += stop[i] == stop[m]
+        table[i] = m
+    return table
 
 
 class Reasoning:

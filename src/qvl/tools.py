@@ -101,13 +101,22 @@ def answer_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool, ans
 
 
 # -- parsing ---------------------------------------------------------------------------------
+# Model output is read in one pass, each character looked at a bounded number of times however
+# the text arrives (whole or a character at a time): no pattern that backtracks over the
+# answer, no rescanning of what came before.
+
+HEAD_MAX = 256  # characters: a block's head ({"name": "...", "arguments": ) must end within them
+MAX_DEPTH = 100  # nesting of a call's arguments read as an object (Python's json recurses per level)
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+_STRUCTURE = re.compile(r'["{}\[\]]')  # outside a string: what changes the nesting
+_STRING_STOP = re.compile(r'["\\]')  # inside a string: its end, or an escape
 
 
 @dataclass
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text of the arguments object, as the model wrote it
+    arguments: str  # JSON text of the arguments object, as the model wrote it (cut short if the answer was)
 
 
 @dataclass
@@ -135,132 +144,185 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+def _partial_suffix(text: str, marker: str, start: int) -> int:
+    """Length of the longest tail of `text[start:]` that is a proper prefix of `marker`."""
+    for k in range(min(len(marker) - 1, len(text) - start), 0, -1):
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+class _JsonExtent:
+    """Follows a JSON object's text piece by piece, strings and brackets only (not its full
+    syntax), to find where it closes and how deeply it nests; each character is read once."""
+
+    def __init__(self):
+        self.depth = self.deepest = 0
+        self.in_string = self.escaped = self.closed = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of `text` belong to the object (all, while it stays open)."""
+        i = 0
+        while i < len(text) and not self.closed:
+            if self.escaped:
+                self.escaped, i = False, i + 1
+                continue
+            found = (_STRING_STOP if self.in_string else _STRUCTURE).search(text, i)
+            if found is None:
+                return len(text)
+            i, char = found.end(), found.group()
+            if char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = not self.in_string
+            elif char in "{[":
+                self.depth += 1
+                self.deepest = max(self.deepest, self.depth)
+            else:
+                self.depth -= 1
+                self.closed = self.depth == 0
+        return i
+
+
+@dataclass
+class _Block:
+    """One `<tool_call>` block as its text arrives: its head read from its first HEAD_MAX
+    characters, then its arguments object followed to its end."""
+
+    text: list[str] = field(default_factory=list)  # all of it, in pieces
+    head: str | None = ""  # its start while the head is awaited; None once it cannot come
+    name: str | None = None  # read from the head
+    start: CallStart | None = None  # sent when the head was read (streaming calls)
+    extent: _JsonExtent = field(default_factory=_JsonExtent)
+    arguments: list[str] = field(default_factory=list)
+    rest: list[str] = field(default_factory=list)  # what follows the arguments object
+
+    def read_head(self, piece: str) -> str | None:
+        """With the next piece: the arguments' text in it once the head is read, else None."""
+        text = self.head + piece
+        head = _CALL_HEAD.match(text, 0, HEAD_MAX)
+        if head is None:
+            self.head = text if len(text) < HEAD_MAX else None  # None: past HEAD_MAX, it cannot come
+            return None
+        try:
+            name = json.loads(f'"{head.group(1)}"')
+        except ValueError:
+            self.head = None
+            return None
+        self.name, self.head = name, ""
+        return text[head.end():]
+
+    def grow(self, piece: str) -> str:
+        """The arguments' text in `piece` (the rest goes after them)."""
+        n = self.extent.feed(piece) if not self.extent.closed else 0
+        if n < len(piece):
+            self.rest.append(piece[n:])
+        if n:
+            self.arguments.append(piece[:n])
+        return piece[:n]
+
+    def arguments_object(self) -> dict | None:
+        """The arguments as an object: whole, strict JSON, nested at most MAX_DEPTH deep, and
+        followed only by the block's closing brace; else None."""
+        if not self.extent.closed or self.extent.deepest > MAX_DEPTH or "".join(self.rest).strip() not in ("}", ""):
+            return None
+        try:
+            arguments = json.loads("".join(self.arguments), parse_constant=_not_json)
+        except ValueError:
+            return None
+        return arguments if isinstance(arguments, dict) else None
+
+
+def _not_json(word: str):
+    raise ValueError(f"{word} is not JSON")  # NaN, Infinity: Python reads them, no JSON client does
 
 
 @dataclass
 class ToolCallStream:
     """Answer text in, events out: plain text as TextPiece, each `<tool_call>` block as a
     CallStart (once its name is known) and CallArguments pieces. Text that could still turn
-    into a block's opening is held back until it cannot. A block that is not a valid call
-    (an unconstrained model may write anything) is given back as text if nothing of it was
-    sent as a call yet."""
+    into a block's opening is held back until it cannot. A block whose head
+    (`{"name": "...", "arguments": {`) does not come within its first HEAD_MAX characters is
+    given back as text; after the head, the call stands, its arguments as written (cut short
+    if the answer ends inside them).
 
-    pending: str = ""  # text not yet classified
-    block: str | None = None  # inside a block: its text so far
-    current: CallStart | None = None
-    args_from: int = 0  # where the current call's arguments start in `block`
-    sent: int = 0  # characters of the current call's arguments already sent
+    whole: calls only once their block ends, and only those whose arguments parse as an
+    object (see `_Block.arguments_object`); any other block is given back as text. Each
+    feed costs O(its text) (plus HEAD_MAX while a head is awaited)."""
+
+    whole: bool = False
+    pending: str = ""  # text not yet classified (at most a marker's length)
+    block: _Block | None = None
     after_call: bool = False  # a block just closed: a newline next is the separator between calls
     calls: list[ToolCall] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
-        self.pending += text
-        if self.after_call and self.pending:
-            self.pending, self.after_call = self.pending.removeprefix("\n"), False
-        while self.pending:
+        text, self.pending = self.pending + text, ""
+        if self.after_call and text:
+            text, self.after_call = text.removeprefix("\n"), False
+        i = 0
+        while i < len(text):
+            marker = CALL_OPEN if self.block is None else CALL_CLOSE
+            at = text.find(marker, i)
+            end = len(text) - _partial_suffix(text, marker, i) if at < 0 else at
             if self.block is None:
-                at = self.pending.find(CALL_OPEN)
-                if at < 0:
-                    keep = _partial_suffix(self.pending, CALL_OPEN)
-                    out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-                    if out:
-                        events.append(TextPiece(out))
-                    break
-                if at:
-                    events.append(TextPiece(self.pending[:at]))
-                self.block, self.pending = "", self.pending[at + len(CALL_OPEN):]
+                if end > i:
+                    events.append(TextPiece(text[i:end]))
             else:
-                at = self.pending.find(CALL_CLOSE)
-                if at < 0:
-                    keep = _partial_suffix(self.pending, CALL_CLOSE)
-                    self.block += self.pending[: len(self.pending) - keep]
-                    self.pending = self.pending[len(self.pending) - keep:]
-                    events += self._progress()
-                    break
-                self.block += self.pending[:at]
-                self.pending = self.pending[at + len(CALL_CLOSE):]
-                events += self._close()
-                self.after_call = not self.pending
-                self.pending = self.pending.removeprefix("\n")  # the template's separator between calls
+                events += self._grow(text[i:end])
+            if at < 0:
+                self.pending = text[end:]
+                break
+            i = at + len(marker)
+            if self.block is None:
+                self.block = _Block()
+                continue
+            events += self._close(closed=True)
+            self.after_call = i == len(text)
+            i += text.startswith("\n", i)  # the template's separator between calls
         return events
 
     def finish(self) -> list[Event]:
         """The answer ended: what was held back, and a block left open closed as it stands."""
         events: list[Event] = []
         if self.block is not None:
-            self.block += self.pending
-            self.pending = ""
-            events += self._close()
-        if self.pending:
+            events += self._grow(self.pending) + self._close(closed=False)
+        elif self.pending:
             events.append(TextPiece(self.pending))
-            self.pending = ""
+        self.pending = ""
         return events
 
-    def _progress(self) -> list[Event]:
-        events: list[Event] = []
-        if self.current is None:
-            head = _CALL_HEAD.match(self.block)
-            if head is None:
+    def _grow(self, piece: str) -> list[Event]:
+        """The open block's next piece: its CallStart once the head is read, then pieces of
+        its arguments (streaming calls)."""
+        block, events = self.block, []
+        block.text.append(piece)
+        if block.name is None:
+            if block.head is None or (piece := block.read_head(piece)) is None:
                 return events
-            try:
-                name = json.loads(f'"{head.group(1)}"')
-            except ValueError:
-                return events
-            self.current = CallStart(len(self.calls), new_call_id(), name)
-            self.args_from, self.sent = head.end(), 0
-            events.append(self.current)
-        arguments = self.block[self.args_from:]
-        safe = len(arguments) - len(_ARGS_TAIL.search(arguments).group(0))
-        if safe > self.sent:
-            events.append(CallArguments(self.current.index, arguments[self.sent: safe]))
-            self.sent = safe
+            if not self.whole:
+                block.start = CallStart(len(self.calls), new_call_id(), block.name)
+                events.append(block.start)
+        arguments = block.grow(piece)
+        if block.start is not None and arguments:
+            events.append(CallArguments(block.start.index, arguments))
         return events
 
-    def _close(self) -> list[Event]:
-        """The block ended: the call it holds (its last arguments piece), or its text back."""
-        events = self._progress()
-        block, start, self.block = self.block, self.current, None
-        self.current = None
-        call = _parse_call(block)
-        if call is None or (start is not None and not call[1].startswith(block[self.args_from:][: self.sent])):
-            if start is None:
-                return events + [TextPiece(f"{CALL_OPEN}{block}{CALL_CLOSE}")]
-            call = (start.name, block[self.args_from:][: self.sent])  # sent as a call already: keep it
-        name, arguments = call
-        if start is None:
-            start = CallStart(len(self.calls), new_call_id(), name)
-            events.append(start)
-            self.sent = 0
-        if len(arguments) > self.sent:
-            events.append(CallArguments(start.index, arguments[self.sent:]))
-        self.calls.append(ToolCall(start.id, start.name, arguments))
-        return events
+    def _close(self, closed: bool) -> list[Event]:
+        """The block ended (at `</tool_call>`, or with the answer when not `closed`): the call
+        it holds, or its text back."""
+        block, self.block = self.block, None
+        if block.name is None or (self.whole and block.arguments_object() is None):
+            return [TextPiece(CALL_OPEN + "".join(block.text) + (CALL_CLOSE if closed else ""))]
+        start = block.start or CallStart(len(self.calls), new_call_id(), block.name)
+        self.calls.append(ToolCall(start.id, start.name, "".join(block.arguments)))
+        return []
 
 
-def _parse_call(block: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of a block `{"name": ..., "arguments": {...}}`, or None."""
-    head = _CALL_HEAD.match(block)
-    if head is None:
-        return None
-    try:
-        name = json.loads(f'"{head.group(1)}"')
-        arguments, end = json.JSONDecoder().raw_decode(block, head.end())
-    except ValueError:
-        return None
-    if not isinstance(arguments, dict) or not re.fullmatch(r"\s*\}\s*", block[end:]):
-        return None
-    return name, block[head.end(): end]
-
-
-def parse_answer(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole answer -> (its text outside tool-call blocks, the calls)."""
-    stream = ToolCallStream()
+def parse_answer(text: str, whole: bool = False) -> tuple[str, list[ToolCall]]:
+    """A whole answer -> (its text outside tool-call blocks, the calls); `whole` as in
+    ToolCallStream."""
+    stream = ToolCallStream(whole)
     events = stream.feed(text) + stream.finish()
     return "".join(e.text for e in events if isinstance(e, TextPiece)), stream.calls

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from qvl.batch.inputs import UsageError
+from qvl.options import SamplingOptions, UsageError, add_engine_args, add_sampling_args, engine_options, prompt_text
 
 DEFAULT_BATCH_SIZE = 4  # items decoded together; see docs/batch.md for the measurement
 
@@ -23,8 +23,6 @@ error, 130 interrupted."""
 
 
 def register(sub, commands) -> None:
-    from qvl.cli import add_engine_args, add_sampling_args
-
     p = sub.add_parser("batch", help="run a prompt over many images or videos into a resumable JSONL file",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help='a folder (recursive), a quoted glob such as "scans/**/*.png", '
@@ -62,17 +60,16 @@ def build_job(args: argparse.Namespace):
     from qvl.batch.inputs import read_items
     from qvl.batch.process import WorkSpec
     from qvl.batch.runner import BatchJob, local_rows
-    from qvl.cli import answer_constraint, engine_options, prompt_text
 
     if args.batch_size < 1 or args.ray_actors < 1:
         raise UsageError("--batch-size and --ray-actors must be at least 1")
     items = read_items(args.input)
     check_output(Path(args.out), args.input, items)
-    prompt = prompt_text(args) if args.prompt or args.task else None
+    prompt = prompt_text(args.prompt, args.task) if args.prompt or args.task else None
     missing = [item.id for item in items if item.prompt is None]
     if prompt is None and missing:
         raise UsageError(f"{len(missing)} item(s) have no prompt (first: {missing[0]!r}): give --prompt or --task")
-    constraint = answer_constraint(args)  # files read here, once: Ray actors get the constraint, not the path
+    sampling = SamplingOptions.from_args(args)  # files read here, once: Ray actors get the constraint, not the path
     options = engine_options(args)
     backend = local_rows
     if args.ray:
@@ -83,7 +80,7 @@ def build_job(args: argparse.Namespace):
         import_ray()
         options = replace(options, threads=args.threads or 1)
         backend = functools.partial(ray_rows, address=args.ray_address, actors=args.ray_actors)
-    spec = WorkSpec(options, args, prompt, args.batch_size, constraint)  # workers read the sampling flags
+    spec = WorkSpec(options, sampling, prompt, args.batch_size)
     return BatchJob(items, Path(args.out), spec, args.retry_errors, args.progress_every), backend
 
 

@@ -10,15 +10,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from qvl.options import UsageError
+
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts", ".wmv", ".flv"})
 PDF_EXTENSIONS = frozenset({".pdf"})
 JSONL_EXTENSIONS = frozenset({".jsonl", ".ndjson"})
 MEDIA_EXTENSIONS = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS | PDF_EXTENSIONS
-
-
-class UsageError(ValueError):
-    """The job as given cannot start (bad INPUT, duplicate ids, no prompt): exit status 2."""
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,10 @@ class ResultsFile:
 
     def write(self, row: dict) -> None:
         """Append one row as one whole line, then flush it to disk (fsync: ~4 ms, next to
-        a second or more per item)."""
-        data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        a second or more per item). The line is UTF-8 JSON: a file name's bytes that are not
+        UTF-8 (held as surrogates U+DC80-U+DCFF) go out as JSON escapes (`\\udcff`),
+        which read back to the same id (resume) and path (`os.fsencode` gives the bytes)."""
+        data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8", errors="backslashreplace")
         while data:  # a regular file takes it in one call; loop only for a short write
             data = data[os.write(self.fd, data) :]
         os.fsync(self.fd)

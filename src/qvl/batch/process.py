@@ -5,7 +5,6 @@ Shared by the local and the Ray runner."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -13,8 +12,8 @@ from dataclasses import dataclass
 
 from qvl.batch.inputs import Item
 from qvl.engine import Engine, EngineOptions, Request
-from qvl.grammar import Constraint
 from qvl.grounding import grounding
+from qvl.options import SamplingOptions
 from qvl.sampling import SamplingParams
 from qvl.scheduler import Sequence
 from qvl.stream import Done
@@ -25,10 +24,9 @@ class WorkSpec:
     """What a worker needs to build its engine; picklable, so a Ray actor can build its own."""
 
     options: EngineOptions
-    sampling: argparse.Namespace  # parsed flags; `qvl.cli.sampling_params` reads the sampling ones
+    sampling: SamplingOptions  # its constraint, if any, already read from --json-schema etc.
     prompt: str | None  # for items without their own
     batch_size: int
-    constraint: Constraint | None = None  # what every answer must match (read from --json-schema etc. here)
 
 
 def error_row(item: Item, prompt: str | None, exc: BaseException) -> dict:
@@ -50,13 +48,9 @@ class Worker:
 
     @classmethod
     def from_spec(cls, spec: WorkSpec) -> Worker:
-        from qvl.cli import sampling_params
-        from qvl.tasks import get_task
-
         engine = Engine.load(spec.options)
-        task = getattr(spec.sampling, "task", None)
-        return cls(engine, sampling_params(engine, spec.sampling, spec.constraint), spec.prompt, spec.batch_size,
-                   grounding=task is not None and get_task(task).grounding)
+        return cls(engine, spec.sampling.params(engine), spec.prompt, spec.batch_size,
+                   grounding=spec.sampling.grounding)
 
     def request(self, item: Item) -> Request:
         kind = "video" if item.kind == "video" else "image"  # a PDF's page is an image

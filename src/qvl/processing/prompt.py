@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import secrets
+import unicodedata
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -209,6 +210,15 @@ class PromptTokens:
 VideoLayout = list[tuple[float, int]]
 
 
+class PromptTooLong(ValueError):
+    """The rendered prompt cannot fit in the tokens allowed, whatever its text encodes to."""
+
+    def __init__(self, chars: int, least: int, longest: int):
+        super().__init__(f"the prompt has {chars:,} characters of text: at least {least:,} tokens, as a token holds "
+                         f"at most {longest} characters")
+        self.chars, self.least = chars, least
+
+
 def count_image_parts(messages: list[dict]) -> int:
     """Image parts in the messages, recognised as the Qwen templates recognise them."""
     return sum(1 for part in _parts(messages) if _is_image_part(part))
@@ -244,10 +254,12 @@ def tokenize_chat(
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
     video_layouts: list[VideoLayout] = (),
+    max_tokens: int | None = None,
 ) -> PromptTokens:
     """Render, encode, and expand the k-th image pad token to `image_token_counts[k]` copies
     and the k-th video pad token to `<t seconds><|vision_start|>` + pads + `<|vision_end|>`
-    per frame pair of `video_layouts[k]`.
+    per frame pair of `video_layouts[k]`. A rendered prompt whose characters alone make more
+    than `max_tokens` tokens is refused (PromptTooLong) before anything is encoded.
 
     Same ids as transformers' Qwen3VLProcessor, which expands the pad tokens in the text
     before encoding: the pad is an added token, so expanding ids after encoding is equal.
@@ -269,7 +281,16 @@ def tokenize_chat(
     )
     pad_id = tokenizer.token_id(image_pad_token)
     video_id = tokenizer.token_id(VIDEO_PAD_TOKEN) if video_layouts else None
-    ids = guard.encode(tokenizer, text)
+    pieces = guard.split(text)
+    if max_tokens is not None:
+        longest = tokenizer.longest_token
+        chars = [len(unicodedata.normalize("NFC", p)) for p in pieces if isinstance(p, str)]  # as encoded
+        least = len(pieces) - len(chars) + sum((n + longest - 1) // longest for n in chars)  # a char is >= 1 byte
+        if least > max_tokens:
+            raise PromptTooLong(sum(chars), least, longest)
+    ids: list[int] = []
+    for piece in pieces:
+        ids += [piece] if isinstance(piece, int) else tokenizer.encode(piece, special_tokens=False)
     for token, name, wanted, what in ((pad_id, image_pad_token, len(counts), "image token count(s)"),
                                       (video_id, VIDEO_PAD_TOKEN, len(video_layouts), "video layout(s)")):
         if token is not None and (n_pads := ids.count(token)) != wanted:
@@ -301,11 +322,11 @@ def video_tokens(tokenizer: Tokenizer, layout: VideoLayout, video_id: int) -> li
 class _MessageText:
     """Keeps the text of the messages from producing special tokens.
 
-    Before rendering, every special token written in a message string (and a string's start
-    or end that could join the template's text or the next part into one) is swapped for a
-    placeholder of private-use characters with a per-call nonce. In the rendered prompt, the
-    special tokens left are the template's own; the text between them gets its placeholders
-    back and is encoded with special tokens off. The tokenizer splits at added tokens before
+    Before rendering, every special token written in a message string or dict key (and a
+    string's start or end that could join the template's text or the next part into one) is
+    swapped for a placeholder of private-use characters with a per-call nonce. In the rendered
+    prompt, the special tokens left are the template's own; the text between them gets its
+    placeholders back and is encoded with special tokens off. The tokenizer splits at added tokens before
     anything else, so encoding the pieces one by one gives the ids of the whole string, and
     prompts without such text keep transformers' ids exactly.
     """
@@ -336,29 +357,27 @@ class _MessageText:
         return (self._hide(text[:head]) if head else "") + text[head:end] + (self._hide(text[end:]) if tail else "")
 
     def protect(self, value: Any) -> Any:
-        """`value` with every string in it protected (dict keys and non-strings left alone)."""
+        """`value` with every string in it protected, dict keys included (templates write
+        tool schemas and call arguments with `tojson`, keys and all); non-strings left alone."""
         if isinstance(value, str):
             return self._protect_text(value)
         if isinstance(value, Mapping):
-            return {k: self.protect(v) for k, v in value.items()}
+            return {self.protect(k): self.protect(v) for k, v in value.items()}
         if isinstance(value, list):
             return [self.protect(v) for v in value]
         if isinstance(value, tuple):
             return tuple(self.protect(v) for v in value)
         return value
 
-    def encode(self, tokenizer: Tokenizer, text: str) -> list[int]:
-        """Ids of the rendered prompt: its special tokens as such, the text between them as text."""
-        ids: list[int] = []
+    def split(self, text: str) -> list[str | int]:
+        """The rendered prompt as the template's special tokens (ids) and the text between
+        them, each message's literals put back (to be encoded as text)."""
+        pieces: list[str | int] = []
         start = 0
         for match in self.pattern.finditer(text) if self.pattern else ():
-            ids += self._encode_text(tokenizer, text[start:match.start()])
-            ids.append(self.specials[match.group()])
+            pieces += [self._restore(text[start:match.start()]), self.specials[match.group()]]
             start = match.end()
-        return ids + self._encode_text(tokenizer, text[start:])
+        return [p for p in pieces + [self._restore(text[start:])] if p != ""]
 
-    def _encode_text(self, tokenizer: Tokenizer, text: str) -> list[int]:
-        if not text:
-            return []
-        return tokenizer.encode(self.placeholder.sub(lambda m: self.literals[int(m.group(1))], text),
-                                special_tokens=False)
+    def _restore(self, text: str) -> str:
+        return self.placeholder.sub(lambda m: self.literals[int(m.group(1))], text)

@@ -9,6 +9,7 @@ a thin layer over `tokenizers.Tokenizer` plus an incremental detokenizer for str
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.util
 import json
 import threading
@@ -320,6 +321,14 @@ class Tokenizer:
         if int(token_id) in self._tok.get_added_tokens_decoder():
             return piece.encode("utf-8")
         return bytes(_BYTE_OF_CHAR[c] for c in piece)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Bytes of the longest token (128 in Qwen's vocabulary: a run of spaces): a text of n
+        characters is at least n / longest_token tokens."""
+        pieces = self._tok.get_vocab(with_added_tokens=False)  # byte-level: one character per byte
+        added = self._tok.get_added_tokens_decoder().values()
+        return max([*map(len, pieces), *(len(t.content.encode("utf-8")) for t in added)])
 
     @property
     def vocab_size(self) -> int:

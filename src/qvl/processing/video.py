@@ -9,20 +9,26 @@ repeated when the count is odd). Each pair is one unit for the vision tower and 
 `<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`, t the mean time of the pair.
 
 Frames are decoded as a stream and only the sampled ones are kept, already resized: a
-10-minute clip costs the memory of its sampled frames, not of its frames.
+10-minute clip costs the memory of its sampled frames, not of its frames. Decoding is bounded
+in work (MAX_DECODED_PIXELS: a clip whose keyframes are too sparse for its samples is refused
+before anything is decoded, and decoding stops there in any case) and in time (a Deadline,
+checked at every packet).
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from qvl.deadline import Deadline
 from qvl.processing.image import (
     MAX_ASPECT_RATIO,
     ImageError,
@@ -44,6 +50,7 @@ MAX_FRAME_PIXELS = 8192 * 4320  # frames above 8K are refused before decoding
 MAX_FPS = 1000.0
 FALLBACK_FPS = 24.0  # what the reference assumes when a file declares no frame rate
 SEEK_SECONDS = 4.0  # a gap longer than this between sampled frames is skipped by seeking
+MAX_DECODED_PIXELS = 8192 * 1920 * 1080  # decoding work per clip: 8,192 frames of 1080p, 512 of 8K
 # The containers FFmpeg may open: never its playlist and concat demuxers, which read other files
 # (a "video" of `ffconcat ... file secret.mp4` would show the model a file of the server's disk).
 CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,flv,asf,ogg"
@@ -198,12 +205,10 @@ def _reason(e: Exception) -> str:
     return getattr(e, "strerror", None) or str(e) or type(e).__name__
 
 
-def probe(container, where: str = "") -> ClipInfo:
+def probe(container, where: str, deadline: Deadline) -> ClipInfo:
     """The first video stream's frame count, rate, size and codec (from the headers; the
     frames are counted from the packets when the container does not say). `where` names the
     file in messages (" (path)", or "")."""
-    import av
-
     if not container.streams.video:
         raise VideoError(f"no video stream in the file{where}")
     stream = container.streams.video[0]
@@ -221,40 +226,112 @@ def probe(container, where: str = "") -> ClipInfo:
         raise VideoError(f"the video declares {fps:g} frames per second (at most {MAX_FPS:g} are accepted){where}")
     total = stream.frames
     if total <= 0:  # not in the header (Matroska, WebM, ...): count the packets, nothing is decoded
-        try:
-            total = sum(1 for packet in container.demux(stream) if packet.size)
-            container.seek(0)
-        except (av.FFmpegError, OSError) as e:
-            raise VideoError(f"could not read the video's packets{where}: {_reason(e)}") from None
+        total = sum(1 for _ in scan_packets(container, where, deadline))
     if total <= 0:
         raise VideoError(f"the video has no frames{where}")
     return ClipInfo(int(total), fps, width, height, ctx.codec.name)
 
 
-def decode_frames(container, where: str, info: ClipInfo, indices: list[int], size: tuple[int, int]) -> list[np.ndarray]:
+def _timing(stream) -> tuple[int, float]:
+    """(start pts, seconds per pts unit: 0 when the stream has no time base)."""
+    return stream.start_time or 0, float(stream.time_base) if stream.time_base else 0.0
+
+
+def _frame_at(pts: int, base: int, tb: float, fps: float) -> int:
+    return max(0, round((pts - base) * tb * fps))
+
+
+def scan_packets(container, where: str, deadline: Deadline) -> Iterator[tuple[int | None, bool]]:
+    """(pts, keyframe) of each packet of the first video stream that carries data, from the
+    headers (nothing is decoded); the container is rewound after the last."""
+    import av
+
+    stream = container.streams.video[0]
+    try:
+        for packet in container.demux(stream):
+            deadline.check(f"reading the video's packets{where}")
+            if packet.size:
+                yield packet.pts, packet.is_keyframe
+        container.seek(0)
+    except (av.FFmpegError, OSError) as e:
+        raise VideoError(f"could not read the video's packets{where}: {_reason(e)}") from None
+
+
+def frames_to_decode(indices: list[int], keyframes: list[int]) -> int:
+    """The fewest frames a decoder must decode to reach every index of `indices` (ascending),
+    each from the one before or by seeking to the last keyframe at or before it, whichever is
+    nearer. `keyframes`: frame indices, ascending."""
+    total, at = 0, -1  # the last frame decoded
+    for i in indices:
+        if i <= at:
+            continue
+        before = bisect.bisect_right(keyframes, i) - 1
+        total += i - max(at + 1, keyframes[before] if before >= 0 else 0) + 1
+        at = i
+    return total
+
+
+def most_decoded(pixels: int) -> int:
+    """Frames of `pixels` pixels each that decoding one clip may take (MAX_DECODED_PIXELS)."""
+    return MAX_DECODED_PIXELS // max(pixels, 1)
+
+
+def check_decoding_work(container, where: str, info: ClipInfo, indices: list[int], deadline: Deadline) -> None:
+    """Refuse, before decoding anything, a clip whose sampled frames need more decoding than
+    MAX_DECODED_PIXELS even with every gap skipped by seeking (one keyframe, then thousands of
+    8K frames). The keyframes are read from the packet headers, only when the whole clip is
+    over that budget; per sampled frame only the last keyframe before it is kept."""
+    most = most_decoded(info.width * info.height)
+    if info.total_frames <= most:
+        return
+    base, tb = _timing(container.streams.video[0])
+    nearest: dict[int, int] = {}  # position in indices -> the last keyframe at or before that sampled frame
+    for n, (pts, key) in enumerate(scan_packets(container, where, deadline)):
+        if key:
+            frame = n if pts is None or not tb else _frame_at(pts, base, tb, info.fps)
+            slot = bisect.bisect_left(indices, frame)
+            if slot < len(indices):
+                nearest[slot] = max(frame, nearest.get(slot, frame))
+    needed = frames_to_decode(indices, sorted(nearest.values()))
+    if needed > most:
+        raise VideoError(f"the video's keyframes are too far apart{where}: its {len(indices)} sampled frames need "
+                         f"{needed} frames of {info.width}x{info.height} decoded, and this server decodes at most "
+                         f"{most} frames of that size per clip (re-encode it with a keyframe every few seconds)")
+
+
+def decode_frames(container, where: str, info: ClipInfo, indices: list[int], size: tuple[int, int],
+                  deadline: Deadline) -> list[np.ndarray]:
     """The frames at `indices` (ascending), each resized to `size` as soon as it is decoded.
-    Long gaps are skipped by seeking to the keyframe before the next wanted frame."""
+    Long gaps are skipped by seeking to the keyframe before the next wanted frame. Each packet
+    sent to the decoder checks `deadline` and counts against MAX_DECODED_PIXELS, at the
+    largest frame size seen."""
     import av
 
     stream = container.streams.video[0]
     stream.thread_type = "AUTO"
-    base = stream.start_time or 0
-    tb = float(stream.time_base) if stream.time_base else 0.0
+    base, tb = _timing(stream)
     out: list[np.ndarray] = []
     k, count, sought = 0, -1, -1  # next wanted position in `indices`; index of the last decoded frame; last seek
+    decoded, largest = 0, (info.width, info.height)  # packets sent to the decoder; the largest frame so far
 
     def index_of(frame) -> int:
         nonlocal count
-        count += 1
-        if frame.pts is None or not tb:
-            return count
-        count = max(0, round((frame.pts - base) * tb * info.fps))
+        count = count + 1 if frame.pts is None or not tb else _frame_at(frame.pts, base, tb, info.fps)
         return count
 
     def frames_from(seek_to: int | None):
+        nonlocal decoded
         if seek_to is not None and tb:
             container.seek(base + int(seek_to / info.fps / tb), stream=stream, backward=True, any_frame=False)
-        return container.decode(stream)
+        for packet in container.demux(stream):
+            deadline.check(f"decoding the video{where}")
+            decoded += 1
+            if decoded > most_decoded(largest[0] * largest[1]):
+                raise VideoError(f"decoding the video{where} stopped after {decoded - 1} frames of "
+                                 f"{largest[0]}x{largest[1]}, the most this server decodes per clip at that size, "
+                                 f"with {len(indices) - k} of its {len(indices)} sampled frames still to come (sample "
+                                 "fewer frames, or re-encode it with a keyframe every few seconds)")
+            yield from packet.decode()
 
     seeking, before_seek = True, -1  # a seek that lands at or before where it left is not worth another
 
@@ -268,6 +345,8 @@ def decode_frames(container, where: str, info: ClipInfo, indices: list[int], siz
             if frame.width * frame.height > MAX_FRAME_PIXELS:  # a stream may change size after its header
                 raise VideoError(f"video frames of {frame.width}x{frame.height} exceed the limit of "
                                  f"{MAX_FRAME_PIXELS} pixels{where}")
+            if frame.width * frame.height > largest[0] * largest[1]:
+                largest = (frame.width, frame.height)
             at = index_of(frame)
             if before_seek >= 0:
                 seeking, before_seek = at > before_seek, -1  # the keyframes are too sparse to gain by seeking
@@ -295,17 +374,20 @@ def decode_frames(container, where: str, info: ClipInfo, indices: list[int], siz
 
 
 def load_video(source: bytes | str | os.PathLike, cfg: ImageProcessorConfig, settings: VideoSettings = VideoSettings(),
-               *, max_seconds: float | None = None) -> ProcessedVideo:
-    """Decode, sample and preprocess one clip; raises VideoError naming what is wrong."""
+               *, max_seconds: float | None = None, deadline: Deadline | None = None) -> ProcessedVideo:
+    """Decode, sample and preprocess one clip; raises VideoError naming what is wrong, and
+    `deadline`'s Cancelled / DeadlineExceeded between packets."""
+    deadline = deadline or Deadline()
     container, where = _open(source)
     try:
-        info = probe(container, where)
+        info = probe(container, where, deadline)
         if max_seconds is not None and info.seconds > max_seconds:
             raise VideoError(f"the video lasts {info.seconds:.1f} s; this server takes clips of at most "
                              f"{max_seconds:g} s")
         indices = sample_indices(info.total_frames, info.fps, settings).tolist()
         size = frame_size(len(indices), info.height, info.width, cfg, settings.max_tokens)
-        frames = decode_frames(container, where, info, indices, size)
+        check_decoding_work(container, where, info, indices, deadline)
+        frames = decode_frames(container, where, info, indices, size, deadline)
     finally:
         container.close()
     return preprocess_frames(frames, indices, info, cfg)

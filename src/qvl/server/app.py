@@ -4,7 +4,6 @@ shape in errors.py."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -17,7 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from qvl.engine import Engine
 from qvl.server import errors
 from qvl.server.errors import APIError
-from qvl.server.guard import BrowserGuard
+from qvl.server.guard import BrowserGuard, matching_key
 from qvl.server.metrics import StatusCounter
 from qvl.server.ollama import Ollama, version
 from qvl.server.openai import ChatCompletions
@@ -42,20 +41,14 @@ def web_page(max_body_bytes: int) -> str:
     return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))
 
 
-def key_matches(authorization: str, key: str) -> bool:
-    """An Authorization header value 'Bearer <key>', compared in constant time."""
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
 def wrong_key() -> APIError:
     return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def bearer_auth(key: str) -> Callable:
+def bearer_auth(keys: tuple[str, ...]) -> Callable:
     async def check(request: Request) -> None:
-        if not key_matches(request.headers.get("authorization", ""), key):
+        if matching_key(request.headers.get("authorization", ""), keys) is None:
             raise wrong_key()
 
     return check
@@ -81,7 +74,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     errors.install(app)
     app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
     app.add_middleware(StatusCounter, metrics=state.metrics)  # outermost: counts the guard's refusals too
-    api = APIRouter(dependencies=[Depends(bearer_auth(settings.api_key))] if settings.api_key else [])
+    api = APIRouter(dependencies=[Depends(bearer_auth(settings.api_keys))] if settings.api_keys else [])
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):

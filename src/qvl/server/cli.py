@@ -1,4 +1,4 @@
-"""`qvl serve`: its arguments (registered through qvl.cli.FRONT_DOORS)."""
+"""`qvl serve`: its arguments (a front door the `qvl` subcommand table registers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from qvl.cli import add_engine_args, engine_options
+from qvl.options import add_engine_args, engine_options
 from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # and every other loopback address
@@ -22,8 +22,12 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                        description="Serve /v1/chat/completions, /v1/models, /health, /metrics and a web page at /.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("QVL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $QVL_API_KEY)")
+    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /api/* and /metrics; repeat for several "
+                        "keys, each with caches of its own (default: $QVL_API_KEY, several separated by commas)")
+    p.add_argument("--hide-cache-stats", action="store_true",
+                   help="answers do not say what came from the caches (qvl.timings.cached empty, reused and "
+                        "cached token counts 0)")
     p.add_argument("--allowed-hosts", default="",
                    help="comma-separated names this server may be reached by (Host header; example.com, "
                         "*.example.com) and whose web pages may call the API (Origin). Loopback binds "
@@ -40,6 +44,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                    help="largest request body, also the largest image (default: %(default)g)")
     g.add_argument("--request-timeout", type=float, default=s.time_limit_s,
                    help="seconds a request may take, queueing included (default: %(default)g)")
+    g.add_argument("--parse-timeout", type=float, default=s.parse_timeout_s,
+                   help="seconds to decode a request's images and videos and tokenize it, before --request-timeout "
+                        "starts; then 400 naming the part (default: %(default)g)")
     g.add_argument("--shutdown-timeout", type=float, default=s.shutdown_grace_s,
                    help="on SIGTERM, seconds in-flight requests may still finish (default: %(default)g)")
     g.add_argument("--max-images", type=int, help="images per request (default: the engine's, 8)")
@@ -50,8 +57,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--max-image-pixels", type=int, default=im.max_pixels,
                    help="largest source image, width x height, checked before decoding (default: %(default)s)")
     g.add_argument("--max-connections", type=int, default=cl.max_connections,
-                   help="open connections; past it the longest-idle one without a request is closed, "
-                        "or the new one gets 503 when all carry requests (default: %(default)s)")
+                   help="open connections; past it the longest-idle one without a request is closed, else "
+                        "the one sending its body most slowly (408); the new one gets 503 only when all others "
+                        "are being answered (default: %(default)s)")
     g.add_argument("--header-timeout", type=float, default=cl.header_timeout_s,
                    help="seconds a client has to send a complete request head, from connecting or "
                         "from the previous answer; then 408 and closed (default: %(default)g)")
@@ -59,6 +67,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                    help="seconds a client has to send the whole body after the head (default: %(default)g)")
     g.add_argument("--keep-alive-timeout", type=float, default=cl.keep_alive_s,
                    help="seconds an idle connection stays open between requests (default: %(default)g)")
+    g.add_argument("--write-timeout", type=float, default=cl.write_timeout_s,
+                   help="seconds a client may take none of its answer (the server's send buffer full) before "
+                        "it is cut off and its request cancelled (default: %(default)g)")
     g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
@@ -89,16 +100,18 @@ def settings(args: argparse.Namespace) -> ServerSettings:
                          url_timeout_s=args.image_url_timeout, local_dir=args.image_dir,
                          max_video_bytes=int(args.max_video_mb * MB))
     connections = ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
-                                   body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive_timeout)
+                                   body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive_timeout,
+                                   write_timeout_s=args.write_timeout)
+    keys = tuple(k.strip() for k in args.api_keys or os.environ.get("QVL_API_KEY", "").split(",") if k.strip())
     named = tuple(h.strip().lower().rstrip(".") for h in args.allowed_hosts.split(",") if h.strip())
     if is_loopback(args.host):  # a page on another site must not reach us through DNS rebinding
         allowed: tuple[str, ...] | None = LOOPBACK_HOSTS + named
     else:
         allowed = named or None
     return ServerSettings(queue_size=args.queue_size, max_body_bytes=max_bytes, time_limit_s=args.request_timeout,
-                          shutdown_grace_s=args.shutdown_timeout, api_key=args.api_key or None, images=images,
-                          warm_up=args.warm_up, connections=connections, allowed_hosts=allowed,
-                          allowed_origins=named)
+                          parse_timeout_s=args.parse_timeout, shutdown_grace_s=args.shutdown_timeout,
+                          api_keys=keys, hide_cache_stats=args.hide_cache_stats, images=images, warm_up=args.warm_up,
+                          connections=connections, allowed_hosts=allowed, allowed_origins=named)
 
 
 def is_loopback(host: str) -> bool:
@@ -127,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_videos is not None:
         options = replace(options, max_videos=args.max_videos)
     if not is_loopback(args.host):
-        risk = "set --api-key (or $QVL_API_KEY) and put TLS in front" if not config.api_key else "use TLS in front"
+        risk = "set --api-key (or $QVL_API_KEY) and put TLS in front" if not config.api_keys else "use TLS in front"
         print(f"qvl serve: warning: listening on {args.host}, not loopback: anyone who can reach port "
               f"{args.port} can use this model; {risk}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from qvl.server.affinity import routing_key
 from qvl.server.errors import APIError, internal, is_ollama
-from qvl.server.guard import SECURITY_HEADERS, BrowserGuard
+from qvl.server.guard import SECURITY_HEADERS, BrowserGuard, matching_key
 from qvl.server.metrics import Metrics, merge_texts
 from qvl.server.settings import ServerSettings
 from qvl.server.submit import read_body
@@ -217,9 +217,10 @@ class Front:
         return answer
 
     def check_key(self, request: Request) -> None:
-        from qvl.server.app import key_matches, wrong_key
+        from qvl.server.app import wrong_key
 
-        if self.settings.api_key and not key_matches(request.headers.get("authorization", ""), self.settings.api_key):
+        keys = self.settings.api_keys
+        if keys and matching_key(request.headers.get("authorization", ""), keys) is None:
             raise wrong_key()
 
     async def health(self) -> Response:

@@ -8,10 +8,15 @@ carries. An ASGI middleware, so it runs before any route.
   (a form or fetch from another site, which needs no rebinding) is refused unless its host
   is one the operator allowed. Clients outside a browser send no Origin.
 - **Headers.** The page may only load its own files and may not be framed.
+
+And who a caller is: the API key it sends (one of `--api-key`), which is also its cache
+namespace: callers of different keys share no cached work (cache_salt).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 from urllib.parse import urlsplit
 
@@ -93,3 +98,22 @@ class BrowserGuard:
         if split_host(parts.netloc) == split_host(host_header):
             return True
         return host_matches(split_host(parts.netloc)[0], self.allowed_origins)
+
+
+def matching_key(authorization: str, keys: tuple[str, ...]) -> str | None:
+    """The one of `keys` an Authorization header 'Bearer <key>' carries (compared in constant
+    time with each), or None."""
+    scheme, _, token = authorization.partition(" ")
+    found = None
+    for key in keys:
+        if hmac.compare_digest(token.strip().encode(), key.encode()):
+            found = key
+    return found if scheme.lower() == "bearer" else None
+
+
+def cache_salt(key: str | None, salt: str | None) -> str:
+    """The engine's cache salt for a request: a digest of the caller's API key (each key is a
+    namespace of its own) and the request's own `cache_salt` field; "" for neither."""
+    if not key and not salt:
+        return ""
+    return f"{hashlib.sha256(key.encode()).hexdigest() if key else ''}\0{salt or ''}"

@@ -18,13 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from qvl import __version__
+from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest, Request
 from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.openai import tool_choice
-from qvl.server.schemas import MAX_MESSAGES, _Strict
+from qvl.server.schemas import MAX_MESSAGES, CacheSalt, Seed, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
@@ -44,7 +45,7 @@ class Options(_Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     num_predict: int | None = None  # -1 (or -2): up to the context
-    seed: int | None = None
+    seed: Seed = None
     stop: list[str] | None = Field(None, max_length=16)
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -71,6 +72,7 @@ class Common(_Strict):
     stream: bool = True
     keep_alive: Any = None  # the model stays loaded: qvl serves one
     think: Any = None
+    cache_salt: CacheSalt = None  # qvl's, as on its OpenAI routes
 
 
 class ChatBody(Common):
@@ -109,13 +111,13 @@ class Ollama:
         self.state, self.submit = state, submit
 
     async def chat(self, http: HTTPRequest) -> Response:
-        return await self._answer(http, self.prepare_chat)
+        return await self._answer(http, self.read_chat, self.prepare_chat)
 
     async def generate(self, http: HTTPRequest) -> Response:
-        return await self._answer(http, self.prepare_generate)
+        return await self._answer(http, self.read_generate, self.prepare_generate)
 
-    async def _answer(self, http: HTTPRequest, prepare) -> Response:
-        sub = await self.submit(http, prepare, json_only=False)  # as Ollama: `curl -d '{...}'` works
+    async def _answer(self, http: HTTPRequest, read, prepare) -> Response:
+        sub = await self.submit(http, read, prepare, json_only=False)  # as Ollama: `curl -d '{...}'` works
         spec: Spec = sub.spec
         if spec.body.stream:
             return EventStream(ndjson(sub.events, spec), sub.on_close, NDJSON)
@@ -125,8 +127,18 @@ class Ollama:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def prepare_chat(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
+    @staticmethod
+    def read_chat(body: bytes) -> tuple[ChatBody, bool]:
+        """The validated body, and whether it carries images."""
         req = ChatBody.model_validate_json(body)
+        return req, any(m.images for m in req.messages)
+
+    @staticmethod
+    def read_generate(body: bytes) -> tuple[GenerateBody, bool]:
+        req = GenerateBody.model_validate_json(body)
+        return req, bool(req.images)
+
+    def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline, salt: str) -> tuple[Spec, ParsedRequest]:
         check_think(req, engine)
         tools = check_unique([tool_from(t, i) for i, t in enumerate(req.tools or [])], "tools")
         constraint = answer_constraint(tools, tool_choice(None, None, tools), True, format_constraint(req.format),
@@ -135,11 +147,12 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         messages = self.messages(req.messages, engine)
         shown = [t.template_entry() for t in tools] or None
-        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown))
+        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown, cache_salt=salt),
+                              deadline)
         return Spec(req, engine.model_name, True, bool(tools)), parsed
 
-    def prepare_generate(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
-        req = GenerateBody.model_validate_json(body)
+    def prepare_generate(self, req: GenerateBody, engine: Engine, deadline: Deadline,
+                         salt: str) -> tuple[Spec, ParsedRequest]:
         for name in ("suffix", "template", "context"):
             if getattr(req, name):
                 raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
@@ -152,7 +165,8 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         turns = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + \
             [OllamaMessage(role="user", content=req.prompt, images=req.images)]
-        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint)))
+        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint), cache_salt=salt),
+                              deadline)
         return Spec(req, engine.model_name, False), parsed
 
     def messages(self, messages: list[OllamaMessage], engine: Engine) -> list[dict]:
@@ -309,14 +323,16 @@ def details(engine: Engine) -> dict:
 
 
 def answer_parts(done: Done, tools: bool) -> tuple[str, list[dict]]:
-    """(text, Ollama tool calls) of a whole answer."""
+    """(text, Ollama tool calls) of a whole answer: only whole calls whose arguments are an
+    object count, any other `<tool_call>` block (cut by num_predict, not JSON) stays text."""
     if not tools:
         return done.text, []
-    text, calls = parse_answer(done.text)
+    text, calls = parse_answer(done.text, whole=True)
     return (text if not calls else text.strip()), [ollama_call(c) for c in calls]
 
 
 def ollama_call(call) -> dict:
+    """A call read with `whole=True` (its arguments parse as an object) in Ollama's shape."""
     return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
 
 
@@ -344,10 +360,10 @@ def final_line(spec: Spec, done: Done, text: str, calls: list[dict] | None = Non
 
 
 async def ndjson(events: AsyncIterator[Delta | Done], spec: Spec) -> AsyncIterator[str]:
-    """One JSON object per line: text pieces, a tool call as soon as it is whole, then the
-    final object. An error after the headers went out is a line {"error": ...}, as Ollama
-    sends it."""
-    parser = ToolCallStream() if spec.tools else None
+    """One JSON object per line: text pieces, a tool call as soon as it is whole (a block that
+    is no whole call is text), then the final object. An error after the headers went out is
+    a line {"error": ...}, as Ollama sends it."""
+    parser = ToolCallStream(whole=True) if spec.tools else None
     sent_calls = 0
     try:
         async for event in events:

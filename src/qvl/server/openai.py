@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
+from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest, Request, RequestError
 from qvl.grammar import Constraint
 from qvl.processing.image import ImageError
@@ -53,7 +54,7 @@ class ChatCompletions:
         self.state, self.submit = state, submit
 
     async def __call__(self, http: HTTPRequest) -> Response:
-        sub = await self.submit(http, self.prepare)
+        sub = await self.submit(http, self.read, self.prepare)
         req: ChatCompletionRequest = sub.spec
         meta = Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), sub.engine.model_name, sub.engine.tokenizer,
                     tools_offered(req), sub.parsed.last_image_size)
@@ -62,10 +63,16 @@ class ChatCompletions:
             return EventStream(sse(sub.events, meta, include_usage, req.n), sub.on_close)
         return JSONResponse(completion(await sub.finals(http), meta).model_dump())
 
-    def prepare(self, body: bytes, engine: Engine) -> tuple[ChatCompletionRequest, ParsedRequest]:
-        """Validate, fetch and decode images, tokenize, check the budget and the grammar (in a
-        thread)."""
+    @staticmethod
+    def read(body: bytes) -> tuple[ChatCompletionRequest, bool]:
+        """The validated body, and whether it carries images or videos."""
         req = ChatCompletionRequest.model_validate_json(body)
+        return req, any(part.type != "text" for m in req.messages for part in m.content)
+
+    def prepare(self, req: ChatCompletionRequest, engine: Engine, deadline: Deadline,
+                salt: str) -> tuple[ChatCompletionRequest, ParsedRequest]:
+        """Check, fetch and decode images, tokenize, check the budget and the grammar (in a
+        thread, within `deadline`)."""
         if name := req.unsupported():
             raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
@@ -82,7 +89,7 @@ class ChatCompletions:
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
         try:
             parsed = engine.parse(Request(messages, sampling(req, engine, constraint), image_tokens(req, engine), shown,
-                                          video_overrides(req)))
+                                          video_overrides(req), salt), deadline)
         except RequestError as exc:
             if exc.code in ("invalid_image", "invalid_video") and exc.param and exc.param.endswith("]"):
                 exc.param += ".image_url.url" if exc.code == "invalid_image" else ".video_url.url"  # the part -> its url

@@ -18,12 +18,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, model_validator
 
+from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest, Request
 from qvl.processing.image import ImageError
 from qvl.server.errors import APIError, bad_request
 from qvl.server.images import load_image_bytes
 from qvl.server.openai import call_arguments, format_constraint, tool_choice
-from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, _Strict
+from qvl.server.schemas import MAX_MESSAGES, MAX_PARTS, CacheSalt, Seed, _Strict
 from qvl.server.state import ServerState
 from qvl.server.submit import EventStream, Submitter
 from qvl.stream import Delta, Done
@@ -101,7 +102,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     background: bool | None = None
     # qvl extras (as in chat completions)
-    seed: int | None = None
+    seed: Seed = None
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -109,6 +110,7 @@ class ResponsesRequest(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     max_pixels: int | None = Field(None, ge=1)
     reasoning_budget: int | None = Field(None, ge=0)
+    cache_salt: CacheSalt = None
 
 
 @dataclass
@@ -125,15 +127,23 @@ class Responses:
         self.state, self.submit = state, submit
 
     async def __call__(self, http: HTTPRequest) -> Response:
-        sub = await self.submit(http, self.prepare)
+        sub = await self.submit(http, self.read, self.prepare)
         spec: Spec = sub.spec
         if spec.req.stream:
             return EventStream(stream_events(sub.events, spec), sub.on_close)
         done = (await sub.finals(http))[0]
         return JSONResponse(response_object(spec, done, output_items(done, spec.tools)))
 
-    def prepare(self, body: bytes, engine: Engine) -> tuple[Spec, ParsedRequest]:
+    @staticmethod
+    def read(body: bytes) -> tuple[ResponsesRequest, bool]:
+        """The validated body, and whether it carries images."""
         req = ResponsesRequest.model_validate_json(body)
+        items = [] if isinstance(req.input, str) else req.input
+        parts = [part for it in items if isinstance(it.content, list) for part in it.content]
+        return req, any(part.type == "input_image" for part in parts)
+
+    def prepare(self, req: ResponsesRequest, engine: Engine, deadline: Deadline,
+                salt: str) -> tuple[Spec, ParsedRequest]:
         if req.previous_response_id is not None:
             raise bad_request("qvl keeps no responses: send the whole conversation in 'input' instead of "
                               "previous_response_id", "previous_response_id", "unsupported_parameter")
@@ -156,7 +166,7 @@ class Responses:
             reasoning_budget=req.reasoning_budget)
         budget = max(1, req.max_pixels // engine.image_cfg.factor**2) if req.max_pixels else None
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
-        parsed = engine.parse(Request(messages, sampling, budget, shown))
+        parsed = engine.parse(Request(messages, sampling, budget, shown, cache_salt=salt), deadline)
         return Spec(req, model=engine.model_name, tools=bool(tools) and choice.mode != "none"), parsed
 
 
@@ -306,19 +316,19 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     yield emit("response.created", response=response_object(spec, None, []))
     yield emit("response.in_progress", response=response_object(spec, None, []))
     parser = ToolCallStream() if spec.tools else None
-    message: dict | None = None  # the open message item: {"id", "index", "text"}
-    call: dict | None = None  # the open function_call item
-    thought: dict | None = None  # the open reasoning item
+    message: dict | None = None  # the open message item: {"id", "index", "parts"} (its text in pieces)
+    call: dict | None = None  # the open function_call item: {"id", "index", "call_id", "name", "parts"}
+    thought: dict | None = None  # the open reasoning item: {"id", "index", "parts"}
 
     def think(piece: str) -> list[str]:
         nonlocal thought
         out = []
         if thought is None:
-            thought = {"id": new_item_id("rs"), "index": len(output), "text": ""}
+            thought = {"id": new_item_id("rs"), "index": len(output), "parts": []}
             output.append(None)
             out.append(emit("response.output_item.added", output_index=thought["index"],
                             item=reasoning_item(thought["id"], "", "in_progress")))
-        thought["text"] += piece
+        thought["parts"].append(piece)
         return out + [emit("response.reasoning_text.delta", item_id=thought["id"], output_index=thought["index"],
                            content_index=0, delta=piece)]
 
@@ -327,15 +337,15 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
         t, thought = thought, None
         if t is None:
             return []
-        item = reasoning_item(t["id"], t["text"])
+        item = reasoning_item(t["id"], "".join(t["parts"]))
         output[t["index"]] = item
         return [emit("response.reasoning_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
-                     text=t["text"]),
+                     text=item["content"][0]["text"]),
                 emit("response.output_item.done", output_index=t["index"], item=item)]
 
     def open_message() -> list[str]:
         nonlocal message
-        message = {"id": new_item_id("msg"), "index": len(output), "text": ""}
+        message = {"id": new_item_id("msg"), "index": len(output), "parts": []}
         output.append(None)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [emit("response.output_item.added", output_index=message["index"],
@@ -346,10 +356,10 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     def close_message() -> list[str]:
         nonlocal message
         m, message = message, None
-        item = message_item(m["id"], m["text"])
+        item = message_item(m["id"], "".join(m["parts"]))
         output[m["index"]] = item
         return [emit("response.output_text.done", item_id=m["id"], output_index=m["index"], content_index=0,
-                     text=m["text"], logprobs=[]),
+                     text=item["content"][0]["text"], logprobs=[]),
                 emit("response.content_part.done", item_id=m["id"], output_index=m["index"], content_index=0,
                      part=item["content"][0]),
                 emit("response.output_item.done", output_index=m["index"], item=item)]
@@ -357,10 +367,10 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
     def close_call() -> list[str]:
         nonlocal call
         c, call = call, None
-        item = call_item(c["id"], c["call_id"], c["name"], c["arguments"])
+        item = call_item(c["id"], c["call_id"], c["name"], "".join(c["parts"]))
         output[c["index"]] = item
         return [emit("response.function_call_arguments.done", item_id=c["id"], output_index=c["index"],
-                     name=c["name"], arguments=c["arguments"]),
+                     name=c["name"], arguments=item["arguments"]),
                 emit("response.output_item.done", output_index=c["index"], item=item)]
 
     def on(pieces: list) -> list[str]:
@@ -372,19 +382,19 @@ async def stream_events(events: AsyncIterator[Delta | Done], spec: Spec) -> Asyn
                     out += close_call()
                 if message is None:
                     out += open_message()
-                message["text"] += piece.text
+                message["parts"].append(piece.text)
                 out.append(emit("response.output_text.delta", item_id=message["id"], output_index=message["index"],
                                 content_index=0, delta=piece.text, logprobs=[]))
             elif isinstance(piece, CallStart):
                 out += close_message() if message is not None else []
                 out += close_call() if call is not None else []
                 call = {"id": new_item_id("fc"), "index": len(output), "call_id": piece.id, "name": piece.name,
-                        "arguments": ""}
+                        "parts": []}
                 output.append(None)
                 out.append(emit("response.output_item.added", output_index=call["index"],
                                 item=call_item(call["id"], piece.id, piece.name, "", "in_progress")))
             elif isinstance(piece, CallArguments):
-                call["arguments"] += piece.text
+                call["parts"].append(piece.text)
                 out.append(emit("response.function_call_arguments.delta", item_id=call["id"],
                                 output_index=call["index"], delta=piece.text))
         return out

@@ -7,8 +7,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
+from qvl.sampling import SEED_MAX, SEED_MIN
+
 MAX_MESSAGES = 4096  # the context holds 32k tokens; every message costs a few
 MAX_PARTS = 1024
+Seed = Annotated[int | None, Field(ge=SEED_MIN, le=SEED_MAX)]  # every front door's `seed`
+# every front door's `cache_salt` (as vLLM's): a request shares cached work (answers, prompt
+# prefixes, image features) only with requests of the same salt and API key
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256)]
 
 
 class _Strict(BaseModel):
@@ -144,7 +150,7 @@ class ChatCompletionRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: Annotated[Annotated[list[str], Field(max_length=4)] | None, BeforeValidator(_stop_list)] = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: Seed = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     n: int = Field(1, ge=1, le=16)  # answers forked from one prefill; at most the engine's --max-batch
@@ -162,6 +168,7 @@ class ChatCompletionRequest(_Strict):
     max_frames: int | None = Field(None, ge=2)  # video: frames per clip at most (the server caps it)
     max_video_tokens: int | None = Field(None, ge=1)  # video: token budget of a clip (the server caps it)
     reasoning_budget: int | None = Field(None, ge=0)  # Thinking models: reasoning tokens before </think> is forced
+    cache_salt: CacheSalt = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None

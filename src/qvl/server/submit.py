@@ -1,21 +1,30 @@
 """What every API route shares between reading a body and writing its own wire format: the
 body checked and turned into an engine request in a thread (so bad input is a 400 before
 anything is queued, streaming or not), then an exact repeat answered from the answer cache
-or a job on the worker, and the events back."""
+or a job on the worker, and the events back.
+
+Preparing (decoding images and videos, tokenizing) runs in two lanes of `parse_slots`
+threads each, one for requests with images or videos and one for requests without, so text
+never waits behind media. A preparation has `parse_timeout_s` (its thread checks a Deadline
+between packets, images and steps), and a client that leaves cancels its own."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest
 from qvl.server.errors import APIError, from_exception
+from qvl.server.guard import cache_salt, matching_key
 from qvl.server.settings import MB
 from qvl.server.state import ServerState
 from qvl.server.worker import DISCONNECT
@@ -23,7 +32,10 @@ from qvl.stream import Delta, Done
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
-Prepare = Callable[[bytes, Engine], tuple[Any, ParsedRequest]]  # body -> (the route's request, parsed)
+# body -> (the route's request, whether it carries images or videos); the request has `cache_salt`
+Read = Callable[[bytes], tuple[Any, bool]]
+# (the route's request, engine, deadline, the engine's cache salt for it) -> (its spec, parsed)
+Prepare = Callable[[Any, Engine, Deadline, str], tuple[Any, ParsedRequest]]
 
 
 @dataclass
@@ -45,30 +57,93 @@ class Submission:
 class Submitter:
     def __init__(self, state: ServerState):
         self.state = state
-        self.slots = asyncio.Semaphore(state.settings.parse_slots)
+        slots = state.settings.parse_slots
+        self.lanes = {True: asyncio.Semaphore(slots), False: asyncio.Semaphore(slots)}  # with media, without
+        self.threads = ThreadPoolExecutor(2 * slots, thread_name_prefix="qvl-prepare")  # one per slot: none queues
 
-    async def __call__(self, http: HTTPRequest, prepare: Prepare, json_only: bool = True) -> Submission:
+    async def __call__(self, http: HTTPRequest, read: Read, prepare: Prepare, json_only: bool = True) -> Submission:
         """json_only: refuse bodies not sent as application/json (Ollama's routes take what
         `curl -d` sends too; the browser guard still refuses foreign pages)."""
         if json_only:
             require_json(http)
-        body = await read_body(http, self.state.settings.max_body_bytes)
+        settings = self.state.settings
+        body = await read_body(http, settings.max_body_bytes)
         engine, worker = self.state.ready()
+        key = matching_key(http.headers.get("authorization", ""), settings.api_keys)
         try:
-            async with self.slots:
-                spec, parsed, cached = await asyncio.to_thread(self._prepare, prepare, body, engine)
+            request, media = await asyncio.to_thread(read, body)
+            salt = cache_salt(key, request.cache_salt)
+            spec, parsed, cached = await self._in_lane(
+                http, media, lambda deadline: self._prepare(prepare, request, engine, deadline, salt))
         except Exception as exc:
             raise from_exception(exc) from None
         if cached is not None:  # an exact repeat, answered without waiting in the queue
             self.state.metrics.record(cached, cached=True)
-            return Submission(spec, parsed, replay(cached), lambda: None, engine)
-        job = worker.submit(parsed, self.state.settings.time_limit_s)
-        return Submission(spec, parsed, job.events(), lambda: worker.cancel(job, DISCONNECT), engine)
+            events, on_close = replay(cached), lambda: None
+        else:
+            job = worker.submit(parsed, settings.time_limit_s)
+            events, on_close = job.events(), lambda: worker.cancel(job, DISCONNECT)
+        return Submission(spec, parsed, without_cache_stats(events) if settings.hide_cache_stats else events,
+                          on_close, engine)
+
+    async def _in_lane(self, http: HTTPRequest, media: bool, work: Callable[[Deadline], Any]) -> Any:
+        """`work(deadline)` on a thread of its lane, once a slot is free; the slot stays taken
+        until the thread ends. The client leaving (499) cancels the deadline: the thread stops
+        at its next check."""
+        lane = self.lanes[media]
+        gone = asyncio.ensure_future(disconnected(http))
+        try:
+            await self._take(lane, gone, media)
+            deadline = Deadline(self.state.settings.parse_timeout_s)
+            job = self.threads.submit(work, deadline)
+            job.add_done_callback(releaser(lane))
+            result = asyncio.wrap_future(job)
+            try:
+                await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not result.done():
+                    raise client_gone()
+                return result.result()
+            finally:
+                deadline.cancel()  # a no-op once the work ended
+                result.cancel()
+        finally:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+
+    async def _take(self, lane: asyncio.Semaphore, gone: asyncio.Future, media: bool) -> None:
+        """A slot of `lane`: 499 if the client leaves first, 503 if none comes free within the
+        preparation time limit."""
+        wait = self.state.settings.parse_timeout_s
+        slot = asyncio.ensure_future(lane.acquire())
+        await asyncio.wait({slot, gone}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        if slot.done():
+            return
+        slot.cancel()  # (a slot granted meanwhile is handed on by the semaphore)
+        if gone.done():
+            raise client_gone()
+        kind = "with images or videos" if media else "without images or videos"
+        raise APIError(503, f"the server is busy preparing other requests {kind}: no slot came free within "
+                            f"{wait:g} s", code="server_busy", headers={"Retry-After": "5"})
 
     @staticmethod
-    def _prepare(prepare: Prepare, body: bytes, engine: Engine):
-        spec, parsed = prepare(body, engine)
+    def _prepare(prepare: Prepare, request: Any, engine: Engine, deadline: Deadline, salt: str):
+        spec, parsed = prepare(request, engine, deadline, salt)
         return spec, parsed, engine.cached_answer(parsed)
+
+
+def releaser(lane: asyncio.Semaphore) -> Callable[[Future], None]:
+    """A done callback for a thread's future that gives its slot back on the event loop."""
+    loop = asyncio.get_running_loop()
+
+    def release(_: Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits for the slot
+            loop.call_soon_threadsafe(lane.release)
+
+    return release
+
+
+def client_gone() -> APIError:
+    return APIError(499, "the client closed the request", code="cancelled")
 
 
 def require_json(http: HTTPRequest) -> None:
@@ -95,7 +170,7 @@ async def read_body(http: HTTPRequest, limit: int) -> bytes:
                 raise too_large
             chunks.append(piece)
     except ClientDisconnect:
-        raise APIError(499, "the client closed the request", code="cancelled") from None
+        raise client_gone() from None
     return b"".join(chunks)
 
 
@@ -103,6 +178,15 @@ async def replay(done: Done) -> AsyncIterator[Delta | Done]:
     if done.text or done.reasoning:
         yield Delta(done.text, done.token_ids, done.logprobs, reasoning=done.reasoning or "")
     yield done
+
+
+async def without_cache_stats(events: AsyncIterator[Delta | Done]) -> AsyncIterator[Delta | Done]:
+    """The events with what the caches gave blanked out of each Done: cached {}, reused_tokens 0."""
+    async with contextlib.aclosing(events):  # left early: the job's events end (and cancel it) at once
+        async for event in events:
+            if isinstance(event, Done):
+                event = replace(event, timings=replace(event.timings, cached={}, reused_tokens=0))
+            yield event
 
 
 async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRequest, n: int) -> list[Done]:
@@ -115,20 +199,22 @@ async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRe
             raise RuntimeError("generation ended without a final event")
         return sorted(dones, key=lambda d: d.index)
 
-    async def disconnected() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    answer, gone = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected())
+    answer, gone = asyncio.ensure_future(final()), asyncio.ensure_future(disconnected(http))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
         if answer.done():
             return answer.result()
-        raise APIError(499, "the client closed the request", code="cancelled")
+        raise client_gone()
     finally:
         for task in (answer, gone):
             task.cancel()
         await asyncio.gather(answer, gone, return_exceptions=True)
+
+
+async def disconnected(http: HTTPRequest) -> None:
+    """Returns once the client has gone (its body already read)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 class EventStream(StreamingResponse):
