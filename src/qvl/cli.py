@@ -259,6 +259,7 @@ def calibration_images(model_dir, folder, limit: int):
 
 def cmd_info(args: argparse.Namespace) -> int:
     import platform
+    from pathlib import Path
 
     import torch
 
@@ -268,12 +269,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     from qvl.kernels.library import library
     from qvl.kernels.plan import Plan
     from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
+    from qvl.weights import checkpoint_quantization
 
     flags = cpu_flags()
     wanted = ["asimd", "asimddp", "i8mm", "bf16"] if platform.machine().lower() in ("arm64", "aarch64") else [
         "avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
     lib = library()
-    plan = Plan.choose(lib, choose_dtype("auto", lib.tier.bf16), DEFAULT_WEIGHTS)  # the default options' plan
+    # the default options' plan, for a pre-quantised checkpoint's weights when --model names a folder of one
+    stored = checkpoint_quantization(Path(args.model)) if args.model and Path(args.model).is_dir() else None
+    plan = Plan.choose(lib, choose_dtype("auto", lib.tier.bf16), stored.weights if stored else DEFAULT_WEIGHTS,
+                       stored_vision=stored.vision if stored else None)
     info = {
         "qvl": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},

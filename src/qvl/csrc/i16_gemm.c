@@ -18,7 +18,7 @@
  * (ROW_CHUNK bytes of codes) runs over them with I16_MR x 2 vector accumulators in registers;
  * the tile's float totals stay in L1. A panel of 256 columns with every row's float totals in
  * memory (what it did before) was 1 MB per thread at 1008 rows, past L2
- * (docs/decisions/int8-activations.md). */
+ * (docs/decisions/prefill-products.md). */
 #include "common.h"
 
 #if defined(QVL_AVX512) || defined(QVL_AVX2) || (defined(QVL_NEON) && defined(__ARM_FEATURE_DOTPROD))
@@ -391,7 +391,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * vpmaddwd by ones widens the pair sums to int32, still exact. Three instructions per 32
  * multiply-adds against the 16-bit pair kernel's two per 16; on cores that run vpmaddwd and
  * vpmaddubsw on two ports and vpaddd on three (Intel's), 1.15-1.37x its products per call
- * (docs/decisions/int8-activations.md). */
+ * (docs/decisions/prefill-products.md). */
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || defined(QVL_AVX2) || defined(QVL_NEON)
 #define QVL_Q8 1
 #if defined(QVL_AVX2) && !defined(__AVXVNNI__)

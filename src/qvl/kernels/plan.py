@@ -2,9 +2,10 @@
 (the CPU's tier, or QVL_ISA) and the options (compute dtype, weight format, --int8-activations),
 and stored on the modules that run it. `qvl info` prints it; the tests assert it per tier.
 
-Why each choice: docs/decisions/int8-activations.md (activation codes per CPU, byte vs 16-bit
-pair kernel, vision int8 x int8), docs/decisions/amx.md, docs/decisions/attention-kernels.md,
-docs/decisions/decode-step.md and docs/decisions/int8-weights.md."""
+Why each choice: docs/decisions/int8-activations.md (which layers, which codes, per CPU),
+docs/decisions/prefill-products.md (many-row int8 kernels per tier), docs/decisions/amx.md,
+docs/decisions/attention.md, docs/decisions/decode-step.md, docs/decisions/int8-weights.md and
+docs/decisions/compute-dtype.md."""
 
 from __future__ import annotations
 
