@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from decode_rows import library_of
 from int8_activations import quantize_in_place
-from qvl import dispatch, native
+from qvl.kernels import build
+from qvl.kernels import library as library_module
+from qvl.kernels.library import library
 from qvl.engine import Engine, EngineOptions
 from qvl.generate import decode_step, new_cache
 from qvl.smoothing import smooth
@@ -67,8 +69,8 @@ def main() -> None:
     del reference
     engine = Engine.load(EngineOptions(model=args.model, threads=2))
     models = {"int8 weights (the defaults)": engine.model, **smoothed}
-    chosen = dispatch.kernels()
-    sides = {"before": dataclasses.replace(chosen, lib=native.open_library(library_of(args.before, chosen.tier.name))),
+    chosen = library()
+    sides = {"before": dataclasses.replace(chosen, lib=build.open_library(library_of(args.before, chosen.tier.name))),
              "after": chosen}
     print(f"tier {chosen.tier.name}; {args.rows} sequences x {args.steps} positions, teacher-forced decode steps; "
           f"before: {args.before}, after: this checkout\n")
@@ -77,10 +79,10 @@ def main() -> None:
     for label, model in models.items():
         logits = {}
         for side, k in sides.items():
-            dispatch._chosen[0] = k
+            library_module._chosen[0] = k
             with torch.inference_mode():
                 logits[side] = teacher_forced(model, tokens)
-        dispatch._chosen[0] = chosen
+        library_module._chosen[0] = chosen
         other = {"before": "after", "after": "before"}
         for side, lg in logits.items():
             cos = F.cosine_similarity(lg, ref, dim=-1).mean().item()

@@ -1,5 +1,5 @@
 """Where a decode step's time goes: the median step (one token per row over 300 cached positions),
-the part inside the one-call layer kernel (native.decode_layers: every decoder layer's
+the part inside the one-call layer kernel (qvl.kernels.decode_step.decode_layers: every decoder layer's
 GEMVs, norms, RoPE and attention), the part inside the lm_head's GEMV, and the rest
 (embedding, RoPE tables, final norm, Python).
 
@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from qvl import native
 from qvl.engine import Engine, EngineOptions
+from qvl.kernels import decode_step as one_call
+from qvl.kernels import linear
 from qvl.generate import decode_step, new_cache
 
 
@@ -39,8 +40,8 @@ def main() -> None:
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, weights=args.weights, threads=2))
     model, layers, head = engine.model, [0.0], [0.0]
-    native.decode_layers = timed(native.decode_layers, layers)  # text.py and quantize.py call them
-    native.linear = timed(native.linear, head)  # through the module: the lm_head is the only GEMV left
+    one_call.decode_layers = timed(one_call.decode_layers, layers)  # qvl.kernels' ops and products call them
+    linear.gemv = timed(linear.gemv, head)  # through the module: the lm_head is the only GEMV left
     rows = args.rows
     cache, token, slot = new_cache(model, rows, 512), torch.full((rows,), 100), torch.full((rows,), 300)
     steps = []

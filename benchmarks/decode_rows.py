@@ -26,16 +26,20 @@ import time
 
 import torch
 
-from qvl import dispatch, native
+from qvl.kernels import build
+from qvl.kernels import library as library_module
+from qvl.kernels.library import library
 from qvl.engine import Engine, EngineOptions
 from qvl.generate import decode_step, new_cache
 
 
 def library_of(checkout: str, tier: str) -> str:
     """Build (or find in the cache) `checkout`'s native library for `tier`; its path."""
-    code = ("from qvl import native, paths; "
-            f"tier = {{t.name: t for t in native.tiers()}}[{tier!r}]; "
-            "print(native.build(paths.cache_root() / 'native', tier))")
+    code = ("from qvl import paths\n"
+            "try:\n    from qvl.kernels import build\n"
+            "except ImportError:  # a checkout from before qvl.kernels\n    from qvl import native as build\n"
+            f"tier = {{t.name: t for t in build.tiers()}}[{tier!r}]\n"
+            "print(build.build(paths.cache_root() / 'native', tier))")
     env = dict(os.environ, PYTHONPATH=os.path.join(checkout, "src"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1]
@@ -64,8 +68,8 @@ def main() -> None:
     p.add_argument("--positions", default="300", help="each row's cached positions, the list repeated over the rows")
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, weights=args.weights, threads=2))
-    chosen = dispatch.kernels()
-    sides = {"before": dataclasses.replace(chosen, lib=native.open_library(library_of(args.before, chosen.tier.name))),
+    chosen = library()
+    sides = {"before": dataclasses.replace(chosen, lib=build.open_library(library_of(args.before, chosen.tier.name))),
              "after": chosen}
     rows = [int(r) for r in args.rows.split(",")]
     positions = [int(x) for x in args.positions.split(",")]
@@ -73,10 +77,10 @@ def main() -> None:
     ms: dict[tuple[str, int], list[float]] = {}
     for r in range(args.rounds):
         for side in (["before", "after"] if r % 2 == 0 else ["after", "before"]):
-            dispatch._chosen[0] = sides[side]
+            library_module._chosen[0] = sides[side]
             for b in rows:
                 ms.setdefault((side, b), []).append(step_ms(engine.model, caches[b], b, args.steps, positions))
-    dispatch._chosen[0] = chosen
+    library_module._chosen[0] = chosen
     print(f"tier {chosen.tier.name}, {args.weights}, 2 threads, {args.rounds} alternating rounds, rows at "
           f"positions {args.positions}; decode step ms, median (min-max)\n")
     print("| side | " + " | ".join(f"{b} rows" for b in rows) + " | " +

@@ -18,7 +18,8 @@ import torch
 
 from compare import median_time  # benchmarks/ is the script's folder, first on sys.path
 
-from qvl import native, paths
+from qvl import paths
+from qvl.kernels import build, linear
 
 
 def timed(fn, repeat: int) -> float:
@@ -29,13 +30,13 @@ def timed(fn, repeat: int) -> float:
 def crossover(rounds: int) -> None:
     """The default build's int8 GEMV kernel against dequantising + torch's GEMM (oneDNN, bf16)
     for 16-128 rows, on the 2B decoder's and 30B-A3B's expert shapes: where the kernel's row
-    limit (dispatch.Kernels.int8_gemv_rows) belongs."""
+    limit (qvl.kernels.plan.AMX_GEMV_MAX_ROWS) belongs."""
     import torch.nn.functional as F
 
-    from qvl.dispatch import kernels
-    from qvl.quantize import scratch
+    from qvl.kernels.library import library
+    from qvl.kernels.products import scratch
 
-    lib, rows = kernels().lib, (16, 24, 32, 48, 64, 96, 128)
+    lib, rows = library().lib, (16, 24, 32, 48, 64, 96, 128)
     print(f"dequantise + GEMM time / GEMV kernel time (above 1: the kernel is faster); {rounds} rounds, medians")
     print("\n| K x N | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
@@ -46,9 +47,9 @@ def crossover(rounds: int) -> None:
         for r in range(rounds):
             for m in rows:
                 x = torch.randn(m, k).bfloat16()
-                gemm = lambda: F.linear(x, native.dequantize(lib, native.W_INT8, w, s, None, 0, (n, k),  # noqa: E731
+                gemm = lambda: F.linear(x, linear.dequantize(lib, build.W_INT8, w, s, None, 0, (n, k),  # noqa: E731
                                                              scratch((n, k), torch.bfloat16)))
-                gemv = lambda: native.linear(lib, native.W_INT8, x, w, n, s)  # noqa: E731
+                gemv = lambda: linear.gemv(lib, build.W_INT8, x, w, n, s)  # noqa: E731
                 pair = [timed(gemm, 5), timed(gemv, 5)] if r % 2 == 0 else [timed(gemv, 5), timed(gemm, 5)][::-1]
                 ratios[m].append(pair[0] / pair[1])
         print(f"| {k} x {n} | " + " | ".join(f"{statistics.median(ratios[m]):.2f}" for m in rows) + " |")
@@ -68,8 +69,8 @@ def main() -> None:
     if args.crossover:
         crossover(args.rounds)
         return
-    available = {t.name: t for t in native.tiers()}
-    libs = {name: native.load(available[name], paths.cache_root() / "native") for name in args.tiers.split(",")}
+    available = {t.name: t for t in build.tiers()}
+    libs = {name: build.load(available[name], paths.cache_root() / "native") for name in args.tiers.split(",")}
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (args.n, args.k), dtype=torch.int8, generator=g)
@@ -81,7 +82,7 @@ def main() -> None:
         for name in order:
             for m in rows:
                 ms.setdefault((name, m), []).append(
-                    timed(lambda: native.linear(libs[name], native.W_INT8, xs[m], w, args.n, s), 3))
+                    timed(lambda: linear.gemv(libs[name], build.W_INT8, xs[m], w, args.n, s), 3))
     print(f"int8 weight {args.n}x{args.k} ({args.n * args.k / 2**20:.0f} MB), {args.threads} threads, "
           f"{args.rounds} alternating rounds; ms median (min-max), and against the same build's 1 row")
     print("\n| build | " + " | ".join(f"{m} rows" for m in rows) + " |")

@@ -51,8 +51,10 @@ import torch
 import torch.nn.functional as F
 
 from qvl.bench import synthetic_image
-from qvl.dispatch import kernels
 from qvl.engine import Engine, EngineOptions, Request
+from qvl.kernels import linear, products
+from qvl.kernels.library import library
+from qvl.kernels.plan import Kernel, LinearPlan, Plan, default_plan, layer_kind
 from qvl.generate import new_cache
 from qvl.quantize import Int8Linear, QuantSpec, TiedQuantEmbedding, quantize_int8, quantized_linear_names
 from qvl.smoothing import calibrate, outlier_channels, smooth, smooth_groups
@@ -130,6 +132,21 @@ class FloatOutlierLinear(Int8Linear):
         return F.gelu(y, approximate="tanh") if gelu_tanh else y
 
 
+def packed_plan(module: Int8Linear, bits: int, keep_weight: bool) -> None:
+    """The layer's many-row products int8 x int8 through oneDNN's GEMM in `bits`-bit codes per row
+    (what the plan gives the tower where oneDNN multiplies), its decoding too unless keep_weight."""
+    many = Kernel("onednn_int8", bits, module.scales.dtype)
+    plan = module.plan
+    module.plan = LinearPlan(plan.decode if keep_weight else many, many, plan.decode_rows, plan.prompt_rows)
+    products.pack(module, keep_weight)
+
+
+def codes_plan(engine: Engine, on: bool) -> None:
+    """The engine's layers in the byte kernel's codes (its plan) or, off, in 16-bit codes per row."""
+    plan = engine.plan
+    (plan if on else Plan(plan.library, plan.dtype, plan.weights, plan.vision_int8, "off")).apply(engine.model)
+
+
 def quantize_in_place(model, int8_activations: bool, float_channels: dict[str, torch.Tensor] | None = None):
     """What weights.load_model does for --weights int8 --vision-int8 (every text and vision
     linear -> Int8Linear, tied embeddings read from the quantised head), on an already loaded
@@ -151,12 +168,13 @@ def quantize_in_place(model, int8_activations: bool, float_channels: dict[str, t
         new.scales = scales.to(dtype)
         if old.bias is not None:
             new.bias = old.bias.detach().to(dtype)
+        new.use_plan(default_plan(dtype), layer_kind(name))
         if int8_activations:
-            new.pack(kernels().int8_levels, keep_weight=True)
+            packed_plan(new, 8 if library().int8_levels == 255 else 7, keep_weight=True)
         setattr(parent, attr, new)
     if model.cfg.tie_word_embeddings:
         model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
-    model.language_model._native_layers = None
+    model.language_model.step_args = None
     return model
 
 
@@ -201,7 +219,7 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
     record("int8 weights, vision bf16", base)
 
     vision = "vision int8 x int8, 8-bit codes per 64 columns, smoothed (default: VNNI, AVX-VNNI)" \
-        if kernels().group_codes(torch.bfloat16) else "vision int8 x int8, smoothed (default here)"
+        if default_plan(torch.bfloat16).group_codes else "vision int8 x int8, smoothed (default here)"
     for name, acts in (("vision int8 weights, smoothed (default: float32 tiers without int8 products)", "off"),
                        (vision, "vision")):
         engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
@@ -214,7 +232,7 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
                                            int8_activations="off"))
         for module_name, module in engine.model.named_modules():
             if isinstance(module, Int8Linear) and module_name.startswith("visual."):
-                module.pack(levels, keep_weight=False)  # what Engine.load does where oneDNN multiplies (or AMX)
+                packed_plan(module, 8 if levels == 255 else 7, keep_weight=False)  # where oneDNN multiplies
         record(name, run(engine, evaluation))
         del engine
 
@@ -257,39 +275,37 @@ class Rows(list):
 
 def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The float32 tiers' prefill products: dequantised weights against 16-bit activation codes."""
-    from qvl import native
-
     common = dict(model=str(path), threads=args.threads, quant_cache=False, vision_int8=False,
                   int8_activations="off")
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(model=str(path), threads=args.threads, weights="bf16", dtype="fp32")),
               evaluation)
     rows = Rows(ref)
-    i16_linear = native.i16_linear
-    native.i16_linear = lambda *a, **k: None  # the float32 path before section 37
+    i16_linear = linear.i16_linear
+    linear.i16_linear = lambda *a, **k: None  # the float32 path before section 37
     try:
         rows.base = run(Engine.load(EngineOptions(**common, weights="int8", dtype="fp32")), evaluation)
     finally:
-        native.i16_linear = i16_linear
+        linear.i16_linear = i16_linear
     rows.record("float32, int8 weights, prefill's products dequantised (before)", rows.base)
     engine = Engine.load(EngineOptions(**common, weights="int8", dtype="fp32"))
-    assert kernels().i16_products(torch.float32), "qvl_i16_linear does not run on this CPU"
+    assert default_plan(torch.float32).pair_products, "qvl_i16_linear does not run on this CPU"
     rows.record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
     del engine
-    if kernels().group_codes(torch.float32):  # the byte kernel: VNNI's 8-bit codes, plain AVX2's 7-bit
-        levels = kernels().q8_levels
+    if default_plan(torch.float32).group_codes:  # the byte kernel: VNNI's 8-bit codes, plain AVX2's 7-bit
+        levels = library().q8_levels
         engine = Engine.load(EngineOptions(**{**common, "int8_activations": "all"}, weights="int8", dtype="fp32"))
-        rows.record(f"float32, int8 weights, prefill in codes -{levels}..{levels} per {native.ACTIVATION_GROUP} "
+        rows.record(f"float32, int8 weights, prefill in codes -{levels}..{levels} per {linear.ACTIVATION_GROUP} "
                     "columns (the byte kernel)", run(engine, evaluation))
-        q8_linear = native.q8_linear
+        q8_linear = linear.q8_linear
         for top in (63, 127):  # both code widths with the sums in float32, for scale
-            native.q8_linear = lambda lib, x, w, s, bias=None, top=top, **kw: simulated_codes(
-                native.ACTIVATION_GROUP, top)(lib, x, w, s, bias)
+            linear.q8_linear = lambda lib, x, w, s, bias=None, top=top, **kw: simulated_codes(
+                linear.ACTIVATION_GROUP, top)(lib, x, w, s, bias)
             try:
-                rows.record(f"float32, int8 weights, prefill in codes -{top}..{top} per {native.ACTIVATION_GROUP} "
+                rows.record(f"float32, int8 weights, prefill in codes -{top}..{top} per {linear.ACTIVATION_GROUP} "
                             "columns, simulated in float32", run(engine, evaluation))
             finally:
-                native.q8_linear = q8_linear
+                linear.q8_linear = q8_linear
         del engine
     rows.record("bf16, int8 weights (the bf16 tiers)",
                 run(Engine.load(EngineOptions(**common, weights="int8", dtype="bf16")), evaluation))
@@ -314,18 +330,16 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     """Prefill's int8 products in 8-bit activation codes per group of input columns (the
     default where the CPU has VNNI: qvl_q8_linear) against 16-bit codes per row (qvl_i16_linear,
     --int8-activations vision), both against bf16 weights; with the products' distance."""
-    from qvl import native
 
     common = dict(model=str(path), threads=args.threads, quant_cache=False)
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
     rows = Rows(ref)
     engine = Engine.load(EngineOptions(**common, weights="int8"))
-    assert kernels().group_codes(torch.bfloat16), "qvl_q8_linear does not run on this CPU"
-    layers = [m for m in engine.model.modules() if getattr(m, "byte_codes", False)]
-    assert layers, "the defaults did not take 8-bit codes in prefill"
+    assert default_plan(torch.bfloat16).group_codes, "qvl_q8_linear does not run on this CPU"
+    assert engine.int8_activations == "all", "the defaults did not take 8-bit codes in prefill"
     groups = [0 if g == "row" else int(g) for g in args.groups.split(",")]
-    i16_linear, q8_linear = native.i16_linear, native.q8_linear
+    i16_linear, q8_linear = linear.i16_linear, linear.q8_linear
     schemes = {g: (simulated_codes(0, 127) if g == 0 else
                    lambda lib, x, w, s, bias=None, g=g: q8_linear(lib, x, w, s, bias, group=g)) for g in groups}
     squares, total = {g: 0.0 for g in groups}, [0.0]
@@ -338,44 +352,39 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
             squares[g] += (product(lib, x, weight, scales, bias).float() - yf).pow(2).sum().item()
         return y
 
-    for m in layers:
-        m.byte_codes = False
-    native.i16_linear = measured
+    codes_plan(engine, False)
+    linear.i16_linear = measured
     try:
         rows.base = run(engine, evaluation)
     finally:
-        native.i16_linear = i16_linear
-        for m in layers:
-            m.byte_codes = True
+        linear.i16_linear = i16_linear
+        codes_plan(engine, True)
     rows.record("16-bit codes per row (--int8-activations vision)", rows.base)
     try:
         for g, product in schemes.items():
-            native.q8_linear = lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
-            per = f"{g} columns" + (" (the default)" if g == native.ACTIVATION_GROUP else "") if g else \
+            linear.q8_linear = lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
+            per = f"{g} columns" + (" (the default)" if g == linear.ACTIVATION_GROUP else "") if g else \
                 "row (simulated in float32)"
             rows.record(f"8-bit codes per {per}", run(engine, evaluation))
             rows[-1][1]["note"] = f"products' rms distance to 16-bit codes {(squares[g] / total[0]) ** 0.5:.4f}"
         if args.noise:  # the same schemes with the sums in float32: how far float rounding alone moves the scores
             for name, product, layer_codes in (("16-bit codes per row", simulated_codes(0, 32767), False),
-                                               (f"8-bit codes per {native.ACTIVATION_GROUP} columns",
-                                                simulated_codes(native.ACTIVATION_GROUP, 127), True)):
-                for m in layers:
-                    m.byte_codes = layer_codes
-                native.i16_linear = native.q8_linear = \
+                                               (f"8-bit codes per {linear.ACTIVATION_GROUP} columns",
+                                                simulated_codes(linear.ACTIVATION_GROUP, 127), True)):
+                codes_plan(engine, layer_codes)
+                linear.i16_linear = linear.q8_linear = \
                     lambda lib, x, w, s, bias=None, group=0, product=product: product(lib, x, w, s, bias)
                 rows.record(f"{name}, simulated in float32", run(engine, evaluation))
     finally:
-        native.i16_linear, native.q8_linear = i16_linear, q8_linear
-        for m in layers:
-            m.byte_codes = True
+        linear.i16_linear, linear.q8_linear = i16_linear, q8_linear
+        codes_plan(engine, True)
     return rows
 
 
 def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The vision tower's int8 x int8 products on this tier (float32 compute, prefill as the
     defaults): oneDNN's int8 GEMM with codes per row against qvl's byte kernel with codes per
-    native.ACTIVATION_GROUP columns, against float32 compute with bf16 weights."""
-    from qvl import native
+    linear.ACTIVATION_GROUP columns, against float32 compute with bf16 weights."""
     from vision_products import without_byte_kernel  # benchmarks/ is the script's folder
 
     common = dict(model=str(path), threads=args.threads, quant_cache=False, dtype="fp32")
@@ -384,16 +393,16 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     rows = Rows(ref)
     rows.base = run(Engine.load(EngineOptions(**common, weights="int8", int8_activations="off")), evaluation)
     rows.record("int8 vision weights, float products", rows.base)
-    k = kernels()
-    assert k.group_codes(torch.float32), "qvl's byte kernel does not run on this tier"
+    k = library()
+    assert default_plan(torch.float32).group_codes, "qvl's byte kernel does not run on this tier"
     levels = k.q8_levels
     with without_byte_kernel():
         engine = Engine.load(EngineOptions(**common, weights="int8", int8_activations="vision"))
     rows.record(f"the tower in oneDNN's codes 0..{k.int8_levels} per row", run(engine, evaluation))
     engine = Engine.load(EngineOptions(**common, weights="int8", int8_activations="vision"))
-    assert all(m.byte_codes for n, m in engine.model.named_modules() if n.startswith("visual.")
-               and getattr(m, "byte_codes", None) is not None)
-    rows.record(f"the tower in the byte kernel's codes -{levels}..{levels} per {native.ACTIVATION_GROUP} columns",
+    assert all(m.plan.prefill.name == "q8_linear" for n, m in engine.model.named_modules()
+               if n.startswith("visual.") and isinstance(m, Int8Linear))
+    rows.record(f"the tower in the byte kernel's codes -{levels}..{levels} per {linear.ACTIVATION_GROUP} columns",
                 run(engine, evaluation))
     return rows
 

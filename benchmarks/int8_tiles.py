@@ -1,5 +1,5 @@
 """Many-row int8 x int8 products on AMX: qvl's int8-tile kernel (each 32 x 32 block of sums
-rescaled while in L1, `native.int8_matmul(..., amx=True)`) against oneDNN's int8 GEMM and the
+rescaled while in L1, `qvl.kernels.linear.int8_matmul(..., amx=True)`) against oneDNN's int8 GEMM and the
 separate rescale pass (what ran before, and what CPUs without AMX run), on the vision towers'
 shapes at the default budget (1008 patches), the norm, GELU and residual fused as the tower
 fuses them. The two sides alternate in every round; both include the quantise pass.
@@ -18,7 +18,8 @@ import torch
 
 from compare import median_time
 
-from qvl import dispatch, native
+from qvl.kernels import build, linear
+from qvl.kernels.library import library
 
 SHAPES = {  # name: (in, out, gelu, residual, layer norm) as the vision blocks call them
     "2B qkv (1024 -> 3072)": (1024, 3072, False, False, True),
@@ -38,8 +39,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    k = dispatch.kernels()
-    if not k.has(native.AMX_INT8):
+    k = library()
+    if not k.has(build.AMX_INT8):
         raise SystemExit("this CPU (or build) has no AMX int8 tiles")
     print(f"{args.rows} rows, {args.threads} threads, {args.rounds} alternating rounds, medians (min-max) in ms\n")
     print("| product | oneDNN + rescale pass | int8 tiles | tiles / oneDNN |")
@@ -53,12 +54,12 @@ def main() -> None:
         colsums = w.sum(1, dtype=torch.int32).float()
         res = torch.randn(args.rows, n).bfloat16() if residual else None
         ln = ((torch.rand(k_in) + 0.5).bfloat16(), torch.randn(k_in).bfloat16(), 1e-6) if norm else None
-        packs = {"onednn": (native.pack_int8(w), False), "tiles": (native.amx_pack_int8(k.lib, w), True)}
+        packs = {"onednn": (linear.pack_int8(w), False), "tiles": (linear.amx_pack_int8(k.lib, w), True)}
         times: dict[str, list[float]] = {side: [] for side in packs}
         for r in range(args.rounds):
             for side in (list(packs) if r % 2 == 0 else list(packs)[::-1]):
                 packed, amx = packs[side]
-                times[side].append(median_time(lambda: native.int8_matmul(k.lib, x, packed, colsums, scale, bias,
+                times[side].append(median_time(lambda: linear.int8_matmul(k.lib, x, packed, colsums, scale, bias,
                                                                           255, gelu, res, ln, amx), repeat=5))
         med = {side: statistics.median(t) for side, t in times.items()}
         for side in med:

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from compare import median_time  # benchmarks/compare.py (this script's folder is on sys.path)
-from qvl import native
-from qvl.dispatch import kernels
+from qvl.kernels import attention, build, linear
+from qvl.kernels.library import library
+from qvl.kernels.plan import default_plan
 from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
 
 
@@ -40,29 +41,30 @@ def gemv_rows(lib, repeat: int, count: int, dt: torch.dtype) -> list[tuple[str, 
     def rate(run, mats, nbytes):
         return nbytes * len(mats) / median_time(lambda: [run(m) for m in mats], repeat) / 1e9
 
-    rows.append(("bf16", rate(lambda m: native.linear(lib, native.W_BF16, x, m, n), bf, n * k * 2),
+    rows.append(("bf16", rate(lambda m: linear.gemv(lib, build.W_BF16, x, m, n), bf, n * k * 2),
                  rate(lambda m: F.linear(x, m.to(dt)), bf, n * k * 2)))
-    rows.append(("int8", rate(lambda m: native.linear(lib, native.W_INT8, x, m, n, s8), i8, n * k),
+    rows.append(("int8", rate(lambda m: linear.gemv(lib, build.W_INT8, x, m, n, s8), i8, n * k),
                  rate(lambda m: torch._weight_int8pack_mm(x, m, s8), i8, n * k)))
     packed = [torch._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32), 1) for _ in range(count)]
     sz = torch.stack([s4.t(), z4.t()], -1).contiguous()
-    rows.append(("int4 (g128)", rate(lambda m: native.linear(lib, native.W_INT4, x, m, n, s4, z4, 128), i4, n * k // 2),
+    rows.append(("int4 (g128)", rate(lambda m: linear.gemv(lib, build.W_INT4, x, m, n, s4, z4, 128), i4, n * k // 2),
                  rate(lambda m: torch._weight_int4pack_mm_for_cpu(x, m, 128, sz), packed, n * k // 2)))
     return rows
 
 
 def attention_rows(lib, repeat: int, dt: torch.dtype) -> list[tuple[str, float, float]]:
     rows = []
-    for patches in (1008, 8160) if kernels().flash_attention(torch.bfloat16) else ():  # 1920x1080 at the default 252 tokens, and at the full 2040
+    flash = default_plan(torch.bfloat16).prefill_attention == "qvl_attention"
+    for patches in (1008, 8160) if flash else ():  # 1920x1080 at the default 252 tokens, and at the full 2040
         q, k, v = (torch.randn(patches, 16, 64).bfloat16() for _ in range(3))
         flops = 4 * 16 * patches**2 * 64
-        ours = median_time(lambda: native.attention(lib, q, k, v), repeat)
+        ours = median_time(lambda: attention.attention(lib, q, k, v), repeat)
         heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, S, D]: SDPA's fused 4-D path
         sdpa = median_time(lambda: F.scaled_dot_product_attention(*heads_first), repeat)
         rows.append((f"vision attention, {patches} patches (TFLOP/s)", flops / ours / 1e12, flops / sdpa / 1e12))
     cache_k, cache_v = torch.randn(1, 8, 4096, 128).to(dt), torch.randn(1, 8, 4096, 128).to(dt)
     keys, values, q = cache_k[:, :, :2048], cache_v[:, :, :2048], torch.randn(1, 16, 1, 128).to(dt)
-    ours = median_time(lambda: native.decode_attention(lib, q, keys, values, None), repeat * 20) * 1e3
+    ours = median_time(lambda: attention.decode_attention(lib, q, keys, values, None), repeat * 20) * 1e3
     sdpa = median_time(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True), repeat * 20) * 1e3
     rows.append(("decode attention, 2048 positions (ms per layer)", ours, sdpa))
     return rows
@@ -74,7 +76,7 @@ def int8_gemm_row(lib, repeat: int, dt: torch.dtype) -> tuple[str, float, float]
     q, s = quantize_int8(w)
     s = s.to(dt)
     dense = (q.float() * s.float()[:, None]).to(dt)
-    ours = median_time(lambda: native.int8_matmul(lib, x, q, s), repeat)
+    ours = median_time(lambda: linear.int8_matmul(lib, x, q, s), repeat)
     bf16 = median_time(lambda: F.linear(x, dense), repeat)
     flops = 2 * m * k * n
     return (f"int8 x int8 GEMM (--int8-activations) vs {str(dt)[6:]} GEMM, 1008x1024x4096 (TFLOP/s)",
@@ -89,10 +91,10 @@ def main() -> None:
     p.add_argument("--matrices", type=int, default=32, help="distinct weight matrices per GEMV pass (> L3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    lib, dt = kernels().lib, torch.bfloat16 if kernels().native_bf16 else torch.float32
+    lib, dt = library().lib, torch.bfloat16 if library().tier.bf16 else torch.float32
     if lib is None:
         raise SystemExit("the native kernels are not available here")
-    print(f"{args.threads} threads, {dt} activations; kernels: {kernels().describe()}\n")
+    print(f"{args.threads} threads, {dt} activations; kernels: {library().describe()}\n")
     print("| decode GEMV, 1 row, 6144x2048 | qvl GB/s | torch GB/s | ratio |\n|---|---|---|---|")
     for name, ours, theirs in gemv_rows(lib, args.repeat, args.matrices, dt):
         print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")

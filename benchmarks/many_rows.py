@@ -5,7 +5,7 @@ tier, the ways of computing them alternating within each round:
   float32 GEMM       F.linear on a float weight (what transformers runs; MKL's sgemm)
   dequantise whole   the int8 weight dequantised at once, then the float GEMM (qvl before)
   dequantise blocks  1024 weight rows at a time (qvl's float path up to 512 rows: prefill chunks)
-  int8 x int8        activations quantised per row, oneDNN's int8 GEMM (native.int8_matmul:
+  int8 x int8        activations quantised per row, oneDNN's int8 GEMM (qvl.kernels.linear.int8_matmul:
                      the vision tower's default on x86 without AMX, --int8-activations all)
 
 Shapes: the 2B vision tower at the default budget (1008 patches) and the 2B decoder over a
@@ -36,26 +36,27 @@ def worker(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from qvl import native, quantize
-    from qvl.dispatch import kernels
+    from qvl.kernels import linear, products
+    from qvl.quantize import quantize_int8
+    from qvl.kernels.library import library
 
     torch.set_num_threads(args.threads)
-    lib = kernels().lib
-    quantize.DEQUANTIZED_MAX_ACTIVATIONS = 1 << 30  # blocks at every row count, to compare
+    lib = library().lib
+    products.DEQUANTIZED_MAX_ACTIVATIONS = 1 << 30  # blocks at every row count, to compare
 
     def blocks(x, q, s):
-        return quantize.dequantized_product(x, q.shape[0], lambda r: quantize.dequantize_int8(q[r], s[r]))
+        return products.dequantized_product(x, q.shape[0], lambda r: products.dequantize_int8(q[r], s[r]))
 
     times: dict[str, dict[str, list[float]]] = {}
     for name, (m, k, n) in SHAPES.items():
         x, w = torch.randn(m, k), torch.randn(n, k)
-        q, s = quantize.quantize_int8(w)
+        q, s = quantize_int8(w)
         dense = q.float() * s[:, None]
         ways = {
             "float32 GEMM": lambda: F.linear(x, dense),
-            "dequantise whole": lambda: F.linear(x, quantize.dequantize_int8(q, s)),
+            "dequantise whole": lambda: F.linear(x, products.dequantize_int8(q, s)),
             "dequantise blocks": lambda: blocks(x, q, s),
-            "int8 x int8": lambda: native.int8_matmul(lib, x, q, s),
+            "int8 x int8": lambda: linear.int8_matmul(lib, x, q, s),
         }
         for fn in ways.values():
             fn()  # warm-up
@@ -65,7 +66,7 @@ def worker(args) -> None:
                 started = time.perf_counter()
                 ways[way]()
                 times[name][way].append((time.perf_counter() - started) * 1e3)
-    print(json.dumps({"tier": kernels().tier.name, "times": times}))
+    print(json.dumps({"tier": library().tier.name, "times": times}))
 
 
 def spread(v: list[float]) -> str:

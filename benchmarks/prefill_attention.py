@@ -30,8 +30,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from qvl import native
-from qvl.dispatch import kernels
+from qvl.kernels import attention, build
+from qvl.kernels.library import library
+from qvl.kernels.plan import default_plan
 from qvl.kv_cache import BLOCK
 from vision_attention import checkout_library, spread  # benchmarks/ is the script's folder
 
@@ -53,7 +54,6 @@ def gathered(x: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
 
 def in_model(args) -> None:
     """The photo's prompt prefilled with prefill's attention on qvl's kernel and on SDPA, alternating."""
-    from qvl import dispatch
     from qvl.bench import synthetic_image
     from qvl.engine import Engine, EngineOptions, Request
     from qvl.generate import new_cache, prefill_slice
@@ -66,10 +66,10 @@ def in_model(args) -> None:
                                                     {"type": "text", "text": "Describe this image."}]}],
                       SamplingParams(temperature=0, max_new_tokens=1))
     prompt = engine.prepare(engine.parse(request), Timings())
-    ours = dispatch.Kernels.flash_attention
+    ours = attention.paged_attention
 
     def prefill(side: str) -> float:
-        dispatch.Kernels.flash_attention = ours if side == "qvl" else (lambda self, dtype: False)
+        attention.paged_attention = ours if side == "qvl" else (lambda *a, **kw: None)  # declined: SDPA runs
         cache = new_cache(engine.model, 1, len(prompt))
         with torch.inference_mode():
             started = time.perf_counter()
@@ -80,7 +80,7 @@ def in_model(args) -> None:
     for r in range(args.rounds):
         for side in (("qvl", "sdpa") if r % 2 == 0 else ("sdpa", "qvl")):
             times[side].append(prefill(side))
-    dispatch.Kernels.flash_attention = ours
+    attention.paged_attention = ours
     print(f"{len(prompt)} prompt tokens; prefill ms, {args.rounds} alternating rounds: qvl's kernel "
           f"{spread(times['qvl'])}, SDPA {spread(times['sdpa'])}; qvl / SDPA "
           f"{statistics.median(times['qvl']) / statistics.median(times['sdpa']):.3f}, per round "
@@ -98,9 +98,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.model:
         return in_model(args)
-    lib = kernels().lib
+    lib = library().lib
     before = checkout_library(args.before) if args.before else None
-    print(f"{kernels().describe()['flash_attention']} / AMX tiles: {bool(lib.features & native.AMX_INT8)}; "
+    print(f"{default_plan(torch.bfloat16).prefill_attention} / AMX tiles: {bool(lib.features & build.AMX_INT8)}; "
           f"{args.threads} threads\n")
     print("| prompt tokens (queries) | SDPA ms | qvl ms | qvl / SDPA | max diff SDPA, qvl (vs float32) |"
           + (" before ms | qvl / before |" if before else "") + "\n|---|---|---|---|---|" + ("---|---|" if before else ""))
@@ -117,9 +117,9 @@ def main() -> None:
             return F.scaled_dot_product_attention(qt.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
                                                   enable_gqa=True)[0].transpose(0, 1)
 
-        sides = {"sdpa": sdpa, "qvl": lambda: native.paged_attention(lib, q, keys, values, table, start)}
+        sides = {"sdpa": sdpa, "qvl": lambda: attention.paged_attention(lib, q, keys, values, table, start)}
         if before:
-            sides["before"] = lambda: native.paged_attention(before, q, keys, values, table, start)
+            sides["before"] = lambda: attention.paged_attention(before, q, keys, values, table, start)
         times: dict[str, list[float]] = {name: [] for name in sides}
         with torch.inference_mode():
             for r in range(args.rounds):

@@ -1,7 +1,7 @@
 """Prefill's int8 (or int4) products on AMX: the bf16 tile kernel (weights converted to bf16
-panel by panel, `native.amx_bf16_linear`) against dequantising the weight and running oneDNN's
-bf16 GEMM (what CPUs without AMX run), and for int8 weights the int8 tile kernel with 16-bit
-activation codes (`native.amx_i16_linear`, what prefill runs on AMX since section 36), on 2B's
+panel by panel, `qvl.kernels.linear.amx_bf16_linear`) against dequantising the weight and running
+oneDNN's bf16 GEMM (what CPUs without AMX run), and for int8 weights the int8 tile kernel with 16-bit
+activation codes (`linear.amx_i16_linear`, what prefill runs on AMX since section 36), on 2B's
 and 8B's layer shapes, alternating in every round.
 
     python benchmarks/prefill_products.py --rows 100 264 1000 --rounds 5
@@ -9,9 +9,9 @@ and 8B's layer shapes, alternating in every round.
 
 On x86 without AMX (or a tier emulated as such: QVL_ISA plus torch's switches, see tiers.py) it
 compares instead, in the tier's compute dtype (bf16 where it has bf16 products, else float32),
-the 16-bit pair kernel (`native.i16_linear`, prefill's int8 products there since section 37)
+the 16-bit pair kernel (`linear.i16_linear`, prefill's int8 products there since section 37)
 with dequantising the weight for the tier's GEMM (oneDNN's bf16, MKL's float32: before), and
-where the CPU has VNNI the 8-bit group-code kernel (`native.q8_linear`, prefill's default there
+where the CPU has VNNI the 8-bit group-code kernel (`linear.q8_linear`, prefill's default there
 since section 40) with the 16-bit pair kernel.
 
 Prints per shape the median ms (min-max) of each side and the ratios to dequantise + GEMM; "n/a"
@@ -28,8 +28,11 @@ import torch.nn.functional as F
 
 from compare import median_time
 
-from qvl import dispatch, native
-from qvl.quantize import dequantize_int4, dequantize_int8, pack_nibbles, quantize_int4, quantize_int8
+from qvl.kernels import build, linear
+from qvl.kernels.library import library
+from qvl.kernels.plan import default_plan
+from qvl.kernels.products import dequantize_int4, dequantize_int8
+from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
 
 SHAPES = {"2B q/o (2048 -> 2048)": (2048, 2048), "2B gate/up (2048 -> 6144)": (2048, 6144),
           "2B down (6144 -> 2048)": (6144, 2048), "8B gate/up (4096 -> 12288)": (4096, 12288)}
@@ -43,10 +46,10 @@ def main() -> None:
     p.add_argument("--kind", choices=["int8", "int4"], default="int8")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    k = dispatch.kernels()
-    if k.lib is not None and not k.has(native.AMX_INT8) and k.i16_products(torch.float32):
+    k = library()
+    if k.lib is not None and not k.has(build.AMX_INT8) and default_plan(torch.float32).pair_products:
         return x86_tier(args, k)
-    if k.lib is None or not k.has(native.AMX_INT8):
+    if k.lib is None or not k.has(build.AMX_INT8):
         raise SystemExit("this CPU (or build) has neither AMX tiles nor the 16-bit pair kernel")
     int8 = args.kind == "int8"
     print("| shape | rows | " + ("int8 tiles, 16-bit codes ms | " if int8 else "") + "AMX bf16 tiles ms | "
@@ -56,19 +59,19 @@ def main() -> None:
         w = torch.randn(N, K) / K**0.5
         if int8:
             q, s = quantize_int8(w)
-            s, z, code = s.to(torch.bfloat16), None, native.W_INT8
+            s, z, code = s.to(torch.bfloat16), None, build.W_INT8
             dequantized = lambda: dequantize_int8(q, s, transient=True)  # noqa: E731
         else:
             codes, s, z = quantize_int4(w, 128)
-            q, s, z, code = pack_nibbles(codes), s.to(torch.bfloat16), z.to(torch.bfloat16), native.W_INT4
+            q, s, z, code = pack_nibbles(codes), s.to(torch.bfloat16), z.to(torch.bfloat16), build.W_INT4
             dequantized = lambda: dequantize_int4(q, s, z, 128, transient=True)  # noqa: E731
         for rows in args.rows:
             x = torch.randn(rows, K).to(torch.bfloat16)
             sides = {"dequant": lambda: F.linear(x, dequantized())}
-            if native.amx_bf16_linear(k.lib, code, x, q, s, z, 128) is not None:  # else past its 2^21 activations
-                sides["tiles"] = lambda: native.amx_bf16_linear(k.lib, code, x, q, s, z, 128)
+            if linear.amx_bf16_linear(k.lib, code, x, q, s, z, 128) is not None:  # else past its 2^21 activations
+                sides["tiles"] = lambda: linear.amx_bf16_linear(k.lib, code, x, q, s, z, 128)
             if int8:
-                sides["i16"] = lambda: native.amx_i16_linear(k.lib, x, q, s)
+                sides["i16"] = lambda: linear.amx_i16_linear(k.lib, x, q, s)
             times = alternate(sides, args.rounds)
 
             def spread(side):
@@ -94,8 +97,8 @@ def alternate(sides: dict, rounds: int) -> dict[str, list[float]]:
 
 
 def x86_tier(args, k) -> None:
-    dtype = torch.bfloat16 if k.native_bf16 else torch.float32
-    bytes_ = k.group_codes(dtype)  # the byte kernel runs here (8-bit codes with VNNI, 7-bit on plain AVX2)
+    dtype = torch.bfloat16 if k.tier.bf16 else torch.float32
+    bytes_ = default_plan(dtype).group_codes  # the byte kernel runs here (8-bit codes with VNNI, 7-bit on plain AVX2)
     print(f"tier {k.tier.name}: {dtype}, int8 weights\n")
     head = "| shape | rows | " + (f"{k.q8_code_bits}-bit group codes ms | " if bytes_ else "") + "16-bit pairs ms | dequantise + GEMM ms | "
     head += ("pairs / group codes | " if bytes_ else "") + "dequantise / pairs |"
@@ -105,10 +108,10 @@ def x86_tier(args, k) -> None:
         s = s.to(dtype)
         for rows in args.rows:
             x = torch.randn(rows, K).to(dtype)
-            sides = {"pairs": lambda: native.i16_linear(k.lib, x, q, s),
+            sides = {"pairs": lambda: linear.i16_linear(k.lib, x, q, s),
                      "dequant": lambda: F.linear(x, dequantize_int8(q, s, transient=True))}
             if bytes_:
-                sides = {"bytes": lambda: native.q8_linear(k.lib, x, q, s), **sides}
+                sides = {"bytes": lambda: linear.q8_linear(k.lib, x, q, s), **sides}
             times = alternate(sides, args.rounds)
             cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in times.values()]
             ratio = lambda a, b: statistics.median([u / v for u, v in zip(times[a], times[b])])  # noqa: E731

@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qvl import native
-from qvl.dispatch import kernels
+from qvl.kernels import attention, build
+from qvl.kernels.library import library
+from qvl.kernels.plan import default_plan
 
 SHAPES = [(1008, 16, 64), (4032, 16, 64), (1008, 16, 72), (4032, 16, 72)]
 
@@ -50,12 +51,14 @@ def spread(ts: list[float]) -> str:
 def checkout_library(checkout: str):
     """The kernels of another checkout, built for this process's tier from its sources."""
     out = tempfile.mkdtemp(prefix="qvl-before-")
-    code = ("import sys; from pathlib import Path; from qvl import native; "
-            "print(native.build(Path(sys.argv[1]), native.select_tier()))")
+    code = ("import sys\nfrom pathlib import Path\n"
+            "try:\n    from qvl.kernels import build\n"
+            "except ImportError:  # a checkout from before qvl.kernels\n    from qvl import native as build\n"
+            "print(build.build(Path(sys.argv[1]), build.select_tier()))")
     env = {**os.environ, "PYTHONPATH": str(Path(checkout) / "src")}
     path = subprocess.run([sys.executable, "-c", code, out], env=env, capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
-    return native.open_library(Path(path))
+    return build.open_library(Path(path))
 
 
 def main() -> None:
@@ -66,12 +69,13 @@ def main() -> None:
     p.add_argument("--before", help="a checkout whose kernel (same tier) runs beside this one's")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    k = kernels()
-    print(f"vision attention: {k.describe()['vision_attention']}; {args.threads} threads\n")
+    k = library()
+    print(f"vision attention: {default_plan(torch.bfloat16).image_attention} ({k.describe()}); "
+          f"{args.threads} threads\n")
     dtype = torch.float32 if args.integer else torch.bfloat16
     def kernel_of(lib):
-        return (lambda q, kk, v: native.attention_i16(lib, q, kk, v)) if args.integer else \
-            (lambda q, kk, v: native.attention(lib, q, kk, v))
+        return (lambda q, kk, v: attention.attention_i16(lib, q, kk, v)) if args.integer else \
+            (lambda q, kk, v: attention.attention(lib, q, kk, v))
 
     kernel = kernel_of(k.lib)
     before = kernel_of(checkout_library(args.before)) if args.before else None
@@ -95,7 +99,7 @@ def main() -> None:
         if before:
             sides.append(("before", lambda: before(q, kk, v)))
         if byte_scores:
-            sides.append(("bytes", lambda: native.attention_q8(k.lib, q, kk, v)))
+            sides.append(("bytes", lambda: attention.attention_q8(k.lib, q, kk, v)))
         times = {name: [] for name, _ in sides}
         for r in range(args.rounds):
             for side, run in (sides if r % 2 == 0 else sides[::-1]):
@@ -106,7 +110,7 @@ def main() -> None:
         row = (f"| {n}, {h} x {d} | {spread(times['sdpa'])} | {spread(times['qvl'])} | {ratio:.2f} | "
                f"{diffs[0]:.4f}, {diffs[1]:.4f} |")
         if byte_scores:
-            mine = native.attention_q8(k.lib, q, kk, v)
+            mine = attention.attention_q8(k.lib, q, kk, v)
             row += (f" {spread(times['bytes'])} | {statistics.median(times['bytes']) / statistics.median(times['qvl']):.2f} |"
                     f" {(mine.to(exact) - ref).abs().max().item():.4f} |")
         if before:

@@ -24,9 +24,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import qvl.model.vision as vision
 from int8_activations import PROMPTS, eval_sizes, row_cosine, run, samples, top1
 from qvl.engine import Engine, EngineOptions
+from qvl.kernels import ops
 
 
 def dequantised_codes(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -96,10 +96,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| the defaults | {row_cosine(base.features, ref.features)[0]:.5f} | "
           f"{row_cosine(base.logits, ref.logits)[0]:.5f} | {top1(base.logits, ref.logits):.3f} | - |")
-    original = (vision.image_attention, vision.byte_image_attention, vision.integer_image_attention)
+    original = (ops.image_attention, ops.byte_image_attention, ops.integer_image_attention)
 
     def float_path(q, k, v, cos, sin):  # what the tower runs without the 16-bit integer kernel
-        return vision.image_attention(vision.vision_rotary(q, cos, sin), vision.vision_rotary(k, cos, sin), v)
+        return ops.image_attention(ops.vision_rotary(q, cos, sin), ops.vision_rotary(k, cos, sin), v)
 
     def everywhere(attend):  # (image, byte-score, 16-bit) attention all through `attend`
         return attend, attend, float_path
@@ -112,11 +112,11 @@ def main() -> None:
                 ("int8 QK per 64 tokens + 8-bit P and V", everywhere(attention(64, pv_codes=True))),
                 ("int8 QK per 64 tokens + 8-bit P and V per 64 keys", everywhere(attention(64, pv_block=64))))
     for name, (image, byte, integer) in variants[:2] if args.kernels_only else variants:
-        vision.image_attention, vision.byte_image_attention, vision.integer_image_attention = image, byte, integer
+        ops.image_attention, ops.byte_image_attention, ops.integer_image_attention = image, byte, integer
         try:
             out = run(engine, requests)
         finally:
-            vision.image_attention, vision.byte_image_attention, vision.integer_image_attention = original
+            ops.image_attention, ops.byte_image_attention, ops.integer_image_attention = original
         print(f"| {name} | {row_cosine(out.features, ref.features)[0]:.5f} | {row_cosine(out.logits, ref.logits)[0]:.5f} | "
               f"{top1(out.logits, ref.logits):.3f} | {top1(out.logits, base.logits):.3f} |", flush=True)
 

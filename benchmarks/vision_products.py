@@ -1,7 +1,7 @@
 """The vision tower's int8 products where the CPU has VNNI and no AMX, per layer shape, alternating
 in every round: oneDNN's int8 GEMM on prepacked weights with the activations in 8-bit codes per
-row (`native.int8_matmul`, what the tower ran before section 47) against qvl's byte-product
-kernel with 8-bit codes per 64 columns (`native.q8_linear`, what it runs now), each with the
+row (`linear.int8_matmul`, what the tower ran before section 47) against qvl's byte-product
+kernel with 8-bit codes per 64 columns (`linear.q8_linear`, what it runs now), each with the
 fusions the tower asks of it (qkv: the layer norm; proj and fc2: the residual add; fc1: the layer
 norm and tanh-GELU). bf16, or float32 with --fp32 (the avx512-nobf16 and avx2-vnni tiers).
 
@@ -11,7 +11,7 @@ norm and tanh-GELU). bf16, or float32 with --fp32 (the avx512-nobf16 and avx2-vn
 --before CHECKOUT: instead, this checkout's byte-product kernel against that checkout's (built
 for the same tier from its sources), plain products without fusions (older kernels have none),
 on the tower's shapes and 2B's decoder layers' (prefill); with --kernel i16 the 16-bit pair
-kernel's (`native.i16_linear`: prefill on plain AVX2, --int8-activations vision), e.g.
+kernel's (`linear.i16_linear`: prefill on plain AVX2, --int8-activations vision), e.g.
 
     QVL_ISA=avx2 python benchmarks/vision_products.py --before /work/wt-before --kernel i16 --fp32 --rows 1008 270
 
@@ -33,8 +33,9 @@ import torch
 
 from vision_attention import checkout_library
 
-from qvl import native
-from qvl.dispatch import kernels
+from qvl.kernels import linear
+from qvl.kernels.library import Library, library
+from qvl.kernels.plan import default_plan
 from qvl.quantize import quantize_int8
 
 VISION = {"qkv": (1024, 3072, "norm"), "proj": (1024, 1024, "residual"), "fc1": (1024, 4096, "norm, GELU"),
@@ -60,16 +61,14 @@ def spread(v: list[float]) -> str:
 
 @contextlib.contextmanager
 def without_byte_kernel():
-    """Within it, dispatch sees no byte kernel (as a build without one: AVX-512 without VNNI), so
+    """Within it, the plan sees no byte kernel (as a build without one: AVX-512 without VNNI), so
     engines loaded there run the vision tower's int8 x int8 products through oneDNN's GEMM."""
-    from qvl import dispatch
-
-    byte_kernel = dispatch.Kernels.q8_levels
-    dispatch.Kernels.q8_levels = property(lambda self: 0)
+    byte_kernel = Library.q8_levels
+    Library.q8_levels = property(lambda self: 0)
     try:
         yield
     finally:
-        dispatch.Kernels.q8_levels = byte_kernel
+        Library.q8_levels = byte_kernel
 
 
 def tower(args) -> None:
@@ -84,7 +83,7 @@ def tower(args) -> None:
     with without_byte_kernel():
         onednn = Engine.load(options)
     byte = Engine.load(options)
-    print(f"tier {kernels().tier.name}, {byte.model.dtype}, {args.rounds} rounds\n\n| image tokens | oneDNN per row ms "
+    print(f"tier {library().tier.name}, {byte.model.dtype}, {args.rounds} rounds\n\n| image tokens | oneDNN per row ms "
           f"| qvl per 64 columns ms | qvl / oneDNN (median of rounds) |\n|---|---|---|---|")
     for tokens in args.tokens:
         processed = preprocess(synthetic_image(1920, 1080), byte.image_cfg,
@@ -110,11 +109,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.tower:
         return tower(args)
-    k, dtype = kernels(), torch.float32 if args.fp32 else torch.bfloat16
+    k, dtype = library(), torch.float32 if args.fp32 else torch.bfloat16
     pairs = args.before and args.kernel == "i16"
-    if not (k.i16_products(dtype) if pairs else k.group_codes(dtype)):
+    if not (default_plan(dtype).pair_products if pairs else default_plan(dtype).group_codes):
         raise SystemExit(f"this CPU (or tier) has no {'16-bit pair' if pairs else 'byte'} products for this dtype")
-    product = native.i16_linear if pairs else native.q8_linear
+    product = linear.i16_linear if pairs else linear.q8_linear
     before = checkout_library(args.before) if args.before else None
     names = ("before", "now") if before else ("oneDNN per row", "qvl per 64 columns")
     print(f"| shape | rows | {names[0]} ms | {names[1]} ms | {names[1]} / {names[0]} |\n|---|---|---|---|---|")
@@ -123,7 +122,7 @@ def main() -> None:
     for name, (k_in, n, fusions) in shapes.items():
         q, s = quantize_int8(torch.randn(n, k_in) / k_in**0.5)
         s, bias = s.to(dtype), torch.randn(n).to(dtype)
-        packed, colsums = native.pack_int8(q), q.sum(1, dtype=torch.int32).float()
+        packed, colsums = linear.pack_int8(q), q.sum(1, dtype=torch.int32).float()
         norm = ((torch.rand(k_in) + 0.5).to(dtype), torch.randn(k_in).to(dtype), 1e-6)
         for rows in args.rows:
             x, residual = torch.randn(rows, k_in).to(dtype), torch.randn(rows, n).to(dtype)
@@ -133,8 +132,8 @@ def main() -> None:
             else:
                 fused = dict(gelu_tanh="GELU" in fusions, residual=residual if "residual" in fusions else None,
                              layer_norm=norm if "norm" in fusions else None)
-                sides = {"a": lambda: native.int8_matmul(k.lib, x, packed, colsums, s, bias, k.int8_levels, **fused),
-                         "b": lambda: native.q8_linear(k.lib, x, q, s, bias, **fused)}
+                sides = {"a": lambda: linear.int8_matmul(k.lib, x, packed, colsums, s, bias, k.int8_levels, **fused),
+                         "b": lambda: linear.q8_linear(k.lib, x, q, s, bias, **fused)}
             t = alternate(sides, args.rounds)
             ratio = statistics.median([b / a for a, b in zip(t["a"], t["b"])])
             label = f"{name} ({k_in} -> {n}{', ' + fusions if fusions and not before else ''})"

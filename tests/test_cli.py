@@ -73,9 +73,14 @@ def test_info_reports_features_dtype_threads():
     info = json.loads(r.stdout)
     assert info["dtype_auto"] in ("bfloat16", "float32")
     assert info["threads_default"] >= 1 and "avx512_bf16" in info["cpu_features"]
-    # which kernels this CPU runs, per product, and the tiers it could run
-    assert {"tier", "gemv_int8", "gemv_int4", "decode_attention", "flash_attention", "decode_step"} <= info["kernels"].keys()
-    assert info["kernels"]["tier"].split()[0] in info["tiers_available"].split(", ")
+    # the tier this CPU runs (of those it could run), and the kernel plan of the default options:
+    # per kind of layer, its kernel, activation codes and dtype
+    assert info["kernels"].split()[0] in info["tiers_available"].split(", ")
+    plan = info["plan"]
+    assert {"text linears, decode", "text linears, prefill", "lm_head", "vision linears", "text attention, prefill",
+            "vision attention", "decode step"} <= plan.keys()
+    assert all(p["kernel"] and p["dtype"] == info["dtype_auto"] and p["code_bits"] in (0, 7, 8, 16)
+               for p in plan.values())
 
 
 def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):

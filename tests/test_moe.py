@@ -49,6 +49,7 @@ def test_routing_is_the_renormalised_top_k_of_the_softmax():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantised_experts_compute_what_their_float_weights_do(bits):
+    from qvl.kernels.plan import default_plan
     from qvl.quantize import Int4Experts
 
     cfg = moe_text()
@@ -62,6 +63,7 @@ def test_quantised_experts_compute_what_their_float_weights_do(bits):
         for key, tensor in state.items():
             setattr(quantized, key.split(".", 1)[1], tensor)
     assert quantized.gate_up_proj.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    quantized.use_plan(default_plan(torch.float32), "text")  # a decoder layer's kernels, as loading gives them
     x = torch.randn(5, cfg.hidden_size)
     for expert in (0, 7, 15):
         want, got = float_experts(x, expert), quantized(x, expert)

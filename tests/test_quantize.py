@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from qvl.config import ModelConfig
-from qvl import dispatch, native, paths, quantize
+from qvl import paths
+from qvl.kernels import build, linear, products
+from qvl.kernels import library as library_module
+from qvl.kernels.library import Library, library
+from qvl.kernels.plan import GEMV_MAX_ROWS, default_plan
+from qvl.kernels.products import prompt_products, unpack_nibbles
 from qvl.quantize import (
     Bf16Linear,
     Int4Experts,
@@ -19,7 +24,6 @@ from qvl.quantize import (
     quantize_int4,
     quantize_int8,
     quantized_state,
-    unpack_nibbles,
 )
 from qvl.weights import CheckpointError, load_model, save_quantized
 
@@ -30,21 +34,28 @@ def _module(kind: str, o: int, i: int, dtype, group=64, bias=False):
         m = Bf16Linear(i, o, bias=bias, dtype=dtype)
         with torch.no_grad():
             m.weight.copy_(w)
-        return m, w
-    m = Int8Linear(i, o, bias, dtype) if kind == "int8" else Int4Linear(i, o, group, dtype)
-    for key, value in quantized_state(m, "m", w, dtype).items():
-        setattr(m, key.split(".", 1)[1], value)
-    if bias:
-        m.bias = torch.randn(o).to(dtype)
+    else:
+        m = Int8Linear(i, o, bias, dtype) if kind == "int8" else Int4Linear(i, o, group, dtype)
+        for key, value in quantized_state(m, "m", w, dtype).items():
+            setattr(m, key.split(".", 1)[1], value)
+        if bias:
+            m.bias = torch.randn(o).to(dtype)
+    m.use_plan(default_plan(dtype), "text")  # a decoder layer's kernels, as loading gives them
     return m, w
+
+
+def planned_product(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None):
+    """x @ the int8 weight q (scales s) as a decoder layer's default plan runs it."""
+    plan = default_plan(s.dtype).linear("text", "int8", *q.shape)
+    return products.int8_product(x, q, s, bias, products.kernel_for(plan, x))
 
 
 @pytest.fixture(params=["native", "torch"])
 def kernels(request, monkeypatch):
     """Each product runs once through qvl's native kernels and once through torch's."""
     if request.param == "torch":
-        monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(native.select_tier(), None, "test")])
-    elif dispatch.kernels().lib is None:
+        monkeypatch.setattr(library_module, "_chosen", [Library(build.select_tier(), None, "test")])
+    elif library().lib is None:
         pytest.skip("no C compiler: the native kernels are not built here")
     return request.param
 
@@ -77,7 +88,7 @@ def test_float32_products_dequantise_in_blocks_of_rows(kernels, kind, monkeypatc
     m, _ = _module(kind, 200, 256, torch.float32, bias=kind == "int8")
     x = torch.randn(3, 30, 256)
     whole = m(x)
-    monkeypatch.setattr(quantize, "DEQUANTIZED_ROWS", 64)
+    monkeypatch.setattr(products, "DEQUANTIZED_ROWS", 64)
     torch.testing.assert_close(m(x), whole, atol=1e-6 * whole.abs().max().item(), rtol=1e-5)
 
 
@@ -100,13 +111,14 @@ def test_int4_group_sizes_and_row_gather(kernels, group):
 def test_kernel_build_failure_is_reported_and_torch_kernels_take_over(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises((RuntimeError, OSError)):
-        native.build(tmp_path, native.select_tier())
+        build.build(tmp_path, build.select_tier())
     monkeypatch.setenv("QVL_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(paths, "cache_root", lambda: tmp_path / "empty-cache")
-    monkeypatch.setattr(dispatch, "_chosen", [])
-    chosen = dispatch.kernels()
+    monkeypatch.setattr(library_module, "_chosen", [])
+    chosen = library()
     assert chosen.lib is None and "native kernels unavailable" in capsys.readouterr().err
-    assert not chosen.gemv(torch.float32) and "off" in chosen.describe()["tier"]
+    assert default_plan(torch.float32).linear("text", "int4", 64, 128, 64).decode.name == "dequantize"
+    assert "off" in chosen.describe()
     m, _ = _module("int4", 64, 128, torch.float32)
     x = torch.randn(1, 128)
     torch.testing.assert_close(m(x), F.linear(x, m.dequantized()))
@@ -260,15 +272,15 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
     import threading
 
     for kernel in ("amx_bf16_linear", "amx_i16_linear", "i16_linear"):  # the path of those CPUs
-        monkeypatch.setattr(native, kernel, lambda *args: None)
+        monkeypatch.setattr(linear, kernel, lambda *args: None)
 
-    from qvl.quantize import dequantize_int8, int8_product, quantize_int8, scratch
+    from qvl.kernels.products import dequantize_int8, scratch
 
     torch.manual_seed(0)
-    x = torch.randn(dispatch.kernels().int8_gemv_rows + 8, 256).bfloat16()  # past the GEMV kernel's rows
+    x = torch.randn(GEMV_MAX_ROWS * 4 + 8, 256).bfloat16()  # past the GEMV kernel's rows (64 on AMX tiles)
     weights = [quantize_int8(torch.randn(n, 256)) for n in (384, 128, 384)]
     fresh = [F.linear(x, dequantize_int8(q, s.bfloat16())) for q, s in weights]
-    got = [int8_product(x, q, s.bfloat16()) for q, s in weights]
+    got = [planned_product(x, q, s.bfloat16()) for q, s in weights]
     for a, b in zip(got, fresh):
         assert torch.equal(a, b)
     last_q, last_s = weights[-1]  # the buffer holds the last product's weight
@@ -282,28 +294,34 @@ def test_many_row_products_reuse_one_scratch_buffer_per_thread(monkeypatch):
 
 
 def test_int8_products_take_the_gemv_kernel_up_to_the_tiers_row_limit():
-    """Up to Kernels.int8_gemv_rows rows (64 on AMX tiles, 16 elsewhere) an int8 product is the
-    GEMV kernel's exact 16-bit scheme; one row more, the int8 tile kernel (16-bit codes per row)
-    on AMX, the 16-bit pair kernel elsewhere on x86 (and for float32 on AMX), else the
-    dequantised weight through the float GEMM."""
-    from qvl.quantize import dequantize_int8, int8_product, quantize_int8
+    """A decoder layer's int8 plan: up to its decode_rows (64 on AMX tiles, 16 elsewhere) a
+    product is the GEMV kernel's exact 16-bit scheme; one row more, the int8 tile kernel (16-bit
+    codes per row) on AMX, the 16-bit pair kernel elsewhere on x86 (and for float32 on AMX), else
+    the dequantised weight through the float GEMM; a prompt's rows take that kernel from one row on."""
+    from qvl.kernels.products import dequantize_int8
 
-    k = dispatch.kernels()
+    k = library()
     if k.lib is None:
         pytest.skip("no native kernels")
-    assert k.int8_gemv_rows == (64 if k.has(native.AMX_INT8) else native.GEMV_MAX_ROWS)
+    plan = default_plan(torch.bfloat16).linear("text", "int8", 96, 256)
+    assert plan.decode_rows == (64 if k.has(build.AMX_INT8) else GEMV_MAX_ROWS) and plan.prompt_rows == 0
     torch.manual_seed(1)
     q, s = quantize_int8(torch.randn(96, 256))
     s = s.bfloat16()
-    for rows in (k.int8_gemv_rows, k.int8_gemv_rows + 1):
+
+    def many(x):
+        return (linear.amx_i16_linear(k.lib, x, q, s) if k.has(build.AMX_INT8) else linear.i16_linear(k.lib, x, q, s)
+                if default_plan(torch.bfloat16).pair_products else F.linear(x, dequantize_int8(q, s)))
+
+    for rows in (plan.decode_rows, plan.decode_rows + 1):
         x = torch.randn(rows, 256).bfloat16()
-        kernel = native.linear(k.lib, native.W_INT8, x, q, 96, s)
-        many = (native.amx_i16_linear(k.lib, x, q, s) if k.has(native.AMX_INT8) else
-                native.i16_linear(k.lib, x, q, s) if k.i16_products(torch.bfloat16) else F.linear(x, dequantize_int8(q, s)))
-        assert torch.equal(int8_product(x, q, s), kernel if rows == k.int8_gemv_rows else many), rows
-    if k.i16_products(torch.float32):
-        x = torch.randn(k.int8_gemv_rows + 1, 256)
-        assert torch.equal(int8_product(x, q, s.float()), native.i16_linear(k.lib, x, q, s.float()))
+        kernel = linear.gemv(k.lib, build.W_INT8, x, q, 96, s)
+        assert torch.equal(planned_product(x, q, s), kernel if rows == plan.decode_rows else many(x)), rows
+    with prompt_products():
+        assert torch.equal(planned_product(x[:1], q, s), many(x[:1]))
+    if default_plan(torch.float32).pair_products:
+        x = torch.randn(plan.decode_rows + 1, 256)
+        assert torch.equal(planned_product(x, q, s.float()), linear.i16_linear(k.lib, x, q, s.float()))
 
 
 @pytest.mark.parametrize("rows,k_in,n", [(65, 256, 96), (300, 128, 48), (17, 64, 16)])
@@ -312,8 +330,8 @@ def test_prefill_int8_products_on_int8_tiles_with_16_bit_activation_codes(rows, 
     exact int32 sums on int8 tiles. Within bf16's rounding of the exact product even with an
     outlier 300x the rest in a row, zero rows give the bias, a row's result is bit for bit the
     same alone as among others (batch invariance), and it is what int8_product runs."""
-    k = dispatch.kernels()
-    if k.lib is None or not k.has(native.AMX_INT8):
+    k = library()
+    if k.lib is None or not k.has(build.AMX_INT8):
         pytest.skip("no AMX tiles on this CPU")
     torch.manual_seed(3)
     q, s = quantize_int8(torch.randn(n, k_in))
@@ -321,7 +339,7 @@ def test_prefill_int8_products_on_int8_tiles_with_16_bit_activation_codes(rows, 
     x = torch.randn(rows, k_in).to(torch.bfloat16)
     x[1, 5] = 300.0  # a massive activation
     x[2] = 0
-    y = native.amx_i16_linear(k.lib, x, q, s, bias)
+    y = linear.amx_i16_linear(k.lib, x, q, s, bias)
     exact = x.double() @ (q.double() * s.double()[:, None]).T + bias.double()
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, n)
     close = lambda a, b: torch.testing.assert_close(a.double(), b, rtol=2**-7, atol=2e-3 * b.abs().max().item())
@@ -329,12 +347,12 @@ def test_prefill_int8_products_on_int8_tiles_with_16_bit_activation_codes(rows, 
     close(y[1], exact[1])  # the outlier's row: the rest of it in codes 1/32767 of 300 apart
     assert torch.equal(y[2], bias)
     for r in (0, rows - 1):
-        assert torch.equal(native.amx_i16_linear(k.lib, x[r : r + 1], q, s, bias), y[r : r + 1])
-    if rows > k.int8_gemv_rows:
-        assert torch.equal(quantize.int8_product(x, q, s, bias), y)
-    assert native.amx_i16_linear(k.lib, x[:, :k_in - 32].contiguous(), q[:, :k_in - 32].contiguous(), s) is None  # K % 64
-    assert native.amx_i16_linear(k.lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
-    assert native.amx_i16_linear(k.lib, x, q, s.float()) is None  # scales of another dtype than x
+        assert torch.equal(linear.amx_i16_linear(k.lib, x[r : r + 1], q, s, bias), y[r : r + 1])
+    if rows > default_plan(torch.bfloat16).linear("text", "int8", n, k_in).decode_rows:
+        assert torch.equal(planned_product(x, q, s, bias), y)
+    assert linear.amx_i16_linear(k.lib, x[:, :k_in - 32].contiguous(), q[:, :k_in - 32].contiguous(), s) is None  # K % 64
+    assert linear.amx_i16_linear(k.lib, x, q[:8].contiguous(), s[:8]) is None  # N % 16
+    assert linear.amx_i16_linear(k.lib, x, q, s.float()) is None  # scales of another dtype than x
 
 
 def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -392,39 +410,41 @@ def test_many_row_products_on_amx_tiles_round_only_their_outputs(kind, rows, mon
     the row scale after the sum; int4 groups dequantised as for the GEMM) and sum in float32 over
     all of K: within the output's bf16 rounding of the exact product (int4: and of its bf16
     weights), and a row's result is the same alone as among others."""
-    k = dispatch.kernels()
-    if k.lib is None or not k.has(native.AMX_INT8):
+    k = library()
+    if k.lib is None or not k.has(build.AMX_INT8):
         pytest.skip("no AMX tiles on this CPU")
     w = torch.randn(96, 256)
     if kind == "int8":
         q, s = quantize_int8(w)
-        s, z, code = s.to(torch.bfloat16), None, native.W_INT8
+        s, z, code = s.to(torch.bfloat16), None, build.W_INT8
         weight = q.double() * s.double()[:, None]
     else:
         codes, s, z = quantize_int4(w, 64)
-        q, s, z, code = pack_nibbles(codes), s.to(torch.bfloat16), z.to(torch.bfloat16), native.W_INT4
-        weight = quantize.dequantize_int4(q, s, z, 64).double()  # the bf16 weights the GEMM would use
+        q, s, z, code = pack_nibbles(codes), s.to(torch.bfloat16), z.to(torch.bfloat16), build.W_INT4
+        weight = products.dequantize_int4(q, s, z, 64).double()  # the bf16 weights the GEMM would use
     bias = torch.randn(96).to(torch.bfloat16)
     x = torch.randn(rows, 256).to(torch.bfloat16)
-    kernel = native.amx_bf16_linear
+    kernel = linear.amx_bf16_linear
     y = kernel(k.lib, code, x, q, s, z, 64, bias=bias)
     exact = x.double() @ weight.T + bias.double()
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, 96)
     torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-4 * exact.abs().max().item())
-    assert torch.equal(native.amx_bf16_linear(k.lib, code, x[-1:], q, s, z, 64, bias=bias), y[-1:])
+    assert torch.equal(linear.amx_bf16_linear(k.lib, code, x[-1:], q, s, z, 64, bias=bias), y[-1:])
     if kind == "int4":  # what prefill runs for int4 (counted: the dequantising path can give the same values)
         calls = []
-        monkeypatch.setattr(native, "amx_bf16_linear", lambda *args: calls.append(1) or kernel(*args))
-        assert torch.equal(quantize.int4_product(x, q, s, z, 64), kernel(k.lib, code, x, q, s, z, 64))
+        monkeypatch.setattr(linear, "amx_bf16_linear", lambda *args: calls.append(1) or kernel(*args))
+        plan = default_plan(torch.bfloat16).linear("text", "int4", 96, 256, 64)
+        assert torch.equal(products.int4_product(x, q, s, z, 64, products.kernel_for(plan, x)),
+                           kernel(k.lib, code, x, q, s, z, 64))
         assert len(calls) == 1
         monkeypatch.undo()
     if kind == "int4":  # without zeros or a group size: refused, not a crash
         assert kernel(k.lib, code, x, q, s, None, 64) is None and kernel(k.lib, code, x, q, s, z, 0) is None
     short = x[:, :240].contiguous()
-    assert native.amx_bf16_linear(k.lib, code, short, q[:, :240 // (1 if kind == "int8" else 2)].contiguous(),
+    assert linear.amx_bf16_linear(k.lib, code, short, q[:, :240 // (1 if kind == "int8" else 2)].contiguous(),
                                   s, z, 64) is None  # K % 32
     many = torch.zeros(8193, 256, dtype=torch.bfloat16)
-    assert native.amx_bf16_linear(k.lib, code, many, q, s, z, 64) is None  # more than 2^21 activation values
+    assert linear.amx_bf16_linear(k.lib, code, many, q, s, z, 64) is None  # more than 2^21 activation values
 
 
 def test_a_broken_checkpoint_names_its_tensors_and_leaves_no_cache_entry(tiny_checkpoint, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qvl import dispatch
+from qvl.kernels.plan import default_plan
 from qvl.engine import Cancelled, Engine, EngineOptions, Request
 from qvl.sampling import SamplingParams
 from qvl.scheduler import Sequence
@@ -54,7 +54,7 @@ def engine(request, tiny_checkpoint):
         return uncached(tiny_checkpoint, weights="int8", dtype="fp32")
     engine = uncached(tiny_checkpoint)  # int8 weights; bf16 compute where the CPU has it
     if engine.model.dtype == torch.bfloat16:
-        assert dispatch.kernels().decode_step(torch.bfloat16)  # the one-call native step runs
+        assert engine.plan.decode_step == "qvl_decode_layers"  # the one-call native step runs
     return engine
 
 
@@ -166,7 +166,7 @@ def test_a_prompt_token_computes_alike_in_any_slice(engine):
     from qvl.stream import Timings
 
     model = engine.model
-    if not dispatch.kernels().flash_attention(model.dtype):
+    if default_plan(model.dtype).prefill_attention != "qvl_attention":
         pytest.skip("prefill's attention is torch's SDPA here: slices may move the last bits (--deterministic)")
     long = Request([{"role": "user", "content": " ".join(f"w{i}" for i in range(60))}], GREEDY)
     prompt = engine.prepare(engine.parse(long), Timings())
@@ -194,7 +194,7 @@ def test_prefill_runs_the_final_layer_for_the_last_token_only(engine):
     (to the bit where prefill's attention is qvl's flash kernel; within float rounding where it
     is torch's SDPA)."""
     from qvl.generate import new_cache
-    from qvl.quantize import prompt_products
+    from qvl.kernels.products import prompt_products
     from qvl.stream import Timings
 
     model = engine.model
@@ -211,7 +211,7 @@ def test_prefill_runs_the_final_layer_for_the_last_token_only(engine):
     (full, keys, values), (tail, k, v), (none, k0, v0) = runs
     assert tail.shape == (1, 1, full.shape[-1]) and none.shape == (1, 0, full.shape[-1])
     assert torch.equal(k, keys) and torch.equal(v, values) and torch.equal(k0, keys) and torch.equal(v0, values)
-    if dispatch.kernels().flash_attention(model.dtype):
+    if default_plan(model.dtype).prefill_attention == "qvl_attention":
         assert torch.equal(tail[0, 0], full[0, -1])
     else:
         torch.testing.assert_close(tail[0, 0].float(), full[0, -1].float(), rtol=2e-2, atol=2e-2)

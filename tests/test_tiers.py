@@ -1,6 +1,6 @@
 """Every kernel tier this machine can run (AVX-512, AVX-512 without BF16, AVX2 with and
 without AVX-VNNI, portable C), each built as its own library, against float references; the
-dispatch object's choices per tier; the cache folder's fallback; importing without fcntl."""
+kernel plan per tier; the cache folder's fallback; importing without fcntl."""
 
 from __future__ import annotations
 
@@ -14,18 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qvl import dispatch, native, paths
-from qvl.dispatch import Kernels
+from qvl import paths
+from qvl.kernels import attention, build, elementwise, linear
+from qvl.kernels.library import Library, library
+from qvl.kernels.plan import Plan
 from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
 
-TIERS = native.tiers() if native.compiler() else []
+TIERS = build.tiers() if build.compiler() else []
 pytestmark = pytest.mark.skipif(not TIERS, reason="no C compiler")
 
 
 @pytest.fixture(scope="module", params=[t.name for t in TIERS])
 def tier_lib(request, tmp_path_factory):
     tier = next(t for t in TIERS if t.name == request.param)
-    return tier, native.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+    return tier, build.load(tier, tmp_path_factory.getbasetemp() / "tiers")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -60,12 +62,12 @@ def test_int4_gemv_exact_scheme(tier_lib):
         x, w, bias = torch.randn(m, 512), torch.randn(7, 512), torch.randn(7)
         for gs in (32, 64, 128, 256):
             q4, s4, z4 = quantize_int4(w, gs)
-            out = native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 7, s4, z4, gs, bias)
+            out = linear.gemv(lib, build.W_INT4, x, pack_nibbles(q4), 7, s4, z4, gs, bias)
             ref = _int4_reference(x, q4, s4, z4, gs, bias)
             torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=1e-4, msg=f"{tier.name} m={m} gs={gs}")
             if m == 8:
                 for rows in (1, 4, 5):
-                    alone = native.linear(lib, native.W_INT4, x[:rows], pack_nibbles(q4), 7, s4, z4, gs, bias)
+                    alone = linear.gemv(lib, build.W_INT4, x[:rows], pack_nibbles(q4), 7, s4, z4, gs, bias)
                     assert torch.equal(alone, out[:rows]), (tier.name, gs, rows)
 
 
@@ -81,30 +83,30 @@ def test_gemv_every_format(tier_lib, dtype):
         x, w = torch.randn(m, 512).to(dtype), torch.randn(96, 512)
         q, s = quantize_int8(w)
         ref = F.linear(x.float(), q.float() * s.to(dtype).float()[:, None])
-        assert _rel_err(native.linear(lib, native.W_INT8, x, q, 96, s.to(dtype)), ref) < bound, (tier, m)
+        assert _rel_err(linear.gemv(lib, build.W_INT8, x, q, 96, s.to(dtype)), ref) < bound, (tier, m)
         for gs in (32, 64, 128, 256):
             q4, s4, z4 = quantize_int4(w, gs)
             s4, z4 = s4.to(dtype), z4.to(dtype)
             deq = ((q4.float() - 8).view(96, -1, gs) * s4.float()[..., None] + z4.float()[..., None]).view(96, 512)
-            out, ref = native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 96, s4, z4, gs), F.linear(x.float(), deq)
+            out, ref = linear.gemv(lib, build.W_INT4, x, pack_nibbles(q4), 96, s4, z4, gs), F.linear(x.float(), deq)
             assert _rel_err(out, ref) < 5e-2 and F.cosine_similarity(out.float().flatten(), ref.flatten(), 0) > 0.999
 
-            back = native.dequantize(lib, native.W_INT4, pack_nibbles(q4), s4, z4, gs, (96, 512))
+            back = linear.dequantize(lib, build.W_INT4, pack_nibbles(q4), s4, z4, gs, (96, 512))
             torch.testing.assert_close(back.float(), deq, atol=2e-2, rtol=1e-2)
         wb, bias = w.bfloat16(), torch.randn(96).to(dtype)
         ref = F.linear(x.float(), wb.float(), bias.float())
-        assert _rel_err(native.linear(lib, native.W_BF16, x, wb, 96, bias=bias), ref) < bound, (tier, m)
+        assert _rel_err(linear.gemv(lib, build.W_BF16, x, wb, 96, bias=bias), ref) < bound, (tier, m)
     x, w = torch.randn(4, 512).to(dtype), torch.randn(96, 512)  # int4: a NaN or infinity gives its row NaN
     q4, s4, z4 = quantize_int4(w, 64)
     args = (pack_nibbles(q4), 96, s4.to(dtype), z4.to(dtype), 64)
-    clean = native.linear(lib, native.W_INT4, x, *args)
+    clean = linear.gemv(lib, build.W_INT4, x, *args)
     x[1, 3], x[2, -1] = float("nan"), float("inf")
-    poisoned = native.linear(lib, native.W_INT4, x, *args)
+    poisoned = linear.gemv(lib, build.W_INT4, x, *args)
     assert poisoned[1:3].isnan().all() and torch.equal(poisoned[[0, 3]], clean[[0, 3]]), tier.name
     x, w = torch.randn(3, 320).to(dtype), torch.randn(40, 320)  # K not a multiple of 128: float products
     q, s = quantize_int8(w)
     ref = F.linear(x.float(), q.float() * s.to(dtype).float()[:, None])
-    assert _rel_err(native.linear(lib, native.W_INT8, x, q, 40, s.to(dtype)), ref) < bound
+    assert _rel_err(linear.gemv(lib, build.W_INT8, x, q, 40, s.to(dtype)), ref) < bound
 
 
 def _int8_q16_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -139,23 +141,23 @@ def test_int8_gemv_exact_scheme_and_rows_independent(tier_lib, k):
     x[1, 128:256] = 0.0  # an all-zero chunk
     ref = _int8_q16_reference(x, q, s, bias)
     for m in (1, 2, 7, 16, 17):
-        out = native.linear(lib, native.W_INT8, x[:m], q, n, s, bias=bias)
+        out = linear.gemv(lib, build.W_INT8, x[:m], q, n, s, bias=bias)
         err = ((out.double() - ref[:m]).abs() / ref[:m].abs().amax(1, keepdim=True)).max().item()
         assert err < 1e-6, (tier.name, m, err)  # float32 sums of exact chunk sums: ~1.5e-7 measured
-    together = native.linear(lib, native.W_INT8, x, q, n, s, bias=bias)
+    together = linear.gemv(lib, build.W_INT8, x, q, n, s, bias=bias)
     for i in (0, 5, 16):
-        alone = native.linear(lib, native.W_INT8, x[i : i + 1], q, n, s, bias=bias)
+        alone = linear.gemv(lib, build.W_INT8, x[i : i + 1], q, n, s, bias=bias)
         assert torch.equal(alone[0], together[i]), (tier.name, i)
     threads = torch.get_num_threads()
     try:  # each thread takes an equal share of the weight rows: 1 or 3 shares, the same bits
         for t in (1, 3):
             torch.set_num_threads(t)
-            assert torch.equal(native.linear(lib, native.W_INT8, x, q, n, s, bias=bias), together), (tier.name, t)
+            assert torch.equal(linear.gemv(lib, build.W_INT8, x, q, n, s, bias=bias), together), (tier.name, t)
     finally:
         torch.set_num_threads(threads)
     x[3, 7] = float("nan")  # a NaN or infinity gives its own row NaN and leaves the others' bits alone
     x[4, -1] = float("inf")
-    poisoned = native.linear(lib, native.W_INT8, x, q, n, s, bias=bias)
+    poisoned = linear.gemv(lib, build.W_INT8, x, q, n, s, bias=bias)
     assert poisoned[3].isnan().all() and not poisoned[4].isfinite().any(), tier.name
     keep = [i for i in range(17) if i not in (3, 4)]
     assert torch.equal(poisoned[keep], together[keep]), tier.name
@@ -176,9 +178,9 @@ def test_decode_gemv_bits_do_not_depend_on_the_threads(tier_lib):
     q4, s4, z4 = quantize_int4(torch.randn(n, k), 64)
     wb = torch.randn(n, k).bfloat16().float()
     products = {
-        "int8": lambda rows: native.linear(lib, native.W_INT8, rows, q, n, s, bias=bias),
-        "int4": lambda rows: native.linear(lib, native.W_INT4, rows, pack_nibbles(q4), n, s4, z4, 64, bias),
-        "bf16": lambda rows: native.linear(lib, native.W_BF16, rows, wb.bfloat16(), n, bias=bias),
+        "int8": lambda rows: linear.gemv(lib, build.W_INT8, rows, q, n, s, bias=bias),
+        "int4": lambda rows: linear.gemv(lib, build.W_INT4, rows, pack_nibbles(q4), n, s4, z4, 64, bias),
+        "bf16": lambda rows: linear.gemv(lib, build.W_BF16, rows, wb.bfloat16(), n, bias=bias),
     }
     threads = torch.get_num_threads()
     try:
@@ -199,9 +201,9 @@ def test_amx_int8_tiles_only_where_the_tier_has_them(tmp_path_factory):
     """The default build of an AMX CPU takes int8 products on AMX tiles; a tier run as a CPU
     without them (avx512-noamx, the lower tiers) does not."""
     for tier in TIERS:
-        features = native.load(tier, tmp_path_factory.getbasetemp() / "tiers").qvl_features()
-        expected = tier.amx and "amx_int8" in native.cpu_flags() and tier.name == "avx512"
-        assert bool(features & native.AMX_INT8) == expected, tier.name
+        features = build.load(tier, tmp_path_factory.getbasetemp() / "tiers").qvl_features()
+        expected = tier.amx and "amx_int8" in build.cpu_flags() and tier.name == "avx512"
+        assert bool(features & build.AMX_INT8) == expected, tier.name
 
 
 def test_integer_products_agree_across_tiers(tmp_path_factory):
@@ -212,9 +214,9 @@ def test_integer_products_agree_across_tiers(tmp_path_factory):
     q4, s4, z4 = quantize_int4(w, 64)
     outs = []
     for tier in TIERS:
-        lib = native.load(tier, tmp_path_factory.getbasetemp() / "tiers")
-        outs.append((tier.name, native.linear(lib, native.W_INT8, x, q, 64, s),
-                     native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 64, s4, z4, 64)))
+        lib = build.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+        outs.append((tier.name, linear.gemv(lib, build.W_INT8, x, q, 64, s),
+                     linear.gemv(lib, build.W_INT4, x, pack_nibbles(q4), 64, s4, z4, 64)))
     for name, o8, o4 in outs[1:]:
         torch.testing.assert_close(o8, outs[0][1], atol=1e-4, rtol=1e-5, msg=name)
         torch.testing.assert_close(o4, outs[0][2], atol=1e-4, rtol=1e-5, msg=name)
@@ -239,7 +241,7 @@ def test_decode_attention(tier_lib, dtype):
     q = torch.randn(b, h, 1, d).to(dtype)
     pool_k, pool_v = torch.randn(9, hkv, BLOCK, d).to(dtype), torch.randn(9, hkv, BLOCK, d).to(dtype)
     table, lengths = torch.tensor([[7, 2, 5], [4, -1, -1]]), torch.tensor([33, 7])
-    out = native.decode_attention(lib, q, pool_k, pool_v, table, lengths)
+    out = attention.decode_attention(lib, q, pool_k, pool_v, table, lengths)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(lengths.tolist()):
         blocks = table[i][table[i] >= 0]
@@ -254,7 +256,7 @@ def test_rms_norm(tier_lib, dtype):
     x, w = torch.randn(70, 256).to(dtype), torch.rand(256).to(dtype) + 0.5
     h = x.float()
     ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    torch.testing.assert_close(native.rms_norm(lib, x, w, 1e-6), ref, atol=1e-5 if dtype == torch.float32 else 1e-2,
+    torch.testing.assert_close(elementwise.rms_norm(lib, x, w, 1e-6), ref, atol=1e-5 if dtype == torch.float32 else 1e-2,
                                rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
@@ -262,26 +264,26 @@ def test_int8_activation_matmul(tier_lib):
     """--int8-activations: activations quantised per row around oneDNN's int8 GEMM, GELU fused
     (in the codes this process's oneDNN sums exactly: 8-bit with VNNI, 7-bit with vpmaddubsw)."""
     tier, lib = tier_lib
-    levels = dispatch.kernels().int8_levels
+    levels = library().int8_levels
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(40, 256).to(dtype), torch.randint(-127, 128, (96, 256), dtype=torch.int8)
         scale, bias = (torch.rand(96) / 50).to(dtype), torch.randn(96).to(dtype)
         ref = F.linear(x.float(), w.float() * scale.float()[:, None], bias.float())
-        packed, colsums = native.pack_int8(w), w.sum(1, dtype=torch.int32).float()
-        out = native.int8_matmul(lib, x, packed, colsums, scale, bias, levels)
+        packed, colsums = linear.pack_int8(w), w.sum(1, dtype=torch.int32).float()
+        out = linear.int8_matmul(lib, x, packed, colsums, scale, bias, levels)
         assert F.cosine_similarity(out.float().flatten(), ref.flatten(), 0) > (0.999 if levels == 255 else 0.997), tier.name
-        fused = native.int8_matmul(lib, x, packed, colsums, scale, bias, levels, gelu_tanh=True)
+        fused = linear.int8_matmul(lib, x, packed, colsums, scale, bias, levels, gelu_tanh=True)
         torch.testing.assert_close(fused.float(), F.gelu(out.float(), approximate="tanh"), atol=2e-2, rtol=1e-2)
         norm_w, norm_b = (torch.rand(256) + 0.5).to(dtype), torch.randn(256).to(dtype)  # the LayerNorm before it, fused
-        normed = native.int8_matmul(lib, x, packed, colsums, scale, bias, levels, layer_norm=(norm_w, norm_b, 1e-6))
-        apart = native.int8_matmul(lib, F.layer_norm(x, (256,), norm_w, norm_b, 1e-6), packed, colsums, scale, bias, levels)
+        normed = linear.int8_matmul(lib, x, packed, colsums, scale, bias, levels, layer_norm=(norm_w, norm_b, 1e-6))
+        apart = linear.int8_matmul(lib, F.layer_norm(x, (256,), norm_w, norm_b, 1e-6), packed, colsums, scale, bias, levels)
         torch.testing.assert_close(normed.float(), apart.float(), atol=2e-2 * apart.abs().max().item(), rtol=0)
         residual = torch.randn(40, 96).to(dtype)  # and the residual add after it
-        added = native.int8_matmul(lib, x, packed, colsums, scale, bias, levels, residual=residual)
+        added = linear.int8_matmul(lib, x, packed, colsums, scale, bias, levels, residual=residual)
         torch.testing.assert_close(added, residual + out, atol=0, rtol=0)
-        if lib.features & native.AMX_INT8:  # the AMX kernel, where the tier has the tiles: the same bits
-            tiles = native.amx_pack_int8(lib, w)
-            assert torch.equal(native.int8_matmul(lib, x, tiles, colsums, scale, bias, levels, amx=True), out), tier.name
+        if lib.features & build.AMX_INT8:  # the AMX kernel, where the tier has the tiles: the same bits
+            tiles = linear.amx_pack_int8(lib, w)
+            assert torch.equal(linear.int8_matmul(lib, x, tiles, colsums, scale, bias, levels, amx=True), out), tier.name
 
 
 def _code_bound(x: torch.Tensor, w: torch.Tensor, group: int, top: int) -> torch.Tensor:
@@ -298,13 +300,13 @@ def _code_bound(x: torch.Tensor, w: torch.Tensor, group: int, top: int) -> torch
 # (kernel, activation codes: columns per step or 0 for a row, top code of the build (0: the kernel
 # is not built), shapes (rows, K, N))
 PREFILL_KERNELS = {
-    "16-bit codes per row": (lambda lib, *a: native.i16_linear(lib, *a), 0,
-                             lambda lib: 32767 if lib.features & native.AVX2 else 0,
+    "16-bit codes per row": (lambda lib, *a: linear.i16_linear(lib, *a), 0,
+                             lambda lib: 32767 if lib.features & build.AVX2 else 0,
                              ((29, 600, 48), (1, 64, 16), (13, 2050, 272))),
     # 8-bit codes with VNNI (vpdpbusd), 7-bit on plain AVX2 (vpmaddubsw)
-    "byte codes per 64 columns": (lambda lib, *a: native.q8_linear(lib, *a), 64, lambda lib: lib.q8_levels,
+    "byte codes per 64 columns": (lambda lib, *a: linear.q8_linear(lib, *a), 64, lambda lib: lib.q8_levels,
                                   ((29, 600, 48), (1, 64, 16), (13, 2052, 272), (600, 4096, 16))),  # 2 chunks of rows
-    "byte codes per 128 columns": (lambda lib, *a: native.q8_linear(lib, *a, group=128), 128,
+    "byte codes per 128 columns": (lambda lib, *a: linear.q8_linear(lib, *a, group=128), 128,
                                    lambda lib: lib.q8_levels, ((21, 1000, 64),)),
 }
 
@@ -360,7 +362,7 @@ def test_prefill_int8_products(tier_lib, codes):
     assert kernel(lib, x, q, s.double(), None) is None  # scales of another dtype than x
     if group:
         assert kernel(lib, x[:, :-2].contiguous(), q[:, :-2].contiguous(), s, None) is None  # K % 4
-        assert native.q8_linear(lib, x, q, s, bias, group=6) is None  # a group not a multiple of 4
+        assert linear.q8_linear(lib, x, q, s, bias, group=6) is None  # a group not a multiple of 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -384,23 +386,23 @@ def test_byte_products_fuse_the_vision_blocks_norm_gelu_and_residual(tier_lib, d
         norm.weight.copy_(torch.rand(k_in) + 0.5)
         norm.bias.copy_(torch.randn(k_in) / 4)
     layer_norm = (norm.weight.detach(), norm.bias.detach(), norm.eps)
-    plain = native.q8_linear(lib, x, q, s, bias)
-    assert torch.equal(native.q8_linear(lib, x, q, s, bias, residual=residual), residual + plain)
-    fused = native.q8_linear(lib, x, q, s, bias, layer_norm=layer_norm)
-    apart = native.q8_linear(lib, norm(x).detach(), q, s, bias)
+    plain = linear.q8_linear(lib, x, q, s, bias)
+    assert torch.equal(linear.q8_linear(lib, x, q, s, bias, residual=residual), residual + plain)
+    fused = linear.q8_linear(lib, x, q, s, bias, layer_norm=layer_norm)
+    apart = linear.q8_linear(lib, norm(x).detach(), q, s, bias)
     if dtype == torch.bfloat16:
         assert torch.equal(fused, apart)
     else:
         torch.testing.assert_close(fused, apart, atol=1e-2 * apart.abs().max().item(), rtol=0)
-    gelu = native.q8_linear(lib, x, q, s, bias, gelu_tanh=True).float()
+    gelu = linear.q8_linear(lib, x, q, s, bias, gelu_tanh=True).float()
     torch.testing.assert_close(gelu, F.gelu(plain.float(), approximate="tanh"),
                                atol=1e-5 + (1e-2 if dtype == torch.bfloat16 else 0), rtol=1e-2)
-    both = native.q8_linear(lib, x, q, s, bias, gelu_tanh=True, residual=residual, layer_norm=layer_norm)
-    assert torch.equal(both, residual + native.q8_linear(lib, x, q, s, bias, gelu_tanh=True, layer_norm=layer_norm))
+    both = linear.q8_linear(lib, x, q, s, bias, gelu_tanh=True, residual=residual, layer_norm=layer_norm)
+    assert torch.equal(both, residual + linear.q8_linear(lib, x, q, s, bias, gelu_tanh=True, layer_norm=layer_norm))
     with pytest.raises(ValueError, match="residual"):
-        native.q8_linear(lib, x, q, s, bias, residual=residual[:-1])
+        linear.q8_linear(lib, x, q, s, bias, residual=residual[:-1])
     with pytest.raises(ValueError, match="layer norm"):
-        native.q8_linear(lib, x, q, s, bias, layer_norm=(norm.weight.detach()[:64], None, 1e-6))
+        linear.q8_linear(lib, x, q, s, bias, layer_norm=(norm.weight.detach()[:64], None, 1e-6))
 
 
 def test_check_program_on_every_tier(tier_lib, tmp_path):
@@ -408,8 +410,8 @@ def test_check_program_on_every_tier(tier_lib, tmp_path):
     attention) built with the tier's own flags: what the aarch64 run checks, on x86."""
     tier, lib = tier_lib
     check, exe = Path(__file__).with_name("native_check.c"), tmp_path / "check"
-    cmd = [native.compiler(), "-O2", *tier.flags, "-fopenmp", "-I", str(native.SOURCE_DIR), str(check),
-           *map(str, sorted(native.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm"]
+    cmd = [build.compiler(), "-O2", *tier.flags, "-fopenmp", "-I", str(build.SOURCE_DIR), str(check),
+           *map(str, sorted(build.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm"]
     built = subprocess.run(cmd, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
@@ -421,7 +423,7 @@ def test_integer_vision_attention(tier_lib):
     builds, whose vision tower runs int8 x int8 in float32 there), declined elsewhere."""
     tier, lib = tier_lib
     q, k, v = (torch.randn(150, 3, 2, 72) * 2).unbind(1)
-    out = native.attention_i16(lib, q, k, v)
+    out = attention.attention_i16(lib, q, k, v)
     if not tier.name.startswith(("avx512", "avx2")):
         assert out is None
         return
@@ -439,98 +441,148 @@ def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory)
             for t in x86 if t.name == "avx512-nobf16"]
     if len(x86) < 2:
         pytest.skip("one x86 build here")
-    libs = [(t.name, native.load(t, tmp_path_factory.getbasetemp() / "tiers")) for t in x86]
+    libs = [(t.name, build.load(t, tmp_path_factory.getbasetemp() / "tiers")) for t in x86]
     torch.manual_seed(5)
     for d in (64, 72, 80):
         q, k, v = (torch.randn(150, 3, 2, d) * 2).unbind(1)
         cos, sin = torch.randn(150, d), torch.randn(150, d)
         first = None
         for name, lib in libs:
-            out = (native.attention_i16(lib, q, k, v), native.attention_i16(lib, q, k, v, cos, sin))
+            out = (attention.attention_i16(lib, q, k, v), attention.attention_i16(lib, q, k, v, cos, sin))
             if first is None:
                 first = out
                 continue
             assert torch.equal(out[0], first[0]) and torch.equal(out[1], first[1]), (name, d)
 
 
-def test_dispatch_choices_per_tier(tier_lib):
+def _codes(entries: dict) -> dict[str, tuple[str, int]]:
+    return {kind: (k.name, k.code_bits) for kind, k in entries.items()}
+
+
+_ELEMENTWISE_BF16 = {"rms_norm": ("qvl_rmsnorm", 0), "rope, text prefill": ("qvl_text_rope", 0),
+                     "rope, vision": ("qvl_vision_rope", 0), "silu_mul": ("qvl_silu_mul", 0),
+                     "text attention, prefill": ("qvl_attention", 0),
+                     "text attention, decode": ("qvl_decode_attention", 0), "decode step": ("qvl_decode_layers", 0)}
+_ELEMENTWISE_FP32 = {"rms_norm": ("torch", 0), "rope, text prefill": ("torch", 0), "rope, vision": ("torch", 0),
+                     "silu_mul": ("torch", 0), "text attention, prefill": ("sdpa", 0),
+                     "text attention, decode": ("qvl_decode_attention", 0), "decode step": ("qvl_decode_layers", 0)}
+_BYTE_CODES_FP32 = {  # float32 compute with VNNI or AVX-VNNI: the byte kernel in 8-bit codes for vision and prefill
+    "text linears, decode": ("gemv", 16), "text linears, prefill": ("q8_linear", 8), "lm_head": ("gemv", 16),
+    "vision linears": ("q8_linear", 8), "vision attention": ("qvl_attention_i16", 16), **_ELEMENTWISE_FP32}
+_BYTE_CODES_BF16 = {  # AVX-512 with VNNI and BF16, no AMX tiles
+    "text linears, decode": ("gemv", 16), "text linears, prefill": ("q8_linear", 8), "lm_head": ("gemv", 16),
+    "vision linears": ("q8_linear", 8), "vision attention": ("qvl_attention_q8", 8), **_ELEMENTWISE_BF16}
+DEFAULT_PLANS = {  # tier -> (compute dtype, kind of layer -> (kernel, activation code bits))
+    "avx512": (torch.bfloat16, _BYTE_CODES_BF16),
+    "avx512-noamx": (torch.bfloat16, _BYTE_CODES_BF16),
+    "avx512-nobf16": (torch.float32, _BYTE_CODES_FP32),
+    "avx2-vnni": (torch.float32, _BYTE_CODES_FP32),
+    "avx2": (torch.float32, {  # the byte kernel in 7-bit codes (vpmaddubsw) for the tower; prefill in 16-bit pairs
+        **_BYTE_CODES_FP32, "text linears, prefill": ("i16_linear", 16), "vision linears": ("q8_linear", 7)}),
+    "portable": (torch.float32, {  # int8 vision weights (memory), float products
+        **_BYTE_CODES_FP32, "text linears, prefill": ("dequantize", 0), "vision linears": ("dequantize", 0),
+        "vision attention": ("sdpa", 0)}),
+}
+AMX_PLAN = (torch.bfloat16, {  # AMX tiles: prefill's int8 products on int8 tiles, the tower int8 x int8 on them
+    **_BYTE_CODES_BF16, "text linears, prefill": ("amx_i16_linear", 16), "vision linears": ("amx_int8", 8),
+    "vision attention": ("qvl_attention", 0)})
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_PLANS))
+def test_default_plan_per_tier(name, tmp_path_factory):
+    """The default options (int8 weights, --int8-activations auto, the tier's compute dtype) on
+    each tier: the kernel and activation codes of every kind of layer, all in that dtype."""
+    tier = next((t for t in TIERS if t.name == name), None)
+    if tier is None:
+        pytest.skip(f"this CPU cannot run the {name} tier")
+    lib = Library(tier, build.load(tier, tmp_path_factory.getbasetemp() / "tiers"))
+    dtype, want = AMX_PLAN if lib.has(build.AMX_INT8) else DEFAULT_PLANS[name]
+    plan = Plan.choose(lib, torch.bfloat16 if tier.bf16 else torch.float32, "int8")
+    assert plan.dtype == dtype and plan.vision_int8
+    assert _codes(plan.entries()) == want
+    assert all(k.dtype == dtype for k in plan.entries().values())
+
+
+def test_plan_follows_the_options(tier_lib):
+    """Other options on each tier: int4 weights, bf16 weights, --int8-activations off (prefill
+    and the tower in 16-bit pairs on x86, else dequantise + GEMM), bf16 on a float32 tier."""
     tier, lib = tier_lib
-    k = Kernels(tier, lib)
-    bf16_hw = tier.name in ("avx512", "avx512-noamx") and tier.bf16  # the tiers with bf16 products
-    # prefill's causal attention: qvl's flash kernel wherever bf16 products run (on AMX tiles where
-    # the process has them), so a prompt token computes alike in any prefill slice
-    assert k.flash_attention(torch.bfloat16) == bf16_hw and not k.flash_attention(torch.float32)
-    # the vision tower's: on AMX tiles where the process has them, else the AVX512-BF16 kernel
-    assert k.vision_attention(torch.bfloat16) == (bf16_hw and (not tier.amx or bool(lib.features & native.AMX_INT8)))
-    assert not k.vision_attention(torch.float32)
-    # float32 with int8 x int8 linears: 16-bit integer pairs on x86
-    assert k.integer_vision_attention(torch.float32) == tier.name.startswith(("avx512", "avx2"))
-    assert not k.integer_vision_attention(torch.bfloat16)
-    assert k.vision_rope(torch.bfloat16) == bf16_hw
-    for dtype in (torch.float32, torch.bfloat16):
-        assert k.gemv(dtype) and k.decode_attention(dtype) and k.decode_step(dtype)
-    assert k.native_bf16 == bf16_hw
-    # the vision tower's default int8 x int8 products: where they beat the float GEMM (x86, AMX
-    # included: AMX-INT8 tiles), in the codes this process's oneDNN sums exactly: 8-bit where
-    # the CPU multiplies bytes with VNNI or AMX, 7-bit with vpmaddubsw (plain AVX2)
-    assert k.int8_activations() == tier.name.startswith(("avx512", "avx2"))
-    host = dispatch.kernels().features
-    assert k.int8_levels == (255 if host & (native.VNNI | native.AVX_VNNI | native.AMX_INT8) else 127)
-    # prefill's int8 products in 16-bit pairs: on x86, except bf16 ones where AMX tiles take them
-    x86 = tier.name.startswith(("avx512", "avx2"))
-    assert k.i16_products(torch.float32) == x86
-    assert k.i16_products(torch.bfloat16) == (x86 and not lib.features & native.AMX_INT8)
-    # the byte kernel (activation codes per 64 columns): 8-bit codes with VNNI; 7-bit on plain
-    # AVX2 (vpmaddubsw), the vision tower's only there (prefill's stays in 16-bit codes)
-    vnni = bool(lib.features & (native.VNNI | native.AVX_VNNI))
+    k = Library(tier, lib)
+    x86, amx = tier.name.startswith(("avx512", "avx2")), k.has(build.AMX_INT8)
+    dtype = torch.bfloat16 if tier.bf16 else torch.float32
+    int4 = _codes(Plan.choose(k, dtype, "int4").entries())
+    assert int4["text linears, decode"] == ("gemv", 8) and int4["lm_head"] == ("gemv", 8)
+    assert int4["text linears, prefill"] == ("amx_bf16_linear" if amx else "dequantize", 0)
+    off = _codes(Plan.choose(k, dtype, "int8", "off").entries())
+    many = ("amx_i16_linear", 16) if amx else ("i16_linear", 16) if x86 else ("dequantize", 0)
+    assert off["text linears, prefill"] == many and off["vision attention"][0] in ("qvl_attention", "sdpa")
+    assert off["vision linears"] == (("torch", 0) if tier.bf16 else many)  # float32: the tower's weights int8
+    bf16 = Plan.choose(k, torch.bfloat16, "bf16")
+    assert not bf16.vision_int8 and bf16.activations == "off"
+    assert _codes(bf16.entries())["text linears, decode"] == ("gemv", 0)
+    assert _codes(bf16.entries())["text linears, prefill"] == ("torch", 0)
+    assert _codes(Plan.choose(k, torch.float32, "fp32").entries())["text linears, decode"] == ("torch", 0)
+    on_float32 = _codes(Plan.choose(k, torch.float32, "int8").entries())
+    assert on_float32["text attention, prefill"] == ("sdpa", 0) and on_float32["rms_norm"] == ("torch", 0)
+    for plan in (Plan(k, torch.bfloat16), Plan(k, torch.float32)):  # every build decodes natively
+        assert plan.decode_step == "qvl_decode_layers" and plan.decode_attention == "qvl_decode_attention"
+    off_lib = Plan.choose(Library(tier, None, "QVL_NATIVE=0"), torch.float32, "int8")
+    assert _codes(off_lib.entries()) == {
+        "text linears, decode": ("torch_int8", 0), "text linears, prefill": ("dequantize", 0),
+        "lm_head": ("torch_int8", 0), "vision linears": ("dequantize", 0), "vision attention": ("sdpa", 0),
+        **_ELEMENTWISE_FP32, "text attention, decode": ("sdpa", 0), "decode step": ("per-layer", 0)}
+
+
+def test_library_features_per_tier(tier_lib):
+    """What each tier's build reports: its instruction families, the byte kernel's codes (8-bit
+    with VNNI, 7-bit on plain AVX2, none elsewhere) and, from this process's oneDNN, the
+    activation codes its int8 GEMM sums exactly (8-bit with VNNI or AMX, 7-bit with vpmaddubsw)."""
+    tier, lib = tier_lib
+    k = Library(tier, lib)
+    family = {"avx512": build.AVX512, "avx2": build.AVX2}.get(tier.name.split("-")[0], 0)
+    assert k.has(build.AVX512) == (family == build.AVX512)
+    assert k.has(build.AVX2) == (family in (build.AVX512, build.AVX2))
+    assert k.has(build.AVX_VNNI) == (tier.name == "avx2-vnni")
+    vnni = k.has(build.VNNI) or k.has(build.AVX_VNNI)
     assert k.q8_levels == (127 if vnni else 63 if tier.name == "avx2" else 0)
-    assert k.default_int8_activations(torch.float32) == ("all" if vnni else "vision" if x86 else "off")
-    described = k.describe()
-    assert described["tier"].startswith(tier.name)
-    tiles = bool(lib.features & native.AMX_INT8)  # the process has AMX tiles: prefill's attention on them
-    assert ("AMX-BF16" in described["flash_attention"]) == (bf16_hw and tiles)
-    assert ("AVX512-BF16" in described["flash_attention"]) == (bf16_hw and not tiles)
-    family = {"avx512": native.AVX512, "avx2": native.AVX2}.get(tier.name.split("-")[0], 0)
-    assert bool(lib.features & native.AVX512) == (family == native.AVX512)
-    assert bool(lib.features & native.AVX2) == (family in (native.AVX512, native.AVX2))
-    assert bool(lib.features & native.AVX_VNNI) == (tier.name == "avx2-vnni")
-    off = Kernels(tier, None, "QVL_NATIVE=0")
-    assert not off.gemv(torch.float32) and not off.decode_step(torch.bfloat16)
-    assert "off" in off.describe()["tier"]
+    host = library()
+    assert k.int8_levels == (255 if host.has(build.VNNI) or host.has(build.AVX_VNNI) or host.has(build.AMX_INT8)
+                             else 127)
+    assert k.describe().startswith(tier.name) and "off" in Library(tier, None, "QVL_NATIVE=0").describe()
 
 
 def test_tier_override_is_checked(monkeypatch):
     monkeypatch.setenv("QVL_ISA", "portable")
-    assert native.select_tier().name == "portable"
+    assert build.select_tier().name == "portable"
     monkeypatch.setenv("QVL_ISA", "sse9")
     with pytest.raises(ValueError, match="QVL_ISA=sse9"):
-        native.select_tier()
+        build.select_tier()
 
 
 def test_tier_lists_per_cpu():
     zen3 = frozenset({"avx2", "fma"})
-    assert [t.name for t in native.tiers(zen3, "x86_64")] == ["avx2", "portable"]
+    assert [t.name for t in build.tiers(zen3, "x86_64")] == ["avx2", "portable"]
     alder = zen3 | {"avx_vnni"}
-    assert [t.name for t in native.tiers(alder, "x86_64")] == ["avx2-vnni", "avx2", "portable"]
+    assert [t.name for t in build.tiers(alder, "x86_64")] == ["avx2-vnni", "avx2", "portable"]
     icelake = alder - {"avx_vnni"} | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
-    names = [t.name for t in native.tiers(icelake, "x86_64")]
-    assert names[0] == "avx512-nobf16" and "avx512" not in names and not native.tiers(icelake, "x86_64")[0].bf16
+    names = [t.name for t in build.tiers(icelake, "x86_64")]
+    assert names[0] == "avx512-nobf16" and "avx512" not in names and not build.tiers(icelake, "x86_64")[0].bf16
     sapphire = icelake | {"avx512_bf16", "avx_vnni", "amx_bf16"}
-    best = native.tiers(sapphire, "x86_64")[0]
+    best = build.tiers(sapphire, "x86_64")[0]
     assert best.name == "avx512" and best.bf16 and best.amx
     zen4 = sapphire - {"amx_bf16"}
-    assert not native.tiers(zen4, "x86_64")[0].amx and native.tiers(zen4, "x86_64")[0].bf16
+    assert not build.tiers(zen4, "x86_64")[0].amx and build.tiers(zen4, "x86_64")[0].bf16
     graviton = frozenset({"asimd", "asimddp", "i8mm"})
-    assert [t.name for t in native.tiers(graviton, "aarch64")] == ["neon", "neon-nodotprod", "portable"]
-    assert [t.name for t in native.tiers(frozenset({"asimd"}), "aarch64")] == ["neon-nodotprod", "portable"]
+    assert [t.name for t in build.tiers(graviton, "aarch64")] == ["neon", "neon-nodotprod", "portable"]
+    assert [t.name for t in build.tiers(frozenset({"asimd"}), "aarch64")] == ["neon-nodotprod", "portable"]
 
 
 def test_build_cache_key_covers_tier_and_cpu(monkeypatch, tmp_path):
     avx2, portable = (next(t for t in TIERS if t.name == n) for n in ("avx2", "portable"))
-    a, b = native.build(tmp_path, avx2), native.build(tmp_path, portable)
+    a, b = build.build(tmp_path, avx2), build.build(tmp_path, portable)
     assert a != b and a.name.startswith("qvl_kernels-avx2-")
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"asimd", "asimddp"}))  # another CPU, same home
-    assert native.build(tmp_path, avx2) != a
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"asimd", "asimddp"}))  # another CPU, same home
+    assert build.build(tmp_path, avx2) != a
 
 
 def test_unwritable_cache_folder_falls_back_with_one_warning(monkeypatch, tmp_path, capsys):
@@ -563,7 +615,7 @@ def test_imports_without_fcntl():
     """Windows has no fcntl (nor resource): every module a user can start must import without
     them, and the peak-memory figure comes from psutil there."""
     code = ("import sys; sys.modules['fcntl'] = None\n"
-            "import qvl.cli, qvl.engine, qvl.server.app, qvl.batch.runner, qvl.batch.output, qvl.dispatch, qvl.bench\n"
+            "import qvl.cli, qvl.engine, qvl.server.app, qvl.batch.runner, qvl.batch.output, qvl.kernels.plan, qvl.bench\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
@@ -590,44 +642,39 @@ def test_aarch64_kernels_under_qemu(tmp_path):
     for name, flags in (("neon-i8mm", ["-march=armv8.2-a+dotprod+i8mm"]), ("neon-dotprod", ["-march=armv8.2-a+dotprod"]),
                         ("neon", ["-march=armv8-a"]), ("portable", ["-march=armv8-a", "-DQVL_PORTABLE"])):
         exe = tmp_path / f"check-{name}"
-        cmd = [cc, "-O2", *flags, "-fopenmp", "-I", str(native.SOURCE_DIR), str(check),
-               *map(str, sorted(native.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm", "-static"]
+        cmd = [cc, "-O2", *flags, "-fopenmp", "-I", str(build.SOURCE_DIR), str(check),
+               *map(str, sorted(build.SOURCE_DIR.glob("*.c"))), "-o", str(exe), "-lm", "-static"]
         built = subprocess.run(cmd, capture_output=True, text=True)
         assert built.returncode == 0, built.stderr
         ran = subprocess.run([qemu, "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, f"{name}:\n{ran.stdout}\n{ran.stderr}"
         features = int(ran.stdout.split("features ")[1].split()[0])
-        assert bool(features & native.NEON) == (name != "portable")
-        assert bool(features & native.DOTPROD) == name.startswith("neon-")
-        assert bool(features & native.I8MM) == (name == "neon-i8mm")
+        assert bool(features & build.NEON) == (name != "portable")
+        assert bool(features & build.DOTPROD) == name.startswith("neon-")
+        assert bool(features & build.I8MM) == (name == "neon-i8mm")
         assert ("byte kernel checked" in ran.stdout) == name.startswith("neon-")
 
 
 @pytest.mark.parametrize("kind", ["i8mm", "dotprod", "neither"])
-def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(monkeypatch, kind):
+def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(kind):
     """On ARM the tier's build reports its features (tests/native_check.c runs the kernels themselves
     under qemu): with dot products the vision tower's and prefill's int8 products take the byte
     kernel (8-bit codes per 64 columns; smmla with i8mm, else sdot) by default, as on x86 with
     VNNI; without them they stay in float32 (dequantise + GEMM)."""
     from types import SimpleNamespace
 
-    from qvl import engine as engine_module
-    from qvl.engine import EngineOptions, int8_plan
-
     dot = kind != "neither"
     flags = frozenset({"asimddp", "i8mm"} if kind == "i8mm" else {"asimddp"} if dot else set())
-    tier = native.tiers(flags, "aarch64")[0]
-    features = native.NEON | native.OPENMP | (native.DOTPROD if dot else 0) | (native.I8MM if kind == "i8mm" else 0)
-    k = dispatch.Kernels(tier, SimpleNamespace(features=features, q8_levels=127 if dot else 0))
+    tier = build.tiers(flags, "aarch64")[0]
+    features = build.NEON | build.OPENMP | (build.DOTPROD if dot else 0) | (build.I8MM if kind == "i8mm" else 0)
     assert tier.name == ("neon" if dot else "neon-nodotprod")
-    assert k.group_codes(torch.float32) == dot and not k.i16_products(torch.float32)
-    assert k.default_int8_activations(torch.float32) == ("all" if dot else "off")
-    prefill = k.describe()["prefill_int8_int4"]
-    assert ("byte products (smmla)" in prefill) == (kind == "i8mm")
-    assert ("byte products (sdot)" in prefill) == (kind == "dotprod")
-    assert "dequantise + float GEMM" in prefill
-    monkeypatch.setattr(engine_module, "kernels", lambda: k)
-    assert int8_plan(EngineOptions(model="unused"), torch.float32, None) == (True, "all" if dot else "off")
+    plan = Plan.choose(Library(tier, SimpleNamespace(features=features, q8_levels=127 if dot else 0)), torch.float32,
+                       "int8")
+    assert plan.vision_int8 and plan.activations == ("all" if dot else "off")
+    entries = _codes(plan.entries())
+    assert entries["text linears, prefill"] == entries["vision linears"] == (("q8_linear", 8) if dot else
+                                                                             ("dequantize", 0))
+    assert entries["vision attention"] == ("sdpa", 0)  # the integer attention kernels are x86's
 
 
 def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):

@@ -11,37 +11,49 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qvl import dispatch, native
+from qvl.kernels import attention, build, linear
+from qvl.kernels import library as library_module
+from qvl.kernels.library import Library, library
+from qvl.kernels.plan import PACKED, Plan
 from qvl.quantize import Int8Linear, QuantSpec
 
-TIERS = {t.name: t for t in native.tiers()} if native.compiler() else {}
+TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
 
 
 @pytest.fixture(scope="module")
 def tier_kernels(tmp_path_factory):
-    """name -> Kernels built for that tier (only tiers this CPU can run)."""
-    built: dict[str, dispatch.Kernels] = {}
+    """name -> the library built for that tier (only tiers this CPU can run)."""
+    built: dict[str, Library] = {}
 
-    def get(name: str) -> dispatch.Kernels:
+    def get(name: str) -> Library:
         if name not in TIERS:
             pytest.skip(f"this CPU cannot run the {name} tier")
         if name not in built:
-            built[name] = dispatch.Kernels(TIERS[name], native.load(TIERS[name], tmp_path_factory.mktemp(name)))
+            built[name] = Library(TIERS[name], build.load(TIERS[name], tmp_path_factory.mktemp(name)))
         return built[name]
 
     return get
 
 
-def load_on(monkeypatch, kernels: dispatch.Kernels, checkpoint, **options):
+def load_on(monkeypatch, lib: Library, checkpoint, **options):
     from qvl.engine import Engine, EngineOptions
 
-    monkeypatch.setenv("QVL_ISA", kernels.tier.name)  # the compute dtype follows the tier too
-    monkeypatch.setattr(dispatch, "_chosen", [kernels])
+    monkeypatch.setenv("QVL_ISA", lib.tier.name)  # the compute dtype follows the tier too
+    monkeypatch.setattr(library_module, "_chosen", [lib])
     return Engine.load(EngineOptions(model=str(checkpoint), threads=1, **options))
 
 
 def vision_layers(engine) -> list[Int8Linear]:
     return [m for n, m in engine.model.named_modules() if n.startswith("visual.") and isinstance(m, Int8Linear)]
+
+
+def int8x8(m: Int8Linear) -> bool:
+    """The layer's many-row products run int8 x int8 (the byte kernel, or a packed weight)."""
+    return m.plan.prefill.name in ("q8_linear", *PACKED)
+
+
+def byte_codes(m: Int8Linear) -> bool:
+    return m.plan.prefill.name == "q8_linear"
 
 
 def text_layers(engine) -> list[Int8Linear]:
@@ -64,52 +76,49 @@ def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
     products; prefill's layers keep float or 16-bit codes elsewhere unless asked."""
     vnni = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8")
     assert vnni.model.dtype == torch.float32 and vnni.int8_activations == "all"
-    assert vision_layers(vnni) and all(m.int8_activations for m in vision_layers(vnni))
+    assert vision_layers(vnni) and all(int8x8(m) for m in vision_layers(vnni))
     unpacked = [m for m in vision_layers(vnni) + text_layers(vnni) if m is not vnni.model.lm_head]
-    assert all(m.byte_codes and m.packed is None and m.weight is not None for m in unpacked)
-    assert not vnni.model.lm_head.byte_codes  # prefill computes only the last row's logits
+    assert all(byte_codes(m) and m.packed is None and m.weight is not None for m in unpacked)
+    assert not byte_codes(vnni.model.lm_head)  # prefill computes only the last row's logits
     assert "vision-int8" in vnni.model_id and "int8-activations-all" in vnni.model_id
-    assert "vision and prefill by default" in dispatch.kernels().describe()["int8_activations"]
     sixteen = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8",
                       int8_activations="vision")  # the opt-out: prefill back to 16-bit codes
-    assert sixteen.int8_activations == "vision" and not any(m.byte_codes for m in text_layers(sixteen))
-    assert all(m.byte_codes for m in vision_layers(sixteen))  # the tower keeps its group codes
+    assert sixteen.int8_activations == "vision" and not any(byte_codes(m) for m in text_layers(sixteen))
+    assert all(byte_codes(m) for m in vision_layers(sixteen))  # the tower keeps its group codes
 
     # plain AVX2: the byte kernel in 7-bit codes (vpmaddubsw) for the tower; prefill keeps 16-bit codes
     avx2 = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int4")
     assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "vision"
-    assert vision_layers(avx2) and all(m.byte_codes and m.packed is None for m in vision_layers(avx2))
+    assert vision_layers(avx2) and all(byte_codes(m) and m.packed is None for m in vision_layers(avx2))
+    assert all(m.plan.prefill.code_bits == 7 for m in vision_layers(avx2))
     assert "int8-activations-vision-7bit" in avx2.model_id
-    described = dispatch.kernels().describe()
-    assert "7-bit codes per 64 columns" in described["int8_activations"]
-    assert "vision by default" in described["int8_activations"]
-    assert described["prefill_int8_int4"].startswith("int8: 16-bit pair products")
 
     portable = load_on(monkeypatch, tier_kernels("portable"), tiny_checkpoint, weights="int8")
     assert portable.model.dtype == torch.float32 and portable.int8_activations == "off"
-    assert vision_layers(portable) and not any(m.int8_activations for m in vision_layers(portable))
+    assert vision_layers(portable) and not any(int8x8(m) for m in vision_layers(portable))
 
     every = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", int8_activations="all")
-    assert all(m.int8_activations for m in vision_layers(every) + text_layers(every))
+    assert all(int8x8(m) for m in vision_layers(every) + text_layers(every))
 
 
 SATURATING_ONEDNN = """
 import sys
 import torch
 import torch.nn.functional as F
-from qvl import dispatch, native
 from qvl.engine import Engine, EngineOptions
+from qvl.kernels import linear
+from qvl.kernels.library import Library, library
 
 # what the tests elsewhere cannot see on a CPU with VNNI: 8-bit codes saturate here, 7-bit ones do not
 # (oneDNN takes the tower where qvl's build has no byte kernel: AVX-512 without VNNI; here plain
 # AVX2's byte kernel is set aside to stand for that)
-dispatch.Kernels.q8_levels = property(lambda self: 0)
+Library.q8_levels = property(lambda self: 0)
 w = torch.full((32, 64), 127, dtype=torch.int8)
 for levels, exact in ((255, False), (127, True)):
     codes = torch.full((32, 64), levels, dtype=torch.uint8)
-    got = native.int8_gemm(codes, native.pack_int8(w), 32)
+    got = linear.int8_gemm(codes, linear.pack_int8(w), 32)
     assert torch.equal(got.double(), codes.double() @ w.double().t()) == exact, levels
-assert dispatch.kernels().int8_levels == 127, dispatch.kernels().int8_levels
+assert library().int8_levels == 127, library().int8_levels
 
 def features(engine):
     torch.manual_seed(0)
@@ -122,7 +131,7 @@ reference = features(Engine.load(EngineOptions(**options, vision_int8=False, int
 engine = Engine.load(EngineOptions(**options, int8_activations="all"))
 assert engine.model_id.endswith("|int8-activations-all-7bit"), engine.model_id
 layers = [(n, m) for n, m in engine.model.named_modules() if hasattr(m, "packed") and n != "lm_head"]
-assert layers and all(m.int8_activations and m.levels == 127 for _, m in layers)
+assert layers and all(m.plan.prefill.name == "onednn_int8" and m.plan.prefill.code_bits == 7 for _, m in layers)
 assert all((m.weight is None) == n.startswith("visual.") for n, m in layers)  # decoding keeps the text weights
 cosine = F.cosine_similarity(features(engine), reference, 0).item()
 assert cosine > 0.999, cosine
@@ -137,7 +146,7 @@ def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_
     """The default on x86 without bf16 products (int8 weights, float32 compute): prefill's int8
     products run qvl_q8_linear (8-bit activation codes per 64 columns) where the CPU has VNNI,
     qvl_i16_linear (16-bit codes per row) elsewhere (plain AVX2's byte kernel has 7-bit codes,
-    too coarse for prefill: docs/benchmarks.md section 53), and a two-image prompt's logits and
+    too coarse for prefill: docs/decisions/int8-activations.md), and a two-image prompt's logits and
     greedy answer match the dequantised float32 path they replaced."""
     from tests.test_model_parity import two_image_request
 
@@ -146,20 +155,19 @@ def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_
 
     engine = load_on(monkeypatch, tier_kernels(tier), tiny_checkpoint, weights="int8", max_image_tokens=256,
                      vision_cache_mb=0, prefix_cache_mb=0, answer_cache_entries=0)  # every answer computed
-    assert engine.model.dtype == torch.float32 and dispatch.kernels().i16_products(torch.float32)
-    assert dispatch.kernels().default_int8_activations(torch.float32) == ("all" if kernel == "q8_linear" else "vision")
-    assert dispatch.kernels().describe()["prefill_int8_int4"].startswith(
-        "int8: byte products" if kernel == "q8_linear" else "int8: 16-bit pair products")
-    run, calls, logits, answers = getattr(native, kernel), [], [], []
+    assert engine.model.dtype == torch.float32 and engine.plan.pair_products
+    assert engine.int8_activations == ("all" if kernel == "q8_linear" else "vision")
+    assert all(m.plan.prefill.name == kernel for m in text_layers(engine) if m is not engine.model.lm_head)
+    run, calls, logits, answers = getattr(linear, kernel), [], [], []
     for codes in (True, False):
         for name in ("q8_linear", "i16_linear"):  # off: dequantise + float32 GEMM
-            monkeypatch.setattr(native, name, (lambda *a, **kw: calls.append(1) or run(*a, **kw)) if codes and
+            monkeypatch.setattr(linear, name, (lambda *a, **kw: calls.append(1) or run(*a, **kw)) if codes and
                                 name == kernel else (lambda *a, **kw: None))
         with torch.inference_mode():
             prompt = engine.prepare(engine.parse(two_image_request()), Timings())
             logits.append(prefill(engine.model, new_cache(engine.model, 1, len(prompt) + 1), prompt))
         answers.append(engine.generate(two_image_request(12)).token_ids)
-    assert len(prompt) > dispatch.kernels().int8_gemv_rows and calls
+    assert len(prompt) > engine.model.lm_head.plan.decode_rows and calls
     if kernel == "q8_linear":  # 8-bit codes: within the issue's distance of the float path (1.6% here)
         assert F.cosine_similarity(logits[0].flatten(), logits[1].flatten(), 0) > 0.999
     else:  # 16-bit codes: as close as float32's own rounding differences
@@ -170,7 +178,7 @@ def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_
 def test_without_vnni_activations_run_in_seven_bits_exactly(tiny_checkpoint):
     """oneDNN's int8 GEMM without VNNI (plain AVX2, AVX-512 without VNNI: emulated with
     ONEDNN_MAX_CPU_ISA=AVX2 in a fresh process) saturates its 16-bit pair sums on 8-bit
-    activation codes. dispatch probes it, the activations are quantised to 7-bit codes there,
+    activation codes. The library probes it, the activations are quantised to 7-bit codes there,
     and the vision tower's features stay close to float."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "QVL_ISA": "avx2"}  # qvl's kernels without VNNI too
     ran = subprocess.run([sys.executable, "-c", SATURATING_ONEDNN, str(tiny_checkpoint)], env=env,
@@ -182,16 +190,16 @@ def test_amx_tier_runs_the_vision_tower_int8_with_bf16_compute(monkeypatch, tiny
     """With AMX, oneDNN's int8 GEMM runs on AMX-INT8 tiles (1.7x its bf16 ones): the vision
     tower is int8 x int8 there too, in bf16 compute; without the native kernels it stays bf16."""
     avx2 = tier_kernels("avx2")
-    amx = native.Tier("avx512", avx2.tier.needs, avx2.tier.flags, bf16=True, amx=True)
-    monkeypatch.setattr(native, "select_tier", lambda: amx)
+    amx = build.Tier("avx512", avx2.tier.needs, avx2.tier.flags, bf16=True, amx=True)
+    monkeypatch.setattr(build, "select_tier", lambda: amx)
     from qvl.engine import Engine, EngineOptions
 
-    monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(amx, avx2.lib)])
-    monkeypatch.setattr(dispatch.Kernels, "q8_levels", property(lambda self: 0))  # AMX's bf16 skips the byte kernel
+    monkeypatch.setattr(library_module, "_chosen", [Library(amx, avx2.lib)])
+    monkeypatch.setattr(Library, "q8_levels", property(lambda self: 0))  # AMX's bf16 skips the byte kernel
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=1, weights="int8"))
     assert engine.model.dtype == torch.bfloat16 and engine.int8_activations == "vision"
-    assert vision_layers(engine) and all(m.int8_activations for m in vision_layers(engine))
-    monkeypatch.setattr(dispatch, "_chosen", [dispatch.Kernels(amx, None, "QVL_NATIVE=0")])
+    assert vision_layers(engine) and all(int8x8(m) for m in vision_layers(engine))
+    monkeypatch.setattr(library_module, "_chosen", [Library(amx, None, "QVL_NATIVE=0")])
     engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=1, weights="int8"))
     assert engine.model.dtype == torch.bfloat16 and not vision_layers(engine) and engine.int8_activations == "off"
 
@@ -205,7 +213,7 @@ def test_contradictory_options_are_refused(monkeypatch, tiny_checkpoint, tier_ke
     # auto with the vision tower kept float: nothing to run int8 x int8 there; prefill's codes stay
     engine = load_on(monkeypatch, tier_kernels("avx512-nobf16"), tiny_checkpoint, weights="int8", vision_int8=False)
     assert not vision_layers(engine) and engine.int8_activations == "all"
-    assert all(m.byte_codes for m in text_layers(engine) if m is not engine.model.lm_head)
+    assert all(byte_codes(m) for m in text_layers(engine) if m is not engine.model.lm_head)
     engine = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", vision_int8=False)
     assert not vision_layers(engine) and engine.int8_activations == "off"
 
@@ -298,11 +306,11 @@ def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, 
 
     checkpoint = write_checkpoint(tmp_path / "one-head", "tiny", seed=3, changes={"vision_config": {"num_heads": 1}})
     engine = load_on(monkeypatch, tier_kernels("avx2"), checkpoint, weights="int8")
-    assert engine.model.dtype == torch.float32 and all(m.int8_activations for m in vision_layers(engine))
+    assert engine.model.dtype == torch.float32 and all(int8x8(m) for m in vision_layers(engine))
     from qvl.model.rope import apply_rotary
 
-    run, calls = native.attention_i16, []
-    monkeypatch.setattr(native, "attention_i16", lambda *a: calls.append(a[1:]) or run(*a))
+    run, calls = attention.attention_i16, []
+    monkeypatch.setattr(attention, "attention_i16", lambda *a: calls.append(a[1:]) or run(*a))
     integer = features(engine)
     assert len(calls) == engine.cfg.vision.depth and all(q.shape[-1] == 64 for q, *_ in calls)
 
@@ -313,12 +321,12 @@ def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, 
         q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         exact = sdpa(q_rot.double(), k_rot.double(), v.double())
         bf16 = sdpa(q_rot.bfloat16(), k_rot.bfloat16(), v.bfloat16()).double()
-        ours = run(dispatch.kernels().lib, q, k, v, cos, sin).double()
+        ours = run(library().lib, q, k, v, cos, sin).double()
         assert (ours - exact).norm() < 0.5 * (bf16 - exact).norm()
-    monkeypatch.setattr(native, "attention_i16", lambda *a: None)  # declined: the float path takes over
+    monkeypatch.setattr(attention, "attention_i16", lambda *a: None)  # declined: the float path takes over
     assert F.cosine_similarity(integer, features(engine), dim=-1).min() > 0.999
     calls.clear()
-    monkeypatch.setattr(native, "attention_i16", lambda *a: calls.append(a) or run(*a))
+    monkeypatch.setattr(attention, "attention_i16", lambda *a: calls.append(a) or run(*a))
     features(load_on(monkeypatch, tier_kernels("avx2"), checkpoint, weights="int8", int8_activations="off"))
     assert not calls
 
@@ -331,19 +339,19 @@ def test_bf16_tiers_vision_attention_scores_in_byte_codes(monkeypatch, tmp_path)
     --int8-activations off the tower keeps the bf16 kernel."""
     from qvl.synth import write_checkpoint
 
-    chosen = dispatch.kernels()
-    if not chosen.byte_vision_attention(torch.bfloat16):
+    chosen = library()
+    if Plan.choose(chosen, torch.bfloat16, "int8").vision_attention != "qvl_attention_q8":
         pytest.skip("this CPU's default tier has no byte-code vision attention (needs AVX-512 VNNI + BF16, no AMX)")
     checkpoint = write_checkpoint(tmp_path / "one-head", "tiny", seed=3, changes={"vision_config": {"num_heads": 1}})
     engine = load_on(monkeypatch, chosen, checkpoint, weights="int8")
-    assert engine.model.dtype == torch.bfloat16 and all(m.int8_activations for m in vision_layers(engine))
-    run, calls = native.attention_q8, []
-    monkeypatch.setattr(native, "attention_q8", lambda *a: calls.append(a[1:]) or run(*a))
+    assert engine.model.dtype == torch.bfloat16 and all(int8x8(m) for m in vision_layers(engine))
+    run, calls = attention.attention_q8, []
+    monkeypatch.setattr(attention, "attention_q8", lambda *a: calls.append(a[1:]) or run(*a))
     scores_in_codes = features(engine)
     assert len(calls) == engine.cfg.vision.depth and all(q.shape[-1] == 64 for q, *_ in calls)
-    monkeypatch.setattr(native, "attention_q8", lambda *a: None)  # declined: the bf16 kernel takes over
+    monkeypatch.setattr(attention, "attention_q8", lambda *a: None)  # declined: the bf16 kernel takes over
     assert F.cosine_similarity(scores_in_codes, features(engine), dim=-1).min() > 0.999
     calls.clear()
-    monkeypatch.setattr(native, "attention_q8", lambda *a: calls.append(a) or run(*a))
+    monkeypatch.setattr(attention, "attention_q8", lambda *a: calls.append(a) or run(*a))
     features(load_on(monkeypatch, chosen, checkpoint, weights="int8", int8_activations="off"))
     assert not calls

@@ -259,26 +259,36 @@ def calibration_images(model_dir, folder, limit: int):
 
 def cmd_info(args: argparse.Namespace) -> int:
     import platform
+    from pathlib import Path
 
     import torch
 
     from qvl import __version__
-    from qvl.dispatch import kernels
-    from qvl.native import tiers
+    from qvl.engine import DEFAULT_WEIGHTS
+    from qvl.kernels.build import tiers
+    from qvl.kernels.library import library
+    from qvl.kernels.plan import Plan
     from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
+    from qvl.weights import checkpoint_quantization
 
     flags = cpu_flags()
     wanted = ["asimd", "asimddp", "i8mm", "bf16"] if platform.machine().lower() in ("arm64", "aarch64") else [
         "avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
-    k = kernels()
+    lib = library()
+    # the default options' plan, for a pre-quantised checkpoint's weights when --model names a folder of one
+    stored = checkpoint_quantization(Path(args.model)) if args.model and Path(args.model).is_dir() else None
+    plan = Plan.choose(lib, choose_dtype("auto", lib.tier.bf16), stored.weights if stored else DEFAULT_WEIGHTS,
+                       stored_vision=stored.vision if stored else None)
     info = {
         "qvl": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},
         "tiers_available": ", ".join(t.name for t in tiers()),
-        "dtype_auto": str(choose_dtype("auto", k.native_bf16)).replace("torch.", ""),
+        "dtype_auto": str(plan.dtype).replace("torch.", ""),
         "threads_default": physical_cores(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
-        "kernels": k.describe(),
+        "kernels": lib.describe(),
+        "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "dtype": str(k.dtype).replace("torch.", "")}
+                 for kind, k in plan.entries().items()},
     }
     if args.model:
         info["model"] = model_needs(args.model)
@@ -286,12 +296,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         for key, value in info.items():
-            if key == "model":
+            if key in ("model", "plan"):
                 continue
             if isinstance(value, dict):
-                value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items()) if all(
-                    isinstance(v, bool) for v in value.values()) else "; ".join(f"{k}: {v}" for k, v in value.items())
+                value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items())
             print(f"{key:22} {value}")
+        print(f"plan ({plan.weights} weights, int8 x int8: {plan.activations}; kernel, activation codes, dtype):")
+        for kind, k in info["plan"].items():
+            codes = f"{k['code_bits']}-bit" if k["code_bits"] else "float"
+            print(f"  {kind:24} {k['kernel']:21} {codes:7} {k['dtype']}")
         if args.model:
             needs = info["model"]
             print(f"\n{args.model}: reads {needs['read_gb_per_s']} GB/s here, {needs['available_gb']} GB available; "

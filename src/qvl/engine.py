@@ -16,20 +16,21 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from qvl.dispatch import kernels
 from qvl.cache import AnswerCache, ImageFeatures, VisionCache, image_spans
 from qvl.config import GenerationDefaults, ModelConfig
 from qvl.deadline import Deadline
 from qvl.generate import CancelCheck, Cancelled, PreparedPrompt, check, decode_step, new_cache, prefill
 from qvl.grammar import Grammars
 from qvl.hub import resolve_model
+from qvl.kernels.library import library
+from qvl.kernels.plan import Plan
 from qvl.model.rope import mrope_positions
 from qvl.model.vision import run_steps
 from qvl.paths import locked
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage
 from qvl.processing.prompt import load_chat_template
 from qvl.processing.tokenizer import Tokenizer
-from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Experts, Int8Linear, QuantSpec
+from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
 from qvl.processing.video import MAX_VIDEOS, VIDEO_FRAMES_CAP, VIDEO_TOKENS_CAP, VideoSettings
 from qvl.requests import ClipCache, Limits, ParsedRequest, Request, RequestError, parse_request
 from qvl.runtime import RuntimeInfo, configure
@@ -42,9 +43,9 @@ from qvl.weights import (UNUSED_CACHE_DAYS, checkpoint_quantization, load_model,
 __all__ = ["Cancelled", "Engine", "EngineOptions", "ParsedRequest", "Request", "RequestError"]
 
 VISION_GROUP_PATCHES = 4096  # images / frame pairs encoded in one vision pass, in patches (1024 tokens)
-DEFAULT_MAX_IMAGE_TOKENS = 256  # CPU default budget per image (~512x512); see docs/benchmarks.md
+DEFAULT_MAX_IMAGE_TOKENS = 256  # CPU default budget per image (~512x512): docs/decisions/image-budget.md
 DEFAULT_MAX_CONTEXT = 32768
-DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outputs; see docs/benchmarks.md
+DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outputs: docs/decisions/int8-weights.md
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class EngineOptions:
     dtype: str = "auto"  # compute dtype of int8/int4 models; bf16/fp32 weights compute in their own
     weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (auto: a pre-quantised file's format, else int8)
     group_size: int = 128  # int4 group size
-    vision_int8: bool | None = None  # None: the tier decides (see int8_plan)
+    vision_int8: bool | None = None  # None: the tier decides (see kernels.plan.Plan.choose)
     int8_activations: str = "auto"  # auto | off | vision | all: which int8 layers run many rows int8 x int8
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
@@ -116,44 +117,6 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
     return model
 
 
-INT8_ACTIVATIONS = ("auto", "off", "vision", "all")
-
-
-def int8_plan(options: EngineOptions, dtype: torch.dtype, stored: QuantSpec | None) -> tuple[bool, str]:
-    """(int8 vision tower, int8 activations: off | vision | all) for a quantised model.
-
-    auto: the vision tower's products run int8 x int8 where the tier's integer products beat
-    its float ones (dispatch: x86, AMX included; activations in 7 bits where the byte product is
-    vpmaddubsw, exact only for those: plain AVX2 in qvl's byte kernel, AVX-512 without VNNI in
-    oneDNN's GEMM), and its weights are int8 there and
-    wherever compute is float32 (no bf16 products: the vision weights would otherwise stay
-    bf16 and upcast per product; int8 takes 0.4 GB off 2B at the same speed). Prefill too
-    ("all") where the CPU has VNNI without AMX, or ARM's dot products (dispatch's
-    default_int8_activations): its activations in 8-bit codes per 64 columns,
-    as close to bf16 on the outlier stress checkpoint as 16-bit codes (docs/benchmarks.md,
-    sections 39 and 40); elsewhere prefill keeps 16-bit codes (or the compute dtype) unless
-    asked: 8-bit codes per row lose top-1 agreement on outlier channels (section 11), and so do
-    plain AVX2's 7-bit codes per group (section 53)."""
-    if options.int8_activations not in INT8_ACTIVATIONS:
-        raise ValueError(f"int8 activations must be one of {', '.join(INT8_ACTIVATIONS)}, "
-                         f"not '{options.int8_activations}'")
-    acts = options.int8_activations
-    k = kernels()
-    if acts == "auto":
-        acts = k.default_int8_activations(dtype)
-    elif acts != "off" and not k.group_codes(dtype) and k.int8_levels == 0:
-        raise ValueError(f"--int8-activations {acts}: torch has no exact int8 GEMM on this CPU")
-    vision = stored.vision if stored else options.vision_int8
-    if vision is None:
-        vision = acts != "off" or dtype == torch.float32
-    if not vision and acts == "vision":
-        if options.int8_activations == "vision":
-            raise ValueError("int8 activations in the vision tower need its int8 weights: drop --no-vision-int8"
-                             + (" (this pre-quantised checkpoint has a bf16 vision tower)" if stored else ""))
-        acts = "off"
-    return vision, acts
-
-
 def _weights_name(model) -> str:
     head = model.lm_head
     if isinstance(head, Int4Linear):
@@ -164,9 +127,9 @@ def _weights_name(model) -> str:
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
                  defaults: GenerationDefaults, options: EngineOptions, runtime: RuntimeInfo, path: Path,
-                 load_s: float, int8_activations: str = "off"):
+                 load_s: float, plan: Plan):
         self.model, self.tokenizer, self.template = model, tokenizer, template
-        self.int8_activations = int8_activations  # off | vision | all, as int8_plan decided
+        self.plan = plan  # what runs each kind of layer (qvl.kernels.plan)
         self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
         self.path, self.load_s = path, load_s
         self.weights = _weights_name(model)
@@ -196,37 +159,29 @@ class Engine:
             raise ValueError(f"unknown weights format '{weights}' (choose from auto, {', '.join(WEIGHT_FORMATS)})")
         dtype = weights if weights in ("bf16", "fp32") else options.dtype
         runtime = configure(dtype, options.threads, list(options.cpus) if options.cpus else None)
-        kernels()  # built for this CPU on the first start (a few seconds), then loaded from the cache
-        quant, activations = None, "off"
-        if weights in ("int8", "int4"):
-            vision_int8, activations = int8_plan(options, runtime.dtype, stored)
-            quant = stored or QuantSpec(weights, options.group_size, vision_int8)
+        # the kernels are built for this CPU on the first start (a few seconds), then loaded from the cache
+        plan = Plan.choose(library(), runtime.dtype, weights, options.int8_activations, options.vision_int8,
+                           stored.vision if stored else None)
+        quant = (stored or QuantSpec(weights, options.group_size, plan.vision_int8)) if weights in ("int8", "int4") \
+            else None
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
         model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
-        group_codes = kernels().group_codes(runtime.dtype)
-        for name, module in model.named_modules():
-            # many-row products int8 x int8: the vision tower's, and with "all" the decoder
-            # layers' (not the head's: prefill computes only its last row's logits); in byte
-            # codes per group where qvl's byte kernel runs (8-bit; 7-bit on plain AVX2), else
-            # per row through oneDNN or AMX tiles
-            vision = name.startswith("visual.")
-            layer = name.startswith("language_model.layers.")
-            if not ((vision and activations != "off") or (layer and activations == "all")):
-                continue
-            if group_codes and isinstance(module, (Int8Linear, Int8Experts)):
-                module.byte_codes = True
-            elif isinstance(module, Int8Linear):
-                module.pack(kernels().int8_levels, keep_weight=not vision)
+        plan.apply(model)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")
         template = load_chat_template(path)
         return cls(model, tokenizer, template, image_cfg, defaults, options, runtime, path,
-                   time.perf_counter() - started, activations)
+                   time.perf_counter() - started, plan)
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
+
+    @property
+    def int8_activations(self) -> str:
+        """Which int8 layers run many rows int8 x int8: off | vision | all (the plan's)."""
+        return self.plan.activations
 
     @property
     def model_name(self) -> str:
@@ -239,8 +194,7 @@ class Engine:
         """Identifies what computes the answers: checkpoint, weight format, dtype."""
         vision = "|vision-int8" if isinstance(self.model.visual.blocks[0].attn.qkv, Int8Linear) else ""
         activations = "" if self.int8_activations == "off" else f"|int8-activations-{self.int8_activations}"
-        k = kernels()
-        if activations and (k.q8_code_bits == 7 if k.group_codes(self.model.dtype) else k.int8_levels < 255):
+        if activations and self.plan.int8_code_bits == 7:
             activations += "-7bit"  # plain AVX2: the byte kernel's codes per group, or oneDNN's per token
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from qvl.deadline import Cancelled
+from qvl.kernels.products import prompt_products
 from qvl.kv_cache import KVCache, contiguous_cache
 from qvl.model.qwen3_vl import Qwen3VL
-from qvl.quantize import prompt_products
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention matrix of long prompts
 

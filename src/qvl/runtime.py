@@ -48,11 +48,11 @@ def cpu_model() -> str:
 
 def choose_dtype(name: str = "auto", native_bf16: bool | None = None) -> torch.dtype:
     """'auto' = bf16 where the CPU computes it natively (AVX512-BF16 or AMX, on the kernel
-    tier in use: see qvl.native.select_tier), else fp32 (bf16 emulated on older CPUs is
+    tier in use: see qvl.kernels.build.select_tier), else fp32 (bf16 emulated on older CPUs is
     20-30x slower)."""
     if name == "auto":
         if native_bf16 is None:
-            from qvl.native import select_tier
+            from qvl.kernels.build import select_tier
 
             native_bf16 = select_tier().bf16
         return torch.bfloat16 if native_bf16 else torch.float32

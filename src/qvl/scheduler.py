@@ -39,7 +39,7 @@ from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
 DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
 # Prompt tokens per step when no row is generating: int8 weights are dequantised once per step,
 # so long prompts gain from long steps (a 30 s clip's 1,114 tokens: prefill 2.9 s instead of 4.0 s
-# at 512, docs/benchmarks.md section 16); the attention stays memory-efficient (~60 MB for
+# at 512: docs/decisions/prefill-slices.md); the attention stays memory-efficient (~60 MB for
 # 2048 queries over 6k keys).
 PREFILL_TOKENS_ALONE = 4 * PREFILL_CHUNK
 SLICE_S = 0.3  # while rows are generating: vision or prefill work per step (their next token waits for it)

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from qvl import mapped, smoothing
 from qvl.config import ModelConfig
+from qvl.kernels.plan import default_plan
 from qvl.paths import cache_root
 from qvl.model.qwen3_vl import Qwen3VL
 from qvl.quantize import (
@@ -110,8 +111,8 @@ def skipped_init():
 def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None = None) -> Qwen3VL:
     """Build the model without initialising weights and fill it tensor by tensor from
     the checkpoint, converting (or quantising) each on the way: never a second full copy.
-    A pre-quantised checkpoint loads as it is. Missing or unexpected tensors raise
-    CheckpointError listing them."""
+    A pre-quantised checkpoint loads as it is; its layers get the dtype's default kernel plan.
+    Missing or unexpected tensors raise CheckpointError listing them."""
     files = checkpoint_files(model_dir)
     stored = QuantSpec.from_metadata(read_metadata(files))
     if stored is not None and quant is not None and quant != stored:
@@ -152,6 +153,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
     model.init_buffers()
     if not tied_quant:
         model.tie_weights()
+    default_plan(dtype).apply(model)  # Engine.load gives its options' plan after
     return model.eval()
 
 

@@ -1,5 +1,5 @@
 /* int8 weights . 16-bit activations on AMX tiles (Sapphire Rapids and later): the products of
- * 1-64 activation rows (decoding, short prefill slices: dispatch.Kernels.int8_gemv_rows), with
+ * 1-64 activation rows (decoding: the plan's AMX_GEMV_MAX_ROWS, qvl/kernels/plan.py), with
  * the same exact integer sums per 128-column chunk as gemv.c's VNNI kernel, for 16 weight rows
  * per tile operation instead of one.
  *
@@ -607,7 +607,7 @@ static void tile_pair_bf16(const uint16_t* panel, const uint32_t* x0, const uint
 #define PANEL_BYTES (1 << 20) /* weight rows converted at a time per thread: L2-resident beside 32 activation rows */
 /* Beyond 2^21 activation values (4 MB) every panel re-reads them from L3, and dequantising
  * once + oneDNN's GEMM wins: 2B's down_proj (K 6144) from 384 rows, 1.07-1.26x slower there;
- * 0.5-0.9x below (docs/benchmarks.md section 32). */
+ * 0.5-0.9x below (docs/decisions/amx.md). */
 #define MAX_ACTIVATIONS (1 << 21)
 
 /* kind W_INT8: w int8 [N][K] with a scale per row; W_INT4: nibbles [N][K/2] with a scale and a

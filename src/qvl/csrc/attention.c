@@ -899,8 +899,8 @@ static inline __m512i p_codes512(__m512 x) { /* p_codes on 16 lanes, the same op
 
 /* acc[i][0..1] (8 int32 each) += sum over p < n of the 16-bit pair a[i][p] (rows a_row bytes
  * apart) times the 16 pairs at b + p * b_step bytes, for 4 rows i: vpmaddwd and vpaddd in
- * assembly, because GCC copies every accumulator once per step here (section 45: 8 register
- * moves per 8 products, 1.25x slower). Both products run on it: q codes x key pairs, P codes x
+ * assembly, because GCC copies every accumulator once per step here (8 register moves per 8
+ * products, 1.25x slower). Both products run on it: q codes x key pairs, P codes x
  * value pairs. */
 #if !defined(QVL_AVX512)
 static inline void pair_products(const uint32_t* a, int64_t a_row, const uint32_t* b, int64_t b_step, int64_t n,

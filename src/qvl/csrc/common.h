@@ -1,7 +1,7 @@
 /* Shared by qvl's kernel files: the instruction-set tier this build targets, bf16 <-> float32,
  * dtype-generic element access and small vector helpers.
  *
- * The tier is fixed at compile time by the -march/-mcpu flags native.py passes:
+ * The tier is fixed at compile time by the -march/-mcpu flags qvl/kernels/build.py passes:
  *   QVL_AVX512  AVX-512 F/BW/VL (+ __AVX512VNNI__, __AVX512BF16__ where the flags include them)
  *   QVL_AVX2    AVX2 + FMA, no AVX-512 (+ __AVXVNNI__ on Alder Lake and later)
  *   QVL_NEON    AArch64 Advanced SIMD (+ __ARM_FEATURE_DOTPROD, __ARM_FEATURE_MATMUL_INT8)

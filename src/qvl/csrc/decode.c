@@ -89,7 +89,7 @@ static void text_rope(void* x, int dt, int64_t heads, int64_t D, const void* cos
 }
 
 /* g <- silu(g) * u, rounded (in bf16) after silu and after the product: the decode step's
- * SwiGLU, and prefill's (dispatch.Kernels.fused_elementwise). */
+ * SwiGLU, and prefill's in bf16 (the plan's silu_mul, qvl/kernels/plan.py). */
 void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
 #pragma omp parallel for num_threads(n >= 4096 ? threads : 1) schedule(static)
     for (int64_t i0 = 0; i0 < n; i0 += 256) {

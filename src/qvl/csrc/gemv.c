@@ -170,8 +170,8 @@ static inline int64_t first_prefetch(int64_t c0, int64_t every, int64_t phase) {
 
 /* Where the int8 products' prefetch brings the next block's weights: into L2 only on AVX-512
  * (a block ahead is 48 rows, 96-288 KB, far more than L1 holds; asked into L1 the one-row
- * decode step took 1.33x as long on a Zen 4, 4 rows 1.37x, 8 rows 1.09x: docs/benchmarks.md
- * section 49), into L1 on AVX2 (measured the same there, emulated on that Zen 4). */
+ * decode step took 1.33x as long on a Zen 4, 4 rows 1.37x, 8 rows 1.09x), into L1 on AVX2
+ * (measured the same there, emulated on that Zen 4). */
 #ifdef QVL_AVX512
 #define WEIGHT_PREFETCH _MM_HINT_T1
 #else
@@ -360,7 +360,7 @@ static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) { /* acc + pairw
 /* ia[r][m] += 16-bit pair products of weight rows r (K bytes apart, widened here) and code rows
  * m < mt (ld bytes apart) over n steps of 16 columns, 2 weight rows and 1-4 activation rows:
  * vpmovsxbw, vpmaddwd and vpaddd in assembly, because GCC copies every accumulator once per
- * step in the C loop (8 register moves per 8 products: 4 rows 1.22x slower, section 45). */
+ * step in the C loop (8 register moves per 8 products: 4 rows 1.22x slower). */
 #define ROW_STEP(addr, a, b)                                                                           \
     "vmovdqu " addr ", %%ymm14\n\t"                                                                    \
     "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"                                                           \
@@ -401,7 +401,7 @@ static inline void int8_pair_steps(const int8_t* w, int64_t K, const int16_t* x,
 /* As the AVX-512 dot_int8_tile, in 16-column steps. */
 #define INT8_SEGMENTS 8 /* lanes of a row's running sums between chunk ranges */
 #define INT8_STATE (TILE * INT8_SEGMENTS)
-#ifdef __AVXVNNI__ /* one vpdpwssd per product: pairs were 5-19% slower at 2-8 rows (section 39) */
+#ifdef __AVXVNNI__ /* one vpdpwssd per product: pairs were 5-19% slower at 2-8 rows */
 #define INT8_PAIR 1
 #else /* vpmaddwd + vpaddd: weight rows sharing each activation load (the float sums spill) */
 #define INT8_PAIR 2

@@ -16,8 +16,9 @@
  * turn (take_item); a tile covers the whole of K, its weights widened once into 16-bit pairs
  * ([NR lanes] per input pair, L2), and every block of I16_MR activation rows of the chunk
  * (ROW_CHUNK bytes of codes) runs over them with I16_MR x 2 vector accumulators in registers;
- * the tile's float totals stay in L1. A panel of 256 columns with every row's float totals in memory (what it did before) was
- * 1 MB per thread at 1008 rows, past L2 (docs/benchmarks.md section 47). */
+ * the tile's float totals stay in L1. A panel of 256 columns with every row's float totals in
+ * memory (what it did before) was 1 MB per thread at 1008 rows, past L2
+ * (docs/decisions/prefill-products.md). */
 #include "common.h"
 
 #if defined(QVL_AVX512) || defined(QVL_AVX2) || (defined(QVL_NEON) && defined(__ARM_FEATURE_DOTPROD))
@@ -382,8 +383,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * every block of 6 rows runs over them, the block's float totals in registers from the first
  * group to the last, its results written out (with the fused GELU and residual) at once.
  * Unlike the pair kernel's panels, no float partial sums go through memory: for 1008 rows they
- * were 1 MB per thread, past L2, and with two threads 0.87-0.9x of the time went with them
- * (docs/benchmarks.md section 47).
+ * were 1 MB per thread, past L2, and with two threads 0.87-0.9x of the time went with them.
  *
  * Plain AVX2 (no VNNI) multiplies the same bytes with vpmaddubsw, whose pairs of products are
  * summed in 16 bits with saturation: (w + 128) . q over a pair stays below 2^15 only for codes
@@ -391,7 +391,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
  * vpmaddwd by ones widens the pair sums to int32, still exact. Three instructions per 32
  * multiply-adds against the 16-bit pair kernel's two per 16; on cores that run vpmaddwd and
  * vpmaddubsw on two ports and vpaddd on three (Intel's), 1.15-1.37x its products per call
- * (docs/benchmarks.md section 53). */
+ * (docs/decisions/prefill-products.md). */
 #if (defined(QVL_AVX512) && defined(__AVX512VNNI__)) || defined(QVL_AVX2) || defined(QVL_NEON)
 #define QVL_Q8 1
 #if defined(QVL_AVX2) && !defined(__AVXVNNI__)

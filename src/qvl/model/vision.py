@@ -9,17 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qvl import native
-from qvl.dispatch import kernels
 from qvl.config import VisionConfig
-from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
+from qvl.kernels import ops
+from qvl.model.rope import inverse_frequencies, vision_cos_sin
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 GRID_TABLES_BYTES = 128 << 20  # per-grid tables kept (least recent evicted): ~50 grids of 256 tokens, ~6 full-budget
-# torch's fused CPU linear + pointwise op (oneDNN), which torch.compile emits; None without oneDNN's
-# native bf16 support (as torch.compile gates it)
-LINEAR_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
 class PatchEmbed(nn.Module):
@@ -37,45 +32,9 @@ class PatchEmbed(nn.Module):
         return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
-def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full attention over one image's patches: q, k, v [n, H, hd] -> [n, H, hd]. qvl's native
-    flash kernel where it applies (bf16; AMX tiles: hd <= 80, 1.7-2x torch's; AVX512-BF16: hd
-    64, 72, 80 or 128, 2.3-2.6x), else SDPA (4-D: a 3-D call silently takes torch's slow math path)."""
-    out = native.attention(kernels().lib, q, k, v) if kernels().vision_attention(q.dtype) else None
-    if out is None:
-        out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
-    return out
-
-
-def byte_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """image_attention in 8-bit integer codes (qvl_attention_q8: scores, P and V), for a tower
-    whose linears run int8 x int8 in bf16: q, k rotated, [n, H, hd]. Where it declines (a NaN or
-    infinity, a head size it does not take), image_attention."""
-    out = native.attention_q8(kernels().lib, q, k, v)
-    return out if out is not None else image_attention(q, k, v)
-
-
-def integer_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor) -> torch.Tensor:
-    """image_attention in 16-bit integer codes (qvl_attention_i16, ~1.5x torch's float32 SDPA on
-    AVX2), for a tower whose linears run int8 x int8 in float32: q and k [n, H, hd] not rotated
-    yet, cos/sin [n, 1, hd]; the kernel rotates them as it codes them. Where it declines (a NaN
-    or infinity, a head size it does not take), the float path."""
-    out = native.attention_i16(kernels().lib, q, k, v, cos, sin)
-    if out is None:
-        out = image_attention(vision_rotary(q, cos, sin), vision_rotary(k, cos, sin), v)
-    return out
-
-
-def vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, hd] (strided view of the fused qkv) rotated in float32 and rounded back to
-    x's dtype once; the native pass reads the view and writes the result in one go (the
-    reference's float copies and six elementwise ops cost ~1 s per full-budget image)."""
-    out = native.vision_rope(kernels().lib, x, cos, sin) if kernels().vision_rope(x.dtype) else None
-    return out if out is not None else apply_rotary(x.float(), cos, sin).to(x.dtype)
-
-
 class VisionAttention(nn.Module):
+    plan: str | None = None  # its attention kernel (qvl.kernels.plan), given at load; None: the dtype's
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -87,49 +46,9 @@ class VisionAttention(nn.Module):
         # x: [N, D]; cos/sin: [N, 1, head_dim]; lengths: patches per image (attention stays inside
         # each) -> x + attention(norm(x)), [N, D]
         n = x.shape[0]
-        q, k, v = norm_linear(norm, self.qkv, x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
-        # integer codes where the linears run int8 x int8 (quantize.Int8Linear) and the tier has them
-        if getattr(self.qkv, "int8_activations", False) and kernels().integer_vision_attention(x.dtype):
-            outs = [integer_image_attention(*parts) for parts in zip(*(t.split(lengths) for t in (q, k, v, cos, sin)))]
-        else:
-            q, k = vision_rotary(q, cos, sin), vision_rotary(k, cos, sin)
-            attend = (byte_image_attention if getattr(self.qkv, "int8_activations", False)
-                      and kernels().byte_vision_attention(x.dtype) else image_attention)
-            outs = [attend(qi, ki, vi) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return residual_linear(self.proj, out.reshape(n, -1), x)
-
-
-def norm_linear(norm: nn.LayerNorm, fc: nn.Module, x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
-    """fc(norm(x)), tanh-GELU'd when `gelu_tanh`. Layers that say `fuses_layer_norm`
-    (qvl.quantize's Int8Linear) take the norm and apply it in their quantise pass: the
-    normalised rows are never written (one write and read of [N, D] less per use)."""
-    if getattr(fc, "fuses_layer_norm", False):
-        return fc(x, gelu_tanh=gelu_tanh, norm=norm)
-    return linear_gelu_tanh(fc, norm(x)) if gelu_tanh else fc(norm(x))
-
-
-def residual_linear(fc: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + fc(x). Layers that say `fuses_residual` (qvl.quantize's Int8Linear) add it
-    in their last pass over the output (one read and write of [N, D] less per block, ~0.3 ms
-    per 1008 patches of 1152), rounding the product and then the sum, as the two steps do."""
-    if getattr(fc, "fuses_residual", False):
-        return fc(x, residual=residual)
-    return residual + fc(x)
-
-
-def linear_gelu_tanh(fc: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """tanh-GELU(fc(x)). With bf16 float weights, one oneDNN call applies the GELU to the
-    GEMM's float32 results before they are rounded (torch's own fused CPU linear, as
-    torch.compile emits it): ~50 ms less per layer at the full budget than GELU as a
-    second pass, and one bf16 rounding instead of two. Layers that say `fuses_gelu_tanh`
-    (qvl.quantize's Int8Linear) take `gelu_tanh=True` and fuse it themselves."""
-    if getattr(fc, "fuses_gelu_tanh", False):
-        return fc(x, gelu_tanh=True)
-    if (type(fc) is nn.Linear and x.dtype == torch.bfloat16 and fc.weight.dtype == torch.bfloat16 and x.dim() == 2
-            and LINEAR_POINTWISE is not None):
-        return LINEAR_POINTWISE(x, fc.weight, fc.bias, "gelu", [None], "tanh")
-    return F.gelu(fc(x), approximate="tanh")
+        q, k, v = ops.norm_linear(norm, self.qkv, x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, hd]
+        out = ops.vision_attention(q, k, v, cos, sin, lengths, self.plan)
+        return ops.residual_linear(self.proj, out.reshape(n, -1), x)
 
 
 class VisionMLP(nn.Module):
@@ -140,7 +59,7 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
         # x: [N, D] -> x + mlp(norm(x))
-        return residual_linear(self.linear_fc2, norm_linear(norm, self.linear_fc1, x, gelu_tanh=True), x)
+        return ops.residual_linear(self.linear_fc2, ops.norm_linear(norm, self.linear_fc1, x, gelu_tanh=True), x)
 
 
 class VisionBlock(nn.Module):
