@@ -104,3 +104,29 @@ def test_write_timeout_flag():
     parser, _ = build_parser()
     assert settings(parser.parse_args(["serve", "--write-timeout", "3"])).connections.write_timeout_s == 3
     assert settings(parser.parse_args(["serve"])).connections.write_timeout_s == 30
+
+
+def test_a_client_that_just_connected_is_not_dropped_for_a_slow_sender(tiny_engine):
+    """Connections full of stalled body senders, and one client connected an instant ago that
+    has not sent its head yet: a newcomer evicts a stalled sender (408), not the fresh client,
+    which then gets its answer."""
+    limits = ConnectionLimits(max_connections=3, header_timeout_s=30, body_timeout_s=30)
+    with live(tiny_engine, limits) as srv:
+        connections = srv.server.server_state.connections
+        stalled = [Client(srv.port, head=head(srv.port, 1000) + b"\r\n{") for _ in range(2)]
+        until(lambda: sum(c.in_request for c in list(connections)) == 2)
+        time.sleep(1.2)  # the stalled heads are past the grace a young upload gets
+        fresh = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        until(lambda: len(connections) == 3)
+        newcomer = Client(srv.port)
+        until(lambda: any((c.tick(), c.closed_after)[1] is not None for c in stalled))
+        assert sum(c.received.startswith(b"HTTP/1.1 408") for c in stalled) == 1
+        body = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+        fresh.sendall(head(srv.port, len(body)) + b"Connection: close\r\n\r\n" + body)
+        received = b""
+        while chunk := fresh.recv(4096):
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200"), received[:200]
+        for c in [*stalled, newcomer]:
+            c.sock.close()
+        fresh.close()

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from qvl.server.app import create_app
 from qvl.server.cli import LOOPBACK_HOSTS
+from qvl.server.connections import FRESH_S
 from qvl.server.serve import Server, config
 from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
 
@@ -305,6 +306,7 @@ def test_room_is_made_from_idle_connections_only(tiny_engine):
         until(lambda: len(connections) == 1)
         busy = [Client(srv.port, head=head(srv.port, 100) + b"\r\n{") for _ in range(2)]
         until(lambda: in_request() == 2)
+        time.sleep(FRESH_S)  # a connection idle for less is given the time to send its head
         newcomer = Client(srv.port)  # the 4th: the idle one makes room
         until(lambda: (idle.tick(), idle.closed_after)[1] is not None)
         for c in [newcomer, *busy]:

@@ -19,10 +19,12 @@ left when the connection closes) for `write_timeout_s` is cut off (aborted): the
 a disconnect and the request's job is cancelled.
 
 When a new connection would pass `max_connections`, room is made: first by closing the
-connection that has waited longest without a request in progress, else the one sending its
-request body most slowly (bytes per second since its head; a head younger than
-`BODY_RATE_GRACE_S` counts as fast) gets `408`. Only when every other connection is being
-answered does the new one get `503`.
+connection that has waited longest without a request in progress (one idle for less than
+`FRESH_S` is given that time to send its head: a client that has just connected is not
+dropped for a slow sender), else the one sending its request body most slowly (bytes per
+second since its head; a head younger than `BODY_RATE_GRACE_S` counts as fast) gets `408`,
+else the longest idle after all. Only when every other connection is being answered does
+the new one get `503`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from qvl.server.settings import ConnectionLimits
 log = logging.getLogger("qvl.server")
 
 BODY_RATE_GRACE_S = 1.0  # a body sender is judged by its rate only once its head is this old
+FRESH_S = 1.0  # a connection without a request is evicted before a body sender only once idle this long
 
 
 def plain_response(status: str, message: str) -> bytes:
@@ -192,21 +195,27 @@ class GuardedH11Protocol(H11Protocol):
         return sum(not c.transport.is_closing() for c in self.connections if c.transport is not None)
 
     def _make_room(self) -> bool:
-        """Close the connection that has waited longest without a request, else the slowest
-        body sender (408); False if every other connection is being answered."""
+        """Close the connection that has waited longest without a request (one that opened or
+        was answered under a second ago is given that second to send its head), else the
+        slowest body sender (408), else the longest idle; False if every other connection is
+        being answered."""
         others = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
                   and not c.transport.is_closing()]
+        now = self.loop.time()
         idle = [c for c in others if not c.in_request]
+        waited = [c for c in idle if now - c.idle_since >= FRESH_S]
+        if waited:
+            min(waited, key=lambda c: c.idle_since)._close(None)
+            return True
+        senders = [c for c in others if c.receiving_body]
+        if senders:
+            slowest = min(senders, key=lambda c: (c.body_rate(now), c.body_since))
+            log.debug("%s:%s sends its body slowest (%d bytes in %.1f s) and the connections are full: closing",
+                      *(slowest.client or ("?", "?")), slowest.body_bytes, now - slowest.body_since)
+            slowest._close(plain_response("408 Request Timeout", "the request body arrived too slowly while the "
+                                                                 "server needed the connection for another client"))
+            return True
         if idle:
             min(idle, key=lambda c: c.idle_since)._close(None)
             return True
-        now = self.loop.time()
-        senders = [c for c in others if c.receiving_body]
-        if not senders:
-            return False
-        slowest = min(senders, key=lambda c: (c.body_rate(now), c.body_since))
-        log.debug("%s:%s sends its body slowest (%d bytes in %.1f s) and the connections are full: closing",
-                 *(slowest.client or ("?", "?")), slowest.body_bytes, now - slowest.body_since)
-        slowest._close(plain_response("408 Request Timeout", "the request body arrived too slowly while the "
-                                                             "server needed the connection for another client"))
-        return True
+        return False

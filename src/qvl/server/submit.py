@@ -25,6 +25,7 @@ from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest
 from qvl.server.errors import APIError, from_exception
 from qvl.server.guard import cache_salt, matching_key
+from qvl.server.memory import LARGE_BODY_BYTES, trim
 from qvl.server.settings import MB
 from qvl.server.state import ServerState
 from qvl.server.worker import DISCONNECT
@@ -70,6 +71,7 @@ class Submitter:
         body = await read_body(http, settings.max_body_bytes)
         engine, worker = self.state.ready()
         key = matching_key(http.headers.get("authorization", ""), settings.api_keys)
+        request, media = None, False
         try:
             request, media = await asyncio.to_thread(read, body)
             salt = cache_salt(key, request.cache_salt)
@@ -77,6 +79,10 @@ class Submitter:
                 http, media, lambda deadline: self._prepare(prepare, request, engine, deadline, salt))
         except Exception as exc:
             raise from_exception(exc) from None
+        finally:
+            if media or len(body) >= LARGE_BODY_BYTES:
+                body = request = None  # what the trim may give back
+                await asyncio.to_thread(trim)
         if cached is not None:  # an exact repeat, answered without waiting in the queue
             self.state.metrics.record(cached, cached=True)
             events, on_close = replay(cached), lambda: None
