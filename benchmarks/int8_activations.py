@@ -39,6 +39,7 @@ nothing but float rounding changes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import sys
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from qvl.bench import synthetic_image
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.kernels import linear, products
-from qvl.kernels.library import library
+from qvl.kernels.library import Library, library
 from qvl.kernels.plan import Kernel, LinearPlan, Plan, default_plan, layer_kind
 from qvl.generate import new_cache
 from qvl.quantize import Int8Linear, QuantSpec, TiedQuantEmbedding, quantize_int8, quantized_linear_names
@@ -385,8 +386,6 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The vision tower's int8 x int8 products on this tier (float32 compute, prefill as the
     defaults): oneDNN's int8 GEMM with codes per row against qvl's byte kernel with codes per
     linear.ACTIVATION_GROUP columns, against float32 compute with bf16 weights."""
-    from vision_products import without_byte_kernel  # benchmarks/ is the script's folder
-
     common = dict(model=str(path), threads=args.threads, quant_cache=False, dtype="fp32")
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
@@ -405,6 +404,18 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     rows.record(f"the tower in the byte kernel's codes -{levels}..{levels} per {linear.ACTIVATION_GROUP} columns",
                 run(engine, evaluation))
     return rows
+
+
+@contextlib.contextmanager
+def without_byte_kernel():
+    """Within it, the plan sees no byte kernel (as a build without one: AVX-512 without VNNI), so
+    engines loaded there run the vision tower's int8 x int8 products through oneDNN's GEMM."""
+    byte_kernel = Library.q8_levels
+    Library.q8_levels = property(lambda self: 0)
+    try:
+        yield
+    finally:
+        Library.q8_levels = byte_kernel
 
 
 def table(results: dict[str, list[tuple[str, dict]]]) -> str:
