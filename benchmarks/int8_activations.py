@@ -22,10 +22,11 @@ weights. Prints a markdown table.
     python benchmarks/int8_activations.py                       # tiny stress + tiny plain
     python benchmarks/int8_activations.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 64
 
---prefill-codes asks the float32 tiers' question instead (section 37): float32 compute, the vision
-tower unquantised, prefill's int8 products either dequantised for the float GEMM (before) or in
-16-bit activation codes per row (qvl_i16_linear, the default since), against float32 compute with
-bf16 weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
+--prefill-codes measures the float32 tiers' prefill instead: float32 compute, the vision tower
+unquantised, prefill's int8 products dequantised for the float GEMM or in 16-bit activation codes
+per row (qvl_i16_linear, the default there), and where the build has the byte kernel in its codes
+per 64 columns (also simulated in float32 at 7 and 8 bits), against float32 compute with bf16
+weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
 
 --prefill-groups measures prefill's 8-bit activation codes per group of input columns (as
 OpenVINO's CPU plugin quantises activations for int8 weights): bf16 compute, the defaults, where
@@ -34,6 +35,10 @@ the CPU has VNNI prefill's int8 products in qvl_q8_linear's 8-bit codes per 64 c
 per row (qvl_i16_linear, --int8-activations vision), all against bf16 weights. --noise adds both
 schemes with their sums in float32 instead of exact integers: how far the scores move when
 nothing but float rounding changes.
+
+--vision-codes measures the vision tower's int8 x int8 products on a float32 tier with the byte
+kernel: oneDNN's int8 GEMM with codes per row against the byte kernel's codes per 64 columns,
+against float32 compute with bf16 weights.
 """
 
 from __future__ import annotations
@@ -227,8 +232,8 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
                                            int8_activations=acts))  # the loading path's own smoothing
         record(name, run(engine, evaluation))
         del engine
-    for levels, name in ((255, "vision int8 x int8, 8-bit codes per row, smoothed (default: AMX; VNNI before section 47)"),
-                         (127, "vision int8 x int8, 7-bit codes per row, smoothed (default: AVX2, AVX-512 without VNNI)")):
+    for levels, name in ((255, "vision int8 x int8, 8-bit codes per row, smoothed (default: AMX)"),
+                         (127, "vision int8 x int8, 7-bit codes per row, smoothed (default: AVX-512 without VNNI)")):
         engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
                                            int8_activations="off"))
         for module_name, module in engine.model.named_modules():
@@ -283,15 +288,15 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
               evaluation)
     rows = Rows(ref)
     i16_linear = linear.i16_linear
-    linear.i16_linear = lambda *a, **k: None  # the float32 path before section 37
+    linear.i16_linear = lambda *a, **k: None  # declined: prefill's products dequantised for the float GEMM
     try:
         rows.base = run(Engine.load(EngineOptions(**common, weights="int8", dtype="fp32")), evaluation)
     finally:
         linear.i16_linear = i16_linear
-    rows.record("float32, int8 weights, prefill's products dequantised (before)", rows.base)
+    rows.record("float32, int8 weights, prefill's products dequantised", rows.base)
     engine = Engine.load(EngineOptions(**common, weights="int8", dtype="fp32"))
     assert default_plan(torch.float32).pair_products, "qvl_i16_linear does not run on this CPU"
-    rows.record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
+    rows.record("float32, int8 weights, prefill in 16-bit activation codes (the default)", run(engine, evaluation))
     del engine
     if default_plan(torch.float32).group_codes:  # the byte kernel: VNNI's 8-bit codes, plain AVX2's 7-bit
         levels = library().q8_levels
