@@ -1,11 +1,13 @@
 """Items per minute of `qvl batch` at several batch sizes (decoding several items together
-against one at a time); prints a markdown table for docs/benchmarks.md.
+against one at a time); prints a markdown table (docs/batch.md shows one).
 
     python benchmarks/batch_throughput.py --model /work/ckpt/qvl-2b --images 8 --new-tokens 32
 
 Every item decodes exactly --new-tokens tokens (greedy, EOS ignored) and the engine's caches
 are off (each batch size answers the same images), so batch sizes compare like for like.
-Rows go through the real path: parse, batched generation, fsynced JSONL writes.
+Rows go through the real path: parse, batched generation, fsynced JSONL writes. With
+--repeats R the batch sizes run in R rounds, their order rotated each round; the fastest run
+of each counts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+import common
 from qvl.batch.inputs import Item
 from qvl.batch.output import ResultsFile
 from qvl.batch.process import Worker
@@ -60,7 +63,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights", default="auto", help="auto | bf16 | fp32 | int8 | int4 (as qvl batch --weights)")
     p.add_argument("--threads", type=int)
-    p.add_argument("--repeats", type=int, default=1, help="runs per batch size; the fastest counts (noisy machines)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the batch sizes; the fastest run counts")
     args = p.parse_args()
 
     options = EngineOptions(model=args.model, dtype=args.dtype, weights=args.weights, threads=args.threads,
@@ -80,11 +83,12 @@ def main() -> None:
         sizes = [int(s) for s in args.batch_sizes.split(",")]
         print(f"| batch size | items/min | s/item | speedup vs {sizes[0]} |")
         print("|---:|---:|---:|---:|")
-        base = None
+        runs = common.alternate({size: lambda size=size: measure(Worker(engine, params, prompt, size), items,
+                                                                 Path(tmp) / "out.jsonl") for size in sizes},
+                                args.repeats)
+        base = min(runs[sizes[0]])
         for size in sizes:
-            worker = Worker(engine, params, prompt, size)
-            seconds = min(measure(worker, items, Path(tmp) / "out.jsonl") for _ in range(args.repeats))
-            base = base or seconds
+            seconds = min(runs[size])
             print(f"| {size} | {args.images / seconds * 60:.1f} | {seconds / args.images:.2f} | "
                   f"{base / seconds:.2f}x |", flush=True)
 

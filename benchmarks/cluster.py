@@ -1,4 +1,5 @@
-"""`qvl serve --ray` on a local Ray cluster: the two figures of the cluster issue, in one run.
+"""`qvl serve --ray` on a local Ray cluster: how content routing keeps a photo's follow-ups on the
+replica that has its image cached, and what a second replica adds, in one run.
 
 1. Affinity: U users, each with their own photo, ask a first question about it (all at
    once), then their Q-1 follow-ups arrive in a shuffled order, W at a time, against 2
@@ -13,6 +14,9 @@
    show what the machine itself allows (its cores share one memory bus).
 
     python benchmarks/cluster.py --model /work/ckpt/qvl-2b
+    python benchmarks/cluster.py --model /work/ckpt/qvl-2b --routers --ceiling   # throughput only
+
+Needs the ray extra (`pip install -e .[ray]`).
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ import ray
 from PIL import Image
 from ray import serve
 
+import common
 from qvl.engine import EngineOptions
 from qvl.server.cluster import APP, REPLICA_HEADER, Scale, build
 from qvl.server.settings import ServerSettings
-from tests.test_server_support import data_uri, free_port
 
 
 def photo(seed: int, size: int) -> bytes:
@@ -71,7 +75,7 @@ def affinity(url: str, users: int, questions: int, image_px: int, tokens: int, w
     not right after its own previous answer. Returns (share of follow-ups answered by the
     replica that answered the photo's first question, mean follow-up seconds, the seconds of
     those hits, of the misses)."""
-    uris = [data_uri(photo(u, image_px), "image/jpeg") for u in range(users)]
+    uris = [common.data_uri(photo(u, image_px), "image/jpeg") for u in range(users)]
 
     def body(u: int, q: int) -> dict:
         return {"model": "m", "max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [
@@ -200,7 +204,7 @@ def main() -> None:
     p.add_argument("--routers", nargs="*", default=["content", "round-robin", "pow-2"],
                    help="routers compared for affinity (none: skip that part)")
     args = p.parse_args()
-    port = free_port()
+    port = common.free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -231,8 +235,7 @@ def main() -> None:
                       f"everything else {rest:.2f}", flush=True)
                 serve.delete(APP)
         for replicas, values in rates.items():
-            print(f"{replicas} replica(s): median {statistics.median(values):.1f} tokens/s "
-                  f"({min(values):.1f}-{max(values):.1f})")
+            print(f"{replicas} replica(s): {common.spread(values, '{:.1f}')} tokens/s")
         ratios = [b / a for a, b in zip(rates[1], rates[2])]
         print(f"2 replicas / 1 replica, per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
               f"median {statistics.median(ratios):.2f}x")

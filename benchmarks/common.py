@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmark scripts: spreads, child processes with their peak memory and a
-time limit, alternating rounds, the CPU's class, and markdown tables and sections.
+"""Helpers shared by the benchmark scripts: spreads and ratios, timed calls in alternating rounds,
+child processes with their peak memory and a time limit, a free port, kernel tiers emulated
+through the environment, the CPU's class, and markdown tables and sections.
 
 Standard library only: scripts run it under other interpreters too (a peer's own virtualenv).
 """
@@ -7,13 +8,16 @@ Standard library only: scripts run it under other interpreters too (a peer's own
 from __future__ import annotations
 
 import atexit
+import base64
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -34,6 +38,34 @@ def rotations(names: list[str], rounds: int):
     for r in range(rounds):
         k = r % len(names) if names else 0
         yield r, names[k:] + names[:k]
+
+
+def round_ratio(values: list[float], bases: list[float]) -> float:
+    """The median over rounds of each round's value / base (both measured in that round)."""
+    return statistics.median(v / b for v, b in zip(values, bases))
+
+
+def alternate(sides: dict[str, Callable[[], object]], rounds: int, echo: bool = False) -> dict[str, list]:
+    """Each side's measurement (what its callable returns) once per round, the sides in an order
+    rotated every round (reversed, for two); echo: print each as it comes."""
+    results: dict[str, list] = {name: [] for name in sides}
+    for r, order in rotations(list(sides), rounds):
+        for name in order:
+            results[name].append(sides[name]())
+            if echo:
+                print(f"round {r + 1} {name}: {results[name][-1]}", flush=True)
+    return results
+
+
+def time_call(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Median seconds of `repeat` calls of fn, after one call not timed (a warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 @dataclass
@@ -124,6 +156,38 @@ def stop_on_sigterm() -> None:
 def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: str | None = None) -> Finished:
     """Run cmd to its end (killed after timeout seconds); its output and peak RSS."""
     return Child(cmd, env=env, cwd=cwd).finish(timeout)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    """data as a base64 data URI (an image in a chat request)."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+# -- kernel tiers -----------------------------------------------------------------------------
+
+# tier (QVL_ISA) -> torch's switches that hold its own kernels to the same instructions (MKL runs
+# torch's float32 GEMMs and ignores oneDNN's switch)
+TORCH_ENV = {
+    "avx512": {},
+    "avx512-noamx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "avx512-nobf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+                      "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+
+
+def tier_env(tier: str) -> dict[str, str]:
+    """This process's environment with qvl's kernels (QVL_ISA) and torch's held to `tier`: an
+    older CPU emulated on this one."""
+    return {**os.environ, "QVL_ISA": tier, **TORCH_ENV.get(tier, {})}
 
 
 # -- the CPU ----------------------------------------------------------------------------------

@@ -22,10 +22,11 @@ weights. Prints a markdown table.
     python benchmarks/int8_activations.py                       # tiny stress + tiny plain
     python benchmarks/int8_activations.py --model /work/ckpt/qvl-2b-outliers --max-image-tokens 64
 
---prefill-codes asks the float32 tiers' question instead (section 37): float32 compute, the vision
-tower unquantised, prefill's int8 products either dequantised for the float GEMM (before) or in
-16-bit activation codes per row (qvl_i16_linear, the default since), against float32 compute with
-bf16 weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
+--prefill-codes measures the float32 tiers' prefill instead: float32 compute, the vision tower
+unquantised, prefill's int8 products dequantised for the float GEMM or in 16-bit activation codes
+per row (qvl_i16_linear, the default there), and where the build has the byte kernel in its codes
+per 64 columns (also simulated in float32 at 7 and 8 bits), against float32 compute with bf16
+weights; with bf16 compute and int8 weights (what the bf16 tiers run) for scale.
 
 --prefill-groups measures prefill's 8-bit activation codes per group of input columns (as
 OpenVINO's CPU plugin quantises activations for int8 weights): bf16 compute, the defaults, where
@@ -34,11 +35,16 @@ the CPU has VNNI prefill's int8 products in qvl_q8_linear's 8-bit codes per 64 c
 per row (qvl_i16_linear, --int8-activations vision), all against bf16 weights. --noise adds both
 schemes with their sums in float32 instead of exact integers: how far the scores move when
 nothing but float rounding changes.
+
+--vision-codes measures the vision tower's int8 x int8 products on a float32 tier with the byte
+kernel: oneDNN's int8 GEMM with codes per row against the byte kernel's codes per 64 columns,
+against float32 compute with bf16 weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import sys
@@ -53,7 +59,7 @@ import torch.nn.functional as F
 from qvl.bench import synthetic_image
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.kernels import linear, products
-from qvl.kernels.library import library
+from qvl.kernels.library import Library, library
 from qvl.kernels.plan import Kernel, LinearPlan, Plan, default_plan, layer_kind
 from qvl.generate import new_cache
 from qvl.quantize import Int8Linear, QuantSpec, TiedQuantEmbedding, quantize_int8, quantized_linear_names
@@ -226,8 +232,8 @@ def measure(path: Path, args) -> list[tuple[str, dict]]:
                                            int8_activations=acts))  # the loading path's own smoothing
         record(name, run(engine, evaluation))
         del engine
-    for levels, name in ((255, "vision int8 x int8, 8-bit codes per row, smoothed (default: AMX; VNNI before section 47)"),
-                         (127, "vision int8 x int8, 7-bit codes per row, smoothed (default: AVX2, AVX-512 without VNNI)")):
+    for levels, name in ((255, "vision int8 x int8, 8-bit codes per row, smoothed (default: AMX)"),
+                         (127, "vision int8 x int8, 7-bit codes per row, smoothed (default: AVX-512 without VNNI)")):
         engine = Engine.load(EngineOptions(**common, weights="int8", dtype="bf16", vision_int8=True,
                                            int8_activations="off"))
         for module_name, module in engine.model.named_modules():
@@ -282,15 +288,15 @@ def measure_prefill_codes(path: Path, args) -> list[tuple[str, dict]]:
               evaluation)
     rows = Rows(ref)
     i16_linear = linear.i16_linear
-    linear.i16_linear = lambda *a, **k: None  # the float32 path before section 37
+    linear.i16_linear = lambda *a, **k: None  # declined: prefill's products dequantised for the float GEMM
     try:
         rows.base = run(Engine.load(EngineOptions(**common, weights="int8", dtype="fp32")), evaluation)
     finally:
         linear.i16_linear = i16_linear
-    rows.record("float32, int8 weights, prefill's products dequantised (before)", rows.base)
+    rows.record("float32, int8 weights, prefill's products dequantised", rows.base)
     engine = Engine.load(EngineOptions(**common, weights="int8", dtype="fp32"))
     assert default_plan(torch.float32).pair_products, "qvl_i16_linear does not run on this CPU"
-    rows.record("float32, int8 weights, prefill in 16-bit activation codes (now)", run(engine, evaluation))
+    rows.record("float32, int8 weights, prefill in 16-bit activation codes (the default)", run(engine, evaluation))
     del engine
     if default_plan(torch.float32).group_codes:  # the byte kernel: VNNI's 8-bit codes, plain AVX2's 7-bit
         levels = library().q8_levels
@@ -385,8 +391,6 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The vision tower's int8 x int8 products on this tier (float32 compute, prefill as the
     defaults): oneDNN's int8 GEMM with codes per row against qvl's byte kernel with codes per
     linear.ACTIVATION_GROUP columns, against float32 compute with bf16 weights."""
-    from vision_products import without_byte_kernel  # benchmarks/ is the script's folder
-
     common = dict(model=str(path), threads=args.threads, quant_cache=False, dtype="fp32")
     evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
     ref = run(Engine.load(EngineOptions(**common, weights="bf16")), evaluation)
@@ -405,6 +409,18 @@ def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     rows.record(f"the tower in the byte kernel's codes -{levels}..{levels} per {linear.ACTIVATION_GROUP} columns",
                 run(engine, evaluation))
     return rows
+
+
+@contextlib.contextmanager
+def without_byte_kernel():
+    """Within it, the plan sees no byte kernel (as a build without one: AVX-512 without VNNI), so
+    engines loaded there run the vision tower's int8 x int8 products through oneDNN's GEMM."""
+    byte_kernel = Library.q8_levels
+    Library.q8_levels = property(lambda self: 0)
+    try:
+        yield
+    finally:
+        Library.q8_levels = byte_kernel
 
 
 def table(results: dict[str, list[tuple[str, dict]]]) -> str:

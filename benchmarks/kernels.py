@@ -1,109 +1,359 @@
-"""qvl's native kernels against torch's, one product at a time, in one process:
+"""qvl's native kernels one call at a time, against torch's way of computing the same thing (and,
+with --before, against another checkout's build of the same kernels), the sides alternating
+within each round; per side the median (min-max) over --rounds of the median of --repeat calls,
+and its time against torch's side (the median of the rounds' own ratios). Rows: activation rows,
+patches, queries or decoding rows.
 
-- decode GEMV (1 activation row) per weight format: GB/s of weights streamed, over 2B-shaped
-  matrices (6144x2048) totalling more than the L3 cache;
-- vision attention (16 heads, head_dim 64) at the default and the full image budget: TFLOP/s;
-- decode attention (16 query heads over 8 KV heads, head_dim 128) at 2k cached positions;
-- int8 x int8 GEMM (--int8-activations) against the bf16 GEMM, vision-MLP shape.
+    python benchmarks/kernels.py gemv
+    python benchmarks/kernels.py products --shapes vision text --rows 270 1008
+    python benchmarks/kernels.py products --weights int4
+    python benchmarks/kernels.py attention --kinds vision prefill decode
+    python benchmarks/kernels.py products --tier avx2        # an older CPU emulated on this one
+    git worktree add /work/wt-before <commit>
+    python benchmarks/kernels.py gemv --before /work/wt-before
 
-    python benchmarks/kernels.py
-    QVL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/kernels.py   # a lower tier
+gemv       The decode GEMV (qvl_linear) per weight format (bf16, int8, int4 in groups of 128) at
+           --rows activation rows, over --matrices weights of 6144 x 2048 (more bytes than the
+           caches hold, as a model's layers): ms per pass, GB/s of weights streamed, the time
+           against one row's, and against torch's weight-only kernels (F.linear on bf16 weights,
+           _weight_int8pack_mm, _weight_int4pack_mm_for_cpu).
+products   Many-row products of int8 (or int4) weights on the 2B vision tower's shapes (qkv,
+           proj, fc1, fc2; 1008 rows: a photo at 256 image tokens) and the 2B decoder's (q/o,
+           gate/up, down; 270 rows: that photo's prompt): every native kernel this build takes
+           them with (the byte kernel in 8-bit codes per 64 columns, the 16-bit pair kernel, AMX
+           int8 tiles with 16-bit codes, AMX bf16 tiles, oneDNN's int8 GEMM around qvl's quantise
+           and rescale passes, AMX int8 tiles rescaling in cache), against dequantising the weight
+           for torch's GEMM. --fused: the vision shapes with the tower's fusions (layer norm,
+           tanh-GELU, residual add), torch's side doing them apart; kernels without them are left out.
+attention  The vision tower's attention (the flash kernel in bf16, in 8-bit codes where the build
+           has VNNI and BF16 without AMX, in 16-bit integer codes in float32) on 1008 and 4032
+           patches of 16 heads of 64 and of 72; prefill's causal attention over the paged cache
+           (one 2B layer: 16 query heads over 8 key/value heads of 128; prompts of 280 and 1030
+           tokens, and the last 64 of 1030); decode attention over 2048 cached positions for 1
+           and 8 rows. Against torch's SDPA on the same keys and values gathered beforehand, with
+           each side's largest difference from SDPA in float32 (float64 for float32 inputs).
 
-Activations are bf16 on tiers with bf16 products, else float32 (what --dtype auto picks).
+The compute dtype is the tier's (bf16 where it has bf16 products, else float32) unless --dtype
+says otherwise. --tier NAME reruns the script with qvl's kernels and torch's held to that tier
+(QVL_ISA and torch's switches). --before CHECKOUT builds that checkout's kernels for this
+process's tier from its sources and runs them beside this checkout's through this checkout's
+bindings (its C functions must take the same arguments).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from compare import median_time  # benchmarks/compare.py (this script's folder is on sys.path)
+import common
 from qvl.kernels import attention, build, linear
 from qvl.kernels.library import library
 from qvl.kernels.plan import default_plan
+from qvl.kernels.products import dequantize_int4, dequantize_int8
+from qvl.kv_cache import BLOCK
 from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
 
-
-def gemv_rows(lib, repeat: int, count: int, dt: torch.dtype) -> list[tuple[str, float, float]]:
-    n, k = 6144, 2048
-    x = torch.randn(1, k).to(dt)
-    w = torch.randn(n, k)
-    q8, s8 = quantize_int8(w)
-    q4, s4, z4 = quantize_int4(w, 128)
-    bf = [w.bfloat16().clone() for _ in range(count)]
-    i8 = [q8.clone() for _ in range(count)]
-    i4 = [pack_nibbles(q4) for _ in range(count)]
-    s8, s4, z4 = s8.to(dt), s4.to(dt), z4.to(dt)
-    rows = []
-
-    def rate(run, mats, nbytes):
-        return nbytes * len(mats) / median_time(lambda: [run(m) for m in mats], repeat) / 1e9
-
-    rows.append(("bf16", rate(lambda m: linear.gemv(lib, build.W_BF16, x, m, n), bf, n * k * 2),
-                 rate(lambda m: F.linear(x, m.to(dt)), bf, n * k * 2)))
-    rows.append(("int8", rate(lambda m: linear.gemv(lib, build.W_INT8, x, m, n, s8), i8, n * k),
-                 rate(lambda m: torch._weight_int8pack_mm(x, m, s8), i8, n * k)))
-    packed = [torch._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32), 1) for _ in range(count)]
-    sz = torch.stack([s4.t(), z4.t()], -1).contiguous()
-    rows.append(("int4 (g128)", rate(lambda m: linear.gemv(lib, build.W_INT4, x, m, n, s4, z4, 128), i4, n * k // 2),
-                 rate(lambda m: torch._weight_int4pack_mm_for_cpu(x, m, 128, sz), packed, n * k // 2)))
-    return rows
+GROUP = 128  # int4 weights: inputs per scale and zero
+VISION = {"qkv": (1024, 3072, "norm"), "proj": (1024, 1024, "residual"), "fc1": (1024, 4096, "norm, GELU"),
+          "fc2": (4096, 1024, "residual")}  # 2B's tower: in, out, the fusions it runs
+TEXT = {"q/o": (2048, 2048, ""), "gate/up": (2048, 6144, ""), "down": (6144, 2048, "")}  # 2B's decoder
+PATCHES = [(1008, 16, 64), (4032, 16, 64), (1008, 16, 72), (4032, 16, 72)]  # vision attention: tokens, heads, size
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # the 2B decoder's attention
 
 
-def attention_rows(lib, repeat: int, dt: torch.dtype) -> list[tuple[str, float, float]]:
-    rows = []
-    flash = default_plan(torch.bfloat16).prefill_attention == "qvl_attention"
-    for patches in (1008, 8160) if flash else ():  # 1920x1080 at the default 252 tokens, and at the full 2040
-        q, k, v = (torch.randn(patches, 16, 64).bfloat16() for _ in range(3))
-        flops = 4 * 16 * patches**2 * 64
-        ours = median_time(lambda: attention.attention(lib, q, k, v), repeat)
-        heads_first = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, S, D]: SDPA's fused 4-D path
-        sdpa = median_time(lambda: F.scaled_dot_product_attention(*heads_first), repeat)
-        rows.append((f"vision attention, {patches} patches (TFLOP/s)", flops / ours / 1e12, flops / sdpa / 1e12))
-    cache_k, cache_v = torch.randn(1, 8, 4096, 128).to(dt), torch.randn(1, 8, 4096, 128).to(dt)
-    keys, values, q = cache_k[:, :, :2048], cache_v[:, :, :2048], torch.randn(1, 16, 1, 128).to(dt)
-    ours = median_time(lambda: attention.decode_attention(lib, q, keys, values, None), repeat * 20) * 1e3
-    sdpa = median_time(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True), repeat * 20) * 1e3
-    rows.append(("decode attention, 2048 positions (ms per layer)", ours, sdpa))
-    return rows
+# -- the libraries, the rounds and the table ---------------------------------------------------
+
+def checkout_library(checkout: str):
+    """The kernels of another checkout, built for this process's tier from its sources."""
+    out = tempfile.mkdtemp(prefix="qvl-before-")
+    code = ("import sys\nfrom pathlib import Path\nfrom qvl.kernels import build\n"
+            "print(build.build(Path(sys.argv[1]), build.select_tier()))")
+    env = {**os.environ, "PYTHONPATH": str(Path(checkout).resolve() / "src")}
+    path = subprocess.run([sys.executable, "-c", code, out], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    return build.open_library(Path(path))
 
 
-def int8_gemm_row(lib, repeat: int, dt: torch.dtype) -> tuple[str, float, float]:
-    m, k, n = 1008, 1024, 4096
-    x, w = torch.randn(m, k).to(dt), torch.randn(n, k)
+def libraries(args) -> dict[str, object]:
+    """Side tag -> library: '' for this checkout's, ' (before)' for --before's."""
+    if library().lib is None:
+        raise SystemExit(f"the native kernels are not available here: {library().reason}")
+    libs = {"": library().lib}
+    if args.before:
+        libs[" (before)"] = checkout_library(args.before)
+    return libs
+
+
+def measure(sides: dict, args) -> dict[str, list[float]]:
+    """Side -> its ms per round (the median of --repeat calls), in alternating rounds; sides that
+    decline the inputs (return None) are left out."""
+    taken = {name: fn for name, fn in sides.items() if fn() is not None}
+    return common.alternate({name: lambda fn=fn: common.time_call(fn, args.repeat) * 1e3
+                             for name, fn in taken.items()}, args.rounds)
+
+
+def header(against: str, *extra: str) -> None:
+    cells = ["shape", "rows", "side", "ms median (min-max)", f"time vs {against}", *extra]
+    print("| " + " | ".join(cells) + " |\n|" + "---|" * len(cells), flush=True)
+
+
+def print_rows(shape: str, rows: int, times: dict[str, list[float]], base: str, extra=None) -> None:
+    """One table row per side: its ms and its time against `base`'s (median of the rounds' own
+    ratios), and extra(side)'s cells."""
+    for side, ms in times.items():
+        cells = [shape, str(rows), side, common.spread(ms), f"{common.round_ratio(ms, times[base]):.2f}"]
+        print("| " + " | ".join(cells + ([extra(side)] if extra else [])) + " |", flush=True)
+
+
+def largest_difference(sides: dict, reference: torch.Tensor):
+    """extra(side) for print_rows: the side's largest difference from `reference`."""
+    return lambda side: f"{(sides[side]().to(reference.dtype) - reference).abs().max().item():.4f}"
+
+
+# -- gemv -------------------------------------------------------------------------------------
+
+def gemv(args, dtype: torch.dtype) -> None:
+    libs, n, k = libraries(args), 6144, 2048
+    header("torch", "GB/s", "vs its 1 row")
+    for fmt in ("bf16", "int8", "int4"):
+        ours, theirs, nbytes = gemv_calls(fmt, n, k, dtype, args.matrices)
+        first: dict[str, float] = {}
+        for rows in args.rows:
+            x = torch.randn(rows, k).to(dtype)
+            sides = {"torch": lambda: theirs(x), **{f"qvl{tag}": lambda lib=lib: ours(lib, x)
+                                                    for tag, lib in libs.items()}}
+            times = measure(sides, args)
+            med = {side: statistics.median(ms) for side, ms in times.items()}
+            first = first or med
+            print_rows(f"{fmt}, {args.matrices} x {n}x{k}", rows, times, "torch",
+                       lambda side: f"{nbytes / med[side] / 1e6:.1f} | {med[side] / first.get(side, med[side]):.2f}")
+
+
+def gemv_calls(fmt: str, n: int, k: int, dtype: torch.dtype, count: int):
+    """(qvl(lib, x), torch(x), bytes of weights): one pass of each over `count` distinct [n, k]
+    weights in `fmt`, x [rows, k] in the compute dtype."""
+    w = torch.randn(n, k) / k**0.5
+    if fmt == "bf16":
+        mats = [w.bfloat16() for _ in range(count)]
+        return (lambda lib, x: [linear.gemv(lib, build.W_BF16, x, m, n) for m in mats],
+                lambda x: [F.linear(x.bfloat16(), m) for m in mats], 2 * n * k * count)
+    if fmt == "int8":
+        q, s = quantize_int8(w)
+        mats, s = [q.clone() for _ in range(count)], s.to(dtype)
+        return (lambda lib, x: [linear.gemv(lib, build.W_INT8, x, m, n, s) for m in mats],
+                lambda x: [torch._weight_int8pack_mm(x, m, s) for m in mats], n * k * count)
+    codes, s, z = quantize_int4(w, GROUP)
+    mats, s, z = [pack_nibbles(codes) for _ in range(count)], s.to(dtype), z.to(dtype)
+    packed = [torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1) for _ in range(count)]
+    scales_zeros = torch.stack([s.t(), z.t()], -1).contiguous()  # [k / GROUP, n, 2], torch's layout
+    return (lambda lib, x: [linear.gemv(lib, build.W_INT4, x, m, n, s, z, GROUP) for m in mats],
+            lambda x: [torch._weight_int4pack_mm_for_cpu(x, m, GROUP, scales_zeros) for m in packed],
+            n * k // 2 * count)
+
+
+# -- products ---------------------------------------------------------------------------------
+
+def products(args, dtype: torch.dtype) -> None:
+    libs = libraries(args)
+    shapes = {**({f"vision {name}": shape for name, shape in VISION.items()} if "vision" in args.shapes else {}),
+              **({f"text {name}": shape for name, shape in TEXT.items()} if "text" in args.shapes else {})}
+    header("dequantise + GEMM")
+    for name, (k, n, fusions) in shapes.items():
+        fused = fusions if args.fused and args.weights == "int8" else ""
+        w = torch.randn(n, k) / k**0.5
+        bias = torch.randn(n).to(dtype) if name.startswith("vision") else None
+        norm = ((torch.rand(k) + 0.5).to(dtype), torch.randn(k).to(dtype), 1e-6) if "norm" in fused else None
+        for rows in args.rows:
+            x = torch.randn(rows, k).to(dtype)
+            residual = torch.randn(rows, n).to(dtype) if "residual" in fused else None
+            if args.weights == "int8":
+                sides = int8_sides(libs, w, x, bias, dtype, dict(gelu_tanh="GELU" in fused, residual=residual,
+                                                                 layer_norm=norm))
+            else:
+                sides = int4_sides(libs, w, x, bias, dtype)
+            label = f"{name} ({k} -> {n}{', ' + fused if fused else ''})"
+            print_rows(label, rows, measure(sides, args), "dequantise + GEMM")
+
+
+def int8_sides(libs: dict, w: torch.Tensor, x: torch.Tensor, bias, dtype: torch.dtype, fused: dict) -> dict:
+    """Every way this build takes x @ int8(w).T (+ bias), with the fusions in `fused`
+    (gelu_tanh, residual, layer_norm) where the kernel has them; kernels without them are left
+    out when any is asked for."""
     q, s = quantize_int8(w)
-    s = s.to(dt)
-    dense = (q.float() * s.float()[:, None]).to(dt)
-    ours = median_time(lambda: linear.int8_matmul(lib, x, q, s), repeat)
-    bf16 = median_time(lambda: F.linear(x, dense), repeat)
-    flops = 2 * m * k * n
-    return (f"int8 x int8 GEMM (--int8-activations) vs {str(dt)[6:]} GEMM, 1008x1024x4096 (TFLOP/s)",
-            flops / ours / 1e12,
-            flops / bf16 / 1e12)
+    s, (n, k) = s.to(dtype), q.shape
+    plain = not (fused["gelu_tanh"] or fused["residual"] is not None or fused["layer_norm"] is not None)
+    norm, residual = fused["layer_norm"], fused["residual"]
 
+    def torch_side():
+        h = x if norm is None else F.layer_norm(x, (k,), norm[0], norm[1], norm[2])
+        y = F.linear(h, dequantize_int8(q, s, transient=True), bias)
+        y = F.gelu(y, approximate="tanh") if fused["gelu_tanh"] else y
+        return y if residual is None else residual + y
+
+    plan, amx, colsums = default_plan(dtype), library().has(build.AMX_INT8), q.sum(1, dtype=torch.int32).float()
+    packed = linear.pack_int8(q) if library().int8_levels else None
+    tiles = linear.amx_pack_int8(library().lib, q) if amx and linear.amx_tiles_take(n, k) else None
+    sides = {"dequantise + GEMM": torch_side}
+    for tag, lib in libs.items():
+        if plan.group_codes:
+            sides["byte kernel" + tag] = lambda lib=lib: linear.q8_linear(lib, x, q, s, bias, **fused)
+        if plan.pair_products and plain:
+            sides["16-bit pairs" + tag] = lambda lib=lib: linear.i16_linear(lib, x, q, s, bias)
+        if amx and plain:
+            sides["AMX int8 tiles, 16-bit codes" + tag] = lambda lib=lib: linear.amx_i16_linear(lib, x, q, s, bias)
+        if amx and plain and dtype == torch.bfloat16:
+            sides["AMX bf16 tiles" + tag] = lambda lib=lib: linear.amx_bf16_linear(lib, build.W_INT8, x, q, s,
+                                                                                   bias=bias)
+        if packed is not None:
+            sides["oneDNN int8 GEMM" + tag] = lambda lib=lib: linear.int8_matmul(
+                lib, x, packed, colsums, s, bias, library().int8_levels, **fused)
+        if tiles is not None:
+            sides["AMX int8 tiles, rescaled in cache" + tag] = lambda lib=lib: linear.int8_matmul(
+                lib, x, tiles, colsums, s, bias, 255, amx=True, **fused)
+    return sides
+
+
+def int4_sides(libs: dict, w: torch.Tensor, x: torch.Tensor, bias, dtype: torch.dtype) -> dict:
+    """x @ int4(w).T (+ bias): dequantise + GEMM, and AMX bf16 tiles where the build has them."""
+    codes, s, z = quantize_int4(w, GROUP)
+    q, s, z = pack_nibbles(codes), s.to(dtype), z.to(dtype)
+    sides = {"dequantise + GEMM": lambda: F.linear(x, dequantize_int4(q, s, z, GROUP, transient=True), bias)}
+    if library().has(build.AMX_INT8) and dtype == torch.bfloat16:
+        for tag, lib in libs.items():
+            sides["AMX bf16 tiles" + tag] = lambda lib=lib: linear.amx_bf16_linear(lib, build.W_INT4, x, q, s, z,
+                                                                                   GROUP, bias)
+    return sides
+
+
+# -- attention --------------------------------------------------------------------------------
+
+def attention_kernels(args, dtype: torch.dtype) -> None:
+    libs, plan = libraries(args), default_plan(dtype)
+    exact = torch.float64 if dtype == torch.float32 else torch.float32
+    header("SDPA", f"largest difference from SDPA in {str(exact)[6:]}")
+    if "vision" in args.kinds:
+        vision_attention(args, libs, plan, exact)
+    if "prefill" in args.kinds:
+        if plan.bf16_products:
+            prefill_attention(args, libs)
+        else:
+            print(f"| prefill | - | - | {str(dtype)[6:]}: torch's SDPA, no native kernel to compare | - | - |")
+    if "decode" in args.kinds:
+        decode_attention(args, libs, dtype, exact)
+
+
+def vision_attention(args, libs: dict, plan, exact: torch.dtype) -> None:
+    """The tower's attention (no mask), q, k, v strided as the fused qkv gives them."""
+    bf16 = plan.dtype == torch.bfloat16
+    q8 = plan.bf16_products and library().has(build.VNNI) and not library().tier.amx
+    i16 = plan.native and library().has(build.AVX2) and not bf16
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+
+    torch.manual_seed(0)
+    for n, h, d in PATCHES:
+        q, k, v = torch.randn(n, 3, h, d).to(plan.dtype).unbind(1)
+        sides = {"SDPA": lambda: sdpa(q, k, v)}
+        for tag, lib in libs.items():
+            if plan.bf16_products:
+                sides["flash" + tag] = lambda lib=lib: attention.attention(lib, q, k, v)
+            if q8:
+                sides["8-bit codes" + tag] = lambda lib=lib: attention.attention_q8(lib, q, k, v)
+            if i16:
+                sides["16-bit codes" + tag] = lambda lib=lib: attention.attention_i16(lib, q, k, v)
+        times = measure(sides, args)
+        reference = sdpa(q.to(exact), k.to(exact), v.to(exact))
+        print_rows(f"vision, {h} heads of {d}", n, times, "SDPA", largest_difference(sides, reference))
+
+
+def prefill_attention(args, libs: dict) -> None:
+    """One 2B layer's causal attention over a paged cache (bf16) whose blocks are shuffled."""
+    torch.manual_seed(0)
+    for length, queries in ((280, 280), (1030, 1030), (1030, 64)):
+        start, blocks = length - queries, -(-length // BLOCK)
+        keys, values = (torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM).bfloat16() for _ in range(2))
+        table = torch.randperm(blocks)
+        q = (torch.randn(queries, HEADS, HEAD_DIM) * 2).bfloat16()
+        k, v = (x[table].transpose(0, 1).reshape(1, KV_HEADS, -1, HEAD_DIM)[:, :, :length].contiguous()
+                for x in (keys, values))  # [1, KV_HEADS, length, HEAD_DIM], as KVCache.gather gives SDPA
+        mask = (torch.arange(length)[None, :] <= torch.arange(start, length)[:, None])[None, None]
+
+        def sdpa(dt=torch.bfloat16):
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(dt), k.to(dt), v.to(dt), attn_mask=mask,
+                                                  enable_gqa=True)[0].transpose(0, 1)
+
+        sides = {"SDPA": sdpa, **{"flash" + tag: lambda lib=lib: attention.paged_attention(lib, q, keys, values, table,
+                                                                                          start)
+                                  for tag, lib in libs.items()}}
+        times = measure(sides, args)
+        print_rows(f"prefill, {length}-token prompt", queries, times, "SDPA",
+                   largest_difference(sides, sdpa(torch.float32)))
+
+
+def decode_attention(args, libs: dict, dtype: torch.dtype, exact: torch.dtype) -> None:
+    """One query per row over 2048 cached positions of a 2B layer, each row's blocks shuffled in the pool."""
+    torch.manual_seed(0)
+    length = 2048
+    for rows in (1, 8):
+        per_row = length // BLOCK
+        keys, values = (torch.randn(rows * per_row, KV_HEADS, BLOCK, HEAD_DIM).to(dtype) for _ in range(2))
+        table, lengths = torch.randperm(rows * per_row).view(rows, per_row), torch.full((rows,), length)
+        q = torch.randn(rows, HEADS, 1, HEAD_DIM).to(dtype)
+        k, v = (x[table].transpose(1, 2).reshape(rows, KV_HEADS, length, HEAD_DIM).contiguous()
+                for x in (keys, values))  # [rows, KV_HEADS, length, HEAD_DIM]
+
+        def sdpa(dt=dtype):
+            return F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), enable_gqa=True)
+
+        sides = {"SDPA": sdpa, **{"qvl" + tag: lambda lib=lib: attention.decode_attention(lib, q, keys, values, table,
+                                                                                         lengths)
+                                  for tag, lib in libs.items()}}
+        times = measure(sides, args)
+        print_rows(f"decode, {length} positions", rows, times, "SDPA", largest_difference(sides, sdpa(exact)))
+
+
+# -- the command line -------------------------------------------------------------------------
 
 def main() -> None:
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--rounds", type=int, default=7)
+    shared.add_argument("--repeat", type=int, default=3, help="calls per side and round (their median counts)")
+    shared.add_argument("--threads", type=int, default=2)
+    shared.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="compute dtype (auto: bf16 where the tier has bf16 products, else fp32)")
+    shared.add_argument("--tier", help="emulate this kernel tier of the CPU (QVL_ISA and torch's switches)")
+    shared.add_argument("--before", metavar="CHECKOUT", help="also that checkout's kernels (same tier)")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--matrices", type=int, default=32, help="distinct weight matrices per GEMV pass (> L3)")
+    modes = p.add_subparsers(dest="mode", required=True)
+    g = modes.add_parser("gemv", parents=[shared], help="the decode GEMV per weight format and row count")
+    g.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    g.add_argument("--matrices", type=int, default=32, help="distinct weights per pass (more bytes than the caches)")
+    m = modes.add_parser("products", parents=[shared], help="many-row int8 / int4 products")
+    m.add_argument("--shapes", nargs="+", choices=["vision", "text"], default=["vision", "text"])
+    m.add_argument("--rows", type=int, nargs="+", default=[270, 1008])
+    m.add_argument("--weights", choices=["int8", "int4"], default="int8")
+    m.add_argument("--fused", action="store_true", help="int8: the vision shapes with the tower's fusions")
+    a = modes.add_parser("attention", parents=[shared], help="vision, prefill and decode attention")
+    kinds = ["vision", "prefill", "decode"]
+    a.add_argument("--kinds", nargs="+", choices=kinds, default=kinds)
     args = p.parse_args()
+    if args.tier and os.environ.get("QVL_ISA") != args.tier:
+        os.execve(sys.executable, [sys.executable, *sys.argv], common.tier_env(args.tier))
     torch.set_num_threads(args.threads)
-    lib, dt = library().lib, torch.bfloat16 if library().tier.bf16 else torch.float32
-    if lib is None:
-        raise SystemExit("the native kernels are not available here")
-    print(f"{args.threads} threads, {dt} activations; kernels: {library().describe()}\n")
-    print("| decode GEMV, 1 row, 6144x2048 | qvl GB/s | torch GB/s | ratio |\n|---|---|---|---|")
-    for name, ours, theirs in gemv_rows(lib, args.repeat, args.matrices, dt):
-        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
-    print("\n| product | qvl | torch | ratio |\n|---|---|---|---|")
-    for name, ours, theirs in attention_rows(lib, args.repeat, dt):
-        better = theirs / ours if "ms" in name else ours / theirs
-        print(f"| {name} | {ours:.3f} | {theirs:.3f} | {better:.2f}× |")
-    name, ours, theirs = int8_gemm_row(lib, args.repeat, dt)
-    print(f"| {name} | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f}× |")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype) or (
+        torch.bfloat16 if library().tier.bf16 else torch.float32)
+    print(f"{library().describe()}; {str(dtype)[6:]}, {args.threads} threads, {args.rounds} alternating rounds of "
+          f"{args.repeat} calls\n")
+    {"gemv": gemv, "products": products, "attention": attention_kernels}[args.mode](args, dtype)
 
 
 if __name__ == "__main__":

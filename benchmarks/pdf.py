@@ -1,6 +1,6 @@
-"""Rasterising PDF pages at the image budget (issue: documents and grounding): the time from
-PDF bytes to the page image qvl encodes, per page, at the OCR preset's budget (1024 tokens,
-about one megapixel) and the default (256).
+"""Rasterising PDF pages at the image budget: the time from PDF bytes to the page image qvl
+encodes, per page, at the OCR preset's budget (1024 tokens, about one megapixel) and the
+default (256).
 
     python benchmarks/pdf.py --pages 20 --rounds 5
 
@@ -9,7 +9,7 @@ scanner writes them: the hard case, every page's image is decoded and scaled) ho
 of text, saved as one PDF by Pillow (a scan is what OCR users bring). Each round draws
 every page once (open, render, convert to RGB) with `qvl.processing.pdf.render_pages`, one
 page per call as `qvl batch` does, in a fresh order; printed per round, then the median and
-min-max per page and the share of the issue's 100 ms.
+min-max per page.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import io
 import random
-import statistics
 import time
 
 from PIL import Image, ImageDraw, ImageFont
 
+import common
 from qvl.processing.pdf import render_pages
 
 
@@ -62,11 +62,9 @@ def main() -> None:
                 this_round.append((time.perf_counter() - started) * 1000)
                 size = page.size
             times += this_round
-            print(f"  {tokens} tokens, round {r + 1}: median {statistics.median(this_round):.1f} ms per page "
-                  f"({min(this_round):.1f}-{max(this_round):.1f})", flush=True)
-        print(f"{tokens} tokens ({size[0]}x{size[1]} pixels): {statistics.median(times):.1f} ms per page "
-              f"(min {min(times):.1f}, max {max(times):.1f}, {len(times)} pages drawn); "
-              f"{statistics.median(times) / 100:.0%} of the 100 ms target")
+            print(f"  {tokens} tokens, round {r + 1}: {common.spread(this_round, '{:.1f}')} ms per page", flush=True)
+        print(f"{tokens} tokens ({size[0]}x{size[1]} pixels): {common.spread(times, '{:.1f}')} ms per page "
+              f"({len(times)} pages drawn)")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ import base64
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -181,7 +180,7 @@ def last_json(done: common.Finished) -> dict:
 # -- llama.cpp: llama-server, one process per round ---------------------------------------------
 
 def llama_measure(args, model: str, images: dict) -> dict:
-    port = free_port()
+    port = common.free_port()
     cmd = [llama_server(args), "-m", model, "--mmproj", mmproj(args), "-c", "4096", "-t", str(args.threads),
            "-tb", str(args.threads), "--image-max-tokens", str(args.image_tokens), "-np", "1", "--cache-ram", "0",
            "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
@@ -200,12 +199,6 @@ def llama_measure(args, model: str, images: dict) -> dict:
     return {"ttft_s": wall - t["predicted_ms"] / 1000, "decode_ms": t["predicted_per_token_ms"],
             "rss": done.peak_rss_bytes, "prompt_tokens": t["prompt_n"], "generated": t["predicted_n"],
             "version": llama_version(args)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(server: common.Child, port: int, timeout: float) -> None:

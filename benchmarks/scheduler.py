@@ -27,11 +27,14 @@ import json
 import statistics
 import time
 
+import common
 from qvl.bench import synthetic_image
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, Sequence
 from qvl.stream import Done
+
+F1 = "{:.1f}"  # milliseconds, seconds and tokens/s in the tables
 
 
 def text_request(i: int, tokens: int) -> Request:
@@ -120,7 +123,7 @@ def main() -> None:
                    help="rounds of the 16-client figure (each about 2.5 min), the order alternating")
     p.add_argument("--only-mixed", action="store_true", help="only the 16-client figure")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="the scheduler's rows (qvl's default)")
-    p.add_argument("--out")
+    p.add_argument("--out", help="also write the raw results here (JSON)")
     args = p.parse_args()
     engine = Engine.load(EngineOptions(model=args.model, threads=args.threads, max_batch=args.max_batch,
                                        answer_cache_entries=0, prefix_cache_mb=0, vision_cache_mb=0))
@@ -143,10 +146,6 @@ def main() -> None:
             json.dump(results, f, indent=1)
 
 
-def spread(values: list[float], fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def report(results: dict, args) -> None:
     print(f"\nthe scheduler's rows: --max-batch {args.max_batch}")
     if "streams1" in results:
@@ -164,7 +163,8 @@ def report_streams(results: dict, args) -> None:
     for n in (1, 4, 8):
         rows = results[f"streams{n}"]
         gaps, tps = [r["inter_token_ms"] for r in rows], [r["tokens_per_s"] for r in rows]
-        print(f"| {n} | {spread(gaps)} | {statistics.median(gaps) / statistics.median(one_gap):.2f}× | {spread(tps)} |"
+        print(f"| {n} | {common.spread(gaps, F1)} | {statistics.median(gaps) / statistics.median(one_gap):.2f}× | "
+              f"{common.spread(tps, F1)} |"
               f" {statistics.median(tps) / statistics.median(one):.2f}× |")
     # each round measured 1, 4 and 8 streams back to back: its own ratios are the ones this VM's
     # speed swings between runs do not move
@@ -177,13 +177,14 @@ def report_streams(results: dict, args) -> None:
     adm = results["admission"]
     print("\n| while a 1920×1080 photo is admitted | ms |\n|---|---|")
     for key in ("median_gap_ms", "p99_gap_ms", "max_gap_ms", "photo_ttft_ms"):
-        print(f"| {key} | {spread([r[key] for r in adm], '{:.0f}')} |")
+        print(f"| {key} | {common.spread([r[key] for r in adm], '{:.0f}')} |")
 
 
 def report_mixed(m: list[dict]) -> None:
     ratios = ", ".join(f"{r['ratio']:.2f}" for r in m)
     print(f"\n16 clients (8 photo, 8 text, 128 tokens), {len(m)} round(s), the order alternating: together "
-          f"{spread([r['together_s'] for r in m])} s, one by one {spread([r['one_by_one_s'] for r in m])} s; "
+          f"{common.spread([r['together_s'] for r in m], F1)} s, one by one "
+          f"{common.spread([r['one_by_one_s'] for r in m], F1)} s; "
           f"per round {ratios}× (median {statistics.median(r['ratio'] for r in m):.2f}×)")
 
 

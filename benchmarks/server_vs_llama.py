@@ -1,18 +1,18 @@
-"""qvl serve against llama.cpp's server, both batching N streams at once (issue 13's
-comparison): N clients each send one chat request with a distinct text prompt and get
-exactly T tokens back (ignore_eos), all at once; aggregate completion tokens per second
-over the wall time, and the median time to first token. One server runs at a time (started,
-warmed with one request, measured, stopped); the order alternates over R rounds.
+"""`qvl serve` against llama.cpp's llama-server, both batching N streams at once: N clients each
+send one streamed chat request with a distinct text prompt and get exactly T tokens back
+(ignore_eos), all at once; aggregate completion tokens per second over the wall time, and the
+median time to first token. One server runs at a time (started, warmed with one request,
+measured, stopped); the order alternates over R rounds, and the qvl / llama.cpp ratio is each
+round's own. llama-server and the GGUF: benchmarks/README.md.
 
     python benchmarks/server_vs_llama.py --model /work/ckpt/qvl-2b --gguf /work/ckpt/gguf/qvl-2b-Q8_0.gguf \
-        --llama-server /work/llama/build-native/bin/llama-server
+        --llama-server /work/peers/llama/build/bin/llama-server --streams 8 --tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,8 +21,7 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tests.test_server_support import free_port  # noqa: E402
+import common
 
 
 def start(kind: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
@@ -85,7 +84,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="/work/ckpt/qvl-2b")
     p.add_argument("--gguf", default="/work/ckpt/gguf/qvl-2b-Q8_0.gguf")
-    p.add_argument("--llama-server", default="/work/llama/build-native/bin/llama-server")
+    p.add_argument("--llama-server", default="/work/peers/llama/build/bin/llama-server")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -94,7 +93,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float, int]]] = {"qvl": [], "llama.cpp": []}
     for rnd in range(args.rounds):
         for kind in (("qvl", "llama.cpp") if rnd % 2 == 0 else ("llama.cpp", "qvl")):
-            port = free_port()
+            port = common.free_port()
             proc = start("qvl" if kind == "qvl" else "llama", args, port)
             try:
                 url = f"http://127.0.0.1:{port}"
@@ -107,9 +106,8 @@ def main() -> None:
             print(f"round {rnd + 1}, {kind}: {rate:.1f} tokens/s over {args.streams} streams ({total} tokens), "
                   f"median first token {ttft:.2f} s", flush=True)
     for kind, values in results.items():
-        rates, ttfts = [v[0] for v in values], [v[1] for v in values]
-        print(f"{kind}: {statistics.median(rates):.1f} tokens/s ({min(rates):.1f}-{max(rates):.1f}), "
-              f"first token {statistics.median(ttfts):.2f} s ({min(ttfts):.2f}-{max(ttfts):.2f})")
+        print(f"{kind}: {common.spread([v[0] for v in values], '{:.1f}')} tokens/s, "
+              f"first token {common.spread([v[1] for v in values])} s")
     ratios = [q[0] / lc[0] for q, lc in zip(results["qvl"], results["llama.cpp"])]
     print(f"qvl / llama.cpp aggregate tokens/s, per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
           f"median {statistics.median(ratios):.2f}x")

@@ -1,4 +1,4 @@
-"""What constrained decoding costs (issue: structured outputs): the decode step of a JSON-schema
+"""What constrained decoding (structured outputs) costs: the decode step of a JSON-schema
 answer against the same number of free tokens, and compiling a typical invoice schema.
 
     python benchmarks/structured.py --model /work/ckpt/qvl-2b --rounds 5
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import common
 from qvl.engine import Engine, EngineOptions, Request
 from qvl.grammar import Constraint, Grammars
 
@@ -75,10 +76,6 @@ def decode_ms(engine: Engine, rows: int, constrained: bool, tokens: int | None, 
     return per_token, len(dones[0].token_ids)
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -109,8 +106,8 @@ def main() -> None:
         ratios.append(seen[True] / seen[False])
         print(f"round {rnd + 1}: constrained {seen[True]:.2f} ms/token, free {seen[False]:.2f} ms/token, "
               f"ratio {ratios[-1]:.3f}", flush=True)
-    print(f"rows {args.rows}: constrained {spread(fixed)} ms/token, free {spread(free)} ms/token, "
-          f"constrained/free {spread(ratios)}")
+    print(f"rows {args.rows}: constrained {common.spread(fixed)} ms/token, free {common.spread(free)} ms/token, "
+          f"constrained/free {common.spread(ratios)}")
 
     index = engine.grammars.index()
     cold, warm = [], []
@@ -125,7 +122,8 @@ def main() -> None:
         warm.append((time.perf_counter() - started) * 1000)
     fields = json.dumps(INVOICE).count('"type"')
     print(f"tokenizer index (once per process): {index_s * 1000:.0f} ms")
-    print(f"invoice schema ({fields} typed fields): first compile {spread(cold)} ms, again {spread(warm)} ms")
+    print(f"invoice schema ({fields} typed fields): first compile {common.spread(cold)} ms, "
+          f"again {common.spread(warm)} ms")
     print(json.dumps({"rows": args.rows, "ratio_median": statistics.median(ratios), "ratios": ratios,
                       "constrained_ms": fixed, "free_ms": free, "index_ms": index_s * 1000,
                       "compile_cold_ms": cold, "compile_warm_ms": warm, "threads": torch.get_num_threads()}))

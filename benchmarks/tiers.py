@@ -2,12 +2,17 @@
 built for the same tier, and the vision tower against transformers with torch held to the tier.
 
     python benchmarks/tiers.py --model /work/ckpt/qvl-2b --gguf /work/ckpt/gguf \
-        --llama avx2=/work/llama/build-avx2/bin --llama avx512-nobf16=/work/llama/build-avx512nobf16/bin \
-        --llama avx512=/work/llama/build-native/bin --rounds 3 --variants --out docs/tiers-results.json
+        --llama avx512=/work/peers/llama/build/bin --llama avx2=/work/peers/llama/build-avx2/bin \
+        --rounds 3 --variants --out tiers.json
 
 A tier is emulated with QVL_ISA (qvl's kernels) plus torch's own switches: ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (MKL runs the float32 GEMMs), so that every product
-torch runs (prefill GEMMs, SDPA, int8 GEMMs) is held to the tier too, and --dtype auto picks float32 where the tier has no bf16 products.
+ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS (MKL runs the float32 GEMMs), so that every
+product torch runs (prefill GEMMs, SDPA, int8 GEMMs) is held to the tier too, and --dtype auto
+picks float32 where the tier has no bf16 products. --llama TIER=BIN_DIR: a llama.cpp build for
+that tier (benchmarks/README.md builds the native one; GGML_NATIVE=OFF with the tier's GGML_*
+switches builds the others); --gguf: the folder holding qvl-2b-Q8_0.gguf, qvl-2b-Q4_0.gguf and
+the mmproj. --variants adds the int8 model's first token without integer activations (a bf16
+vision tower, float products) and with int8 x int8 products everywhere, on the float32 tiers.
 
 Each measurement runs in its own process (peak RSS is per process); the sides alternate
 within each round and the tables give medians with the spread (min-max) over the rounds.
@@ -26,35 +31,22 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# tier -> torch's switches that hold it to the same instruction set
-# (MKL runs torch's float32 GEMMs and ignores oneDNN's switch: without its own it used AVX-512)
-TORCH_ENV = {
-    "avx512": {},
-    "avx512-nobf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
-                      "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "avx2-vnni": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-}
+import common
+
 GGUF = {"int8": "qvl-2b-Q8_0.gguf", "int4": "qvl-2b-Q4_0.gguf"}
 PROMPT = "Describe this image in detail."
+F0 = "{:.0f}"  # milliseconds and megabytes in the tables
 
-
-def tier_env(tier: str) -> dict[str, str]:
-    return {**os.environ, "QVL_ISA": tier, **TORCH_ENV.get(tier, {})}
-
-
-# first-token variants of the int8 model beside the defaults (--variants): the float32 path as
-# it was before int8 activations (every product float, vision weights bf16) and int8 x int8 everywhere
+# first-token variants of the int8 model beside the defaults (--variants): no integer activations
+# (a bf16 vision tower, float products) and int8 x int8 products everywhere
 VARIANTS = {"float": ["--int8-activations", "off", "--no-vision-int8"], "all": ["--int8-activations", "all"]}
 
 
 def run_qvl(args, tier: str, weights: str, extra: tuple[str, ...] = ()) -> dict:
-    env = tier_env(tier)
-    if extra == tuple(VARIANTS["float"]) and args.float_src:  # the float32 path as that checkout runs it
-        env["PYTHONPATH"] = os.path.join(args.float_src, "src")
+    env = common.tier_env(tier)
     cmd = [sys.executable, "-m", "qvl.cli", "bench", "--model", args.model, "--weights", weights, "--threads",
            str(args.threads), "--image", "1920x1080", "--new-tokens", "32", "--repeat", "2", "--json", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -77,11 +69,10 @@ def run_llama_decode(args, bin_dir: str, weights: str) -> float:
     return 1000.0 / rows[0]["avg_ts"]
 
 
-def run_llama_ttft(args, bin_dir: str, weights: str, gguf: str | None = None) -> dict:
+def run_llama_ttft(args, bin_dir: str, weights: str) -> dict:
     """Time to first token of llama-mtmd-cli on the photo: image encode + image and text
-    prefill + one token, read from its own timing lines (model loading excluded). gguf: the
-    model file in args.gguf (default: the 2B one of `weights`)."""
-    cmd = [os.path.join(bin_dir, "llama-mtmd-cli"), "-m", os.path.join(args.gguf, gguf or GGUF[weights]), "--mmproj",
+    prefill + one token, read from its own timing lines (model loading excluded)."""
+    cmd = [os.path.join(bin_dir, "llama-mtmd-cli"), "-m", os.path.join(args.gguf, GGUF[weights]), "--mmproj",
            os.path.join(args.gguf, args.mmproj), "-c", "4096", "-n", "1", "-t", str(args.threads), "--temp", "0",
            "--image", args.photo, "-p", PROMPT, "--image-max-tokens", "256", "--perf", "-lv", "4"]
     started = time.perf_counter()
@@ -136,34 +127,37 @@ def vision_worker(args) -> None:
     print(json.dumps({"dtype": str(dtype), "patches": int(pixels["image_grid_thw"].prod()), "times": times}))
 
 
-def spread(values: list[float], fmt: str = "{:.0f}") -> str:
-    med = statistics.median(values)
-    return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--gguf", help="folder with qvl-2b-Q8_0.gguf, qvl-2b-Q4_0.gguf and the mmproj")
     p.add_argument("--mmproj", default="mmproj-qvl-2b-f16.gguf")
-    p.add_argument("--photo", default="/work/ckpt/photo-1920x1080.jpg")
+    p.add_argument("--photo", help="llama.cpp's 1920x1080 photo (default: qvl bench's synthetic one, written here)")
     p.add_argument("--llama", action="append", default=[], help="TIER=BIN_DIR of a llama.cpp build (repeatable)")
     p.add_argument("--tiers", default="avx512,avx512-nobf16,avx2")
     p.add_argument("--weights", default="int8,int4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-vision", action="store_true")
-    p.add_argument("--variants", action="store_true", help="also the int8 model's first token as the float32 path "
-                   "and with int8 activations everywhere, on the tiers without bf16 products")
-    p.add_argument("--float-src", help="a checkout to run the float32-path variant from (since section 37 prefill's "
-                   "int8 products run in 16-bit codes whatever --int8-activations says: give a checkout from before)")
-    p.add_argument("--out")
+    p.add_argument("--variants", action="store_true", help="also the int8 model's first token without integer "
+                   "activations and with int8 activations everywhere, on the tiers without bf16 products")
+    p.add_argument("--out", help="also write the raw results here (JSON)")
     p.add_argument("--vision-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.vision_worker:
         return vision_worker(args)
     tiers, weights = args.tiers.split(","), args.weights.split(",")
     llama = dict(item.split("=", 1) for item in args.llama)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.photo is None:
+            from qvl.bench import synthetic_image
+
+            args.photo = os.path.join(tmp, "photo-1920x1080.png")
+            synthetic_image(1920, 1080).save(args.photo)
+        measure_all(args, tiers, weights, llama)
+
+
+def measure_all(args, tiers: list[str], weights: list[str], llama: dict[str, str]) -> None:
     results: dict[str, list] = {}
 
     def record(key: str, value) -> None:
@@ -195,7 +189,7 @@ def main() -> None:
                 continue
             cmd = [sys.executable, __file__, "--vision-worker", "--model", args.model, "--rounds", str(args.rounds),
                    "--threads", str(args.threads)]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=tier_env(tier), timeout=3600)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=common.tier_env(tier), timeout=3600)
             if done.returncode != 0:
                 raise RuntimeError(done.stderr[-2000:])
             record(f"vision|{tier}", json.loads(done.stdout.strip().splitlines()[-1]))
@@ -221,10 +215,11 @@ def report(results, tiers, weights, llama, args) -> None:
             lla = results.get(f"llama|{tier}|{w}|decode")
             compute = rows[0]["dtype"] + f", vision {rows[0].get('vision', 'bf16')}" + (
                 f" (int8 act.: {rows[0]['int8_activations']})" if rows[0].get("int8_activations", "off") != "off" else "")
-            cells = [tier, w, compute, spread(dec, "{:.1f}"), f"{spread(ttft)} ({vis:.0f} + {pre:.0f})",
-                     spread([r["rss_mb"] for r in rows]),
+            first = f"{common.spread(ttft, F0)} ({vis:.0f} + {pre:.0f})"
+            cells = [tier, w, compute, common.spread(dec, "{:.1f}"), first,
+                     common.spread([r["rss_mb"] for r in rows], F0),
                      f"{statistics.median(dec) / base[w]:.2f}×" if base[w] else "—",
-                     spread(lla, "{:.1f}") if lla else "—",
+                     common.spread(lla, "{:.1f}") if lla else "—",
                      f"{statistics.median(lla) / statistics.median(dec):.2f}× faster" if lla else "—"]
             print("| " + " | ".join(cells) + " |")
     print("\n| tier | qvl first token ms (int8) | llama.cpp first token ms (Q8_0; its encode) | qvl vs llama.cpp |")
@@ -235,16 +230,18 @@ def report(results, tiers, weights, llama, args) -> None:
             continue
         ours = [r["ttft_ms"] for r in results[f"qvl|{tier}|int8"]]
         theirs = [r["ttft_ms"] for r in lla]
-        print(f"| {tier} | {spread(ours)} | {spread(theirs)} ({statistics.median(r['vision_ms'] for r in lla):.0f}) | "
+        encode = statistics.median(r["vision_ms"] for r in lla)
+        print(f"| {tier} | {common.spread(ours, F0)} | {common.spread(theirs, F0)} ({encode:.0f}) | "
               f"{statistics.median(theirs) / statistics.median(ours):.2f}× faster |")
     rows = [t for t in tiers if f"qvl|{t}|int8|float" in results]
     if rows:
-        print("\n| tier | int8 model's first token ms: float32 path (vision + prefill) | defaults | int8 activations "
-              "everywhere | defaults vs float32 path | everywhere vs float32 path |\n|---|---|---|---|---|---|")
+        print("\n| tier | int8 model's first token ms: no int8 activations (vision + prefill) | defaults | int8 "
+              "activations everywhere | defaults vs none | everywhere vs none |\n|---|---|---|---|---|---|")
         for tier in rows:
             runs = {k: results[f"qvl|{tier}|int8{k}"] for k in ("|float", "", "|all")}
             med = {k: statistics.median(r["ttft_ms"] for r in v) for k, v in runs.items()}
-            parts = {k: f"{spread([r['ttft_ms'] for r in v])} ({statistics.median(r['vision_ms'] for r in v):.0f} + "
+            parts = {k: f"{common.spread([r['ttft_ms'] for r in v], F0)} "
+                        f"({statistics.median(r['vision_ms'] for r in v):.0f} + "
                         f"{statistics.median(r['prefill_ms'] for r in v):.0f})" for k, v in runs.items()}
             print(f"| {tier} | {parts['|float']} | {parts['']} | {parts['|all']} | {med['|float'] / med['']:.2f}× | "
                   f"{med['|float'] / med['|all']:.2f}× |")
@@ -253,7 +250,7 @@ def report(results, tiers, weights, llama, args) -> None:
         print("\n| tier | patches | transformers vision s | qvl vision s | speed-up |\n|---|---|---|---|---|")
         for tier, r in vis:
             tr, qv = r["times"]["transformers"], r["times"]["qvl"]
-            print(f"| {tier} ({r['dtype']}) | {r['patches']} | {spread(tr, '{:.2f}')} | {spread(qv, '{:.2f}')} | "
+            print(f"| {tier} ({r['dtype']}) | {r['patches']} | {common.spread(tr)} | {common.spread(qv)} | "
                   f"{statistics.median(tr) / statistics.median(qv):.2f}× |")
 
 
