@@ -38,7 +38,7 @@ from qvl.processing.image import (
 )
 
 DEFAULT_FPS = 2.0
-DEFAULT_MAX_FRAMES = 64  # CPU defaults: see docs/benchmarks.md (video)
+DEFAULT_MAX_FRAMES = 64  # CPU defaults: docs/decisions/image-budget.md (video)
 DEFAULT_MAX_VIDEO_TOKENS = 1024
 MIN_FRAMES = 4  # the reference's min_frames
 FRAME_TOKEN_CAP = 768  # tokens of one frame at most (qwen-vl-utils' VIDEO_MAX_TOKEN_NUM)
