@@ -76,10 +76,11 @@ def tiny_moe_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_checkpoint):
-    """A loaded fp32 engine on the tiny checkpoint (shared: do not mutate)."""
+    """The engine a user gets on the tiny checkpoint: every default (int8 weights, the CPU's compute
+    dtype, native kernels, int8 activations) on 2 threads (shared: do not mutate)."""
     from qvl.engine import Engine, EngineOptions
 
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2))
 
 
 @pytest.fixture(scope="session")

@@ -113,7 +113,7 @@ def test_relative_coordinates_become_exact_pixels(width, height):
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2, max_image_tokens=64))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_image_tokens=64))
 
 
 @pytest.mark.parametrize("orientation,shown", [(1, (300, 200)), (3, (300, 200)), (6, (200, 300)), (8, (200, 300))])

@@ -149,10 +149,10 @@ def test_default_max_new_tokens_is_generous(tiny_engine):
 
 @pytest.fixture(scope="module")
 def uncached_engine(tiny_checkpoint):
-    """Without the answer cache, so that a repeated request is computed again."""
+    """The default path without the answer cache, so that a repeated request is computed again."""
     from qvl.engine import Engine, EngineOptions
 
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2, answer_cache_entries=0))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, answer_cache_entries=0))
 
 
 def test_batched_decoding_matches_one_at_a_time(uncached_engine):
