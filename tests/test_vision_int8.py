@@ -347,3 +347,19 @@ def test_bf16_tiers_vision_attention_scores_in_byte_codes(monkeypatch, tmp_path)
     monkeypatch.setattr(native, "attention_q8", lambda *a: calls.append(a) or run(*a))
     features(load_on(monkeypatch, chosen, checkpoint, weights="int8", int8_activations="off"))
     assert not calls
+
+
+def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):
+    """CPUs without bf16 products compute in float32; asked to keep a float vision tower (its
+    default there is int8), the int8 model keeps it bf16 in memory (as on the AVX-512 tier) and
+    gives what float32 copies of the same weights give."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.quantize import Bf16StoredLinear
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="fp32", threads=1,
+                                       vision_int8=False))
+    layers = [m for m in engine.model.visual.modules() if isinstance(m, Bf16StoredLinear)]
+    assert layers and all(m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.float32 for m in layers)
+    fc = layers[0]
+    x = torch.randn(7, fc.in_features)
+    torch.testing.assert_close(fc(x), F.linear(x, fc.weight.float(), fc.bias), atol=0, rtol=0)
