@@ -38,10 +38,15 @@ def pytest_unconfigure(config):
     """With Ray loaded in this process (the Ray tests start a local instance and shut it down), end
     the process here, after pytest's own reporting and with its exit status: Ray's native threads
     can crash while Python tears the interpreter down (seen once: a segfault in Ray's metrics code
-    after every test had passed, exit code 139 for a passing run)."""
+    after every test had passed, exit code 139 for a passing run). Everything written so far is
+    flushed first, the summary line ("N passed in ...") in pytest's terminal writer included: _exit
+    drops what still sits in a buffer."""
     if "ray" in sys.modules:
         shutil.rmtree(os.environ["QVL_CACHE_DIR"], ignore_errors=True)  # the atexit cleanup, which _exit skips
-        sys.stdout.flush(), sys.stderr.flush()
+        if config.pluginmanager.has_plugin("terminalreporter"):  # absent with -p no:terminal
+            config.get_terminal_writer().flush()
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            stream.flush()
         os._exit(_EXIT_STATUS)
 
 
