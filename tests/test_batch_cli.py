@@ -52,6 +52,7 @@ def images(tmp_path_factory):
     return folder, write_images(folder, 5, broken=True)
 
 
+@pytest.mark.slow  # `qvl batch` subprocesses
 def test_broken_files_become_error_rows_and_rerun_resumes(tiny_checkpoint, images, tmp_path):
     folder, ids = images
     out = tmp_path / "results.jsonl"
@@ -78,6 +79,7 @@ def test_broken_files_become_error_rows_and_rerun_resumes(tiny_checkpoint, image
     assert sorted(r["id"] for r in read_rows(out)) == ids
 
 
+@pytest.mark.slow  # `qvl batch` subprocesses
 def test_batched_rows_match_one_at_a_time(tiny_checkpoint, images, tmp_path):
     folder, ids = images
     runs = {}

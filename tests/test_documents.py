@@ -195,6 +195,7 @@ BOX_ANSWER = '[{"bbox_2d": [100, 200, 500, 800], "label": "cat"}]'
 BOX_REGEX = r'\[\{"bbox_2d": \[100, 200, 500, 800\], "label": "cat"\}\]'  # a constructed answer, forced
 
 
+@pytest.mark.slow  # `qvl ask` over every page, twice
 def test_qvl_ask_detect_draws_every_page(tiny_checkpoint, tmp_path, capsys):
     from qvl.cli import main
 
@@ -242,6 +243,7 @@ def test_api_takes_pdf_pages_and_reports_boxes_in_pixels(engine):
         assert "boxes" not in plain["qvl"]  # no grounding in the answer: no boxes field
 
 
+@pytest.mark.slow  # `qvl batch` subprocesses
 def test_batch_takes_each_page_as_an_item_and_resumes_page_by_page(tiny_checkpoint, tmp_path):
     import subprocess
     import sys

@@ -361,6 +361,7 @@ def _edited_copy(src, dst, edit):
     return dst
 
 
+@pytest.mark.slow  # writes three checkpoints
 @pytest.mark.parametrize("preset,changes,spec", [
     ("tiny", None, QuantSpec("int8", vision=True)),  # tied head stored once, as the int8 head; smoothed int8 vision
     ("tiny-moe", {"text_config": {"moe_intermediate_size": 64}}, QuantSpec("int4", 32)),  # int4 experts

@@ -20,12 +20,19 @@ from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
 
 TIERS = native.tiers() if native.compiler() else []
 pytestmark = pytest.mark.skipif(not TIERS, reason="no C compiler")
+RUNS = native.select_tier().name if TIERS else None  # the tier qvl runs here: the other tiers' builds are slow
 
 
-@pytest.fixture(scope="module", params=[t.name for t in TIERS])
-def tier_lib(request, tmp_path_factory):
+def built(tier: native.Tier):
+    """The tier's kernels, built in qvl's own folder (the tier qvl runs here is built once a run)."""
+    return native.load(tier, paths.cache_root() / "native")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(t.name, marks=() if t.name == RUNS else pytest.mark.slow)
+                                        for t in TIERS])
+def tier_lib(request):
     tier = next(t for t in TIERS if t.name == request.param)
-    return tier, native.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+    return tier, built(tier)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -195,16 +202,18 @@ def test_decode_gemv_bits_do_not_depend_on_the_threads(tier_lib):
         torch.set_num_threads(threads)
 
 
-def test_amx_int8_tiles_only_where_the_tier_has_them(tmp_path_factory):
+@pytest.mark.slow  # builds every tier's library
+def test_amx_int8_tiles_only_where_the_tier_has_them():
     """The default build of an AMX CPU takes int8 products on AMX tiles; a tier run as a CPU
     without them (avx512-noamx, the lower tiers) does not."""
     for tier in TIERS:
-        features = native.load(tier, tmp_path_factory.getbasetemp() / "tiers").qvl_features()
+        features = built(tier).qvl_features()
         expected = tier.amx and "amx_int8" in native.cpu_flags() and tier.name == "avx512"
         assert bool(features & native.AMX_INT8) == expected, tier.name
 
 
-def test_integer_products_agree_across_tiers(tmp_path_factory):
+@pytest.mark.slow  # builds every tier's library
+def test_integer_products_agree_across_tiers():
     """The tiers quantise activations the same way: they differ only in the order of float sums."""
     torch.manual_seed(1)
     x, w = torch.randn(3, 1024), torch.randn(64, 1024)
@@ -212,7 +221,7 @@ def test_integer_products_agree_across_tiers(tmp_path_factory):
     q4, s4, z4 = quantize_int4(w, 64)
     outs = []
     for tier in TIERS:
-        lib = native.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+        lib = built(tier)
         outs.append((tier.name, native.linear(lib, native.W_INT8, x, q, 64, s),
                      native.linear(lib, native.W_INT4, x, pack_nibbles(q4), 64, s4, z4, 64)))
     for name, o8, o4 in outs[1:]:
@@ -403,6 +412,7 @@ def test_byte_products_fuse_the_vision_blocks_norm_gelu_and_residual(tier_lib, d
         native.q8_linear(lib, x, q, s, bias, layer_norm=(norm.weight.detach()[:64], None, 1e-6))
 
 
+@pytest.mark.slow  # compiles and runs a C program per tier
 def test_check_program_on_every_tier(tier_lib, tmp_path):
     """tests/native_check.c (a float32 decode step through two int8 layers, the GEMVs, decode
     attention) built with the tier's own flags: what the aarch64 run checks, on x86."""
@@ -429,7 +439,8 @@ def test_integer_vision_attention(tier_lib):
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=0)
 
 
-def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory):
+@pytest.mark.slow  # builds every tier's library
+def test_integer_vision_attention_same_bits_on_every_x86_build():
     """The AVX-512 builds (zmm, vpdpwssd with VNNI; vpmaddwd + vpaddd in C without, as on
     Skylake-X) and the AVX2 ones (ymm, vpmaddwd in assembly) sum the same integer codes exactly
     and weigh them in the same float operations: the same bits, for each head size, with the
@@ -439,7 +450,7 @@ def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory)
             for t in x86 if t.name == "avx512-nobf16"]
     if len(x86) < 2:
         pytest.skip("one x86 build here")
-    libs = [(t.name, native.load(t, tmp_path_factory.getbasetemp() / "tiers")) for t in x86]
+    libs = [(t.name, built(t)) for t in x86]
     torch.manual_seed(5)
     for d in (64, 72, 80):
         q, k, v = (torch.randn(150, 3, 2, d) * 2).unbind(1)
@@ -525,6 +536,7 @@ def test_tier_lists_per_cpu():
     assert [t.name for t in native.tiers(frozenset({"asimd"}), "aarch64")] == ["neon-nodotprod", "portable"]
 
 
+@pytest.mark.slow  # three library builds
 def test_build_cache_key_covers_tier_and_cpu(monkeypatch, tmp_path):
     avx2, portable = (next(t for t in TIERS if t.name == n) for n in ("avx2", "portable"))
     a, b = native.build(tmp_path, avx2), native.build(tmp_path, portable)
@@ -579,6 +591,7 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
     assert 10 < peak_rss_mb() and 10 < with_resource
 
 
+@pytest.mark.slow  # cross-compiles and runs four builds under qemu
 def test_aarch64_kernels_under_qemu(tmp_path):
     """The NEON kernels (with and without dot products; with them the byte-product kernel too, on
     sdot or with i8mm on smmla) and the portable C, cross-compiled for aarch64 and run under
