@@ -11,9 +11,15 @@ import tempfile
 import pytest
 import torch
 
+from qvl import paths
+
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+KERNELS = paths.cache_root() / "native"  # qvl's own kernel builds, keyed by sources, tier, compiler and CPU
 os.environ["QVL_CACHE_DIR"] = tempfile.mkdtemp(prefix="qvl-test-cache-")  # quantised weights kept here
 atexit.register(shutil.rmtree, os.environ["QVL_CACHE_DIR"], ignore_errors=True)  # up to 0.4 GB per run
+paths.cache_root.cache_clear()
+KERNELS.mkdir(exist_ok=True)
+os.symlink(KERNELS, paths.cache_root() / "native")  # built once, not in every run
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # An untied, differently shaped variant for parity tests, laid out like 8B and 32B: an untied
