@@ -24,7 +24,7 @@ RUNS = native.select_tier().name if TIERS else None  # the tier qvl runs here: t
 
 
 def built(tier: native.Tier):
-    """The tier's kernels, built in qvl's own folder (the tier qvl runs here is built once a run)."""
+    """The tier's kernels, kept in qvl's own folder: built once, shared with the engine's own build."""
     return native.load(tier, paths.cache_root() / "native")
 
 
