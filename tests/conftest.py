@@ -11,9 +11,15 @@ import tempfile
 import pytest
 import torch
 
+from qvl import paths
+
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+KERNELS = paths.cache_root() / "native"  # qvl's own kernel builds, keyed by sources, tier, compiler and CPU
 os.environ["QVL_CACHE_DIR"] = tempfile.mkdtemp(prefix="qvl-test-cache-")  # quantised weights kept here
 atexit.register(shutil.rmtree, os.environ["QVL_CACHE_DIR"], ignore_errors=True)  # up to 0.4 GB per run
+paths.cache_root.cache_clear()
+KERNELS.mkdir(exist_ok=True)
+os.symlink(KERNELS, paths.cache_root() / "native")  # built once, not in every run
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # An untied, differently shaped variant for parity tests, laid out like 8B and 32B: an untied
@@ -38,10 +44,15 @@ def pytest_unconfigure(config):
     """With Ray loaded in this process (the Ray tests start a local instance and shut it down), end
     the process here, after pytest's own reporting and with its exit status: Ray's native threads
     can crash while Python tears the interpreter down (seen once: a segfault in Ray's metrics code
-    after every test had passed, exit code 139 for a passing run)."""
+    after every test had passed, exit code 139 for a passing run). Everything written so far is
+    flushed first, the summary line ("N passed in ...") in pytest's terminal writer included: _exit
+    drops what still sits in a buffer."""
     if "ray" in sys.modules:
         shutil.rmtree(os.environ["QVL_CACHE_DIR"], ignore_errors=True)  # the atexit cleanup, which _exit skips
-        sys.stdout.flush(), sys.stderr.flush()
+        if config.pluginmanager.has_plugin("terminalreporter"):  # absent with -p no:terminal
+            config.get_terminal_writer().flush()
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            stream.flush()
         os._exit(_EXIT_STATUS)
 
 
@@ -76,10 +87,11 @@ def tiny_moe_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_checkpoint):
-    """A loaded fp32 engine on the tiny checkpoint (shared: do not mutate)."""
+    """The engine a user gets on the tiny checkpoint: every default (int8 weights, the CPU's compute
+    dtype, native kernels, int8 activations) on 2 threads (shared: do not mutate)."""
     from qvl.engine import Engine, EngineOptions
 
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2))
 
 
 @pytest.fixture(scope="session")

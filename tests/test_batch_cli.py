@@ -4,6 +4,7 @@ batched == one-at-a-time, JSONL input, usage errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from qvl.batch.output import ResultsFile
 from qvl.cli import main
 
 BROKEN = {"broken.jpg": b"this is not a jpeg", "empty.png": b""}
@@ -50,6 +52,7 @@ def images(tmp_path_factory):
     return folder, write_images(folder, 5, broken=True)
 
 
+@pytest.mark.slow  # `qvl batch` subprocesses
 def test_broken_files_become_error_rows_and_rerun_resumes(tiny_checkpoint, images, tmp_path):
     folder, ids = images
     out = tmp_path / "results.jsonl"
@@ -76,6 +79,7 @@ def test_broken_files_become_error_rows_and_rerun_resumes(tiny_checkpoint, image
     assert sorted(r["id"] for r in read_rows(out)) == ids
 
 
+@pytest.mark.slow  # `qvl batch` subprocesses
 def test_batched_rows_match_one_at_a_time(tiny_checkpoint, images, tmp_path):
     folder, ids = images
     runs = {}
@@ -131,3 +135,36 @@ def test_ray_without_ray_says_how_to_install(tiny_checkpoint, images, tmp_path, 
     folder, _ = images
     assert main(["batch", str(folder), "--out", str(tmp_path / "out.jsonl"), "--task", "ocr", "--ray"]) == 2
     assert "pip install 'qvl[ray]'" in capsys.readouterr().err
+
+
+def batch(tiny_checkpoint, *args) -> int:
+    return main(["batch", *map(str, args), "--model", str(tiny_checkpoint), "--task", "ocr"])
+
+
+def test_batch_refuses_to_write_into_its_input(tiny_checkpoint, tmp_path, capsys):
+    job = tmp_path / "jobs.jsonl"
+    job.write_text("".join(json.dumps({"id": f"n{i}", "image": f"{i}.png"}) + "\n" for i in range(3)))
+    before = job.read_bytes()
+    assert batch(tiny_checkpoint, job, "--out", job) == 2
+    assert "is the input" in capsys.readouterr().err
+    link = tmp_path / "same.jsonl"  # the same file under another name
+    os.link(job, link)
+    assert batch(tiny_checkpoint, job, "--out", link) == 2
+    image = tmp_path / "photo.png"
+    image.write_bytes(b"\x89PNG")
+    assert batch(tiny_checkpoint, image, "--out", image) == 2
+    assert "is the input" in capsys.readouterr().err
+    assert job.read_bytes() == before and image.read_bytes() == b"\x89PNG"
+
+
+def test_batch_exits_2_when_out_cannot_be_written(tiny_checkpoint, tmp_path, capsys):
+    image = tmp_path / "photo.png"
+    image.write_bytes(b"\x89PNG")
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    assert batch(tiny_checkpoint, image, "--out", folder) == 2
+    assert "cannot write the results file" in capsys.readouterr().err
+    out = tmp_path / "results.jsonl"
+    with ResultsFile(out):  # a second writer
+        assert batch(tiny_checkpoint, image, "--out", out) == 2
+    assert "another qvl batch is writing" in capsys.readouterr().err

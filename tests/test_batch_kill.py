@@ -11,6 +11,8 @@ import pytest
 
 from tests.test_batch_cli import qvl_batch, read_rows, write_images
 
+pytestmark = pytest.mark.slow  # `qvl batch` subprocesses killed and run again
+
 ITEMS = 10
 ARGS = ("--prompt", "Describe the image.", "--max-new-tokens", "32", "--temperature", "0", "--batch-size", "2")
 

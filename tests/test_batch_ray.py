@@ -11,6 +11,7 @@ from tests.test_batch_cli import qvl_batch, read_rows, write_images
 from tests.test_cli_structured import SCHEMA, Answer
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'qvl[ray]'")
+pytestmark = pytest.mark.slow  # a local Ray instance and its workers
 
 ARGS = ("--task", "ocr", "--max-new-tokens", "8", "--batch-size", "2")
 

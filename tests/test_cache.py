@@ -120,7 +120,7 @@ def test_other_weights_format_is_another_key(tiny_engine):
     assert a != b
 
 
-@pytest.mark.parametrize("budget_mb", [0.3, 0.7])
+@pytest.mark.parametrize("budget_mb", [0.3, 0.5])  # below what the 8 pictures need in bf16 and in float32
 def test_caches_stay_within_their_budgets(tiny_engine, budget_mb):
     engine = fresh(tiny_engine, vision_cache_mb=budget_mb, prefix_cache_mb=budget_mb, answer_cache_entries=3)
     limit = budget_mb * 2**20

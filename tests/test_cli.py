@@ -31,6 +31,7 @@ def test_ask_text_only_streams_an_answer(tiny_checkpoint):
     assert r.stdout.strip()
 
 
+@pytest.mark.slow  # `qvl` subprocesses
 def test_ask_json_with_images_and_stdin_prompt(tiny_checkpoint, photo):
     r = qvl("ask", "--model", tiny_checkpoint, "-i", photo, "-i", photo, "--json", "--max-new-tokens", "5",
             "--max-image-tokens", "80", "--seed", "3", "-", stdin="Compare the two images.")
@@ -45,6 +46,7 @@ def test_ask_json_with_images_and_stdin_prompt(tiny_checkpoint, photo):
         assert out["finish_reason"] == "length"
 
 
+@pytest.mark.slow  # `qvl` subprocesses
 def test_ask_task_ocr_is_greedy_and_reproducible(tiny_checkpoint, photo):
     runs = [qvl("ask", "--model", tiny_checkpoint, "-i", photo, "--task", "ocr", "--json", "--max-new-tokens", "6")
             for _ in range(2)]
@@ -83,6 +85,7 @@ def test_info_reports_features_dtype_threads():
                for p in plan.values())
 
 
+@pytest.mark.slow  # `qvl` subprocesses
 def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):
     script = "What is in the picture?\nAnd the colours?\n/reset\nHello again\n/quit\n"
     r = qvl("chat", "--model", tiny_checkpoint, "-i", photo, "--max-new-tokens", "6", "--temperature", "0",
@@ -96,6 +99,7 @@ def test_chat_reuses_earlier_turns(tiny_checkpoint, photo):
     assert reused[2] < reused[1]  # after /reset the conversation starts over
 
 
+@pytest.mark.slow  # `qvl` subprocesses
 def test_synth_writes_a_prequantised_checkpoint_that_answers(tmp_path, photo):
     out = tmp_path / "int4"
     r = qvl("synth", out, "--preset", "tiny", "--weights", "int4", "--group-size", "32", "--vision-int8")

@@ -103,6 +103,7 @@ def test_constraint_flags_are_exclusive(schema_file):
     assert exit_.value.code == 2
 
 
+@pytest.mark.slow  # two `qvl batch` runs
 def test_batch_json_schema_rows_validate_and_cut_answers_are_errors(tiny_checkpoint, schema_file, tmp_path, capsys):
     folder = tmp_path / "images"
     ids = write_images(folder, 4)

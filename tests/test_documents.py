@@ -113,7 +113,7 @@ def test_relative_coordinates_become_exact_pixels(width, height):
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2, max_image_tokens=64))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_image_tokens=64))
 
 
 @pytest.mark.parametrize("orientation,shown", [(1, (300, 200)), (3, (300, 200)), (6, (200, 300)), (8, (200, 300))])
@@ -195,6 +195,7 @@ BOX_ANSWER = '[{"bbox_2d": [100, 200, 500, 800], "label": "cat"}]'
 BOX_REGEX = r'\[\{"bbox_2d": \[100, 200, 500, 800\], "label": "cat"\}\]'  # a constructed answer, forced
 
 
+@pytest.mark.slow  # `qvl ask` over every page, twice
 def test_qvl_ask_detect_draws_every_page(tiny_checkpoint, tmp_path, capsys):
     from qvl.cli import main
 
@@ -242,6 +243,7 @@ def test_api_takes_pdf_pages_and_reports_boxes_in_pixels(engine):
         assert "boxes" not in plain["qvl"]  # no grounding in the answer: no boxes field
 
 
+@pytest.mark.slow  # `qvl batch` subprocesses
 def test_batch_takes_each_page_as_an_item_and_resumes_page_by_page(tiny_checkpoint, tmp_path):
     import subprocess
     import sys

@@ -149,10 +149,10 @@ def test_default_max_new_tokens_is_generous(tiny_engine):
 
 @pytest.fixture(scope="module")
 def uncached_engine(tiny_checkpoint):
-    """Without the answer cache, so that a repeated request is computed again."""
+    """The default path without the answer cache, so that a repeated request is computed again."""
     from qvl.engine import Engine, EngineOptions
 
-    return Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2, answer_cache_entries=0))
+    return Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, answer_cache_entries=0))
 
 
 def test_batched_decoding_matches_one_at_a_time(uncached_engine):
@@ -203,16 +203,12 @@ def test_cancel_check_stops_between_steps(tiny_engine):
     assert len(calls) == 4 and 1 <= len(events) <= 3 and not any(isinstance(e, Done) for e in events)
 
 
-def test_prequantised_int8_checkpoint_decodes(tiny_checkpoint, tmp_path):
-    """Weights read from a file's memory map are copied to aligned memory before the
-    int8 kernel sees them (it crashed on the mmap's 8-byte alignment)."""
-    from qvl.engine import Engine, EngineOptions
-    from qvl.quantize import QuantSpec
-    from qvl.weights import save_quantized
-
-    out = save_quantized(tiny_checkpoint, tmp_path / "int8", QuantSpec("int8"))
-    loaded = Engine.load(EngineOptions(model=str(out), threads=1, answer_cache_entries=0))
-    fresh = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", threads=1, quant_cache=False))
-    assert all(b.data_ptr() % 64 == 0 for n, b in loaded.model.named_buffers() if b.dtype == torch.int8)
-    request = Request([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_new_tokens=8))
-    assert loaded.generate(request).token_ids == fresh.generate(request).token_ids
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    logits = torch.randn(3, 50)
+    for row in logits:
+        assert candidates(row, 0, top_p)[1].tolist() == [int(row.argmax())]
+    params = SamplingParams(temperature=0.7, top_p=top_p)
+    assert torch.equal(sample(logits, params), logits.argmax(-1))
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert torch.equal(sample(logits, params, gens), logits.argmax(-1))

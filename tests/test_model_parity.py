@@ -31,7 +31,11 @@ def two_image_request(max_new_tokens: int = 40) -> Request:
     return Request(messages, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
 
 
-@pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_untied_checkpoint", "tiny_moe_checkpoint"])
+SLOW = pytest.mark.slow  # two more checkpoints written, each with its transformers reference
+
+
+@pytest.fixture(scope="module", params=["tiny_checkpoint", pytest.param("tiny_untied_checkpoint", marks=SLOW),
+                                        pytest.param("tiny_moe_checkpoint", marks=SLOW)])
 def pair(request):
     path = request.getfixturevalue(request.param)
     engine = Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))
@@ -167,7 +171,7 @@ def test_greedy_identical_with_and_without_kv_cache(tiny_engine):
     assert cached == uncached
 
 
-@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "tiny_untied_checkpoint"])
+@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", pytest.param("tiny_untied_checkpoint", marks=SLOW)])
 def test_bf16_engine_stays_close_to_float32(checkpoint, request):
     """bf16 with every native kernel (fused vision GELU and RoPE, flash attention, decode
     kernels) against the float32 engine, which matches transformers: relative error of the
@@ -189,6 +193,7 @@ def test_bf16_engine_stays_close_to_float32(checkpoint, request):
     assert (logits16 - logits).norm() / logits.norm() < 0.015
 
 
+@pytest.mark.slow  # writes a checkpoint, loads two engines
 def test_vision_heads_of_72_take_the_bf16_flash_kernel(tmp_path, monkeypatch):
     """The 1152-wide towers' head size (16 heads of 72: 8B, 32B, 30B-A3B) on a tiny checkpoint
     (2 heads of 72): in bf16 the vision attention runs qvl's flash kernel where the CPU has it

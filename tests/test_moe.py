@@ -72,6 +72,7 @@ def test_quantised_experts_compute_what_their_float_weights_do(bits):
         torch.testing.assert_close(quantized(x[:1], expert), got[:1], atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.slow  # four int4 engines on a new checkpoint
 def test_int4_experts_where_the_group_divides_their_sizes(tmp_path):
     from qvl.quantize import Int4Experts
     from qvl.synth import write_checkpoint
@@ -90,6 +91,7 @@ def test_int4_experts_where_the_group_divides_their_sizes(tmp_path):
     assert all(len(a) == 8 for a in answers)
 
 
+@pytest.mark.slow  # quantises a mixture-of-experts checkpoint, loads it twice
 def test_the_default_path_quantises_the_experts_not_the_router_and_reloads_the_same(tiny_moe_checkpoint):
     def answer(engine):
         request = Request([{"role": "user", "content": "Tell me a story."}], SamplingParams(temperature=0,

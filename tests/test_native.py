@@ -707,6 +707,7 @@ def moe128_checkpoint(tmp_path_factory):
 
 @needs_native
 @pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.slow  # a 128-expert checkpoint
 def test_one_call_decode_step_runs_a_mixture_of_experts_as_the_per_op_path(moe128_checkpoint, weights,
                                                                              monkeypatch):
     """A mixture-of-experts model decodes in the one-call step too (router, softmax, top-k and
@@ -831,6 +832,7 @@ def test_one_call_decode_step_leaves_what_it_does_not_cover_to_the_layers(tiny_c
         assert len(calls) == 1
 
 
+@pytest.mark.slow  # fresh processes
 def test_the_kernel_library_name_is_the_same_in_every_process():
     """The built library is found again by the next start: its name must not depend on the
     per-process order of a set (string hashing is randomised per process), or most starts

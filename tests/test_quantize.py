@@ -3,6 +3,10 @@ pre-quantised file format."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +29,9 @@ from qvl.quantize import (
     quantize_int8,
     quantized_state,
 )
-from qvl.weights import CheckpointError, load_model, save_quantized
+from qvl.engine import Request
+from qvl.sampling import SamplingParams
+from qvl.weights import CheckpointError, load_model, quantized_cache_dir, save_quantized
 
 
 def _module(kind: str, o: int, i: int, dtype, group=64, bias=False):
@@ -373,6 +379,7 @@ def _edited_copy(src, dst, edit):
     return dst
 
 
+@pytest.mark.slow  # writes three checkpoints
 @pytest.mark.parametrize("preset,changes,spec", [
     ("tiny", None, QuantSpec("int8", vision=True)),  # tied head stored once, as the int8 head; smoothed int8 vision
     ("tiny-moe", {"text_config": {"moe_intermediate_size": 64}}, QuantSpec("int4", 32)),  # int4 experts
@@ -504,3 +511,40 @@ def test_streamed_quantisation_checks_the_checkpoint_and_keeps_the_source(tiny_c
     with pytest.raises(CheckpointError, match="own folder"):
         write_streamed(bad, bad, QuantSpec("int8"), torch.bfloat16)
     assert (bad / "model.safetensors").exists()
+
+
+def test_kept_weights_key_follows_the_content_not_the_mtime(tiny_checkpoint, tmp_path):
+    """Copying another checkpoint of the same size over a model and putting the old mtime
+    back must not bring back the weights quantised from the old file."""
+    from qvl.synth import write_checkpoint
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    weights = model / "model.safetensors"
+    other = write_checkpoint(tmp_path / "other", "tiny", seed=5) / "model.safetensors"
+    assert other.stat().st_size == weights.stat().st_size and other.read_bytes() != weights.read_bytes()
+    spec = QuantSpec("int8")
+    started = time.perf_counter()
+    before = quantized_cache_dir(model, spec, torch.bfloat16)
+    assert time.perf_counter() - started < 0.5  # a few small reads, not a hash of the file
+    assert quantized_cache_dir(model, spec, torch.bfloat16) == before  # stable
+    stat = weights.stat()
+    shutil.copyfile(other, weights)  # written in place: same path, same size
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the old mtime
+    assert weights.stat().st_mtime_ns == stat.st_mtime_ns
+    assert quantized_cache_dir(model, spec, torch.bfloat16) != before
+
+
+def test_prequantised_int8_checkpoint_decodes(tiny_checkpoint, tmp_path):
+    """Weights read from a file's memory map are copied to aligned memory before the
+    int8 kernel sees them (it crashed on the mmap's 8-byte alignment)."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.quantize import QuantSpec
+    from qvl.weights import save_quantized
+
+    out = save_quantized(tiny_checkpoint, tmp_path / "int8", QuantSpec("int8"))
+    loaded = Engine.load(EngineOptions(model=str(out), threads=1, answer_cache_entries=0))
+    fresh = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", threads=1, quant_cache=False))
+    assert all(b.data_ptr() % 64 == 0 for n, b in loaded.model.named_buffers() if b.dtype == torch.int8)
+    request = Request([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_new_tokens=8))
+    assert loaded.generate(request).token_ids == fresh.generate(request).token_ids

@@ -179,6 +179,7 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_openai_client_streams_and_not_with_images(cluster):
     c = client(cluster)
     image = png_bytes(color=(10, 200, 30))
@@ -196,6 +197,7 @@ def test_openai_client_streams_and_not_with_images(cluster):
     assert [m.id for m in models.data] == ["tinyck"] or len(models.data) == 1
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_follow_ups_about_an_image_reach_its_replica(cluster):
     c = client(cluster)
     seen: dict[int, set[str]] = {}
@@ -209,6 +211,7 @@ def test_follow_ups_about_an_image_reach_its_replica(cluster):
     assert len(set().union(*seen.values())) == 2  # and the images are spread over both replicas
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_errors_limits_and_metrics_keep_their_shapes(cluster):
     url = cluster.url
     bad = httpx.post(f"{url}/v1/chat/completions", content=b"{oops", headers={"Content-Type": "application/json"})
@@ -245,6 +248,7 @@ def test_errors_limits_and_metrics_keep_their_shapes(cluster):
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_a_client_leaving_mid_stream_cancels_its_request(cluster):
     def cancelled() -> float:
         text = httpx.get(f"{cluster.url}/metrics").text
@@ -270,6 +274,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request(cluster):
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cluster):
     c = client(cluster)
     messages = [{"role": "user", "content": "tell me a long story"}]
@@ -286,6 +291,7 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error_then_another_answers(cl
     assert again.headers[REPLICA] != victim and again.parse().choices[0].message.content is not None
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_load_past_every_row_adds_a_replica(cluster):
     """It leaves three replicas. Six clients streaming against 2 x 2 rows keep requests
     waiting; the autoscaler (target: --max-batch per replica) adds the third replica."""
@@ -313,6 +319,7 @@ def test_load_past_every_row_adds_a_replica(cluster):
         stop = time.monotonic()
 
 
+@pytest.mark.slow  # a local Ray cluster and `qvl serve --ray`
 def test_past_every_replica_and_queue_the_cluster_answers_429(cluster):
     """2 rows + 1 waiting per replica, 1 x the most replicas waiting at the front: at most
     3 x 3 + 3 = 12 requests are held; of 16 at once some get 429 queue_full with Retry-After,

@@ -16,6 +16,8 @@ import pytest
 from qvl.engine import Request
 from tests.test_server_support import image_message, live_server, png_bytes
 
+pytestmark = pytest.mark.slow  # a `qvl serve` subprocess
+
 HELLO = [{"role": "user", "content": "hello"}]
 LONG = {"max_tokens": 2000, "temperature": 0}  # greedy "hello" on the tiny model never stops by itself
 # in time: only a cancel ends such a request within a test

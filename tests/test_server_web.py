@@ -21,8 +21,8 @@ from tests.test_cli_structured import SCHEMA, Answer
 from tests.test_server_support import live_server, png_bytes
 
 CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
-                                "(apt-get install -y chromium) so the web page cannot be driven")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                                   "(apt-get install -y chromium) so the web page cannot be driven")]
 # The network here is closed: without these flags Chromium waits on background connections.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]

@@ -13,6 +13,8 @@ from pydantic import BaseModel, Field
 
 from tests.test_server_support import live_server, png_bytes
 
+pytestmark = pytest.mark.slow  # a `qvl serve` subprocess
+
 SEEDS = range(4)
 
 

@@ -22,12 +22,19 @@ from qvl.quantize import pack_nibbles, quantize_int4, quantize_int8
 
 TIERS = build.tiers() if build.compiler() else []
 pytestmark = pytest.mark.skipif(not TIERS, reason="no C compiler")
+RUNS = build.select_tier().name if TIERS else None  # the tier qvl runs here: the other tiers' builds are slow
 
 
-@pytest.fixture(scope="module", params=[t.name for t in TIERS])
-def tier_lib(request, tmp_path_factory):
+def built(tier: build.Tier):
+    """The tier's kernels, kept in qvl's own folder: built once, shared with the engine's own build."""
+    return build.load(tier, paths.cache_root() / "native")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(t.name, marks=() if t.name == RUNS else pytest.mark.slow)
+                                        for t in TIERS])
+def tier_lib(request):
     tier = next(t for t in TIERS if t.name == request.param)
-    return tier, build.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+    return tier, built(tier)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -197,16 +204,18 @@ def test_decode_gemv_bits_do_not_depend_on_the_threads(tier_lib):
         torch.set_num_threads(threads)
 
 
-def test_amx_int8_tiles_only_where_the_tier_has_them(tmp_path_factory):
+@pytest.mark.slow  # builds every tier's library
+def test_amx_int8_tiles_only_where_the_tier_has_them():
     """The default build of an AMX CPU takes int8 products on AMX tiles; a tier run as a CPU
     without them (avx512-noamx, the lower tiers) does not."""
     for tier in TIERS:
-        features = build.load(tier, tmp_path_factory.getbasetemp() / "tiers").qvl_features()
+        features = built(tier).qvl_features()
         expected = tier.amx and "amx_int8" in build.cpu_flags() and tier.name == "avx512"
         assert bool(features & build.AMX_INT8) == expected, tier.name
 
 
-def test_integer_products_agree_across_tiers(tmp_path_factory):
+@pytest.mark.slow  # builds every tier's library
+def test_integer_products_agree_across_tiers():
     """The tiers quantise activations the same way: they differ only in the order of float sums."""
     torch.manual_seed(1)
     x, w = torch.randn(3, 1024), torch.randn(64, 1024)
@@ -214,7 +223,7 @@ def test_integer_products_agree_across_tiers(tmp_path_factory):
     q4, s4, z4 = quantize_int4(w, 64)
     outs = []
     for tier in TIERS:
-        lib = build.load(tier, tmp_path_factory.getbasetemp() / "tiers")
+        lib = built(tier)
         outs.append((tier.name, linear.gemv(lib, build.W_INT8, x, q, 64, s),
                      linear.gemv(lib, build.W_INT4, x, pack_nibbles(q4), 64, s4, z4, 64)))
     for name, o8, o4 in outs[1:]:
@@ -405,6 +414,7 @@ def test_byte_products_fuse_the_vision_blocks_norm_gelu_and_residual(tier_lib, d
         linear.q8_linear(lib, x, q, s, bias, layer_norm=(norm.weight.detach()[:64], None, 1e-6))
 
 
+@pytest.mark.slow  # compiles and runs a C program per tier
 def test_check_program_on_every_tier(tier_lib, tmp_path):
     """tests/native_check.c (a float32 decode step through two int8 layers, the GEMVs, decode
     attention) built with the tier's own flags: what the aarch64 run checks, on x86."""
@@ -431,7 +441,8 @@ def test_integer_vision_attention(tier_lib):
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=0)
 
 
-def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory):
+@pytest.mark.slow  # builds every tier's library
+def test_integer_vision_attention_same_bits_on_every_x86_build():
     """The AVX-512 builds (zmm, vpdpwssd with VNNI; vpmaddwd + vpaddd in C without, as on
     Skylake-X) and the AVX2 ones (ymm, vpmaddwd in assembly) sum the same integer codes exactly
     and weigh them in the same float operations: the same bits, for each head size, with the
@@ -441,7 +452,7 @@ def test_integer_vision_attention_same_bits_on_every_x86_build(tmp_path_factory)
             for t in x86 if t.name == "avx512-nobf16"]
     if len(x86) < 2:
         pytest.skip("one x86 build here")
-    libs = [(t.name, build.load(t, tmp_path_factory.getbasetemp() / "tiers")) for t in x86]
+    libs = [(t.name, built(t)) for t in x86]
     torch.manual_seed(5)
     for d in (64, 72, 80):
         q, k, v = (torch.randn(150, 3, 2, d) * 2).unbind(1)
@@ -489,13 +500,13 @@ AMX_PLAN = (torch.bfloat16, {  # AMX tiles: prefill's int8 products on int8 tile
 
 
 @pytest.mark.parametrize("name", list(DEFAULT_PLANS))
-def test_default_plan_per_tier(name, tmp_path_factory):
+def test_default_plan_per_tier(name):
     """The default options (int8 weights, --int8-activations auto, the tier's compute dtype) on
     each tier: the kernel and activation codes of every kind of layer, all in that dtype."""
     tier = next((t for t in TIERS if t.name == name), None)
     if tier is None:
         pytest.skip(f"this CPU cannot run the {name} tier")
-    lib = Library(tier, build.load(tier, tmp_path_factory.getbasetemp() / "tiers"))
+    lib = Library(tier, built(tier))
     dtype, want = AMX_PLAN if lib.has(build.AMX_INT8) else DEFAULT_PLANS[name]
     plan = Plan.choose(lib, torch.bfloat16 if tier.bf16 else torch.float32, "int8")
     assert plan.dtype == dtype and plan.vision_int8
@@ -577,6 +588,7 @@ def test_tier_lists_per_cpu():
     assert [t.name for t in build.tiers(frozenset({"asimd"}), "aarch64")] == ["neon-nodotprod", "portable"]
 
 
+@pytest.mark.slow  # three library builds
 def test_build_cache_key_covers_tier_and_cpu(monkeypatch, tmp_path):
     avx2, portable = (next(t for t in TIERS if t.name == n) for n in ("avx2", "portable"))
     a, b = build.build(tmp_path, avx2), build.build(tmp_path, portable)
@@ -631,6 +643,7 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
     assert 10 < peak_rss_mb() and 10 < with_resource
 
 
+@pytest.mark.slow  # cross-compiles and runs four builds under qemu
 def test_aarch64_kernels_under_qemu(tmp_path):
     """The NEON kernels (with and without dot products; with them the byte-product kernel too, on
     sdot or with i8mm on smmla) and the portable C, cross-compiled for aarch64 and run under
@@ -676,18 +689,3 @@ def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(kind):
                                                                              ("dequantize", 0))
     assert entries["vision attention"] == ("sdpa", 0)  # the integer attention kernels are x86's
 
-
-def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):
-    """CPUs without bf16 products compute in float32; asked to keep a float vision tower (its
-    default there is int8), the int8 model keeps it bf16 in memory (as on the AVX-512 tier) and
-    gives what float32 copies of the same weights give."""
-    from qvl.engine import Engine, EngineOptions
-    from qvl.quantize import Bf16StoredLinear
-
-    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="fp32", threads=1,
-                                       vision_int8=False))
-    layers = [m for m in engine.model.visual.modules() if isinstance(m, Bf16StoredLinear)]
-    assert layers and all(m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.float32 for m in layers)
-    fc = layers[0]
-    x = torch.randn(7, fc.in_features)
-    torch.testing.assert_close(fc(x), F.linear(x, fc.weight.float(), fc.bias), atol=0, rtol=0)

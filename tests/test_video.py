@@ -269,7 +269,7 @@ def test_absurd_rates_sizes_and_lengths_are_refused():
 
 
 def test_server_caps_on_length_budget_and_count(tiny_checkpoint, clips):
-    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="fp32", threads=2, max_video_seconds=3,
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2, max_video_seconds=3,
                                        video=VideoSettings(max_tokens=256), video_tokens_cap=512, max_videos=1))
     video = {"type": "video", "video": str(clips["short"])}
     with pytest.raises(RequestError, match="lasts 5.0 s.*at most 3 s"):

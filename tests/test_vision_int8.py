@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qvl import paths
 from qvl.kernels import attention, build, linear
 from qvl.kernels import library as library_module
 from qvl.kernels.library import Library, library
@@ -21,7 +22,7 @@ TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
 
 
 @pytest.fixture(scope="module")
-def tier_kernels(tmp_path_factory):
+def tier_kernels():
     """name -> the library built for that tier (only tiers this CPU can run)."""
     built: dict[str, Library] = {}
 
@@ -29,7 +30,7 @@ def tier_kernels(tmp_path_factory):
         if name not in TIERS:
             pytest.skip(f"this CPU cannot run the {name} tier")
         if name not in built:
-            built[name] = Library(TIERS[name], build.load(TIERS[name], tmp_path_factory.mktemp(name)))
+            built[name] = Library(TIERS[name], build.load(TIERS[name], paths.cache_root() / "native"))
         return built[name]
 
     return get
@@ -68,6 +69,7 @@ def features(engine, seed: int = 0) -> torch.Tensor:
     return embeds.float()
 
 
+@pytest.mark.slow  # builds other tiers' libraries
 def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
     """x86 without bf16 products: float32 compute, the vision tower int8 and int8 x int8; with
     VNNI the vision tower's and prefill's int8 products in 8-bit codes per group (qvl's
@@ -141,6 +143,7 @@ print("ok", cosine)
 
 @pytest.mark.parametrize("tier, kernel", [("avx512-nobf16", "q8_linear"), ("avx2-vnni", "q8_linear"),
                                           ("avx2", "i16_linear")])
+@pytest.mark.slow  # builds other tiers' libraries
 def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_checkpoint, tier_kernels, tier,
                                                               kernel):
     """The default on x86 without bf16 products (int8 weights, float32 compute): prefill's int8
@@ -175,6 +178,7 @@ def test_float32_tiers_prefill_int8_products_in_integer_codes(monkeypatch, tiny_
     assert answers[0] == answers[1]
 
 
+@pytest.mark.slow  # a fresh process loading an engine
 def test_without_vnni_activations_run_in_seven_bits_exactly(tiny_checkpoint):
     """oneDNN's int8 GEMM without VNNI (plain AVX2, AVX-512 without VNNI: emulated with
     ONEDNN_MAX_CPU_ISA=AVX2 in a fresh process) saturates its 16-bit pair sums on 8-bit
@@ -186,6 +190,7 @@ def test_without_vnni_activations_run_in_seven_bits_exactly(tiny_checkpoint):
     assert ran.returncode == 0 and ran.stdout.startswith("ok"), ran.stdout + ran.stderr
 
 
+@pytest.mark.slow  # builds other tiers' libraries
 def test_amx_tier_runs_the_vision_tower_int8_with_bf16_compute(monkeypatch, tiny_checkpoint, tier_kernels):
     """With AMX, oneDNN's int8 GEMM runs on AMX-INT8 tiles (1.7x its bf16 ones): the vision
     tower is int8 x int8 there too, in bf16 compute; without the native kernels it stays bf16."""
@@ -204,6 +209,7 @@ def test_amx_tier_runs_the_vision_tower_int8_with_bf16_compute(monkeypatch, tiny
     assert engine.model.dtype == torch.bfloat16 and not vision_layers(engine) and engine.int8_activations == "off"
 
 
+@pytest.mark.slow  # builds other tiers' libraries
 def test_contradictory_options_are_refused(monkeypatch, tiny_checkpoint, tier_kernels):
     with pytest.raises(ValueError, match="need its int8 weights"):
         load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int8", vision_int8=False,
@@ -218,6 +224,7 @@ def test_contradictory_options_are_refused(monkeypatch, tiny_checkpoint, tier_ke
     assert not vision_layers(engine) and engine.int8_activations == "off"
 
 
+@pytest.mark.slow  # builds other tiers' libraries
 def test_smoothed_int8_vision_stays_close_to_float_and_reloads_identically(monkeypatch, tiny_checkpoint,
                                                                           tier_kernels):
     """Image features of the int8 vision tower (smoothed, int8 x int8 products) against the
@@ -296,6 +303,7 @@ def test_calibrated_smoothing_through_qvl_quantize(tmp_path, tiny_checkpoint, ca
         load_model(tiny_checkpoint, cfg, torch.float32, QuantSpec("int8", vision=True, smoothing="calibrated"))
 
 
+@pytest.mark.slow  # builds other tiers' libraries
 def test_float32_tiers_vision_attention_in_integer_codes(monkeypatch, tmp_path, tier_kernels):
     """Where the vision tower's linears run int8 x int8 in float32 compute (plain AVX2 here), its
     attention runs in 16-bit integer codes too (qvl_attention_i16; the tiny tower with one head of
@@ -355,3 +363,19 @@ def test_bf16_tiers_vision_attention_scores_in_byte_codes(monkeypatch, tmp_path)
     monkeypatch.setattr(attention, "attention_q8", lambda *a: calls.append(a) or run(*a))
     features(load_on(monkeypatch, chosen, checkpoint, weights="int8", int8_activations="off"))
     assert not calls
+
+
+def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):
+    """CPUs without bf16 products compute in float32; asked to keep a float vision tower (its
+    default there is int8), the int8 model keeps it bf16 in memory (as on the AVX-512 tier) and
+    gives what float32 copies of the same weights give."""
+    from qvl.engine import Engine, EngineOptions
+    from qvl.quantize import Bf16StoredLinear
+
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), weights="int8", dtype="fp32", threads=1,
+                                       vision_int8=False))
+    layers = [m for m in engine.model.visual.modules() if isinstance(m, Bf16StoredLinear)]
+    assert layers and all(m.weight.dtype == torch.bfloat16 and m.bias.dtype == torch.float32 for m in layers)
+    fc = layers[0]
+    x = torch.randn(7, fc.in_features)
+    torch.testing.assert_close(fc(x), F.linear(x, fc.weight.float(), fc.bias), atol=0, rtol=0)
