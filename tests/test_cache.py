@@ -21,7 +21,7 @@ def fresh(engine: Engine, **options) -> Engine:
     """The same loaded model behind new caches (and options)."""
     e = engine
     return Engine(e.model, e.tokenizer, e.template, e.image_cfg, e.defaults, replace(e.options, **options),
-                  e.runtime, e.path, e.load_s)
+                  e.runtime, e.path, e.load_s, e.plan)
 
 
 def picture(seed: int, size=(160, 120)) -> Image.Image:
