@@ -1,6 +1,6 @@
 /* The passes around oneDNN's int8 GEMM (many rows): activations quantised per row to unsigned
  * codes, and the rescale back to float (tanh-GELU fused into it); and the row-wise layer norm
- * and tanh-GELU that i16_gemm.c's byte kernel fuses the same way. */
+ * and tanh-GELU that prefill_gemm.c's byte kernel fuses the same way. */
 #include "common.h"
 
 /* row[0..K) <- LayerNorm(row) as the model's nn.LayerNorm computes it: float32 mean and

@@ -103,7 +103,7 @@ static const float* row_f32(const void* x, int dt, int64_t K, int64_t m, float* 
  * cs, cb: the columns' scales and biases in float32 (from qvl_rescale_columns, at n0).
  * Then tanh-GELU when `gelu` (before the one rounding to dt), then, when `res` is given ([M][N],
  * dt), res + that rounded value, rounded again: as a separate GELU in float32 and `res + y`
- * would (int8_gemm.c's rescale does the same). */
+ * would (int8_passes.c's rescale does the same). */
 static void write_rows(const float* c, int64_t ldc, const float* s, int64_t M, int64_t n0, int64_t nc,
                        const float* cs, const float* cb, int dt, int64_t N, int gelu, const void* res, void* y) {
     float out[I16_NR];
