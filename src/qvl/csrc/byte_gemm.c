@@ -2,6 +2,7 @@
  * (qvl_q8_linear): prefill and the vision tower with AVX-512 VNNI, AVX2 (with or without
  * AVX-VNNI) and ARM dot products (smmla with i8mm). */
 #include "prefill_gemm.h"
+#include "quantise.h"
 
 #if defined(QVL_AVX512) || defined(QVL_AVX2) || (defined(QVL_NEON) && defined(__ARM_FEATURE_DOTPROD))
 /* ---- 8-bit activation codes per group of columns (VNNI, NEON dot products) ---------------
@@ -97,21 +98,9 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
-            const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f, inv = top > 0.f ? Q8_LEVELS / top : 0.f;
-            /* rows past M, zero groups and groups too small for Q8_LEVELS / top to be finite add
-             * nothing; a row with NaN or infinity gives NaN (its steps); their codes stay 0 */
-            const int coded = top > 0.f && inv <= FLT_MAX;
-            int32_t sum = 0;
-            if (coded) {
-#pragma omp simd reduction(+ : sum)
-                for (int64_t k = 0; k < n; k++) {
-                    const int32_t q = round_int(row[k0 + k] * inv); /* |q| <= Q8_LEVELS */
-                    codes[k0 + k] = (int8_t)q, sum += q;
-                }
-            } else {
-                memset(codes + k0, 0, (size_t)n);
-            }
-            sg[g * Q8_MR + r] = !finite ? NAN : coded ? top / Q8_LEVELS : 0.f;
+            const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f; /* rows past M: no codes */
+            int32_t sum;
+            sg[g * Q8_MR + r] = group_codes8(row + k0, n, finite, top, Q8_LEVELS, codes + k0, &sum);
             nq[g * Q8_MR + r] = -128 * sum;
         }
         place_codes(a, codes, K, r);

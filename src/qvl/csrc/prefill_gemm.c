@@ -19,6 +19,7 @@
  * memory (what it did before) was 1 MB per thread at 1008 rows, past L2
  * (docs/decisions/prefill-products.md). */
 #include "prefill_gemm.h"
+#include "quantise.h"
 
 #if defined(QVL_AVX512) || defined(QVL_AVX2)
 #define QVL_I16 1
@@ -56,17 +57,12 @@ static void pack_rows(const void* x, int dt, int64_t M, int64_t K, int64_t m0, i
             row = row_f32(x, dt, K, m0 + r, buf, &finite);
             top = absmax(row, K);
         }
-        const float inv = top > 0.f ? 32767.f / top : 0.f;
-        /* rows past M, zero rows and rows too small for 32767 / top to be finite (max < 1e-34)
-         * give the bias; a row with NaN or infinity gives NaN; their codes stay 0 */
-        const int coded = finite && top > 0.f && inv <= FLT_MAX;
-        s[r] = !finite ? NAN : coded ? top / 32767.f : 0.f;
+        int coded;
+        s[r] = row_codes16(row, K, finite, top, codes, &coded);
         if (!coded) {
             for (int64_t p = 0; p < K / 2; p++) a[p * I16_MR + r] = 0;
             continue;
         }
-#pragma omp simd
-        for (int64_t k = 0; k < K; k++) codes[k] = (int16_t)round_int(row[k] * inv); /* |code| <= 32767 */
         for (int64_t p = 0; p < K / 2; p++) memcpy(a + p * I16_MR + r, codes + 2 * p, 4); /* one pair */
     }
 }
