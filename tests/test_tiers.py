@@ -322,7 +322,7 @@ PREFILL_KERNELS = {
 
 @pytest.mark.parametrize("codes", PREFILL_KERNELS)
 def test_prefill_int8_products(tier_lib, codes):
-    """Prefill's int8 products on the x86 tiers without AMX (i16_gemm.c): activation rows in
+    """Prefill's int8 products on the x86 tiers without AMX (prefill_gemm.c): activation rows in
     16-bit codes (exact integer pair sums), or in byte codes per group of columns (exact integer
     byte sums per group, each scaled by its step): 8-bit with VNNI, 7-bit on plain AVX2, whose
     vpmaddubsw would saturate its 16-bit pair sums on 8-bit ones. Within the codes' rounding

@@ -155,8 +155,8 @@ static inline void transpose16(__m512 r[16]) {
 }
 
 /* One head's keys as pairs kh [DP/2][kh_stride] (k[n][2p], k[n][2p+1]) in columns 0..S_pad:
- * the B tiles of amx.c's scores and the operand of attention.c's dot products (which packs a
- * paged cache block by block into one kh). 16 keys by 16 pairs at a time, transposed in
+ * the B tiles of amx_attention.c's scores and the operand of attention_flash.c's dot products
+ * (which packs a paged cache block by block into one kh). 16 keys by 16 pairs at a time, transposed in
  * registers; zero past S and past D. S_pad % 16 == 0, DP % 32 == 0. */
 static inline void pack_keys(const uint16_t* k, int64_t k_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DP,
                       uint32_t* kh, int64_t kh_stride) {
@@ -173,8 +173,8 @@ static inline void pack_keys(const uint16_t* k, int64_t k_tok, int64_t S, int64_
         }
 }
 
-/* One head's values as pairs vh [S_pad/2][DV] (v[2j][d], v[2j+1][d]): the B tiles of amx.c's
- * value product and attention.c's operand; zero past S and past D. DV % 16 == 0. */
+/* One head's values as pairs vh [S_pad/2][DV] (v[2j][d], v[2j+1][d]): the B tiles of
+ * amx_attention.c's value product and attention_flash.c's operand; zero past S and past D. DV % 16 == 0. */
 static inline void pack_values(const uint16_t* v, int64_t v_tok, int64_t S, int64_t S_pad, int64_t D, int64_t DV,
                         uint32_t* vh) {
     const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
@@ -300,6 +300,7 @@ int qvl_decode_attention(const void* q, const void* keys, const void* values, in
                          int64_t table_stride, int64_t block, int64_t block_stride, int64_t head_stride, int64_t B,
                          int64_t H, int64_t Hkv, const int64_t* lengths, int64_t D, void* out, int threads);
 void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads);
+void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 int qvl_features(void);
 int qvl_int8_amx_ready(void);

@@ -13,7 +13,7 @@ import torch
 from qvl.kernels.build import DTYPES, W_INT4, W_INT8, address
 
 ACTIVATION_GROUP = 64  # columns per scale of the byte kernel's activation codes
-AMX_BF16_MAX_VALUES = 1 << 21  # amx.c's MAX_ACTIVATIONS
+AMX_BF16_MAX_VALUES = 1 << 21  # amx_gemm.c's MAX_ACTIVATIONS
 INT8_SUM_MAX_COLUMNS = 65536  # the AMX int8 kernels' int32 sums stay exact up to this many columns
 _K_STEP = {"i16_linear": 2, "q8_linear": 4, "amx_i16_linear": 64}  # the many-row int8 kernels' column steps
 
@@ -79,7 +79,7 @@ def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.
 def amx_i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] bf16 @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] on AMX int8
-    tiles, x in 16-bit codes per row (amx.c's qvl_amx_i16_linear); None where that kernel does
+    tiles, x in 16-bit codes per row (amx_gemm.c's qvl_amx_i16_linear); None where that kernel does
     not run (no AMX tiles, K not a multiple of 64, N not a multiple of 16)."""
     return _int8_rows(lib, "amx_i16_linear", x, weight, scale, bias, (torch.bfloat16,))
 
@@ -111,7 +111,7 @@ def _fusions(x: torch.Tensor, n: int, residual: torch.Tensor | None, layer_norm:
 def i16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 16-bit
-    codes per row, on AVX-512 or AVX2 integer pair products (i16_gemm.c's qvl_i16_linear);
+    codes per row, on AVX-512 or AVX2 integer pair products (prefill_gemm.c's qvl_i16_linear);
     None where that kernel does not run (other tiers, K odd, N not a multiple of 16)."""
     return _int8_rows(lib, "i16_linear", x, weight, scale, bias, tuple(DTYPES))
 
@@ -120,7 +120,7 @@ def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: to
               bias: torch.Tensor | None = None, group: int = ACTIVATION_GROUP, gelu_tanh: bool = False,
               residual: torch.Tensor | None = None, layer_norm: LayerNormArgs | None = None) -> torch.Tensor | None:
     """x [..., K] @ (weight [N, K] int8 * scale [N]).T (+ bias) -> [..., N] with x in 8-bit
-    codes per `group` columns, on byte products (i16_gemm.c's qvl_q8_linear: VNNI, ARM's sdot or
+    codes per `group` columns, on byte products (prefill_gemm.c's qvl_q8_linear: VNNI, ARM's sdot or
     i8mm); None where that kernel does not run (no such products, K or the group not a multiple
     of 4 (of 8 with i8mm), N not a multiple of 16).
     `layer_norm`, `gelu_tanh` and `residual` are fused into it as int8_matmul's are."""
@@ -173,7 +173,7 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
 
 def amx_pack_int8(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] int8 (N % 16 == 0) -> its AMX tiles for int8_matmul(amx=True): [N, Kp] int8,
-    K zero-padded to Kp, a multiple of 64 (amx.c's qvl_amx_pack_int8 layout)."""
+    K zero-padded to Kp, a multiple of 64 (amx_gemm.c's qvl_amx_pack_int8 layout)."""
     n, k = weight.shape
     if n % 16:
         raise ValueError(f"AMX int8 tiles take weights of a multiple of 16 rows, not {n}")

@@ -1,7 +1,7 @@
 /* The passes around oneDNN's int8 GEMM (many rows): activations quantised per row to unsigned
  * codes, and the rescale back to float (tanh-GELU fused into it); and the row-wise layer norm
- * and tanh-GELU that i16_gemm.c's byte kernel fuses the same way. */
-#include "common.h"
+ * and tanh-GELU that prefill_gemm.c's byte kernel fuses the same way. */
+#include "quantise.h"
 
 /* row[0..K) <- LayerNorm(row) as the model's nn.LayerNorm computes it: float32 mean and
  * variance, then (row - mean) * rstd * nw + nb, rounded to dt (nw, nb: float32 [K]). */
@@ -52,38 +52,7 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
                 memcpy(row, (const float*)x + m * K, (size_t)K * sizeof(float));
             }
             if (nw) qvl_layer_norm_row(row, K, nw, nb, eps, dt);
-            float mn = row[0], mx = row[0];
-            int64_t k = 0;
-#ifdef QVL_AVX512
-            __m512 vmn = _mm512_set1_ps(mn), vmx = vmn;
-            for (; k + 16 <= K; k += 16) {
-                const __m512 r = _mm512_loadu_ps(row + k);
-                vmn = _mm512_min_ps(vmn, r), vmx = _mm512_max_ps(vmx, r);
-            }
-            mn = _mm512_reduce_min_ps(vmn), mx = _mm512_reduce_max_ps(vmx);
-#endif
-            for (; k < K; k++) {
-                mn = row[k] < mn ? row[k] : mn;
-                mx = row[k] > mx ? row[k] : mx;
-            }
-            float s = mx > mn ? (mx - mn) / (float)levels : 1.f, inv = 1.f / s, top = (float)levels;
-            uint8_t* q = xq + m * ldq;
-            memset(q + K, 0, (size_t)(ldq - K));
-            k = 0; /* v = (x - mn) * inv + 0.5 >= 0.5: truncation rounds to nearest */
-#ifdef QVL_AVX512
-            const __m512 vlo = _mm512_set1_ps(mn), vinv = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f),
-                         vtop = _mm512_set1_ps(top);
-            for (; k + 16 <= K; k += 16) {
-                const __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_loadu_ps(row + k), vlo), vinv, half);
-                _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(v, vtop))));
-            }
-#endif
-            for (; k < K; k++) {
-                const float v = fmaf(row[k] - mn, inv, 0.5f);
-                q[k] = (uint8_t)(int32_t)(v < top ? v : top);
-            }
-            scale[m] = s;
-            lo[m] = mn;
+            row_codes_u8(row, K, levels, xq + m * ldq, ldq, scale + m, lo + m);
         }
         free(row);
     }

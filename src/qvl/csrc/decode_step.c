@@ -1,5 +1,6 @@
-/* RMSNorm, and a whole decode step through every decoder layer in one call, in bf16 or
- * float32, with the same kernels and roundings as the per-layer modules. */
+/* A whole decode step through every decoder layer in one call (qvl_decode_layers), in bf16 or
+ * float32, with the same kernels and roundings as the per-layer modules; and qvl_features, what
+ * this build has. */
 #include "common.h"
 
 /* What this build has, as bits: 1 AVX-512, 2 AVX-512 VNNI, 4 AVX512-BF16 (flash attention),
@@ -38,123 +39,10 @@ int qvl_features(void) {
     return f;
 }
 
-/* RMSNorm of rows as the reference computes it: float32 mean of squares, x * rsqrt(mean +
- * eps) rounded to dt, times the weight, rounded again. x, w, out: dtype dt; x [rows][dim]. */
-void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
-                 int threads) {
-#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float ss = 0.f;
-        if (dt == BF16) {
-            const uint16_t* xr = (const uint16_t*)x + r * dim;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
-            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-            const uint16_t* wr = (const uint16_t*)w;
-            uint16_t* o = (uint16_t*)out + r * dim;
-            for (int64_t i = 0; i < dim; i++)
-                o[i] = f32_to_bf16(bf16_to_f32(wr[i]) * round_bf(bf16_to_f32(xr[i]) * inv));
-        } else {
-            const float* xr = (const float*)x + r * dim;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-            const float* wr = (const float*)w;
-            float* o = (float*)out + r * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) o[i] = wr[i] * (xr[i] * inv);
-        }
-    }
-}
-
 /* ---- a whole decode step through the decoder layers ---- */
 
 static int layer_linear(const QvlLinear* l, const void* x, int dt, int64_t M, void* y, int threads) {
     return qvl_linear((int)l->kind, x, dt, M, l->k, l->n, l->w, l->scale, l->zero, l->group_size, l->bias, y, threads);
-}
-
-/* Rotary embedding of `heads` rows of D in place: x*cos + rotate_half(x)*sin, in bf16 with
- * each product and the sum rounded as the reference does, in float32 exactly as written. */
-static void text_rope(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin) {
-    const int64_t half = D / 2;
-    float t[256];
-    for (int64_t r = 0; r < heads; r++) {
-        for (int64_t i = 0; i < D; i++) t[i] = get(x, dt, r * D + i);
-        for (int64_t i = 0; i < D; i++) {
-            float rot = i < half ? -t[i + half] : t[i - half];
-            float a = t[i] * get(cos, dt, i), b = rot * get(sin, dt, i);
-            put(x, dt, r * D + i, dt == BF16 ? round_bf(a) + round_bf(b) : a + b);
-        }
-    }
-}
-
-/* g <- silu(g) * u, rounded (in bf16) after silu and after the product: the decode step's
- * SwiGLU, and prefill's in bf16 (the plan's silu_mul, qvl/kernels/plan.py). */
-void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
-#pragma omp parallel for num_threads(n >= 4096 ? threads : 1) schedule(static)
-    for (int64_t i0 = 0; i0 < n; i0 += 256) {
-        const int64_t end = i0 + 256 < n ? i0 + 256 : n;
-        int64_t i = i0;
-#if defined(QVL_AVX512) && defined(__AVX512BF16__)
-        if (dt == BF16) {
-            uint16_t* gb = (uint16_t*)g;
-            const uint16_t* ub = (const uint16_t*)u;
-            for (; i + 16 <= end; i += 16) {
-                const __m512 x = bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(gb + i)));
-                const __m512 s = div_one_plus_exp2(x, _mm512_mul_ps(x, _mm512_set1_ps(-1.4426950408889634f)));
-                const __m512 sr = bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(s));
-                const __m512 y = _mm512_mul_ps(sr, bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(ub + i))));
-                _mm256_storeu_si256((__m256i*)(gb + i), (__m256i)_mm512_cvtneps_pbh(y));
-            }
-        }
-#endif
-        for (; i < end; i++) {
-            float x = get(g, dt, i), s = x / (1.f + expf(-x));
-            put(g, dt, i, (dt == BF16 ? round_bf(s) : s) * get(u, dt, i));
-        }
-    }
-}
-
-/* Prefill's rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t] for
- * T tokens of H heads of D (x at t * x_tok + h * x_head, D contiguous; cos/sin [T][D]; out
- * [T][H][D]), rounded as the reference rounds it in bf16 (each product, then the sum), as the
- * decode step's text_rope does. Returns 0, or -2 for D odd or above 256. */
-int qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64_t x_tok, int64_t x_head,
-                  const void* cos, const void* sin, void* out, int threads) {
-    if (D % 2 || D > 256) return -2; /* text_rope's row buffer */
-    const size_t es = dt == BF16 ? 2 : 4;
-#pragma omp parallel for num_threads(T * H >= 64 ? threads : 1) schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
-            char* o = (char*)out + ((t * H + h) * D) * es;
-            const char* xr = (const char*)x + (t * x_tok + h * x_head) * es;
-#if defined(QVL_AVX512) && defined(__AVX512BF16__)
-            if (dt == BF16 && D % 32 == 0) {
-                const int64_t half = D / 2;
-                const uint16_t *xb = (const uint16_t*)xr, *cb = (const uint16_t*)cos + t * D,
-                               *sb = (const uint16_t*)sin + t * D;
-                uint16_t* ob = (uint16_t*)o;
-#define LD(p) bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(p)))
-#define RB(v) bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(v))
-                for (int64_t i = 0; i < half; i += 16) {
-                    const __m512 x1 = LD(xb + i), x2 = LD(xb + half + i);
-                    const __m512 neg2 = _mm512_castsi512_ps(  /* -x2 as the reference negates: -0 for +0 */
-                        _mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32((int)0x80000000)));
-                    const __m512 lo = _mm512_add_ps(RB(_mm512_mul_ps(x1, LD(cb + i))), RB(_mm512_mul_ps(neg2, LD(sb + i))));
-                    const __m512 hi = _mm512_add_ps(RB(_mm512_mul_ps(x2, LD(cb + half + i))),
-                                                    RB(_mm512_mul_ps(x1, LD(sb + half + i))));
-                    _mm256_storeu_si256((__m256i*)(ob + i), (__m256i)_mm512_cvtneps_pbh(lo));
-                    _mm256_storeu_si256((__m256i*)(ob + half + i), (__m256i)_mm512_cvtneps_pbh(hi));
-                }
-#undef LD
-#undef RB
-                continue;
-            }
-#endif
-            memcpy(o, xr, (size_t)D * es);
-            text_rope(o, dt, 1, D, (const char*)cos + t * D * es, (const char*)sin + t * D * es);
-        }
-    return 0;
 }
 
 /* The experts' MLP of B rows (xn [B][D], normed) -> out [B][D], as qvl.model.text.SparseMoE
@@ -282,8 +170,9 @@ int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt,
         qvl_rmsnorm(q, L->q_norm, q, dt, B * H, hd, eps, threads);
         qvl_rmsnorm(k, L->k_norm, k, dt, B * Hkv, hd, eps, threads);
         for (int64_t b = 0; b < B; b++) {
-            text_rope(q + b * H * hd * es, dt, H, hd, (const char*)cos + b * hd * es, (const char*)sin + b * hd * es);
-            text_rope(k + b * Hkv * hd * es, dt, Hkv, hd, (const char*)cos + b * hd * es,
+            qvl_text_rope_rows(q + b * H * hd * es, dt, H, hd, (const char*)cos + b * hd * es,
+                               (const char*)sin + b * hd * es);
+            qvl_text_rope_rows(k + b * Hkv * hd * es, dt, Hkv, hd, (const char*)cos + b * hd * es,
                       (const char*)sin + b * hd * es);
             for (int64_t h = 0; h < Hkv; h++) {
                 int64_t at = (table[b * table_stride + slots[b] / block] * block_stride + h * head_stride +
