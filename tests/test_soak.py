@@ -158,7 +158,7 @@ def batch_with_bad_name(checkpoint, folder) -> subprocess.CompletedProcess:
 
 def ordinary_requests(folder) -> list[dict]:
     """What a well-behaved client sends: an image, a clip, a constrained answer, a tool call, a
-    large text."""
+    large text, a long answer (the KV pool's pages in use reach their working size)."""
     clip = synthetic_clip(folder / "ordinary.mp4", 2, 320, 240).read_bytes()
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}
@@ -167,7 +167,8 @@ def ordinary_requests(folder) -> list[dict]:
             {**video_body(clip), "max_tokens": 4},
             {"messages": plain, "max_tokens": 4, "response_format": {"type": "regex", "regex": "[a-z]{3}"}},
             {"messages": plain, "max_tokens": 16, "tools": [tool], "tool_choice": "required"},
-            {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 1}]
+            {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 1},
+            {"messages": plain, "max_tokens": 2300, "ignore_eos": True}]  # as long as the nested answers
 
 
 def rss_mb(pid: int) -> float:
@@ -183,13 +184,16 @@ def test_nine_attack_classes_at_once(tiny_checkpoint, tmp_path):
         {"type": "image_url", "image_url": {"url": "data:application/pdf;base64," + base64.b64encode(
             nested_forms(22)).decode()}}, {"type": "text", "text": "read"}]}], "max_tokens": 2}
     (tmp_path / "batch").mkdir()
+    # the caches fill up to their budgets by design (each attack's distinct prompts and long
+    # answers leave prefix blocks); small budgets leave the bound on memory to everything else
     with live_server(tiny_checkpoint, "--max-connections", "24", "--body-timeout", "20",
-                     "--parse-timeout", "10", "--max-body-mb", "40") as server:
+                     "--parse-timeout", "10", "--max-body-mb", "40", "--prefix-cache-mb", "8",
+                     "--vision-cache-mb", "8") as server:
         url, port, pid = server.url, server.port, server.proc.pid
         ordinary = ordinary_requests(tmp_path)
         for body in ordinary:  # every path once: libraries loaded, caches' first entries
-            post(url, body)
-        for thread in [repeat(time.monotonic() + 1, post, url, body) for body in ordinary * 2]:
+            post(url, body, timeout=180)
+        for thread in [repeat(time.monotonic() + 1, post, url, body, 180) for body in ordinary * 2]:
             thread.join()  # and all at once: the scheduler's rows and the lanes' threads at work
         start_rss = rss_mb(pid)
         health = Health(url, SOAK_S + 5)
