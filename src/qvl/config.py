@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet + gated attention layers
+LAYER_KINDS = ("full_attention", "linear_attention")
 DEFAULT_MAX_NEW_TOKENS = 1024  # a full page of OCR; used when generation_config sets none
 
 
@@ -50,6 +52,57 @@ class TextConfig:
     moe_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen3.5 mixtures: a shared expert beside the routed ones
+    # Qwen3.5 / 3.6 (hybrid): the kind of each layer, the Gated DeltaNet's sizes, the gated
+    # attention's partial rotary and output gate, and norms scaling by (1 + weight)
+    layer_types: tuple[str, ...] = ()  # () : every layer full attention (Qwen3-VL)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    zero_centred_norm: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each query/key head that are rotated."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a Gated DeltaNet (linear attention) layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The decoder layers with full attention (the ones that keep keys and values)."""
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_linear_layer(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers (the ones that keep a recurrent state per sequence)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_linear_layer(i))
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet's causal convolution: q, k and v."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def state_bytes(self, dtype_bytes: int = 2) -> int:
+        """One sequence's recurrent state, all linear layers: the float32 delta-rule states
+        and the convolutions' last inputs (in the model dtype)."""
+        per_layer = (4 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+                     + dtype_bytes * self.conv_dim * (self.linear_conv_kernel_dim - 1))
+        return per_layer * len(self.linear_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has experts instead of a dense MLP (transformers' rule)."""
@@ -57,7 +110,8 @@ class TextConfig:
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
-    def from_dict(cls, d: dict) -> TextConfig:
+    def from_dict(cls, d: dict, hybrid: bool = False) -> TextConfig:
+        """`hybrid`: a Qwen3.5/3.6 config (layer kinds, Gated DeltaNet sizes, gated attention)."""
         where = "config.json text_config"
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -91,7 +145,36 @@ class TextConfig:
             max_position_embeddings=_require(d, "max_position_embeddings", where),
             attention_bias=bool(d.get("attention_bias", False)),
             **_experts(d, where),
+            **(_hybrid(d, rope, where) if hybrid else {}),
         )
+
+
+def _hybrid(d: dict, rope: dict, where: str) -> dict:
+    """The Qwen3.5/3.6 fields of a text config, checked against each other."""
+    layers = d.get("num_hidden_layers")
+    kinds = d.get("layer_types")
+    if kinds is None:
+        raise ConfigError(f"{where} is missing the required field 'layer_types' (the kind of each layer: "
+                          f"{' or '.join(LAYER_KINDS)})")
+    if len(kinds) != layers:
+        raise ConfigError(f"{where}: layer_types lists {len(kinds)} layers, num_hidden_layers is {layers}")
+    if unknown := sorted(set(kinds) - set(LAYER_KINDS)):
+        raise ConfigError(f"{where}: unknown layer kind {unknown[0]!r} in layer_types (expected "
+                          f"{' or '.join(LAYER_KINDS)})")
+    out = {"layer_types": tuple(kinds), "attn_output_gate": True, "zero_centred_norm": True,
+           "partial_rotary_factor": float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))}
+    if "linear_attention" in kinds:
+        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel_dim"):
+            out[key] = _require(d, key, where)
+            if not isinstance(out[key], int) or out[key] < 1:
+                raise ConfigError(f"{where}: {key} must be a positive integer, not {out[key]!r}")
+        if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+            raise ConfigError(f"{where}: linear_num_value_heads ({out['linear_num_value_heads']}) must be a "
+                              f"multiple of linear_num_key_heads ({out['linear_num_key_heads']})")
+    if d.get("num_experts"):
+        out["shared_expert_intermediate_size"] = _require(d, "shared_expert_intermediate_size", where)
+    return out
 
 
 def _experts(d: dict, where: str) -> dict:
@@ -138,7 +221,9 @@ class VisionConfig:
         return self.patch_size * self.spatial_merge_size
 
     @classmethod
-    def from_dict(cls, d: dict) -> VisionConfig:
+    def from_dict(cls, d: dict, deepstack: bool = True) -> VisionConfig:
+        """`deepstack`: the config names the layers feeding the decoder (Qwen3-VL); Qwen3.5's
+        tower has none."""
         where = "config.json vision_config"
         act = d.get("hidden_act", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
@@ -155,7 +240,7 @@ class VisionConfig:
             spatial_merge_size=_require(d, "spatial_merge_size", where),
             out_hidden_size=_require(d, "out_hidden_size", where),
             num_position_embeddings=_require(d, "num_position_embeddings", where),
-            deepstack_visual_indexes=tuple(_require(d, "deepstack_visual_indexes", where)),
+            deepstack_visual_indexes=tuple(_require(d, "deepstack_visual_indexes", where)) if deepstack else (),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
 
@@ -176,17 +261,18 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type '{model_type}' is not supported: qvl runs the Qwen3-VL models "
+                f"model_type '{model_type}' is not supported: qvl runs the Qwen3-VL and Qwen3.5/3.6 models "
                 f"({', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         text = _require(d, "text_config", "config.json")
         tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings"))
         if tie is None:
             raise ConfigError("config.json is missing the required field 'tie_word_embeddings'")
+        hybrid = model_type in HYBRID_MODEL_TYPES
         return cls(
             model_type=model_type,
-            text=TextConfig.from_dict(text),
-            vision=VisionConfig.from_dict(_require(d, "vision_config", "config.json")),
+            text=TextConfig.from_dict(text, hybrid),
+            vision=VisionConfig.from_dict(_require(d, "vision_config", "config.json"), deepstack=not hybrid),
             tie_word_embeddings=bool(tie),
             image_token_id=_require(d, "image_token_id", "config.json"),
             video_token_id=_require(d, "video_token_id", "config.json"),
@@ -197,6 +283,11 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @property
+    def hybrid(self) -> bool:
+        """Qwen3.5/3.6: Gated DeltaNet layers keep a recurrent state per sequence."""
+        return bool(self.text.linear_layers)
 
     def is_vision_token(self, ids: torch.Tensor) -> torch.Tensor:
         """Where the vision tower's features go: image and video placeholder tokens (bool, as ids)."""

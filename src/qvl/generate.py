@@ -13,6 +13,7 @@ from qvl.deadline import Cancelled
 from qvl.kernels.products import prompt_products
 from qvl.kv_cache import KVCache, contiguous_cache
 from qvl.model.qwen3_vl import Qwen3VL
+from qvl.state_cache import StatePool, StateRows
 
 PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention matrix of long prompts
 
@@ -87,6 +88,10 @@ def decode_step(model: Qwen3VL, cache: KVCache, tokens: torch.Tensor, slots: tor
 
 
 def new_cache(model: Qwen3VL, batch: int, capacity: int) -> KVCache:
-    """A cache of its own for `batch` rows of `capacity` positions (outside the scheduler's pool)."""
+    """A cache of its own for `batch` rows of `capacity` positions (outside the scheduler's
+    pool), with a recurrent state per row for a hybrid model's linear layers."""
     t = model.cfg.text
-    return contiguous_cache(t.num_hidden_layers, batch, t.num_key_value_heads, capacity, t.head_dim, model.dtype)
+    cache = contiguous_cache(len(t.attention_layers), batch, t.num_key_value_heads, capacity, t.head_dim, model.dtype)
+    if model.cfg.hybrid:
+        cache.states = StateRows(StatePool(t, batch, model.dtype), torch.arange(batch))
+    return cache

@@ -20,10 +20,14 @@ import mmap
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from qvl.cache import CacheStats
+
+if TYPE_CHECKING:
+    from qvl.state_cache import Snapshot, StateRows
 
 BLOCK = 16  # positions per block: a shared prefix wastes at most BLOCK - 1 recomputed tokens
 
@@ -44,8 +48,13 @@ class KVPool:
         self.fresh = 0  # blocks fresh..blocks-1 were never handed out
         self.hash_of: dict[int, bytes] = {}  # full blocks whose content is known by prefix hash
         self.by_hash: dict[bytes, int] = {}
-        self.unused: OrderedDict[int, None] = OrderedDict()  # hashed blocks no sequence holds, oldest first
-        self.max_bytes = prefix_max_bytes  # what the unused hashed blocks (the prefix cache) may keep
+        self.unused: OrderedDict[int, int] = OrderedDict()  # hashed blocks no sequence holds -> when released
+        # hybrid models: recurrent-state snapshots by the prefix hash of the block they follow,
+        # least recently used first -> (snapshot, when last used)
+        self.snapshots: OrderedDict[bytes, tuple[Snapshot, int]] = OrderedDict()
+        self.snapshot_bytes = 0
+        self.clock = 0  # counts releases and snapshot uses: the older of a block and a snapshot goes first
+        self.max_bytes = prefix_max_bytes  # what the unused hashed blocks and the snapshots (the prefix cache) may keep
         self.stats = CacheStats()  # the prefix cache's: hits, misses, evictions, bytes, entries (blocks)
 
     @property
@@ -102,20 +111,55 @@ class KVPool:
 
     def release(self, blocks: list[int]) -> None:
         """One holder fewer; a block nobody holds joins the prefix cache if it is hashed (and
-        the cache is on), else the free blocks."""
-        for block in blocks:
+        the cache is on), else the free blocks. A sequence's blocks join from its last one
+        back, so that eviction takes the ends of prefixes before their beginnings."""
+        self.clock += 1
+        for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] > 0:
                 continue
             if block in self.hash_of and self.enabled:
-                self.unused[block] = None
+                self.unused[block] = self.clock
             else:
                 self._forget(block)
                 heapq.heappush(self.free, block)
-        while len(self.unused) * self.block_bytes > self.max_bytes:
-            block, _ = self.unused.popitem(last=False)
-            self._forget(block)
-            heapq.heappush(self.free, block)
+        self._trim()
+
+    def keep_snapshot(self, digest: bytes, snapshot: Snapshot) -> None:
+        """Keep the recurrent state after the block whose prefix hash is `digest` (a hashed
+        block), within the prefix cache's bytes; it goes with that block."""
+        if not self.enabled or digest not in self.by_hash or snapshot.nbytes > self.max_bytes:
+            return
+        self._drop_snapshot(digest)
+        self.clock += 1
+        self.snapshots[digest] = (snapshot, self.clock)
+        self.snapshot_bytes += snapshot.nbytes
+        self._trim()
+
+    def snapshot_after(self, digest: bytes) -> Snapshot | None:
+        """The snapshot kept after the block of prefix hash `digest` (now the most recently used)."""
+        if digest not in self.snapshots:
+            return None
+        self.clock += 1
+        snapshot, _ = self.snapshots.pop(digest)
+        self.snapshots[digest] = (snapshot, self.clock)
+        return snapshot
+
+    def _drop_snapshot(self, digest: bytes) -> None:
+        if (kept := self.snapshots.pop(digest, None)) is not None:
+            self.snapshot_bytes -= kept[0].nbytes
+
+    def _trim(self) -> None:
+        """Evict the least recently used unused blocks and snapshots until they fit max_bytes."""
+        while len(self.unused) * self.block_bytes + self.snapshot_bytes > self.max_bytes:
+            oldest_block = next(iter(self.unused.items()), (None, None))
+            oldest_snapshot = next(iter(self.snapshots.items()), (None, (None, None)))
+            if oldest_block[0] is None or (oldest_snapshot[0] is not None and oldest_snapshot[1][1] < oldest_block[1]):
+                self._drop_snapshot(oldest_snapshot[0])
+            else:
+                del self.unused[oldest_block[0]]
+                self._forget(oldest_block[0])
+                heapq.heappush(self.free, oldest_block[0])
             self.stats.evictions += 1
         self._count()
 
@@ -144,10 +188,11 @@ class KVPool:
         digest = self.hash_of.pop(block, None)
         if digest is not None:
             del self.by_hash[digest]
+            self._drop_snapshot(digest)
 
     def _count(self) -> None:
-        self.stats.entries = len(self.unused)
-        self.stats.bytes = len(self.unused) * self.block_bytes
+        self.stats.entries = len(self.unused) + len(self.snapshots)
+        self.stats.bytes = len(self.unused) * self.block_bytes + self.snapshot_bytes
 
 
 def unreserved(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -203,6 +248,7 @@ class KVCache:
 
     pool: KVPool
     table: torch.Tensor
+    states: StateRows | None = None  # the rows' recurrent states (hybrid models' linear layers)
 
     @property
     def capacity(self) -> int:
@@ -210,7 +256,7 @@ class KVCache:
         return self.table.shape[1] * BLOCK
 
     def row(self, r: int) -> KVCache:
-        return KVCache(self.pool, self.table[r : r + 1])
+        return KVCache(self.pool, self.table[r : r + 1], None if self.states is None else self.states.row(r))
 
     def locate(self, start: int | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks and slots [B, T] of positions start..start+length of each row (start an

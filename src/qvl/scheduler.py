@@ -13,6 +13,12 @@ needs a block preempts the newest sequence, which goes back to the front of the 
 recomputed later: its prompt prefilled again (or found in the prefix cache) and its tokens so
 far fed again through decode steps, so it goes on as if never stopped.
 
+A hybrid model (Qwen3.5's Gated DeltaNet layers) also gives each running row a slot of
+recurrent state (qvl.state_cache). A state cannot be cut back to an earlier position, so
+prefills keep snapshots of it at multiples of SNAPSHOT_INTERVAL positions, and a row keeps
+the last one its decoding passed; the prefix cache holds them beside the blocks they follow,
+and a shared prefix for such a model ends where a snapshot is.
+
 Each sequence has its own block table, its own length (the scheduler counts; the model
 writes where it is told) and its own sampling parameters and generator, and a row only ever
 attends to its own positions: what a request generates does not depend on what else runs.
@@ -34,6 +40,7 @@ from qvl.grammar import Guide
 from qvl.kv_cache import BLOCK, KVCache, KVPool, block_hashes, blocks_for
 from qvl.requests import ParsedRequest, RequestError
 from qvl.sampling import SamplingParams, apply_logit_bias, apply_penalties, sample, top_logprobs
+from qvl.state_cache import SNAPSHOT_BLOCKS, SNAPSHOT_INTERVAL, Snapshot, StatePool, StateRows, capture_point
 from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
 
 DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
@@ -66,6 +73,8 @@ class Sequence:
     digests: list[bytes] | None = None  # prefix hashes of the prompt's full blocks (but its last token's)
     prompt: PreparedPrompt | None = None
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
+    slot: int | None = None  # its recurrent-state slot (hybrid models)
+    passed: Snapshot | None = None  # its state at the last multiple of SNAPSHOT_INTERVAL decoding passed
     hashed: int = 0  # leading blocks registered for sharing
     rows: int = 1  # rows it takes: n until its answers are forked, then 1
     filled: int = 0  # positions holding this sequence's tokens
@@ -103,9 +112,9 @@ class Sequence:
 
 
 def kv_bytes_per_position(model) -> int:
-    """Keys and values of one token of one row, all layers, in the model's dtype."""
+    """Keys and values of one token of one row, all attention layers, in the model's dtype."""
     t = model.cfg.text
-    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * model.dtype.itemsize
+    return 2 * len(t.attention_layers) * t.num_key_value_heads * t.head_dim * model.dtype.itemsize
 
 
 def default_kv_budget_mb(model) -> float:
@@ -125,8 +134,9 @@ class Scheduler:
         mb = default_kv_budget_mb(engine.model) if kv_budget_mb is None else kv_budget_mb
         t = engine.model.cfg.text
         block_bytes = kv_bytes_per_position(engine.model) * BLOCK
-        self.pool = KVPool(t.num_hidden_layers, max(1, int(mb * 2**20) // block_bytes), t.num_key_value_heads,
+        self.pool = KVPool(len(t.attention_layers), max(1, int(mb * 2**20) // block_bytes), t.num_key_value_heads,
                            t.head_dim, engine.model.dtype, int(prefix_cache_mb * 2**20))
+        self.states = StatePool(t, max_batch, engine.model.dtype) if engine.model.cfg.hybrid else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.lock = threading.Lock()
@@ -263,6 +273,11 @@ class Scheduler:
         if self.engine.options.deterministic:
             per_chunk = DETERMINISTIC_CHUNK // BLOCK
             shared = shared[: len(shared) // per_chunk * per_chunk]
+        if self.states is not None:  # where a snapshot of the recurrent state is kept
+            n = len(shared) // SNAPSHOT_BLOCKS * SNAPSHOT_BLOCKS
+            while n and seq.digests[n - 1] not in self.pool.snapshots:
+                n -= SNAPSHOT_BLOCKS
+            shared = shared[:n]
         return shared
 
     def _start(self, seq: Sequence, shared: list[int], need: int) -> None:
@@ -287,6 +302,8 @@ class Scheduler:
         self.pool.share(shared)
         seq.blocks = shared + self.pool.allocate(need)
         seq.hashed = len(shared)
+        if self.states is not None:
+            seq.slot = self.states.allocate(self.pool.snapshot_after(seq.digests[len(shared) - 1]) if shared else None)
         seq.filled = reused = len(shared) * BLOCK
         if first:
             seq.timings.cached["prefix"], seq.timings.reused_tokens = reused > 0, reused
@@ -315,12 +332,14 @@ class Scheduler:
                           engine.think_end if seq.parsed.reasoning else None)
 
     def _view(self, seqs: list[Sequence]) -> KVCache:
-        """The block tables of these sequences, one row each (-1 past a row's blocks)."""
+        """The block tables of these sequences, one row each (-1 past a row's blocks), and
+        their recurrent-state slots."""
         width = max(len(s.blocks) for s in seqs)
         table = torch.full((len(seqs), width), -1, dtype=torch.int64)
         for i, s in enumerate(seqs):
             table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int64)
-        return KVCache(self.pool, table)
+        states = None if self.states is None else StateRows(self.states, torch.tensor([s.slot for s in seqs]))
+        return KVCache(self.pool, table, states)
 
     def _prepare_and_prefill(self) -> None:
         """One slice of prompt work, oldest sequence first: about slice_s and its tokens while
@@ -383,7 +402,7 @@ class Scheduler:
             if self.engine.options.deterministic:
                 logits, end = self._prefill_aligned(seq, end)
             else:
-                logits = prefill_slice(self.model, self._view([seq]), seq.prompt, seq.filled, end)
+                logits = self._prefill_call(seq, seq.filled, end)
             # short runs say little about the rate: each includes a pass over the weights, so
             # their rate would shrink the next slices and drift down (the warm-up's stands instead)
             if end - seq.filled >= MIN_SLICE_TOKENS:
@@ -405,10 +424,25 @@ class Scheduler:
         the prompt) and the new end."""
         chunk, total = DETERMINISTIC_CHUNK, len(seq.prompt)
         end = min(total, max(end // chunk * chunk, seq.filled + chunk))
-        logits, view = None, self._view([seq])
+        logits = None
         for s in range(seq.filled, end, chunk):
-            logits = prefill_slice(self.model, view, seq.prompt, s, min(s + chunk, end))
+            logits = self._prefill_call(seq, s, min(s + chunk, end))
         return logits, end
+
+    def _prefill_call(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
+        """Prompt tokens start..end of one sequence in one model call (prefill_slice); for a
+        hybrid model, the recurrent state at the call's last multiple of SNAPSHOT_INTERVAL is
+        kept in the prefix cache after the block it follows."""
+        view = self._view([seq])
+        point = capture_point(start, end) if self.states is not None and self.pool.enabled else None
+        digests = seq.digests or []
+        if point is not None and point // BLOCK <= len(digests):
+            view.states.capture_at, view.states.captured = point, self.states.empty_snapshot()
+        logits = prefill_slice(self.model, view, seq.prompt, start, end)
+        if view.states is not None and view.states.captured is not None:
+            self._register(seq, digests, point)
+            self.pool.keep_snapshot(digests[point // BLOCK - 1], view.states.captured)
+        return logits
 
     def _fork(self, seq: Sequence) -> None:
         """The request's other n-1 answers, once its prompt is prefilled: rows sharing its
@@ -428,6 +462,9 @@ class Scheduler:
                                generator=params.generator(index),
                                guide=None if seq.guide is None else self.engine.grammars.guide(params.constraint))
             sibling.text = self._text_stream(seq, timings, index)
+            if self.states is not None:
+                sibling.slot = self.states.allocate()
+                self.states.copy(seq.slot, sibling.slot)
             self.pool.share(seq.blocks)  # once the sibling exists: nothing can fail between
             self.running.insert(self.running.index(seq) + index, sibling)
         seq.rows = 1
@@ -489,6 +526,13 @@ class Scheduler:
             seq.logits = logits[i]
             seq.filled += 1
             seq.position += 1
+            if self.states is not None and seq.filled % SNAPSHOT_INTERVAL == 0 and self._keeps_answers():
+                seq.passed = self.states.snapshot(seq.slot)
+
+    def _keeps_answers(self) -> bool:
+        """Whether the blocks (and states) of answer tokens are kept for later prompts: decode
+        steps compute them in other roundings than a prefill, so not with --deterministic."""
+        return self.pool.enabled and not self.engine.options.deterministic
 
     def _writable(self, seq: Sequence) -> None:
         """A block of its own for its next position: a new one at a block boundary, a copy of
@@ -523,11 +567,12 @@ class Scheduler:
         with self.lock:
             self.waiting.appendleft(seq)
 
-    def _register(self, seq: Sequence, digests: list[bytes]) -> None:
-        """Offer its full blocks covered by `digests` (and filled) for sharing; with
-        --deterministic only those of whole prefill chunks (a prompt's last, shorter chunk is
-        computed in other products than the same tokens inside a whole chunk)."""
-        end = seq.filled
+    def _register(self, seq: Sequence, digests: list[bytes], filled: int | None = None) -> None:
+        """Offer its full blocks covered by `digests` (and filled: its first `filled` positions,
+        by default all it has filled) for sharing; with --deterministic only those of whole
+        prefill chunks (a prompt's last, shorter chunk is computed in other products than the
+        same tokens inside a whole chunk)."""
+        end = seq.filled if filled is None else filled
         if self.engine.options.deterministic:
             end = end // DETERMINISTIC_CHUNK * DETERMINISTIC_CHUNK
         upto = min(end // BLOCK, len(digests), len(seq.blocks))
@@ -538,6 +583,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)
         seq.blocks, seq.hashed = [], 0
+        if seq.slot is not None:
+            self.states.release(seq.slot)
+            seq.slot, seq.passed = None, None
 
     def _sample(self, seq: Sequence) -> tuple[int, TokenLogprob | None]:
         """This row's next token under its own parameters: penalties, logit_bias, min_tokens,
@@ -591,12 +639,12 @@ class Scheduler:
         of the answer tokens fed back unless --deterministic, stay as prefix cache): its Done
         (the answer is kept for exact repeats), or the error that ended it."""
         self.running.remove(seq)
-        if error is None and not self.engine.options.deterministic and self.pool.enabled:
-            # decode steps compute keys and values in other roundings than a prefill: only
-            # without --deterministic may a later prompt reuse them
+        if error is None and self._keeps_answers():
             ids = torch.cat([seq.parsed.ids, torch.tensor(seq.fed_ids, dtype=torch.long)])
-            self._register(seq, block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or [],
-                                             seq.parsed.cache_salt))
+            digests = block_hashes(ids, seq.spans, seq.filled // BLOCK, seq.digests or [], seq.parsed.cache_salt)
+            self._register(seq, digests)
+            if seq.passed is not None:  # the state where this turn's last multiple of SNAPSHOT_INTERVAL was
+                self.pool.keep_snapshot(digests[seq.filled // SNAPSHOT_INTERVAL * SNAPSHOT_BLOCKS - 1], seq.passed)
         else:
             self._register(seq, seq.digests or [])
         self._release(seq)

@@ -79,7 +79,7 @@ def footprint(cfg: ModelConfig, weights: str, vision_int8: bool = False) -> Foot
         total += 2 * param.numel()
     if cfg.tie_word_embeddings and weights == "bf16":
         total -= 2 * t.vocab_size * t.hidden_size  # one tensor for both
-    kv = 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * 2
+    kv = 2 * len(t.attention_layers) * t.num_key_value_heads * t.head_dim * 2
     return Footprint(weights, total, read, kv)
 
 

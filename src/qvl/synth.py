@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from qvl.config import ModelConfig
+from qvl.config import HYBRID_MODEL_TYPES, ModelConfig
 from qvl.model.qwen3_vl import Qwen3VL
 from qvl.quantize import QuantSpec
 from qvl.weights import NAME_PREFIXES, SHARD_BYTES, quantized_tensors, write_shards
@@ -87,6 +87,88 @@ TINY_CHANGES = {
     },
 }
 
+# -- Qwen3.5 / 3.6 (hybrid: three Gated DeltaNet layers, then one gated attention layer) ------
+
+
+def hybrid_layers(n: int, interval: int = 4) -> list[str]:
+    """layer_types of an n-layer Qwen3.5 decoder: every `interval`-th layer full attention."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+
+
+QWEN3_5_VISION = {
+    "depth": 24, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02,
+    "intermediate_size": 4096, "model_type": "qwen3_5", "num_heads": 16, "num_position_embeddings": 2304,
+    "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+}
+# config.json of a Qwen3.5-2B (the layout of the published ones: ../shared/NOTES.md)
+QWEN3_5_2B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054, "tie_word_embeddings": True, "transformers_version": "5.2.0",
+    "text_config": {
+        "model_type": "qwen3_5_text", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None,
+        "eos_token_id": 248044, "dtype": "bfloat16", "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+        "num_attention_heads": 8, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "layer_types": hybrid_layers(24), "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "tie_word_embeddings": True, "use_cache": True, "vocab_size": 248320,
+    },
+    "vision_config": QWEN3_5_VISION,
+}
+QWEN3_5_SIZES = {
+    "qwen3.5-2b": {},
+    "qwen3.5-0.8b": {"text_config": {"hidden_size": 1024, "intermediate_size": 3584},
+                     "vision_config": {"depth": 12, "hidden_size": 768, "intermediate_size": 3072, "num_heads": 12,
+                                       "out_hidden_size": 1024}},
+    "qwen3.5-4b": {"text_config": {"hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
+                                   "num_attention_heads": 16, "num_key_value_heads": 4, "layer_types": hybrid_layers(32),
+                                   "linear_num_value_heads": 32},
+                   "vision_config": {"out_hidden_size": 2560}},
+    "qwen3.5-9b": {"tie_word_embeddings": False, "text_config": {
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "layer_types": hybrid_layers(32), "linear_num_value_heads": 32},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 4096}},
+    "qwen3.5-27b": {"tie_word_embeddings": False, "text_config": {
+        "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
+        "num_key_value_heads": 4, "layer_types": hybrid_layers(64), "linear_num_value_heads": 48},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 5120}},
+    "qwen3.5-35b-a3b": {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                        "tie_word_embeddings": False, "text_config": {
+        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "layer_types": hybrid_layers(40), "linear_num_value_heads": 32,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 2048,
+                          "model_type": "qwen3_5_moe"}},
+}
+# The Qwen3.5 layout shrunk for tests: the real vocabulary, four tiny layers (three Gated
+# DeltaNet, one attention), two key heads serving four value heads.
+QWEN3_5_TINY = {
+    "text_config": {
+        "head_dim": 32, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "layer_types": hybrid_layers(4),
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    },
+    "vision_config": {"depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 128},
+}
+QWEN3_5_TINY_MOE = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+    "vision_config": {"model_type": "qwen3_5_moe"},
+    "text_config": {"model_type": "qwen3_5_moe_text", "num_experts": 16, "num_experts_per_tok": 4,
+                    "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64},
+}
+QWEN3_5_GENERATION_CONFIG = {
+    "bos_token_id": 248044, "pad_token_id": 248044, "do_sample": True, "eos_token_id": [248046, 248044],
+    "top_k": 20, "top_p": 0.95, "temperature": 0.6, "transformers_version": "5.2.0",
+}
+
 GENERATION_CONFIG = {
     "bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
     "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.0, "temperature": 0.7, "transformers_version": "4.56.0",
@@ -110,15 +192,22 @@ def _merge(base: dict, changes: dict) -> dict:
 
 
 def preset_config(preset: str, changes: dict | None = None) -> dict:
-    """config.json contents for a preset (tiny, tiny-moe, 2b, 4b, 8b, 32b, 30b-a3b), with optional
-    nested overrides."""
+    """config.json contents for a preset (Qwen3-VL: tiny, tiny-moe, 2b, 4b, 8b, 32b, 30b-a3b;
+    Qwen3.5: qwen3.5-tiny, qwen3.5-tiny-moe, qwen3.5-0.8b, -2b, -4b, -9b, -27b, -35b-a3b), with
+    optional nested overrides (a hybrid config's layer_types follow a new num_hidden_layers)."""
     tiny = _merge(OFFICIAL_2B, TINY_CHANGES)
+    tiny35 = _merge(QWEN3_5_2B, QWEN3_5_TINY)
     presets = {"2b": OFFICIAL_2B, "tiny": tiny, "tiny-moe": _merge(tiny, TINY_MOE), "30b-a3b": _merge(OFFICIAL_2B, MOE_30B),
-               **{name: _merge(OFFICIAL_2B, size) for name, size in SIZE_CHANGES.items()}}
+               **{name: _merge(OFFICIAL_2B, size) for name, size in SIZE_CHANGES.items()},
+               "qwen3.5-tiny": tiny35, "qwen3.5-tiny-moe": _merge(tiny35, QWEN3_5_TINY_MOE),
+               **{name: _merge(QWEN3_5_2B, size) for name, size in QWEN3_5_SIZES.items()}}
     if preset not in presets:
         raise ValueError(f"unknown preset '{preset}' (choose from: {', '.join(presets)})")
     config = _merge(presets[preset], changes or {})
-    config["text_config"]["tie_word_embeddings"] = config["tie_word_embeddings"]
+    text = config["text_config"]
+    text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    if "layer_types" in text and len(text["layer_types"]) != text["num_hidden_layers"]:
+        text["layer_types"] = hybrid_layers(text["num_hidden_layers"])
     return config
 
 
@@ -136,7 +225,14 @@ def random_tensors(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Ten
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+        if cfg.text.zero_centred_norm and name.startswith("language_model.") and name.endswith("norm.weight") \
+                and ".linear_attn." not in name:
+            t = 0.1 * torch.randn(p.shape, generator=gen)  # the norm scales by 1 + weight
+        elif name.endswith(".A_log"):
+            t = torch.empty(p.shape).uniform_(0.01, 2, generator=gen).log()  # slow and fast decays: the state matters
+        elif name.endswith(".dt_bias"):
+            t = torch.ones(p.shape)
+        elif name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
             t = 1 + 0.1 * torch.randn(p.shape, generator=gen)
         elif name.endswith("bias"):
             t = 0.02 * torch.randn(p.shape, generator=gen)
@@ -225,14 +321,18 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
     config = preset_config(preset, changes)
     cfg = ModelConfig.from_dict(config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {**GENERATION_CONFIG, **THINKING_SAMPLING} if thinking else GENERATION_CONFIG
+    hybrid = cfg.model_type in HYBRID_MODEL_TYPES
+    if hybrid:  # one template for both: its `enable_thinking` switch (on unless a request turns it off)
+        generation, name = QWEN3_5_GENERATION_CONFIG, "qwen3_5_chat_template.jinja"
+    else:
+        generation = {**GENERATION_CONFIG, **THINKING_SAMPLING} if thinking else GENERATION_CONFIG
+        name = "qwen3_vl_thinking_chat_template.jinja" if thinking else "qwen3_vl_chat_template.jinja"
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    name = "qwen3_vl_thinking_chat_template.jinja" if thinking else "qwen3_vl_chat_template.jinja"
     template = resources.files("qvl") / "data" / name
     with resources.as_file(template) as path:
         shutil.copyfile(path, out / "chat_template.jinja")
-    write_tokenizer_files(out)
+    write_tokenizer_files(out, family="qwen3_5" if hybrid else "qwen3_vl")
     tensors, metadata = random_tensors(cfg, seed), {"format": "pt"}
     if outliers:
         state = dict(tensors)

@@ -67,6 +67,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
+MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction head: kept as stored (Qwen3VL.mtp), not a module
+
+
 def to_module_name(name: str) -> str | None:
     for src, dst in NAME_PREFIXES:
         if name.startswith(src):
@@ -169,6 +172,9 @@ class _TensorSource:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # portable parts per module
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name.startswith(MTP_PREFIX):
+            self.model.mtp[name] = tensor  # memory-mapped: costs nothing until used
+            return
         target = to_module_name(name)
         if target is None:
             self.unexpected.append(name)
@@ -338,6 +344,9 @@ def quantized_tensors(tensors: Iterator[tuple[str, torch.Tensor]], cfg: ModelCon
     vision: dict[str, torch.Tensor] = {}
     seen, unexpected, wrong = set(), [], []
     for name, tensor in tensors:
+        if name.startswith(MTP_PREFIX):
+            yield name, _stored(tensor)  # kept as the checkpoint has it
+            continue
         target = to_module_name(name)
         if target == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # a tied checkpoint may still carry the duplicate

@@ -98,7 +98,7 @@ def run(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if layers is False or h.dtype != layers.dtype or b > GEMV_MAX_ROWS:
         return None
     pool = cache.pool
-    shape = (cfg.num_hidden_layers, pool.blocks, cfg.num_key_value_heads, BLOCK, cfg.head_dim)
+    shape = (len(cfg.attention_layers), pool.blocks, cfg.num_key_value_heads, BLOCK, cfg.head_dim)
     if pool.keys.dtype != h.dtype or tuple(pool.keys.shape) != shape or cos.dtype != h.dtype:
         return None
     if cos.numel() != b * cfg.head_dim or slots.shape != (b,) or cache.table.shape[0] != b:
@@ -167,6 +167,8 @@ def layer_args(model: nn.Module) -> ctypes.Array | bool:
     GEMV, mixed dtypes, shapes other than the config's). Built once: the weights are fixed after
     loading."""
     cfg, dtype = model.cfg, model.norm.weight.dtype
+    if cfg.layer_types:  # Qwen3.5's layers (Gated DeltaNet, gated attention) are not in the kernel
+        return False
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     shapes = [(q_out, d), (kv_out, d), (kv_out, d), (d, q_out), (inter, d), (inter, d), (d, inter)]

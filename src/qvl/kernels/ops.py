@@ -34,6 +34,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaling by (1 + weight) (Qwen3.5; x: [..., D], weight [D]), in float32 and
+    rounded once, as the reference does."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (the same shape), rounded as the reference rounds."""
     if gate.dtype == up.dtype and default_plan(gate.dtype).silu_mul == "qvl_silu_mul":

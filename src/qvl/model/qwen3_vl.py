@@ -1,4 +1,5 @@
-"""Qwen3-VL glue: vision tower + text decoder + lm_head, and the M-RoPE tables."""
+"""The vision-language glue of Qwen3-VL and Qwen3.5/3.6: vision tower + text decoder +
+lm_head, and the M-RoPE tables (over each head's rotary dims)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from qvl.model.vision import Grid, VisionModel
 
 
 class Qwen3VL(nn.Module):
-    """Attribute names follow the checkpoint (`visual`, `language_model`, `lm_head`)."""
+    """Attribute names follow the checkpoint (`visual`, `language_model`, `lm_head`). `mtp`
+    holds a checkpoint's multi-token-prediction tensors as stored (Qwen3.5: unused by
+    generation so far, kept for speculative decoding)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -21,13 +24,14 @@ class Qwen3VL(nn.Module):
         self.language_model = TextModel(cfg.text)
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         self.register_buffer(
-            "inv_freq", inverse_frequencies(cfg.text.head_dim, cfg.text.rope_theta), persistent=False
+            "inv_freq", inverse_frequencies(cfg.text.rotary_dim, cfg.text.rope_theta), persistent=False
         )
+        self.mtp: dict[str, torch.Tensor] = {}
 
     def init_buffers(self) -> None:
         """Recompute the non-persistent RoPE tables (after building on the meta device)."""
         t, v = self.cfg.text, self.cfg.vision
-        self.inv_freq = inverse_frequencies(t.head_dim, t.rope_theta)
+        self.inv_freq = inverse_frequencies(t.rotary_dim, t.rope_theta)
         self.visual.inv_freq = inverse_frequencies(v.head_dim // 2, v.rope_theta)
         self.visual._grid_tables.clear()
 
@@ -44,7 +48,7 @@ class Qwen3VL(nn.Module):
         return self.visual(patches, grids)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [3, B, T] -> cos, sin [B, 1, T, head_dim] in the model dtype."""
+        """positions: [3, B, T] -> cos, sin [B, 1, T, rotary_dim] in the model dtype."""
         t = self.cfg.text
         return mrope_cos_sin(positions, self.inv_freq, t.mrope_section, t.mrope_interleaved, self.dtype)
 

@@ -1,5 +1,8 @@
-"""Qwen3-VL text decoder: RMSNorm, per-head q/k norm, grouped-query attention with a
-preallocated KV cache, SwiGLU MLP and DeepStack injection. Pure torch."""
+"""The text decoder of Qwen3-VL and Qwen3.5/3.6: RMSNorm, per-head q/k norm, grouped-query
+attention over the paged KV cache, SwiGLU MLP or a mixture of experts, DeepStack injection
+(Qwen3-VL); Qwen3.5's hybrid layers (Gated DeltaNet where `layer_types` says
+linear_attention), its attention's output gate and partial rotary, and its norms scaling by
+(1 + weight). Torch modules calling qvl.kernels.ops."""
 
 from __future__ import annotations
 
@@ -10,30 +13,47 @@ from torch import nn
 from qvl.config import TextConfig
 from qvl.kernels import ops
 from qvl.kv_cache import KVCache
+from qvl.model.gated_deltanet import GatedDeltaNet
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm scaling by `weight`, or by (1 + weight) when `zero_centred` (Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.zero_centred = eps, zero_centred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centred:
+            return ops.rms_norm_zero_centred(x, self.weight, self.eps)
         return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; `layer` is its index among the layers with keys and values.
+    Qwen3.5: q_proj also gives a gate per query dim (the output is multiplied by its sigmoid),
+    and only the first rotary_dim dims of each head are rotated."""
+
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.gated, self.rotary_dim = cfg.attn_output_gate, cfg.rotary_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.zero_centred_norm)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.zero_centred_norm)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """x [B, H, T, hd] with its first rotary_dim dims rotated by cos/sin [B, 1, T, rotary_dim]."""
+        if self.rotary_dim == self.head_dim:
+            return ops.text_rope(x, cos, sin, prefill)
+        rotated = ops.text_rope(x[..., : self.rotary_dim].contiguous(), cos, sin, prefill)
+        return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int | torch.Tensor,
@@ -47,21 +67,28 @@ class Attention(nn.Module):
         prefill = not isinstance(start, torch.Tensor)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cache.write(self.layer, start, ops.text_rope(k, cos, sin, prefill), v)
+        cache.write(self.layer, start, self.rope(k, cos, sin, prefill), v)
         if first == t:
             return x[:, t:]
-        q = self.q_norm(self.q_proj(x[:, first:]).view(b, t - first, self.heads, self.head_dim)).transpose(1, 2)
-        q = ops.text_rope(q, cos[:, :, first:], sin[:, :, first:], prefill)
+        q = self.q_proj(x[:, first:]).view(b, t - first, self.heads, -1)
+        if self.gated:  # per head: the query's dims, then its gate's
+            q, gate = q.chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)
+        q = self.rope(q, cos[:, :, first:], sin[:, :, first:], prefill)
         out = ops.cache_attention(q, cache, self.layer, start + first if first else start)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t - first, -1))
+        out = out.transpose(1, 2).reshape(b, t - first, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(b, t - first, -1))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -87,13 +114,17 @@ class SparseMoE(nn.Module):
     """A mixture-of-experts MLP (Qwen3VLMoe): the router scores the E experts per token, the
     top k by softmax (in float32) run, their outputs summed with the softmax weights
     renormalised over the k. Tokens are grouped by expert: each expert's weights are read
-    once per call, only for the experts some token chose."""
+    once per call, only for the experts some token chose. Qwen3.5's mixtures add a shared
+    expert that every token runs, weighted by the sigmoid of its own gate."""
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., H] -> [..., H]
@@ -107,20 +138,31 @@ class SparseMoE(nn.Module):
         for expert in chosen.unique().tolist():
             tokens, slot = (chosen == expert).nonzero(as_tuple=True)
             out.index_add_(0, tokens, self.experts(flat[tokens], expert) * weights[tokens, slot, None])
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(x.shape)
 
 
 class DecoderLayer(nn.Module):
+    """A token mixer (attention, or a Gated DeltaNet where layer_types says linear_attention)
+    and an MLP, each after a norm and added to the residual."""
+
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        if cfg.is_linear_layer(layer):
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(layer))
+        else:
+            self.self_attn = Attention(cfg, cfg.attention_layers.index(layer))
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
 
     def forward(self, x, cos, sin, cache, start, queries=None):
         # x: [B, T, D] -> [B, T, D], or the last `queries` positions [B, queries, D] (see Attention)
-        out = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, queries)
+        if hasattr(self, "linear_attn"):
+            out = self.linear_attn(self.input_layernorm(x), cache, start, queries)
+        else:
+            out = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, queries)
         x = x[:, x.shape[1] - out.shape[1]:] + out
         return x if x.shape[1] == 0 else x + self.mlp(self.post_attention_layernorm(x))
 
@@ -131,7 +173,7 @@ class TextModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
         self.step_args = None  # the one-call decode step's view of the weights (qvl.kernels.decode_step)
 
     def forward(
