@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qvl.kernels import attention, decode_step, elementwise
+from qvl.kernels import attention, decode_step, delta_rule, elementwise
 from qvl.kernels.library import library
 from qvl.kernels.plan import default_plan
 from qvl.model.rope import apply_rotary
@@ -185,3 +185,35 @@ def rows_independent(model: nn.Module) -> bool:
     """Whether a decode step of `model` computes each row as it would alone (see
     kernels.decode_step.rows_independent)."""
     return decode_step.rows_independent(model)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, offset: int) -> torch.Tensor:
+    """Gated DeltaNet's prefill of one row: q, k [T, Hk, Dk], v [T, Hv, Dv] (model dtype, not
+    L2-normalised), g (log decay), beta [T, Hv] float32, state [Hv, Dk, Dv] float32 (updated in
+    place), offset the absolute position of token 0 -> out [T, Hv, Dv] in v's dtype. Chunks of
+    delta_rule.CHUNK at absolute multiples of it: slices ending at such multiples compute the
+    same bits as one call."""
+    return delta_rule.reference_gated_delta_rule(q, k, v, g, beta, state, offset)
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's decode step, one token per row: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta
+    [B, Hv] float32, states [S, Hv, Dk, Dv] float32, slots [B] int64 (distinct): row b updates
+    states[slots[b]] in place -> out [B, Hv, Dv] in v's dtype, each row as it would be alone."""
+    return delta_rule.reference_gated_delta_step(q, k, v, g, beta, states, slots)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's short convolution, prefill of one row: x [T, C], weight [C, K], conv_state
+    [C, K-1] (the inputs before x; updated in place to the last K-1) -> silu(causal depthwise
+    conv) [T, C] in x's dtype."""
+    return delta_rule.reference_causal_conv(x, weight, conv_state)
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+    """The short convolution's decode step: x [B, C], weight [C, K], conv_states [S, C, K-1],
+    slots [B] int64 (distinct): row b updates conv_states[slots[b]] in place -> [B, C]."""
+    return delta_rule.reference_causal_conv_step(x, weight, conv_states, slots)
