@@ -244,7 +244,10 @@ def random_tensors(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Ten
             fan_in = p.shape[1] if ".experts." in name else p[0].numel()  # experts: [E, in, out]
             t = torch.randn(p.shape, generator=gen) / fan_in**0.5
         prefix = next(dst for dst in to_checkpoint if name.startswith(dst))
-        yield to_checkpoint[prefix] + name[len(prefix) :], t.to(torch.bfloat16)
+        name = to_checkpoint[prefix] + name[len(prefix) :]
+        if cfg.model_type == "qwen3_5_moe" and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            t = t.transpose(1, 2)  # Qwen3.5's published mixtures: [E, 2I, H] and [E, H, I]
+        yield name, t.contiguous().to(torch.bfloat16)
 
 
 # -- a stress checkpoint: trained-model-like outliers --------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -77,12 +78,55 @@ def to_module_name(name: str) -> str | None:
     return None
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) for every tensor, read lazily through mmap."""
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def iter_tensors(files: list[Path], cfg: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every tensor, read lazily through mmap; with the config of
+    a Qwen3.5 mixture, its experts in Qwen3-VL's fused layout (see fused_experts)."""
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    return fused_experts(read(), cfg.text.num_experts) if cfg is not None and cfg.model_type == "qwen3_5_moe" \
+        else read()
+
+
+EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fused_experts(tensors: Iterator[tuple[str, torch.Tensor]], experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Qwen3.5 mixture's experts -> Qwen3-VL's fused layout (`mlp.experts.gate_up_proj`
+    [E, H, 2I], gate first; `mlp.experts.down_proj` [E, I, H]), which qvl's modules take. The
+    published files fuse them the other way round ([E, 2I, H] and [E, H, I]: transposed here);
+    experts stored one by one (`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H],
+    `down_proj` [H, I], as transformers splits them on save) are fused once a layer's have all
+    come (a layer missing one is a CheckpointError naming it). Other tensors pass as they are."""
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in tensors:
+        if name.startswith(MTP_PREFIX):  # its own experts stay as stored (Qwen3VL.mtp)
+            yield name, tensor
+            continue
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            yield name, tensor.transpose(1, 2)
+            continue
+        match = EXPERT_NAME.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, leaf = match.group(1), int(match.group(2)), match.group(3)
+        parts = pending.setdefault(prefix, {})
+        parts[expert, leaf] = tensor
+        if len(parts) == 3 * experts and all((e, leaf) in parts for e in range(experts)
+                                             for leaf in ("gate_proj", "up_proj", "down_proj")):
+            del pending[prefix]
+            yield f"{prefix}.gate_up_proj", torch.stack(
+                [torch.cat([parts[e, "gate_proj"].t(), parts[e, "up_proj"].t()], dim=1) for e in range(experts)])
+            yield f"{prefix}.down_proj", torch.stack([parts[e, "down_proj"].t() for e in range(experts)])
+    for prefix, parts in pending.items():
+        have = {e for e, _ in parts}
+        raise CheckpointError(f"{prefix}: the experts stored one by one are incomplete ({len(parts)} tensors for "
+                              f"experts {min(have)}..{max(have)}; each of the {experts} needs gate_proj, up_proj and "
+                              f"down_proj)")
 
 
 def read_metadata(files: list[Path]) -> dict[str, str]:
@@ -139,7 +183,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
         if tied_quant:
             model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
     source = _TensorSource(model, quantized, tied_quant, dtype, from_portable=stored is not None, kept_bf16=kept_bf16)
-    for name, tensor in iter_tensors(files):
+    for name, tensor in iter_tensors(files, cfg):
         source.add(name, tensor)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings and not tied_quant:
@@ -296,7 +340,7 @@ def write_streamed(model_dir: Path, out_dir: Path, spec: QuantSpec, dtype: torch
     out_dir.mkdir(parents=True, exist_ok=True)
     if out_dir.resolve() == model_dir.resolve():
         raise CheckpointError(f"{out_dir} is the checkpoint's own folder: write the quantised one elsewhere")
-    tensors = quantized_tensors(iter_tensors(checkpoint_files(model_dir)), cfg, spec, dtype)
+    tensors = quantized_tensors(iter_tensors(checkpoint_files(model_dir), cfg), cfg, spec, dtype)
     write_shards(tensors, out_dir, {"format": "pt", **spec.metadata()}, STREAMED_SHARD_BYTES)
     copy_side_files(model_dir, out_dir)  # last: a failed write leaves an earlier checkpoint there whole
     return out_dir
