@@ -67,7 +67,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     engine = Engine.load(engine_options(args))
     questions = question_images(args.image, grounding)
     for k, images in enumerate(questions):
-        parsed = engine.parse(Request([user_message(text, images, args.video)], sampling.params(engine)))
+        parsed = engine.parse(Request([user_message(text, images, args.video)], sampling.params(engine),
+                                      template_kwargs=sampling.template_kwargs))
         for event in engine.stream(parsed):
             if isinstance(event, Delta) and not args.json:
                 show_reasoning(event.reasoning, args.hide_reasoning)
@@ -121,7 +122,7 @@ def answer_boxes(engine, parsed, images: list[str], text: str, draw_to: str | No
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Multi-turn chat on the terminal; earlier turns are reused from the prefix cache."""
-    from qvl.engine import Engine
+    from qvl.engine import Engine, Request
     from qvl.processing.pdf import split_pages
 
     check_files(args.image)
@@ -154,7 +155,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append(user_message(line, pending, clips))
         try:
-            text = chat_turn(engine, history, params, args.hide_reasoning)
+            text = chat_turn(engine, Request(history, params, template_kwargs=sampling.template_kwargs),
+                             args.hide_reasoning)
         except (*expected_errors(), KeyboardInterrupt) as exc:  # this turn is lost, the session goes on
             history.pop()
             print(f"\n[{'stopped' if isinstance(exc, KeyboardInterrupt) else f'error: {exc}'}]", file=sys.stderr)
@@ -172,12 +174,12 @@ def show_reasoning(piece: str, hidden: bool) -> None:
     sys.stderr.flush()
 
 
-def chat_turn(engine, history: list[dict], params, hide_reasoning: bool = False) -> str:
-    from qvl.engine import Request
+def chat_turn(engine, request, hide_reasoning: bool = False) -> str:
+    """Stream one turn's answer (its reasoning apart); returns the answer's text."""
     from qvl.stream import Delta, Done
 
     text = ""
-    for event in engine.stream(Request(history, params)):
+    for event in engine.stream(request):
         if isinstance(event, Delta):
             show_reasoning(event.reasoning, hide_reasoning)
             sys.stdout.write(event.text)

@@ -3,7 +3,6 @@ into a stream of events. Every front door (CLI, server, batch, bench) calls it."
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 import time
@@ -144,6 +143,7 @@ class Engine:
         self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb, options.prefix_cache_mb)
         self.grammars = Grammars(tokenizer, model.cfg.text.vocab_size, defaults.eos_token_ids)
         self.think_end = tokenizer.find("</think>")  # a Thinking model's reasoning ends there
+        self._thinks: dict[bool | None, bool] = {}  # thinks(enable_thinking), rendered once each
 
     @classmethod
     def load(cls, options: EngineOptions = EngineOptions()) -> Engine:
@@ -198,10 +198,20 @@ class Engine:
             activations += "-7bit"  # plain AVX2: the byte kernel's codes per group, or oneDNN's per token
         return f"{self.path.resolve()}|{self.weights}|{self.model.dtype}{vision}{activations}"
 
-    @functools.cached_property
-    def thinks(self) -> bool:
-        """A Thinking variant: its chat template opens `<think>` for the answer."""
-        return self.parse(Request([{"role": "user", "content": "?"}])).reasoning
+    def thinks(self, enable_thinking: bool | None = None) -> bool:
+        """Whether the chat template opens `<think>` for the answer: a Thinking variant's always,
+        a hybrid one's (Qwen3.5) as its switch `enable_thinking` says (None: the template's
+        default). A request's own prompt decides its answer (ParsedRequest.reasoning)."""
+        if enable_thinking not in self._thinks:
+            switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+            probe = Request([{"role": "user", "content": "?"}], template_kwargs=switch)
+            self._thinks[enable_thinking] = self.parse(probe).reasoning
+        return self._thinks[enable_thinking]
+
+    @property
+    def thinking_switch(self) -> bool:
+        """The chat template turns thinking on and off with `enable_thinking`."""
+        return self.thinks(True) != self.thinks(False)
 
     def sampling_defaults(self, **overrides) -> SamplingParams:
         """The checkpoint's generation_config defaults, with explicit overrides (None = keep)."""

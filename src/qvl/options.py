@@ -118,6 +118,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--think", action=argparse.BooleanOptionalAction,
+                   help="a template with a thinking switch (Qwen3.5): think before answering, or not "
+                        "(default: the template's, thinking on for Qwen3.5)")
     g.add_argument("--task", choices=list(TASKS),
                    help="a preset prompt: describe; ocr (greedy); markdown, html (a document page as Markdown or "
                         "HTML, tables kept); detect, point (the PROMPT names what to find, e.g. \"cats, bicycles\": "
@@ -151,6 +154,7 @@ class SamplingOptions:
     stop: tuple[str, ...] | None = None
     task: str | None = None  # a preset: a greedy one samples greedily unless a temperature is given
     constraint: Constraint | None = None  # what the answer must match
+    think: bool | None = None  # the chat template's thinking switch (None: the template's default)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SamplingOptions:
@@ -161,7 +165,13 @@ class SamplingOptions:
             min_p=args.min_p, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
             stop=tuple(args.stop) if args.stop else None, task=args.task, constraint=constraint_from_args(args),
+            think=args.think,
         )
+
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template variables these options set (Request.template_kwargs)."""
+        return {} if self.think is None else {"enable_thinking": self.think}
 
     @property
     def grounding(self) -> bool:

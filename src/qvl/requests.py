@@ -58,6 +58,8 @@ class Request:
     video: dict | None = None  # {"fps", "max_frames", "max_tokens"}: any of them, over the engine's
     cache_salt: str = ""  # cached work (answers, prompt prefixes, image features, clips) is shared only
     # between requests of the same salt
+    template_kwargs: dict = field(default_factory=dict)  # more chat template variables: {"enable_thinking": False}
+    # switches a hybrid template's thinking off (see check_template_kwargs)
 
 
 @dataclass
@@ -228,6 +230,30 @@ def _decode_media(request: Request, image_cfg: ImageProcessorConfig, limits: Lim
     return messages, units, layouts
 
 
+# The template variables qvl sets itself, which a request cannot replace.
+_OWN_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                     "eos_token", "unk_token", "pad_token"})
+MAX_TEMPLATE_KWARGS = 32
+
+
+def check_template_kwargs(kwargs, param: str = "chat_template_kwargs") -> None:
+    """Chat template variables from a request (vLLM's `chat_template_kwargs`): an object of at
+    most MAX_TEMPLATE_KWARGS names, each a JSON scalar (string, number, boolean, null) and none
+    a variable qvl sets itself. RequestError naming `param` (or the entry) otherwise."""
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"{param} must be an object of template variables", param)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(f"{param} has {len(kwargs)} entries; at most {MAX_TEMPLATE_KWARGS} are accepted", param)
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise RequestError(f"{param}: {name!r} is not a template variable name", param)
+        if name in _OWN_TEMPLATE_VARIABLES:
+            raise RequestError(f"{param}: '{name}' is set by the server and cannot be given", f"{param}.{name}")
+        if value is not None and type(value) not in (str, int, float, bool):
+            raise RequestError(f"{param}: '{name}' must be a string, number, boolean or null, not "
+                               f"{type(value).__name__}", f"{param}.{name}")
+
+
 def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_cfg: ImageProcessorConfig,
                   limits: Limits, clips: ClipCache | None = None, deadline: Deadline | None = None) -> ParsedRequest:
     """Decode images and videos (through `clips`), render and tokenize the conversation,
@@ -246,11 +272,13 @@ def parse_request(request: Request, tokenizer: Tokenizer, template: str, image_c
         raise RequestError(f"max_tokens asks for up to {request.sampling.max_new_tokens} tokens, but the context "
                            f"holds {limits.max_context} with the prompt; lower max_tokens", "messages",
                            "context_length_exceeded")
+    check_template_kwargs(request.template_kwargs)
     deadline = deadline or Deadline()
     messages, images, layouts = _decode_media(request, image_cfg, limits, clips, deadline)
     try:
         tokens = tokenize_chat(tokenizer, template, messages, [im.num_tokens for im in images if not im.video],
-                               tools=request.tools, video_layouts=layouts, max_tokens=room)
+                               tools=request.tools, video_layouts=layouts, max_tokens=room,
+                               template_kwargs=request.template_kwargs)
     except PromptTooLong as exc:
         field = longest_text(messages, request.tools)
         raise RequestError(f"{exc}; the context of {limits.max_context} tokens leaves {room:,} for the "

@@ -37,12 +37,14 @@ def error_row(item: Item, prompt: str | None, exc: BaseException) -> dict:
 
 class Worker:
     def __init__(self, engine: Engine, params: SamplingParams, prompt: str | None, batch_size: int,
-                 grounding: bool = False):
-        """grounding: rows carry the answer's boxes and points in their image's pixels."""
+                 grounding: bool = False, template_kwargs: dict | None = None):
+        """grounding: rows carry the answer's boxes and points in their image's pixels;
+        template_kwargs: more chat template variables for every item (Request.template_kwargs)."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.engine, self.params, self.prompt, self.batch_size = engine, params, prompt, batch_size
         self.grounding = grounding
+        self.template_kwargs = template_kwargs or {}
         self.shown: dict[str, tuple[int, int] | None] = {}  # item id -> its image's size, until its row
         engine.scheduler.slice_s = None  # nobody watches tokens arrive: whole prefills, fewer weight passes
 
@@ -50,12 +52,12 @@ class Worker:
     def from_spec(cls, spec: WorkSpec) -> Worker:
         engine = Engine.load(spec.options)
         return cls(engine, spec.sampling.params(engine), spec.prompt, spec.batch_size,
-                   grounding=spec.sampling.grounding)
+                   grounding=spec.sampling.grounding, template_kwargs=spec.sampling.template_kwargs)
 
     def request(self, item: Item) -> Request:
         kind = "video" if item.kind == "video" else "image"  # a PDF's page is an image
         content = [{"type": kind, kind: item.source}, {"type": "text", "text": self.prompt_for(item)}]
-        return Request([{"role": "user", "content": content}], self.params)
+        return Request([{"role": "user", "content": content}], self.params, template_kwargs=self.template_kwargs)
 
     def prompt_for(self, item: Item) -> str | None:
         return item.prompt if item.prompt is not None else self.prompt

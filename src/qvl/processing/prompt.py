@@ -255,11 +255,14 @@ def tokenize_chat(
     tools: list[dict] | None = None,
     video_layouts: list[VideoLayout] = (),
     max_tokens: int | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> PromptTokens:
     """Render, encode, and expand the k-th image pad token to `image_token_counts[k]` copies
     and the k-th video pad token to `<t seconds><|vision_start|>` + pads + `<|vision_end|>`
     per frame pair of `video_layouts[k]`. A rendered prompt whose characters alone make more
     than `max_tokens` tokens is refused (PromptTooLong) before anything is encoded.
+    `template_kwargs` are further template variables (`enable_thinking`, ...); their strings
+    are text, as the messages' are.
 
     Same ids as transformers' Qwen3VLProcessor, which expands the pad tokens in the text
     before encoding: the pad is an added token, so expanding ids after encoding is equal.
@@ -277,7 +280,7 @@ def tokenize_chat(
     text = render_chat(
         template, guard.protect(messages), add_generation_prompt=add_generation_prompt,
         tools=guard.protect(tools) if tools else None,
-        **tokenizer.special_tokens_map,
+        **guard.protect(dict(template_kwargs or {})), **tokenizer.special_tokens_map,
     )
     pad_id = tokenizer.token_id(image_pad_token)
     video_id = tokenizer.token_id(VIDEO_PAD_TOKEN) if video_layouts else None

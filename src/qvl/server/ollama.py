@@ -139,7 +139,7 @@ class Ollama:
         return req, bool(req.images)
 
     def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline, salt: str) -> tuple[Spec, ParsedRequest]:
-        check_think(req, engine)
+        switch = think_switch(req, engine)
         tools = check_unique([tool_from(t, i) for i, t in enumerate(req.tools or [])], "tools")
         constraint = answer_constraint(tools, tool_choice(None, None, tools), True, format_constraint(req.format),
                                        engine.tokenizer)
@@ -147,8 +147,8 @@ class Ollama:
             engine.grammars.compile(constraint, "format")
         messages = self.messages(req.messages, engine)
         shown = [t.template_entry() for t in tools] or None
-        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown, cache_salt=salt),
-                              deadline)
+        parsed = engine.parse(Request(messages, sampling(req, engine, constraint), tools=shown, cache_salt=salt,
+                                      template_kwargs=switch), deadline)
         return Spec(req, engine.model_name, True, bool(tools)), parsed
 
     def prepare_generate(self, req: GenerateBody, engine: Engine, deadline: Deadline,
@@ -159,14 +159,14 @@ class Ollama:
         if req.raw:
             raise bad_request("raw prompts are not supported by qvl: the checkpoint's chat template is always "
                               "applied", "raw", "unsupported_parameter")
-        check_think(req, engine)
+        switch = think_switch(req, engine)
         constraint = format_constraint(req.format)
         if constraint is not None:
             engine.grammars.compile(constraint, "format")
         turns = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + \
             [OllamaMessage(role="user", content=req.prompt, images=req.images)]
-        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint), cache_salt=salt),
-                              deadline)
+        parsed = engine.parse(Request(self.messages(turns, engine), sampling(req, engine, constraint), cache_salt=salt,
+                                      template_kwargs=switch), deadline)
         return Spec(req, engine.model_name, False), parsed
 
     def messages(self, messages: list[OllamaMessage], engine: Engine) -> list[dict]:
@@ -234,16 +234,23 @@ class Ollama:
                                "qwen3vl.context_length": engine.options.max_context,
                                "qwen3vl.embedding_length": text.hidden_size,
                                "qwen3vl.block_count": text.num_hidden_layers},
-                "capabilities": ["completion", "vision", "tools"], "modified_at": modified(engine)}
+                "capabilities": ["completion", "vision", "tools"] + (["thinking"] if engine.thinks(True) else []),
+                "modified_at": modified(engine)}
 
 
-def check_think(req: Common, engine: Engine) -> None:
-    """think: true needs a Thinking model; false only hides a Thinking model's reasoning (it
-    cannot answer without it)."""
+def think_switch(req: Common, engine: Engine) -> dict:
+    """The template variables `think` sets. A template with a thinking switch (Qwen3.5) turns
+    thinking on or off as `think` says; otherwise true needs a Thinking model and false only
+    hides a Thinking model's reasoning (it cannot answer without it)."""
     if req.think not in (None, False, True):
         raise bad_request("think must be true or false", "think")
-    if req.think is True and not engine.thinks:
+    if req.think is None:
+        return {}
+    if engine.thinking_switch:
+        return {"enable_thinking": req.think}
+    if req.think is True and not engine.thinks():
         raise bad_request(f'"{engine.model_name}" does not support thinking', "think")
+    return {}
 
 
 def tool_from(tool: dict, i: int):

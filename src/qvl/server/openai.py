@@ -87,9 +87,10 @@ class ChatCompletions:
             engine.grammars.compile(constraint, "tool_choice" if tools and choice.forced else
                                     "structured_outputs" if req.structured_outputs else "response_format")
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
+        switches = {} if req.chat_template_kwargs is None else req.chat_template_kwargs  # the engine checks them
         try:
             parsed = engine.parse(Request(messages, sampling(req, engine, constraint), image_tokens(req, engine), shown,
-                                          video_overrides(req), salt), deadline)
+                                          video_overrides(req), salt, template_kwargs=switches), deadline)
         except RequestError as exc:
             if exc.code in ("invalid_image", "invalid_video") and exc.param and exc.param.endswith("]"):
                 exc.param += ".image_url.url" if exc.code == "invalid_image" else ".video_url.url"  # the part -> its url

@@ -85,6 +85,16 @@ class NamedFunctionChoice(_Strict):
     name: str
 
 
+class ReasoningConfig(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # `summary` is not read: the reasoning itself is returned, never a summary of it
+
+    def template_kwargs(self) -> dict:
+        """The chat template's thinking switch: none and minimal turn it off, the others on; no
+        effort keeps the template's default. A template without the switch ignores it."""
+        return {} if self.effort is None else {"enable_thinking": self.effort not in ("none", "minimal")}
+
+
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[InputItem] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -109,6 +119,7 @@ class ResponsesRequest(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     max_pixels: int | None = Field(None, ge=1)
+    reasoning: ReasoningConfig = ReasoningConfig()
     reasoning_budget: int | None = Field(None, ge=0)
     cache_salt: CacheSalt = None
 
@@ -166,7 +177,8 @@ class Responses:
             reasoning_budget=req.reasoning_budget)
         budget = max(1, req.max_pixels // engine.image_cfg.factor**2) if req.max_pixels else None
         shown = [t.template_entry() for t in tools] if choice.mode != "none" else None
-        parsed = engine.parse(Request(messages, sampling, budget, shown, cache_salt=salt), deadline)
+        parsed = engine.parse(Request(messages, sampling, budget, shown, cache_salt=salt,
+                                      template_kwargs=req.reasoning.template_kwargs()), deadline)
         return Spec(req, model=engine.model_name, tools=bool(tools) and choice.mode != "none"), parsed
 
 

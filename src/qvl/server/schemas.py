@@ -168,6 +168,7 @@ class ChatCompletionRequest(_Strict):
     max_frames: int | None = Field(None, ge=2)  # video: frames per clip at most (the server caps it)
     max_video_tokens: int | None = Field(None, ge=1)  # video: token budget of a clip (the server caps it)
     reasoning_budget: int | None = Field(None, ge=0)  # Thinking models: reasoning tokens before </think> is forced
+    chat_template_kwargs: Any = None  # more template variables ({"enable_thinking": false}); checked by the engine
     cache_salt: CacheSalt = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
