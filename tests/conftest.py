@@ -86,6 +86,22 @@ def tiny_moe_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny35_checkpoint(tmp_path_factory):
+    """A tiny Qwen3.5 checkpoint (hybrid: three Gated DeltaNet layers, then gated attention)."""
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny35"), "qwen3.5-tiny", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny35_engine(tiny35_checkpoint):
+    """The engine a user gets on the tiny Qwen3.5 checkpoint (every default; shared: do not mutate)."""
+    from qvl.engine import Engine, EngineOptions
+
+    return Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2))
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_checkpoint):
     """The engine a user gets on the tiny checkpoint: every default (int8 weights, the CPU's compute
     dtype, native kernels, int8 activations) on 2 threads (shared: do not mutate)."""

@@ -6,15 +6,17 @@ import torch
 
 
 def load_reference(path):
-    """transformers' model for a checkpoint folder: Qwen3VL, or Qwen3VLMoe for experts."""
+    """transformers' model for a checkpoint folder, by its model_type: Qwen3VL, Qwen3VLMoe,
+    Qwen3_5 or Qwen3_5Moe."""
     import json
     from pathlib import Path
 
-    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+    import transformers
 
-    moe = json.loads((Path(path) / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
-    cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    classes = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    return getattr(transformers, classes[model_type]).from_pretrained(path, dtype=torch.float32).eval()
 
 
 def reference_inputs(parsed, image_token_id: int) -> dict:

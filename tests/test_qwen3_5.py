@@ -1,0 +1,224 @@
+"""Qwen3.5/3.6 (hybrid Gated DeltaNet + gated attention): parity with transformers'
+Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration on tiny random
+checkpoints (images, video, a long prompt prefilled in slices, a conversation), the
+recurrent state through the scheduler (snapshots in the prefix cache, forks, preemption,
+rows decoded together), and bad checkpoints refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from qvl.bench import synthetic_clip
+from qvl.config import ConfigError, ModelConfig
+from qvl.engine import Engine, EngineOptions, Request
+from qvl.sampling import SamplingParams
+from qvl.weights import CheckpointError
+from tests.reference import load_reference, reference_inputs, reference_inputs_video
+
+WORDS = ("the river crosses a quiet valley where farmers grow rice and tea under old trees while children "
+         "count the boats that pass").split()
+
+
+def noise_image(h: int, w: int, seed: int) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+def long_text(words: int, seed: int = 0) -> str:
+    rng = np.random.RandomState(seed)
+    return " ".join(WORDS[i] for i in rng.randint(0, len(WORDS), words))
+
+
+def greedy(messages, max_new_tokens: int = 24, **sampling) -> Request:
+    return Request(messages, SamplingParams(temperature=0, max_new_tokens=max_new_tokens, **sampling))
+
+
+def image_question(question: str, system: str = "You are a careful assistant.") -> list[dict]:
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "image", "image": noise_image(200, 330, 1)},
+                                         {"type": "text", "text": question}]}]
+
+
+def reference_tokens(engine, ref, parsed, n: int, video: bool = False) -> list[int]:
+    kw = reference_inputs_video(parsed, engine.cfg) if video else reference_inputs(parsed, engine.cfg.image_token_id)
+    with torch.inference_mode():
+        out = ref.generate(**kw, max_new_tokens=n, do_sample=False, repetition_penalty=1.0,
+                           eos_token_id=list(engine.defaults.eos_token_ids), pad_token_id=248044)
+    return out[0, parsed.ids.shape[0]:].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3.5-tiny", pytest.param("qwen3.5-tiny-moe", marks=pytest.mark.slow)])
+def pair(request, tmp_path_factory):
+    from qvl.synth import write_checkpoint
+
+    path = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=4)
+    engine = Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))
+    return engine, load_reference(path)
+
+
+def test_two_images_greedy_tokens_match_transformers(pair):
+    engine, ref = pair
+    messages = image_question("Compare this picture")
+    messages[1]["content"] += [{"type": "image", "image": noise_image(96, 64, 2)},
+                               {"type": "text", "text": "with this one. 请描述。"}]
+    parsed = engine.parse(greedy(messages, 30))
+    done = engine.generate(parsed)
+    assert len(parsed.images) == 2 and len(done.token_ids) >= 24
+    assert done.token_ids == reference_tokens(engine, ref, parsed, 30)
+
+
+def test_a_clip_greedy_tokens_match_transformers(pair, tmp_path):
+    engine, ref = pair
+    clip = synthetic_clip(tmp_path / "clip.mp4", 2.3, 200, 120, fps=10)
+    parsed = engine.parse(greedy([{"role": "user", "content": [{"type": "video", "video": str(clip)},
+                                                              {"type": "text", "text": "What happens?"}]}]))
+    assert sum(u.video for u in parsed.images) >= 2  # several frame pairs, each placed as an image
+    assert engine.generate(parsed).token_ids == reference_tokens(engine, ref, parsed, 24, video=True)
+
+
+def test_a_long_prompt_prefilled_in_slices_matches_transformers(pair):
+    """Over 2,000 tokens: the scheduler prefills them in several calls, the delta rule's state
+    carried from one to the next."""
+    engine, ref = pair
+    parsed = engine.parse(greedy(image_question(long_text(2300) + " What is in the picture?")))
+    assert len(parsed.ids) > 2100
+    scheduler = engine.scheduler
+    calls = []
+    original = scheduler._prefill_call
+    scheduler._prefill_call = lambda seq, start, end: calls.append((start, end)) or original(seq, start, end)
+    try:
+        done = engine.generate(parsed)
+    finally:
+        del scheduler._prefill_call
+    assert len(calls) >= 2
+    assert done.token_ids == reference_tokens(engine, ref, parsed, 24)
+
+
+def test_a_conversation_matches_transformers(pair):
+    engine, ref = pair
+    messages = image_question("What is this?") + [
+        {"role": "assistant", "content": "A photo of noise."},
+        {"role": "user", "content": "And what colour is it mostly?"}]
+    parsed = engine.parse(greedy(messages))
+    assert engine.generate(parsed).token_ids == reference_tokens(engine, ref, parsed, 24)
+
+
+# -- the recurrent state through the scheduler (the default path: int8 weights, native kernels) ---
+
+def test_a_new_conversation_about_the_same_image_resumes_from_a_snapshot_exactly(tiny35_checkpoint):
+    """A second question about the same system prompt and image starts from the recurrent state
+    kept after their blocks and prefills only the rest; its answer and log-probabilities are
+    those of a full prefill (an engine without a prefix cache), to the bit."""
+    system = "You read documents for a living. " + long_text(300, seed=1)
+    cached = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2))
+    fresh = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2, prefix_cache_mb=0))
+    first = cached.generate(greedy(image_question("What is in the picture?", system), logprobs=3))
+    assert first.timings.reused_tokens == 0
+    request = greedy(image_question("Which colours do you see?", system), logprobs=3)
+    second, alone = cached.generate(request), fresh.generate(request)
+    parsed = cached.parse(request)
+    assert second.timings.reused_tokens >= 0.8 * len(parsed.ids) - 64  # all but the question, to a snapshot
+    assert second.token_ids == alone.token_ids
+    assert [(p.token_id, p.logprob, p.top) for p in second.logprobs] == \
+           [(p.token_id, p.logprob, p.top) for p in alone.logprobs]
+
+
+def test_a_turn_leaves_a_snapshot_inside_its_answer_for_the_next_turn(tiny35_engine):
+    """At the end of a turn the state at the last multiple of SNAPSHOT_INTERVAL that decoding
+    passed is kept after the answer's blocks, so a follow-up that repeats the answer's tokens
+    prefills only from there."""
+    from qvl.kv_cache import block_hashes
+    from qvl.state_cache import SNAPSHOT_BLOCKS, SNAPSHOT_INTERVAL
+
+    engine = tiny35_engine
+    parsed = engine.parse(greedy(image_question("Describe the picture. " + long_text(40, seed=2)), 150,
+                                 ignore_eos=True))
+    done = engine.generate(parsed)
+    fed = torch.cat([parsed.ids, torch.tensor(done.token_ids[:-1])])  # the last token is never fed
+    passed = len(fed) // SNAPSHOT_INTERVAL * SNAPSHOT_BLOCKS
+    assert passed * 16 > len(parsed.ids)  # inside the answer
+    digests = block_hashes(fed, engine.spans(parsed), passed, salt=parsed.cache_salt)
+    assert digests[-1] in engine.prefix_cache.snapshots
+
+
+def test_snapshots_live_within_the_prefix_cache_budget(tiny35_checkpoint):
+    engine = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2, prefix_cache_mb=1))
+    pool = engine.prefix_cache
+    for i in range(4):
+        engine.generate(greedy(image_question(long_text(200, seed=10 + i)), 4))
+        assert pool.snapshots and len(pool.unused) * pool.block_bytes + pool.snapshot_bytes <= pool.max_bytes
+    assert all(digest in pool.by_hash for digest in pool.snapshots)  # a snapshot goes with its block
+
+
+def test_answers_do_not_depend_on_other_rows(tiny35_engine):
+    """Forked answers (n) share the prompt's state and then each keeps its own; rows decoded
+    together give what each gives alone."""
+    engine = tiny35_engine
+    requests = [greedy(image_question(f"Question {i}: " + long_text(20 + 30 * i, seed=i)), 16) for i in range(3)]
+    alone = [engine.generate(r).token_ids for r in requests]
+    together = engine.generate_batch(requests)
+    assert [d.token_ids for d in together] == alone
+    forked = [e for e in engine.stream(greedy(requests[0].messages, 16, n=3)) if hasattr(e, "finish_reason")]
+    assert sorted(d.index for d in forked) == [0, 1, 2]
+    assert all(d.token_ids == alone[0] for d in forked)
+
+
+def test_a_preempted_row_goes_on_as_if_never_stopped(tiny35_checkpoint):
+    requests = [greedy([{"role": "user", "content": long_text(150, seed=i)}], 48, ignore_eos=True) for i in range(3)]
+    roomy = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2, prefix_cache_mb=0))
+    alone = [roomy.generate(r).token_ids for r in requests]
+    # room for the three prompts but not for all three answers: the newest is preempted
+    prompts = [len(roomy.parse(r).ids) for r in requests]
+    blocks = sum(-(-n // 16) for n in prompts) + 4
+    tight = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2, prefix_cache_mb=0,
+                                      kv_cache_mb=blocks * roomy.prefix_cache.block_bytes / 2**20))
+    assert [d.token_ids for d in tight.generate_batch(requests)] == alone
+    assert tight.scheduler.preemptions > 0
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+def config_with(path, change) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    change(config["text_config"])
+    return config
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("layer_types"), "missing the required field 'layer_types'"),
+    (lambda t: t["layer_types"].__setitem__(1, "mamba"), "unknown layer kind 'mamba'"),
+    (lambda t: t["layer_types"].pop(), "layer_types lists 3 layers, num_hidden_layers is 4"),
+    (lambda t: t.update(linear_num_value_heads=3), "must be a multiple of linear_num_key_heads"),
+    (lambda t: t.pop("linear_key_head_dim"), "missing the required field 'linear_key_head_dim'"),
+], ids=["no-layer-types", "unknown-kind", "wrong-count", "heads", "no-head-dim"])
+def test_bad_hybrid_configs_are_refused_by_name(tiny35_checkpoint, change, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_dict(config_with(tiny35_checkpoint, change))
+
+
+def test_state_sizes_that_do_not_fit_the_weights_are_refused(tiny35_checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny35_checkpoint, broken)
+    config = config_with(broken, lambda t: t.update(linear_value_head_dim=16))
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"linear_attn\..*checkpoint .* vs config"):
+        Engine.load(EngineOptions(model=str(broken), threads=2))
+
+
+def test_a_checkpoint_with_a_multi_token_prediction_head_loads_and_keeps_it(tiny35_checkpoint, tmp_path):
+    with_mtp = tmp_path / "mtp"
+    shutil.copytree(tiny35_checkpoint, with_mtp)
+    shard = next(with_mtp.glob("model*.safetensors"))
+    tensors = load_file(shard)
+    tensors["mtp.fc.weight"] = torch.randn(128, 256).to(torch.bfloat16)
+    tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.randn(8, 128).to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    engine = Engine.load(EngineOptions(model=str(with_mtp), threads=2))
+    assert set(engine.model.mtp) == {"mtp.fc.weight", "mtp.layers.0.mlp.experts.0.gate_proj.weight"}
+    assert engine.generate(greedy([{"role": "user", "content": "Hi"}], 4)).token_ids
