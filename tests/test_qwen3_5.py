@@ -222,3 +222,45 @@ def test_a_checkpoint_with_a_multi_token_prediction_head_loads_and_keeps_it(tiny
     engine = Engine.load(EngineOptions(model=str(with_mtp), threads=2))
     assert set(engine.model.mtp) == {"mtp.fc.weight", "mtp.layers.0.mlp.experts.0.gate_proj.weight"}
     assert engine.generate(greedy([{"role": "user", "content": "Hi"}], 4)).token_ids
+
+
+# -- front doors ----------------------------------------------------------------------------------
+
+def test_the_http_apis_answer_with_reasoning_apart_and_the_switch(tiny35_engine):
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from tests.test_server_api import make_app, wait_ready
+
+    png = io.BytesIO()
+    noise_image(64, 96, 5).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+    body = {"model": "qvl", "messages": [{"role": "user", "content": content}], "max_tokens": 12, "temperature": 0}
+    with TestClient(make_app(tiny35_engine)) as client:
+        wait_ready(client)
+        thinking = client.post("/v1/chat/completions", json=body).json()
+        assert thinking["choices"][0]["message"]["reasoning_content"]  # the template opens <think> by default
+        plain = client.post("/v1/chat/completions",
+                            json={**body, "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert not plain["choices"][0]["message"].get("reasoning_content")
+        assert plain["usage"]["prompt_tokens"] == thinking["usage"]["prompt_tokens"] + 2  # `\n</think>\n\n` minus `\n`
+        chunks = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+        assert chunks.rstrip().endswith("data: [DONE]")
+        ollama = client.post("/api/chat", json={"model": "qvl", "stream": False, "think": False,
+                                                "messages": [{"role": "user", "content": "Hi", "images": [
+                                                    url.split(",", 1)[1]]}], "options": {"num_predict": 6}}).json()
+        assert ollama["done"] and "thinking" not in ollama["message"]
+
+
+def test_qvl_ask_runs_a_qwen3_5_checkpoint(tiny35_checkpoint, tmp_path, capsys):
+    from qvl.cli import main
+
+    picture = tmp_path / "p.png"
+    noise_image(64, 64, 6).save(picture)
+    assert main(["ask", "What is this?", "-i", str(picture), "--model", str(tiny35_checkpoint), "--no-think",
+                 "--max-new-tokens", "5", "--temperature", "0", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["usage"]["completion_tokens"] == 5 and not answer.get("reasoning")

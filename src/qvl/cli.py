@@ -310,7 +310,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         if args.model:
             needs = info["model"]
             print(f"\n{args.model}: reads {needs['read_gb_per_s']} GB/s here, {needs['available_gb']} GB available; "
-                  f"KV cache {needs['kv_mb_per_1k_tokens']} MB per 1k tokens of context")
+                  f"KV cache {needs['kv_mb_per_1k_tokens']} MB per 1k tokens of context"
+                  + (f", recurrent state {needs['state_mb_per_sequence']} MB per sequence"
+                     if "state_mb_per_sequence" in needs else ""))
             for fmt, f in needs["formats"].items():
                 print(f"  {fmt:5} weights {f['total_gb']:6.2f} GB, a decode step reads {f['decode_read_gb']:.2f} GB: "
                       f"about {f['decode_ms_per_token_estimate']:.0f} ms/token" + ("" if f["fits_in_available_memory"]
@@ -318,15 +320,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-KNOWN_SIZES = {f"Qwen/Qwen3-VL-{size.upper()}-{kind}": size for size in ("2b", "4b", "8b", "32b")
-               for kind in ("Instruct", "Thinking")}
+PRESETS = ["tiny", "tiny-moe", "2b", "4b", "8b", "32b", "30b-a3b", "qwen3.5-tiny", "qwen3.5-tiny-moe", "qwen3.5-0.8b",
+           "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"]
+KNOWN_SIZES = {**{f"Qwen/Qwen3-VL-{size.upper()}-{kind}": size for size in ("2b", "4b", "8b", "32b")
+                  for kind in ("Instruct", "Thinking")},
+               **{f"Qwen/Qwen{family}-{size.upper()}{base}": f"qwen3.5-{size}"
+                  for family, sizes in (("3.5", ("0.8b", "2b", "4b", "9b", "27b", "35b-a3b")), ("3.6", ("27b", "35b-a3b")))
+                  for size in sizes for base in ("", "-Base")}}
 
 
 def model_needs(name: str) -> dict:
     """What a model needs on this machine: per weight format, the memory of its weights, what
     a decode step reads, and the time per token that takes at the read bandwidth measured now
     (an estimate: a busy machine reads slower, and qvl's kernels read faster than the probe);
-    and the KV cache per 1k tokens of context."""
+    and the KV cache per 1k tokens of context (and a hybrid model's recurrent state per sequence)."""
     from pathlib import Path
 
     import psutil
@@ -351,12 +358,15 @@ def model_needs(name: str) -> dict:
         f = footprint(cfg, fmt, vision_int8=fmt != "bf16")
         formats[fmt] = {**f.to_dict(), "decode_ms_per_token_estimate": round(f.read_per_token / bandwidth * 1000, 1),
                         "fits_in_available_memory": f.total_bytes + 2**30 < available}
-    return {"read_gb_per_s": round(bandwidth / 1e9, 1), "available_gb": round(available / 1e9, 1),
-            "kv_mb_per_1k_tokens": formats["int8"].pop("kv_mb_per_1k_tokens"), "formats": formats}
+    needs = {"read_gb_per_s": round(bandwidth / 1e9, 1), "available_gb": round(available / 1e9, 1),
+             "kv_mb_per_1k_tokens": formats["int8"].pop("kv_mb_per_1k_tokens"), "formats": formats}
+    if cfg.hybrid:  # the Gated DeltaNet layers' state, whatever the context length (and its snapshots)
+        needs["state_mb_per_sequence"] = round(cfg.text.state_bytes() / 1e6, 1)
+    return needs
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
-    parser = argparse.ArgumentParser(prog="qvl", description="Qwen3-VL on the CPU: ask, chat, serve, batch, bench.")
+    parser = argparse.ArgumentParser(prog="qvl", description="Qwen vision-language models (Qwen3-VL, Qwen3.5, Qwen3.6) on the CPU: ask, chat, serve, batch, bench.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -399,7 +409,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
     p = sub.add_parser("synth", help="write a random-weight checkpoint in the official layout (offline demo)")
     p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-moe", "2b", "4b", "8b", "32b", "30b-a3b"])
+    p.add_argument("--preset", default="tiny", choices=PRESETS,
+                   help="Qwen3-VL: tiny, tiny-moe, 2b ... 30b-a3b; Qwen3.5: qwen3.5-tiny ... qwen3.5-35b-a3b")
     p.add_argument("--layers", type=int, help="text decoder layers (fewer than the preset's: a full-width model "
                                               "for benchmarks that fits the disk and memory)")
     p.add_argument("--seed", type=int, default=0)
