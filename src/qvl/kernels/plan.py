@@ -254,9 +254,9 @@ class Plan:
                 "vision attention": op(self.vision_attention, codes), "rms_norm": op(self.rms_norm),
                 "rope, text prefill": op(self.text_rope), "rope, vision": op(self.vision_rope),
                 "silu_mul": op(self.silu_mul), "decode step": op(self.decode_step),
-                "gated delta rule, prefill": op(self.delta_rule), "gated delta rule, decode": op(self.delta_step),
-                "causal conv, prefill": op("qvl_causal_conv" if self.delta_rule != "torch" else "torch"),
-                "causal conv, decode": op("qvl_causal_conv_step" if self.delta_step != "torch" else "torch")}
+                "delta rule, prefill": op(self.delta_rule), "delta rule, decode": op(self.delta_step),
+                "short conv, prefill": op("qvl_causal_conv" if self.delta_rule != "torch" else "torch"),
+                "short conv, decode": op("qvl_causal_conv_step" if self.delta_step != "torch" else "torch")}
 
     def apply(self, model: torch.nn.Module) -> None:
         """Give every linear layer, mixture's experts and vision attention of `model` its plan,
