@@ -80,7 +80,7 @@ def table(times: dict[str, list[float]], bases: list[str]) -> None:
     print("|---|---|" + "---|" * len(bases))
     for name, values in times.items():
         ratios = [f"{common.round_ratio(values, times[b]):.3f}x" for b in bases]
-        print(f"| {name} | {common.spread([v * 1e3 for v in values], '{:.1f}')} | " + " | ".join(ratios) + " |")
+        print(f"| {name} | {common.spread([v * 1e3 for v in values], '{:.2f}')} | " + " | ".join(ratios) + " |")
 
 
 def prefill(args) -> None:

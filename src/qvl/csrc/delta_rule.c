@@ -143,21 +143,6 @@ typedef struct {
     float *o;   /* [Dv]: one output row */
 } Work;
 
-/* Ask for the q, k and v rows of tokens t0..t0+n of value head h ahead of their chunk: one
- * head's rows are a few hundred bytes each, kilobytes apart, which the hardware prefetchers miss. */
-static void prefetch_rows(const Heads* x, int64_t h, int64_t t0, int64_t n) {
-    const size_t es = x->dt == BF16 ? 2 : 4;
-    const int64_t kh = h / (x->Hv / x->Hk);
-    for (int64_t t = t0; t < t0 + n; t++) {
-        for (int64_t at = 0; at < x->Dk * (int64_t)es; at += 64) {
-            __builtin_prefetch(x->q + (t * x->q_tok + kh * x->q_head) * es + at);
-            __builtin_prefetch(x->k + (t * x->k_tok + kh * x->k_head) * es + at);
-        }
-        for (int64_t at = 0; at < x->Dv * (int64_t)es; at += 64)
-            __builtin_prefetch(x->v + (t * x->v_tok + h * x->v_head) * es + at);
-    }
-}
-
 /* Columns c..c+nv*VW of row i: the forward substitution u_i -= sum_{j<i} A_ij u_j (u_i holds
  * its right-hand side), then the output o_i = e^(b_i) (Q S)_i + sum_{j<=i} P_ij u_j. */
 static inline __attribute__((always_inline)) void solve_columns(const int nv, int64_t i, int64_t c, const float* a,
@@ -249,8 +234,10 @@ int qvl_gated_delta_rule(const void* q, const void* k, const void* v, int dt, in
     const int64_t LP = round_up(chunk, VW);
     const size_t floats = (size_t)(2 * chunk * Dk + Dk * LP + 2 * chunk * LP + 3 * chunk * Dv + chunk + Dv);
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t h = 0; h < Hv; h++) {
+    const int64_t parts = threads < 1 ? 1 : threads < Hv ? threads : Hv;
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int64_t part = 0; part < parts; part++) {
+        const int64_t h0 = Hv * part / parts, h1 = Hv * (part + 1) / parts;
         float* buf = malloc(floats * sizeof(float));
         if (!buf) {
 #pragma omp atomic write
@@ -260,11 +247,12 @@ int qvl_gated_delta_rule(const void* q, const void* k, const void* v, int dt, in
         Work w;
         w.x = buf, w.kt = w.x + 2 * chunk * Dk, w.xk = w.kt + Dk * LP, w.wy = w.xk + 2 * chunk * LP;
         w.u = w.wy + 2 * chunk * Dv, w.b = w.u + chunk * Dv, w.o = w.b + chunk;
-        float* S = state + h * Dk * Dv;
+        /* chunk by chunk, each of this part's heads in turn: a chunk's rows (one token's q, k and v
+         * lie kilobytes apart) are fetched once for all of them, not once per head */
         for (int64_t t0 = 0; t0 < T;) {
             const int64_t end = (offset + t0) / chunk * chunk + chunk - offset, L = (end < T ? end : T) - t0;
-            prefetch_rows(&x, h, t0 + L, (T - t0 - L) < chunk ? T - t0 - L : chunk);
-            delta_chunk(&x, h, t0, L, round_up(L, VW), g, beta, S, out, w);
+            for (int64_t h = h0; h < h1; h++) delta_chunk(&x, h, t0, L, round_up(L, VW), g, beta, state + h * Dk * Dv,
+                                                          out, w);
             t0 += L;
         }
         free(buf);

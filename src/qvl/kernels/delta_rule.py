@@ -8,7 +8,7 @@ S = S + k_t u^T; o_t = S^T q_t, with q and k L2-normalised (and q scaled by Dk**
 Prefill computes it in chunks of CHUNK tokens whose boundaries fall on absolute positions that
 are multiples of CHUNK, each chunk from its own tokens and the state before it only: a prompt
 run in one call, in slices ending at multiples of CHUNK, or resumed from a state taken at such
-a multiple, computes the same bits. Why CHUNK is 64: docs/decisions/delta-rule-chunk.md."""
+a multiple, computes the same bits. Why CHUNK is 32: docs/decisions/delta-rule-chunk.md."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from qvl.kernels.build import DTYPES
 
-CHUNK = 64  # tokens per chunk of the prefill delta rule (chunks start at absolute multiples of it)
+CHUNK = 32  # tokens per chunk of the prefill delta rule (chunks start at absolute multiples of it)
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
 
 
