@@ -253,6 +253,8 @@ def test_the_http_apis_answer_with_reasoning_apart_and_the_switch(tiny35_engine)
                                                 "messages": [{"role": "user", "content": "Hi", "images": [
                                                     url.split(",", 1)[1]]}], "options": {"num_predict": 6}}).json()
         assert ollama["done"] and "thinking" not in ollama["message"]
+        shown = client.post("/api/show", json={"model": "qvl"}).json()
+        assert shown["model_info"]["general.architecture"] == "qwen35" and "thinking" in shown["capabilities"]
 
 
 def test_qvl_ask_runs_a_qwen3_5_checkpoint(tiny35_checkpoint, tmp_path, capsys):

@@ -227,13 +227,13 @@ class Ollama:
         d = engine.defaults
         parameters = "\n".join(f"{k} {v}" for k, v in (("temperature", d.temperature), ("top_k", d.top_k),
                                                          ("top_p", d.top_p), ("repeat_penalty", d.repetition_penalty)))
-        text = engine.cfg.text
+        text, arch = engine.cfg.text, architecture(engine)
         return {"license": "", "modelfile": f"# served by qvl {__version__}\nFROM {engine.path}\n",
                 "parameters": parameters, "template": engine.template, "details": details(engine),
-                "model_info": {"general.architecture": "qwen3vl", "general.basename": engine.model_name,
-                               "qwen3vl.context_length": engine.options.max_context,
-                               "qwen3vl.embedding_length": text.hidden_size,
-                               "qwen3vl.block_count": text.num_hidden_layers},
+                "model_info": {"general.architecture": arch, "general.basename": engine.model_name,
+                               f"{arch}.context_length": engine.options.max_context,
+                               f"{arch}.embedding_length": text.hidden_size,
+                               f"{arch}.block_count": text.num_hidden_layers},
                 "capabilities": ["completion", "vision", "tools"] + (["thinking"] if engine.thinks(True) else []),
                 "modified_at": modified(engine)}
 
@@ -319,10 +319,17 @@ def digest(engine: Engine) -> str:
     return hashlib.sha256(engine.model_id.encode()).hexdigest()
 
 
+def architecture(engine: Engine) -> str:
+    """The model family's name as Ollama (llama.cpp's GGUF) spells it."""
+    return {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "qwen3_5": "qwen35",
+            "qwen3_5_moe": "qwen35moe"}[engine.cfg.model_type]
+
+
 def details(engine: Engine) -> dict:
     params = sum(p.numel() for p in engine.model.parameters())
     size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
-    return {"parent_model": "", "format": "safetensors", "family": "qwen3vl", "families": ["qwen3vl"],
+    arch = architecture(engine)
+    return {"parent_model": "", "format": "safetensors", "family": arch, "families": [arch],
             "parameter_size": size, "quantization_level": engine.weights.upper()}
 
 
