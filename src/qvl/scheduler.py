@@ -40,7 +40,7 @@ from qvl.grammar import Guide
 from qvl.kv_cache import BLOCK, KVCache, KVPool, block_hashes, blocks_for
 from qvl.requests import ParsedRequest, RequestError
 from qvl.sampling import SamplingParams, apply_logit_bias, apply_penalties, sample, top_logprobs
-from qvl.state_cache import SNAPSHOT_BLOCKS, SNAPSHOT_INTERVAL, Snapshot, StatePool, StateRows, capture_point
+from qvl.state_cache import SNAPSHOT_BLOCKS, SNAPSHOT_INTERVAL, Snapshot, StatePool, StateRows, capture_points
 from qvl.stream import Delta, Done, TextStream, Timings, TokenLogprob, Usage
 
 DEFAULT_MAX_BATCH = 8  # rows decoded together; the native GEMVs take up to 16
@@ -137,6 +137,7 @@ class Scheduler:
         self.pool = KVPool(len(t.attention_layers), max(1, int(mb * 2**20) // block_bytes), t.num_key_value_heads,
                            t.head_dim, engine.model.dtype, int(prefix_cache_mb * 2**20))
         self.states = StatePool(t, max_batch, engine.model.dtype) if engine.model.cfg.hybrid else None
+        self.turn_token = engine.tokenizer.find("<|im_start|>")  # where a chat message begins
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.lock = threading.Lock()
@@ -431,18 +432,25 @@ class Scheduler:
 
     def _prefill_call(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
         """Prompt tokens start..end of one sequence in one model call (prefill_slice); for a
-        hybrid model, the recurrent state at the call's last multiple of SNAPSHOT_INTERVAL is
-        kept in the prefix cache after the block it follows."""
-        view = self._view([seq])
-        point = capture_point(start, end) if self.states is not None and self.pool.enabled else None
-        digests = seq.digests or []
-        if point is not None and point // BLOCK <= len(digests):
-            view.states.capture_at, view.states.captured = point, self.states.empty_snapshot()
+        hybrid model, the recurrent states at the call's capture points (state_cache.
+        capture_points) are kept in the prefix cache after the blocks they follow."""
+        view, digests = self._view([seq]), seq.digests or []
+        if self.states is not None and self.pool.enabled:
+            points = [p for p in capture_points(start, end, self._last_turn(seq)) if p // BLOCK <= len(digests)]
+            view.states.capture = tuple(points)
+            view.states.captured = tuple(self.states.empty_snapshot() for _ in points)
         logits = prefill_slice(self.model, view, seq.prompt, start, end)
-        if view.states is not None and view.states.captured is not None:
-            self._register(seq, digests, point)
-            self.pool.keep_snapshot(digests[point // BLOCK - 1], view.states.captured)
+        if view.states is not None and view.states.capture:
+            self._register(seq, digests, view.states.capture[-1])
+            for point, snapshot in zip(view.states.capture, view.states.captured):
+                self.pool.keep_snapshot(digests[point // BLOCK - 1], snapshot)
         return logits
+
+    def _last_turn(self, seq: Sequence) -> int | None:
+        """Where the prompt's last message begins: the `<|im_start|>` before the generation
+        prompt's own (None without two)."""
+        starts = (seq.parsed.ids == self.turn_token).nonzero().flatten() if self.turn_token is not None else []
+        return int(starts[-2]) if len(starts) >= 2 else None
 
     def _fork(self, seq: Sequence) -> None:
         """The request's other n-1 answers, once its prompt is prefilled: rows sharing its

@@ -88,21 +88,31 @@ class StatePool:
 @dataclass
 class StateRows:
     """What one model call reads and writes of the recurrent states: row b's state is slot
-    slots[b] of the pool. A prefill of one row may also `capture` the state after an absolute
-    position (a multiple of SNAPSHOT_INTERVAL inside the call): the layers copy it into
-    `captured` as they pass it."""
+    slots[b] of the pool. A prefill of one row may also `capture` the state after some absolute
+    positions (multiples of SNAPSHOT_INTERVAL inside the call, ascending): the layers copy it
+    into `captured[i]` as they pass position capture[i]."""
 
     pool: StatePool
     slots: torch.Tensor  # [B] int64
-    capture_at: int | None = None
-    captured: Snapshot | None = None
+    capture: tuple[int, ...] = ()
+    captured: tuple[Snapshot, ...] = ()
 
     def row(self, r: int) -> StateRows:
-        return StateRows(self.pool, self.slots[r : r + 1], self.capture_at, self.captured)
+        return StateRows(self.pool, self.slots[r : r + 1], self.capture, self.captured)
 
 
-def capture_point(start: int, end: int) -> int | None:
-    """The last multiple of SNAPSHOT_INTERVAL in (start, end], where a prefill of positions
-    start..end keeps a snapshot; None when there is none."""
-    point = end // SNAPSHOT_INTERVAL * SNAPSHOT_INTERVAL
-    return point if point > start else None
+SNAPSHOT_EVERY = 1024  # positions between the snapshots a long prefill keeps besides the ones below
+
+
+def capture_points(start: int, end: int, turn: int | None = None) -> list[int]:
+    """Where a prefill of positions start..end keeps snapshots (multiples of SNAPSHOT_INTERVAL in
+    (start, end], ascending): its last; the last before `turn` (where the prompt's last message
+    begins: a new question about the same system prompt, document or image resumes there); and
+    every SNAPSHOT_EVERY positions (a prompt sharing only part of a long document)."""
+    def floor(n: int) -> int:
+        return n // SNAPSHOT_INTERVAL * SNAPSHOT_INTERVAL
+
+    points = {floor(end), *range((start // SNAPSHOT_EVERY + 1) * SNAPSHOT_EVERY, end + 1, SNAPSHOT_EVERY)}
+    if turn is not None:
+        points.add(floor(turn))
+    return sorted(p for p in points if start < p <= end)

@@ -90,18 +90,18 @@ class GatedDeltaNet(nn.Module):
     def _prefill_row(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
                      states, start: int) -> torch.Tensor:
         """One row's tokens: mixed [T, C], g, beta [T, Hv] -> [T, Hv, Dv]. Its state (slot
-        states.slots[0]) moves past them; when the call captures a snapshot, this layer's state
-        at that position is copied into it on the way."""
+        states.slots[0]) moves past them; where the call captures snapshots, this layer's state
+        at those positions is copied into them on the way."""
         slot = int(states.slots[0])
         conv_state, state = states.pool.conv[self.index, slot], states.pool.recurrent[self.index, slot]
         t = mixed.shape[0]
-        cut = states.capture_at - start if states.capture_at is not None else None
-        pieces = [(0, cut), (cut, t)] if cut is not None and 0 < cut < t else [(0, t)]
-        outs = []
-        for s, e in pieces:
-            q, k, v = self._heads(ops.causal_conv(mixed[s:e], weight, conv_state))
-            outs.append(ops.gated_delta_rule(q, k, v, g[s:e], beta[s:e], state, start + s))
-            if cut == e:
-                states.captured.conv[self.index] = conv_state
-                states.captured.recurrent[self.index] = state
+        outs, s = [], 0
+        for e, snapshot in [*((p - start, c) for p, c in zip(states.capture, states.captured)), (t, None)]:
+            if e > s:
+                q, k, v = self._heads(ops.causal_conv(mixed[s:e], weight, conv_state))
+                outs.append(ops.gated_delta_rule(q, k, v, g[s:e], beta[s:e], state, start + s))
+            if snapshot is not None:
+                snapshot.conv[self.index] = conv_state
+                snapshot.recurrent[self.index] = state
+            s = e
         return torch.cat(outs) if len(outs) > 1 else outs[0]
