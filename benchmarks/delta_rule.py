@@ -7,7 +7,8 @@ prefill  conv + delta rule of a --length-token prompt (default 4000), natively a
          size of --chunks (the first is CHUNK's side when it is listed), against the torch
          reference (qvl.kernels.delta_rule) and against a full-attention layer's attention at the
          same length (the 2B's 8 query and 2 key/value heads of 256, bf16: qvl_attention over the
-         paged cache where the build takes that head size, else torch's SDPA, as the layer runs it). The convolution alone, native against torch, on its own rows.
+         paged cache where the build takes that head size, else torch's SDPA, as the layer runs it).
+         --chunks-only: the native sides alone, against the first chunk size. The convolution alone, native against torch, on its own rows.
 decode   one decode step (conv + delta rule) of --rows rows over a pool of states, native against
          the torch reference.
 
@@ -87,11 +88,16 @@ def prefill(args) -> None:
     torch.manual_seed(0)
     lib = library().lib
     p = prompt(args.length, args.dtype)
-    sides = {"torch reference": layer(dr.reference_causal_conv, dr.reference_gated_delta_rule, p)}
+    sides = {} if args.chunks_only else {
+        "torch reference": layer(dr.reference_causal_conv, dr.reference_gated_delta_rule, p)}
     for chunk in args.chunks:
         sides[f"qvl, chunk {chunk}"] = layer(
             lambda *a: dr.native_causal_conv(lib, *a),
             lambda *a, chunk=chunk: dr.native_gated_delta_rule(lib, *a, chunk=chunk), p)
+    if args.chunks_only:
+        print(f"\nprefill of {args.length} tokens, {str(args.dtype)[6:]}, {torch.get_num_threads()} threads\n")
+        table(measure(sides, args), [next(iter(sides))])
+        return
     name, sides["attention"] = attention_side(args.length)
     times = measure(sides, args)
     print(f"\nprefill of {args.length} tokens, {str(args.dtype)[6:]}, {torch.get_num_threads()} threads "
@@ -134,6 +140,7 @@ def main() -> None:
     pre = modes.add_parser("prefill", parents=[shared])
     pre.add_argument("--length", type=int, default=4000)
     pre.add_argument("--chunks", type=int, nargs="+", default=[dr.CHUNK])
+    pre.add_argument("--chunks-only", action="store_true", help="only the native sides, against the first chunk size")
     dec = modes.add_parser("decode", parents=[shared])
     dec.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()

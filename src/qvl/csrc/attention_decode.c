@@ -100,24 +100,6 @@ static int decode_attention_bf16(const uint16_t* q, const uint16_t* keys, const 
 }
 #endif
 
-/* 2^x for x <= 0 in plain C that the compiler vectorises (relative error ~2e-6). */
-static inline float exp2_poly(float x) {
-    x = x < -126.f ? -126.f : x;
-    const int32_t n = round_int(x);
-    const float f = x - (float)n;
-    float p = 1.3534167e-3f;
-    p = p * f + 9.6588929e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022217e-1f;
-    p = p * f + 6.9314699e-1f;
-    p = p * f + 1.f;
-    int32_t bits;
-    memcpy(&bits, &p, 4);
-    bits += n * (1 << 23);
-    memcpy(&p, &bits, 4);
-    return p;
-}
-
 /* The float kernel for one (row, key/value head): its G query heads over L cached positions
  * in blocks (position j at kh + tb[j/block]*block_stride + (j%block)*D elements, likewise vh),
  * keys and values of dtype dt (constant after inlining, so the inner loops vectorise). */

@@ -65,6 +65,25 @@ static inline void put(void* p, int dt, int64_t i, float v) {
 /* Round to nearest (ties away from zero); unlike lrintf, loops over it vectorise. */
 static inline int32_t round_int(float v) { return (int32_t)(v + (v >= 0.f ? 0.5f : -0.5f)); }
 
+/* 2^x for x <= 0 in plain C that the compiler vectorises (relative error ~2e-6; 2^-126 below
+ * -126): rounded to the nearest integer by adding and taking away 1.5 * 2^23 (a conversion to
+ * int with a branch on the sign, as round_int does, keeps loops over it from vectorising). */
+static inline float exp2_poly(float x) {
+    x = x < -126.f ? -126.f : x;
+    const float n = (x + 12582912.f) - 12582912.f, f = x - n;
+    float p = 1.3534167e-3f;
+    p = p * f + 9.6588929e-3f;
+    p = p * f + 5.5503406e-2f;
+    p = p * f + 2.4022217e-1f;
+    p = p * f + 6.9314699e-1f;
+    p = p * f + 1.f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (int32_t)n * (1 << 23);
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
 /* max |x[i]| over n values: what a symmetric quantisation scale is made from. */
 static inline float absmax(const float* x, int64_t n) {
     float m = 0.f;

@@ -31,24 +31,7 @@ static inline vf vload(const float* p) {
 
 static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* e^x for x <= 0 (relative error ~2e-6; 2^-126 below about -87), in plain C the compiler
- * vectorises (rounding by the 1.5 * 2^23 constant: common.h's exp2_poly's does not vectorise). */
-static inline float exp_neg(float x) {
-    float y = x * LOG2E;
-    y = y < -126.f ? -126.f : y;
-    const float r = (y + 12582912.f) - 12582912.f, f = y - r;
-    float p = 1.3534167e-3f;
-    p = p * f + 9.6588929e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022217e-1f;
-    p = p * f + 6.9314699e-1f;
-    p = p * f + 1.f;
-    int32_t bits;
-    memcpy(&bits, &p, 4);
-    bits += (int32_t)r * (1 << 23);
-    memcpy(&p, &bits, 4);
-    return p;
-}
+static inline float exp_neg(float x) { return exp2_poly(x * LOG2E); } /* e^x for x <= 0 */
 
 /* common.h's f32_to_bf16 without its branch, so that loops over it vectorise. */
 static inline uint16_t to_bf16(float f) {
