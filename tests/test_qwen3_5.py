@@ -112,18 +112,20 @@ def test_a_conversation_matches_transformers(pair):
 # -- the recurrent state through the scheduler (the default path: int8 weights, native kernels) ---
 
 def test_a_new_conversation_about_the_same_image_resumes_from_a_snapshot_exactly(tiny35_checkpoint):
-    """A second question about the same system prompt and image starts from the recurrent state
-    kept after their blocks and prefills only the rest; its answer and log-probabilities are
+    """A second (long) question about the same system prompt and image starts from the recurrent
+    state kept where the first one's question began, and prefills only the rest; its answer and log-probabilities are
     those of a full prefill (an engine without a prefix cache), to the bit."""
     system = "You read documents for a living. " + long_text(300, seed=1)
     cached = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2))
     fresh = Engine.load(EngineOptions(model=str(tiny35_checkpoint), threads=2, prefix_cache_mb=0))
-    first = cached.generate(greedy(image_question("What is in the picture?", system), logprobs=3))
+    first = cached.generate(greedy(image_question("What is in the picture? " + long_text(100, seed=2), system),
+                                   logprobs=3))
     assert first.timings.reused_tokens == 0
-    request = greedy(image_question("Which colours do you see?", system), logprobs=3)
+    request = greedy(image_question("Which colours do you see? " + long_text(100, seed=3), system), logprobs=3)
     second, alone = cached.generate(request), fresh.generate(request)
     parsed = cached.parse(request)
-    assert second.timings.reused_tokens >= 0.8 * len(parsed.ids) - 64  # all but the question, to a snapshot
+    question = int((parsed.ids == cached.tokenizer.token_id("<|im_start|>")).nonzero()[-2])
+    assert second.timings.reused_tokens == question // 64 * 64  # all before the question, to a snapshot
     assert second.token_ids == alone.token_ids
     assert [(p.token_id, p.logprob, p.top) for p in second.logprobs] == \
            [(p.token_id, p.logprob, p.top) for p in alone.logprobs]
@@ -266,3 +268,16 @@ def test_qvl_ask_runs_a_qwen3_5_checkpoint(tiny35_checkpoint, tmp_path, capsys):
                  "--max-new-tokens", "5", "--temperature", "0", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["usage"]["completion_tokens"] == 5 and not answer.get("reasoning")
+
+
+@pytest.mark.parametrize("start, end, turn, points", [
+    (0, 100, None, [64]),
+    (0, 63, None, []),
+    (64, 128, None, [128]),  # a call starting at a snapshot keeps the next
+    (0, 2500, 1500, [1024, 1472, 2048, 2496]),
+    (1000, 1100, 1010, [1024, 1088]),  # the turn's point (960) lies before the call: an earlier one kept it
+])
+def test_capture_points(start, end, turn, points):
+    from qvl.state_cache import capture_points
+
+    assert capture_points(start, end, turn) == points
