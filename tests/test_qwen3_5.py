@@ -281,3 +281,53 @@ def test_capture_points(start, end, turn, points):
     from qvl.state_cache import capture_points
 
     assert capture_points(start, end, turn) == points
+
+
+# -- each CPU tier ---------------------------------------------------------------------------------
+
+TIER_PROBE = """
+import sys, torch
+from qvl.engine import Engine, EngineOptions, Request
+from qvl.generate import new_cache, prefill
+from qvl.sampling import SamplingParams
+from qvl.stream import Timings
+engine = Engine.load(EngineOptions(model=sys.argv[1], weights=sys.argv[2], dtype=sys.argv[3], threads=2))
+messages = [{"role": "user", "content": "Count the rivers: " + " ".join(["one two three"] * 60)}]
+parsed = engine.parse(Request(messages, SamplingParams(temperature=0, max_new_tokens=8)))
+prompt = engine.prepare(parsed, Timings())
+logits = prefill(engine.model, new_cache(engine.model, 1, len(prompt) + 1), prompt, chunk=70)
+torch.save({"logits": logits[0].float(), "plan": {kind: k.name for kind, k in engine.plan.entries().items()}},
+           sys.argv[4])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["avx512", "avx2", "portable"])
+def test_every_tier_runs_the_hybrid_layers_natively_within_int8s_error(tiny35_checkpoint, tier, tmp_path):
+    """Each emulated tier's default path (int8 weights, its compute dtype and kernels) gives the
+    float32 model's prefill logits within the error of int8 weights alone (computed in float32),
+    its plan naming native Gated DeltaNet kernels."""
+    import os
+    import subprocess
+    import sys
+
+    from qvl.kernels import build
+
+    if tier not in {t.name for t in build.tiers()}:
+        pytest.skip(f"this CPU cannot run the {tier} tier")
+    outputs = {}
+    for name, weights, dtype, env in (("fp32", "fp32", "auto", {}), ("int8", "int8", "fp32", {}),
+                                      (tier, "int8", "auto", {"QVL_ISA": tier})):
+        out = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", TIER_PROBE, str(tiny35_checkpoint), weights, dtype, str(out)],
+                       check=True, env={**os.environ, **env}, timeout=600)
+        outputs[name] = torch.load(out)
+    reference = outputs["fp32"]["logits"]
+
+    def error(name: str) -> float:
+        return float((outputs[name]["logits"] - reference).norm() / reference.norm())
+
+    assert error(tier) < 1.25 * error("int8") + 0.01
+    plan = outputs[tier]["plan"]
+    assert all(plan[kind].startswith("qvl_") for kind in ("delta rule, prefill", "delta rule, decode",
+                                                            "short conv, prefill", "short conv, decode"))
