@@ -7,7 +7,7 @@
 #if defined(QVL_AVX512) && defined(__AVX512BF16__) && defined(__AVX512DQ__) /* DQ: exp2_ps3 (every BF16 CPU has it) */
 #define ABK 64 /* keys per step */
 #define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */
-#define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
+#define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles; L2 at D 256) */
 #define NKB (ABK / 16)
 #define MAX_SLACK 8.f /* log2 units */
 
@@ -364,9 +364,10 @@ static void head_block(const uint16_t* q, int64_t q_stride, int64_t rows, const 
  * kv_blocks[j/block]*block_stride + (j%block)*k_tok (v_tok) + h*k_head (v_head); block % 16 == 0.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
  * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64, 128 or 256 (Qwen3.5's full
- * attention), and 72 or 80 for vision; where the process has AMX tiles, attention runs only on them (qvl_amx_attention, even D <= 128; -2 otherwise,
- * and the caller takes torch's SDPA), except causal calls over fewer keys than causal + T (query t then sees keys up
- * to min(causal + t, S - 1)), which these dot products take.
+ * attention), and 72 or 80 for vision; where the process has AMX tiles, attention runs only on
+ * them (qvl_amx_attention, even D <= 128; -2 otherwise, and the caller takes torch's SDPA),
+ * except causal calls over fewer keys than causal + T (query t then sees keys up to
+ * min(causal + t, S - 1)), which these dot products take.
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
