@@ -28,10 +28,13 @@ products   Many-row products of int8 (or int4) weights on the 2B vision tower's 
 attention  The vision tower's attention (the flash kernel in bf16, in 8-bit codes where the build
            has VNNI and BF16 without AMX, in 16-bit integer codes in float32) on 1008 and 4032
            patches of 16 heads of 64 and of 72; prefill's causal attention over the paged cache
-           (one 2B layer: 16 query heads over 8 key/value heads of 128; prompts of 280 and 1030
-           tokens, and the last 64 of 1030); decode attention over 2048 cached positions for 1
-           and 8 rows. Against torch's SDPA on the same keys and values gathered beforehand, with
-           each side's largest difference from SDPA in float32 (float64 for float32 inputs).
+           (one 2B layer: 16 query heads over 8 key/value heads of 128, or --prefill-heads; prompts
+           of 280 and 1030 tokens, and the last 64 of 1030, or --prompts); decode attention over
+           2048 cached positions for 1 and 8 rows. Against torch's SDPA on the same keys and
+           values (prefill: gathered from the pool in the call, as ops.cache_attention does; the
+           others beforehand), with each side's largest difference from SDPA in float32 (float64
+           for float32 inputs). Qwen3.5 2B's full attention at 4000 tokens:
+           attention --kinds prefill --prefill-heads 8 2 256 --prompts 4000
 
 The compute dtype is the tier's (bf16 where it has bf16 products, else float32) unless --dtype
 says otherwise. --tier NAME reruns the script with qvl's kernels and torch's held to that tier
@@ -276,26 +279,30 @@ def vision_attention(args, libs: dict, plan, exact: torch.dtype) -> None:
 
 
 def prefill_attention(args, libs: dict) -> None:
-    """One 2B layer's causal attention over a paged cache (bf16) whose blocks are shuffled."""
+    """One layer's causal attention (--prefill-heads) over a paged cache (bf16) whose blocks are
+    shuffled, per --prompts LENGTH[:QUERIES] (the last QUERIES tokens of a LENGTH-token prompt).
+    SDPA as ops.cache_attention runs it: the row's blocks gathered, is_causal for a whole prompt."""
+    heads, kv_heads, head_dim = args.prefill_heads
     torch.manual_seed(0)
-    for length, queries in ((280, 280), (1030, 1030), (1030, 64)):
+    for prompt in args.prompts:
+        length, queries = (int(x) for x in (prompt.split(":") if ":" in prompt else (prompt, prompt)))
         start, blocks = length - queries, -(-length // BLOCK)
-        keys, values = (torch.randn(blocks, KV_HEADS, BLOCK, HEAD_DIM).bfloat16() for _ in range(2))
+        keys, values = (torch.randn(blocks, kv_heads, BLOCK, head_dim).bfloat16() for _ in range(2))
         table = torch.randperm(blocks)
-        q = (torch.randn(queries, HEADS, HEAD_DIM) * 2).bfloat16()
-        k, v = (x[table].transpose(0, 1).reshape(1, KV_HEADS, -1, HEAD_DIM)[:, :, :length].contiguous()
-                for x in (keys, values))  # [1, KV_HEADS, length, HEAD_DIM], as KVCache.gather gives SDPA
-        mask = (torch.arange(length)[None, :] <= torch.arange(start, length)[:, None])[None, None]
+        q = (torch.randn(queries, heads, head_dim) * 2).bfloat16()
+        mask = (torch.arange(length)[None, :] <= torch.arange(start, length)[:, None])[None, None] if start else None
 
         def sdpa(dt=torch.bfloat16):
-            return F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(dt), k.to(dt), v.to(dt), attn_mask=mask,
-                                                  enable_gqa=True)[0].transpose(0, 1)
+            k, v = (x[table].transpose(0, 1).reshape(1, kv_heads, -1, head_dim)[:, :, :length].to(dt)
+                    for x in (keys, values))  # [1, kv_heads, length, head_dim], as KVCache.gather gives SDPA
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(dt), k, v, attn_mask=mask,
+                                                  is_causal=mask is None, enable_gqa=True)[0].transpose(0, 1)
 
         sides = {"SDPA": sdpa, **{"flash" + tag: lambda lib=lib: attention.paged_attention(lib, q, keys, values, table,
                                                                                           start)
                                   for tag, lib in libs.items()}}
         times = measure(sides, args)
-        print_rows(f"prefill, {length}-token prompt", queries, times, "SDPA",
+        print_rows(f"prefill, {length}-token prompt, {heads}/{kv_heads} heads of {head_dim}", queries, times, "SDPA",
                    largest_difference(sides, sdpa(torch.float32)))
 
 
@@ -345,6 +352,10 @@ def main() -> None:
     a = modes.add_parser("attention", parents=[shared], help="vision, prefill and decode attention")
     kinds = ["vision", "prefill", "decode"]
     a.add_argument("--kinds", nargs="+", choices=kinds, default=kinds)
+    a.add_argument("--prefill-heads", type=int, nargs=3, metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+                   default=[HEADS, KV_HEADS, HEAD_DIM], help="prefill's layer (Qwen3.5 2B's full attention: 8 2 256)")
+    a.add_argument("--prompts", nargs="+", default=["280", "1030", "1030:64"], metavar="LENGTH[:QUERIES]",
+                   help="prefill: prompts of LENGTH tokens, the last QUERIES of them queried (default: all)")
     args = p.parse_args()
     if args.tier and os.environ.get("QVL_ISA") != args.tier:
         os.execve(sys.executable, [sys.executable, *sys.argv], common.tier_env(args.tier))

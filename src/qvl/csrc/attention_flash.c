@@ -7,7 +7,7 @@
 #if defined(QVL_AVX512) && defined(__AVX512BF16__) && defined(__AVX512DQ__) /* DQ: exp2_ps3 (every BF16 CPU has it) */
 #define ABK 64 /* keys per step */
 #define ATQ 4  /* query rows per tile (ATQ x ABK/16 score accumulators) */
-#define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles) */
+#define ABQ 64 /* query rows per block (its keys and values stay in L1 across the tiles; L2 at D 256) */
 #define NKB (ABK / 16)
 #define MAX_SLACK 8.f /* log2 units */
 
@@ -196,7 +196,8 @@ static inline __attribute__((always_inline)) void attention_tile(
     const uint16_t* qb, const uint32_t* kp, const uint32_t* vp, int64_t S, int64_t S_pad, int64_t causal,
     __m512 scale, int t, int64_t kb, float* o, float* mx, float* l, uint16_t* pb, const int D, const int masked) {
     const int DV = (D + 15) / 16 * 16; /* value pairs and sums per row: D, zero-padded to 16 lanes */
-    const int GR = DV <= 80 ? 4 : 2;    /* rows per value-product group: GR x DV/16 accumulators */
+    const int CW = DV <= 128 ? DV : 128; /* value-product columns at a time (D 256: two halves) */
+    const int GR = CW <= 80 ? 4 : 2;     /* rows per value-product group: GR x CW/16 accumulators */
     float corr[ATQ];
     __mmask16 mask[ATQ][NKB];
     for (int i = 0; i < ATQ; i++) {
@@ -250,24 +251,26 @@ static inline __attribute__((always_inline)) void attention_tile(
         }
         _mm512_store_ps(l + (t + i) * 16, sum);
     }
-    for (int g = 0; g < ATQ; g += GR) {
-        __m512 acc[4][8];
-        for (int i = 0; i < GR; i++)
-            for (int d = 0; d < DV / 16; d++) {
-                __m512 prev = _mm512_loadu_ps(o + (t + g + i) * DV + 16 * d);
-                acc[i][d] = corr[g + i] == 1.f ? prev : _mm512_mul_ps(prev, _mm512_set1_ps(corr[g + i]));
+    for (int c0 = 0; c0 < DV; c0 += CW)
+        for (int g = 0; g < ATQ; g += GR) {
+            __m512 acc[4][8];
+            float* og = o + (t + g) * DV + c0;
+            for (int i = 0; i < GR; i++)
+                for (int d = 0; d < CW / 16; d++) {
+                    __m512 prev = _mm512_loadu_ps(og + i * DV + 16 * d);
+                    acc[i][d] = corr[g + i] == 1.f ? prev : _mm512_mul_ps(prev, _mm512_set1_ps(corr[g + i]));
+                }
+            for (int jp = 0; jp < ABK / 2; jp++) {
+                const uint32_t* vrow = vp + (kb / 2 + jp) * DV + c0;
+                for (int i = 0; i < GR; i++) {
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
+                    for (int d = 0; d < CW / 16; d++)
+                        acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
+                }
             }
-        for (int jp = 0; jp < ABK / 2; jp++) {
-            const uint32_t* vrow = vp + (kb / 2 + jp) * DV;
-            for (int i = 0; i < GR; i++) {
-                __m512bh a = (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)(pb + (g + i) * ABK))[jp]);
-                for (int d = 0; d < DV / 16; d++)
-                    acc[i][d] = _mm512_dpbf16_ps(acc[i][d], a, (__m512bh)_mm512_loadu_si512(vrow + 16 * d));
-            }
+            for (int i = 0; i < GR; i++)
+                for (int d = 0; d < CW / 16; d++) _mm512_storeu_ps(og + i * DV + 16 * d, acc[i][d]);
         }
-        for (int i = 0; i < GR; i++)
-            for (int d = 0; d < DV / 16; d++) _mm512_storeu_ps(o + (t + g + i) * DV + 16 * d, acc[i][d]);
-    }
 }
 
 /* Flash attention for the query rows [0, rows) of one head: scores and products in
@@ -280,10 +283,10 @@ static inline __attribute__((always_inline)) void attention_block(
     const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp, int64_t S,
     int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride, const ByteScores* bs,
     const int D) {
-    uint16_t qb[ABQ * 128] __attribute__((aligned(64)));
+    uint16_t qb[ABQ * 256] __attribute__((aligned(64)));
     uint8_t qc[ABQ * 128] __attribute__((aligned(64))); /* with bs: each row's codes + 128 */
     float qf[ABQ];                                      /* with bs: each row's step x scale2 */
-    float o[ABQ * 128] __attribute__((aligned(64)));
+    float o[ABQ * 256] __attribute__((aligned(64)));
     uint16_t pb[ATQ * ABK] __attribute__((aligned(64)));
     float mx[ABQ], l[ABQ * 16] __attribute__((aligned(64))); /* running max; running sums per lane */
     for (int r = 0; r < ABQ; r++) {
@@ -336,7 +339,7 @@ static inline __attribute__((always_inline)) void attention_block(
     }
 }
 
-/* attention_block for a head size known at run time (D 32, 64, 72, 80 or 128). */
+/* attention_block for a head size known at run time (D 32, 64, 72, 80, 128 or 256). */
 static void head_block(const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* kp, const uint32_t* vp,
                        int64_t S, int64_t S_pad, int64_t causal, float scale2, uint16_t* out, int64_t out_stride,
                        const ByteScores* bs, int64_t D) {
@@ -348,8 +351,10 @@ static void head_block(const uint16_t* q, int64_t q_stride, int64_t rows, const 
         attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 80);
     else if (D == 64)
         attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 64);
-    else
+    else if (D == 128)
         attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 128);
+    else /* Qwen3.5's full-attention layers */
+        attention_block(q, q_stride, rows, kp, vp, S, S_pad, causal, scale2, out, out_stride, bs, 256);
 }
 
 /* out = softmax(q k^T / sqrt(D)) v for T queries over S keys, grouped-query (query head h
@@ -358,10 +363,11 @@ static void head_block(const uint16_t* q, int64_t q_stride, int64_t rows, const 
  * table (a paged KV cache; NULL: positions as strided above), position j of k or v is at
  * kv_blocks[j/block]*block_stride + (j%block)*k_tok (v_tok) + h*k_head (v_head); block % 16 == 0.
  * causal >= 0: query t sees keys j <= causal + t (prefill of positions causal..causal+T-1
- * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64 or 128, and 72 or 80 for
- * vision; where the process has AMX tiles, attention runs only on them (qvl_amx_attention, even D <= 128; -2 otherwise,
- * and the caller takes torch's SDPA), except causal calls over fewer keys than causal + T (query t then sees keys up
- * to min(causal + t, S - 1)), which these dot products take.
+ * over a cache of S = causal + T); -1: no mask (vision). D = 32, 64, 128 or 256 (Qwen3.5's full
+ * attention), and 72 or 80 for vision; where the process has AMX tiles, attention runs only on
+ * them (qvl_amx_attention, even D <= 128; -2 otherwise, and the caller takes torch's SDPA),
+ * except causal calls over fewer keys than causal + T (query t then sees keys up to
+ * min(causal + t, S - 1)), which these dot products take.
  * Returns 0, -1 when out of memory, -2 when D or the heads are not supported. */
 int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
                   int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
@@ -371,7 +377,7 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
         return qvl_amx_attention(q, k, v, out, T, S, H, Hkv, D, q_tok, q_head, k_tok, k_head, v_tok, v_head, o_tok,
                                  o_head, causal, kv_blocks, block, block_stride, threads);
     const int vision_only = D == 72 || D == 80; /* the 1152-wide towers' heads (8B and larger) */
-    if ((D != 32 && D != 64 && D != 128 && !(vision_only && causal < 0 && !kv_blocks)) || Hkv < 1 || H % Hkv != 0 ||
+    if ((D != 32 && D != 64 && D != 128 && D != 256 && !(vision_only && causal < 0 && !kv_blocks)) || Hkv < 1 || H % Hkv != 0 ||
         (kv_blocks && (block < 16 || block % 16)))
         return -2;
     /* key pairs per key: D/2 rounded up to 16 (pack_keys' transposes); value lanes: D rounded up to 16 */

@@ -17,8 +17,8 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     [S, H_kv, D] bf16 (any token/head strides, D contiguous) -> [T, H, D] contiguous.
     causal_from=None: every query sees every key (vision); an int p: query t sits at position
     p + t and sees keys 0..p+t (prefill over a cache). Head sizes: on AMX tiles where the CPU
-    has them any even D up to 128, else 32, 64 or 128 (vision also 72 and 80). None when the
-    shapes do not apply."""
+    has them any even D up to 128, else 32, 64, 128 or 256 (vision also 72 and 80). None when
+    the shapes do not apply."""
     t, h, d = q.shape
     s, hkv = k.shape[0], k.shape[1]
     if d % 2 or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(2) != 1 for x in (q, k, v)):
@@ -98,7 +98,7 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, value
     [T, H, D] bf16 (any token/head strides, D contiguous) at positions causal_from.. over
     that row's keys and values, one layer of the pool [blocks, H_kv, BLOCK, D], position j in
     block blocks[j // BLOCK] ([>= ceil((causal_from + T) / BLOCK)] int64) -> [T, H, D]
-    contiguous. None when the shapes do not apply."""
+    contiguous. Head sizes as attention's. None when the shapes do not apply."""
     t, h, d = q.shape
     n, hkv, block = keys.shape[0], keys.shape[1], keys.shape[2]
     if d % 2 or h % hkv or any(x.dtype != torch.bfloat16 or x.stride(-1) != 1 for x in (q, keys, values)):
