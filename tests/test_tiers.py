@@ -470,13 +470,18 @@ def _codes(entries: dict) -> dict[str, tuple[str, int]]:
     return {kind: (k.name, k.code_bits) for kind, k in entries.items()}
 
 
+_DELTA_RULE = {"delta rule, prefill": ("qvl_gated_delta_rule", 0),
+               "delta rule, decode": ("qvl_gated_delta_step", 0), "short conv, prefill": ("qvl_causal_conv", 0),
+               "short conv, decode": ("qvl_causal_conv_step", 0)}  # every build
 _ELEMENTWISE_BF16 = {"rms_norm": ("qvl_rmsnorm", 0), "rope, text prefill": ("qvl_text_rope", 0),
                      "rope, vision": ("qvl_vision_rope", 0), "silu_mul": ("qvl_silu_mul", 0),
                      "text attention, prefill": ("qvl_attention", 0),
-                     "text attention, decode": ("qvl_decode_attention", 0), "decode step": ("qvl_decode_layers", 0)}
+                     "text attention, decode": ("qvl_decode_attention", 0), "decode step": ("qvl_decode_layers", 0),
+                     **_DELTA_RULE}
 _ELEMENTWISE_FP32 = {"rms_norm": ("torch", 0), "rope, text prefill": ("torch", 0), "rope, vision": ("torch", 0),
                      "silu_mul": ("torch", 0), "text attention, prefill": ("sdpa", 0),
-                     "text attention, decode": ("qvl_decode_attention", 0), "decode step": ("qvl_decode_layers", 0)}
+                     "text attention, decode": ("qvl_decode_attention", 0), "decode step": ("qvl_decode_layers", 0),
+                     **_DELTA_RULE}
 _BYTE_CODES_FP32 = {  # float32 compute with VNNI or AVX-VNNI: the byte kernel in 8-bit codes for vision and prefill
     "text linears, decode": ("gemv", 16), "text linears, prefill": ("q8_linear", 8), "lm_head": ("gemv", 16),
     "vision linears": ("q8_linear", 8), "vision attention": ("qvl_attention_i16", 16), **_ELEMENTWISE_FP32}
@@ -541,7 +546,8 @@ def test_plan_follows_the_options(tier_lib):
     assert _codes(off_lib.entries()) == {
         "text linears, decode": ("torch_int8", 0), "text linears, prefill": ("dequantize", 0),
         "lm_head": ("torch_int8", 0), "vision linears": ("dequantize", 0), "vision attention": ("sdpa", 0),
-        **_ELEMENTWISE_FP32, "text attention, decode": ("sdpa", 0), "decode step": ("per-layer", 0)}
+        **_ELEMENTWISE_FP32, "text attention, decode": ("sdpa", 0), "decode step": ("per-layer", 0),
+        **{kind: ("torch", 0) for kind in _DELTA_RULE}}
 
 
 def test_library_features_per_tier(tier_lib):

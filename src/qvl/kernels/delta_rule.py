@@ -12,8 +12,12 @@ a multiple, computes the same bits. Why CHUNK is 64: docs/decisions/delta-rule-c
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
+
+from qvl.kernels.build import DTYPES
 
 CHUNK = 64  # tokens per chunk of the prefill delta rule (chunks start at absolute multiples of it)
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
@@ -129,3 +133,91 @@ def reference_causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state
     full = torch.cat([conv_states[slots].to(x.dtype), x[:, :, None]], -1)  # [B, C, K]
     conv_states[slots] = full[:, :, 1:].to(conv_states.dtype)
     return _conv_silu(full, weight, x.dtype)
+
+
+# -- the native kernels (csrc/delta_rule.c): None where they do not take the inputs ---------------
+
+def _rows(x: torch.Tensor) -> bool:
+    """x [N, H, D] (or [N, C]) of a kernel dtype with its last dim contiguous."""
+    return x.dtype in DTYPES and x.stride(-1) == 1
+
+
+def _floats(*xs: torch.Tensor) -> bool:
+    return all(x.dtype == torch.float32 and x.is_contiguous() for x in xs)
+
+
+def _check_slots(slots: torch.Tensor, pool: int, rows: int, what: str) -> torch.Tensor:
+    """slots as contiguous int64, after checking there is one per row and each names a slot of the pool."""
+    slots = slots.to(torch.int64).contiguous()
+    if slots.shape != (rows,) or (rows and (int(slots.min()) < 0 or int(slots.max()) >= pool)):
+        raise IndexError(f"{what}: slots {slots.tolist()} are not one per row of {rows} in a pool of {pool}")
+    return slots
+
+
+def native_gated_delta_rule(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state: torch.Tensor, offset: int,
+                            chunk: int = CHUNK) -> torch.Tensor | None:
+    """reference_gated_delta_rule in one native call (q, k, v: any token/head strides, D
+    contiguous; g, beta, state contiguous float32). `chunk`: CHUNK except when measuring others."""
+    _check_heads(q, k, v, state.shape)
+    if not (_rows(q) and _rows(k) and _rows(v) and q.dtype == k.dtype == v.dtype and _floats(g, beta, state)):
+        return None
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.empty(t, hv, dv, dtype=v.dtype)
+    status = lib.qvl_gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPES[v.dtype], t, hk, hv, dk, dv,
+                                      *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.data_ptr(),
+                                      beta.data_ptr(), state.data_ptr(), out.data_ptr(), offset, chunk,
+                                      torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_gated_delta_rule could not allocate its chunk buffers")
+    return out if status == 0 else None
+
+
+def native_gated_delta_step(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """reference_gated_delta_step in one native call (each state read from memory once)."""
+    _check_heads(q, k, v, states.shape)
+    if not (_rows(q) and _rows(k) and _rows(v) and q.dtype == k.dtype == v.dtype and _floats(g, beta, states)):
+        return None
+    b, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    slots = _check_slots(slots, states.shape[0], b, "gated delta step")
+    out = torch.empty(b, hv, dv, dtype=v.dtype)
+    status = lib.qvl_gated_delta_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPES[v.dtype], b, hk, hv, dk, dv,
+                                      *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.data_ptr(),
+                                      beta.data_ptr(), states.data_ptr(), slots.data_ptr(), out.data_ptr(),
+                                      torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def native_causal_conv(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+                       conv_state: torch.Tensor) -> torch.Tensor | None:
+    """reference_causal_conv in one native call: x (any row stride, C contiguous), weight and
+    conv_state contiguous, all of one kernel dtype."""
+    t, c = x.shape
+    if not (_rows(x) and weight.dtype == conv_state.dtype == x.dtype and weight.is_contiguous()
+            and conv_state.is_contiguous() and weight.shape[0] == c and conv_state.shape == (c, weight.shape[1] - 1)):
+        return None
+    out = torch.empty(t, c, dtype=x.dtype)
+    status = lib.qvl_causal_conv(x.data_ptr(), DTYPES[x.dtype], t, c, x.stride(0), weight.data_ptr(), weight.shape[1],
+                                 conv_state.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError("qvl_causal_conv could not allocate its weights")
+    return out if status == 0 else None
+
+
+def native_causal_conv_step(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                            slots: torch.Tensor) -> torch.Tensor | None:
+    """reference_causal_conv_step in one native call."""
+    b, c = x.shape
+    if not (_rows(x) and weight.dtype == conv_states.dtype == x.dtype and weight.is_contiguous()
+            and conv_states.is_contiguous() and weight.shape[0] == c
+            and conv_states.shape[1:] == (c, weight.shape[1] - 1)):
+        return None
+    slots = _check_slots(slots, conv_states.shape[0], b, "causal conv step")
+    out = torch.empty(b, c, dtype=x.dtype)
+    status = lib.qvl_causal_conv_step(x.data_ptr(), DTYPES[x.dtype], b, c, x.stride(0), weight.data_ptr(),
+                                      weight.shape[1], conv_states.data_ptr(), slots.data_ptr(), out.data_ptr(),
+                                      torch.get_num_threads())
+    return out if status == 0 else None

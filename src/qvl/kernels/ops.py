@@ -194,6 +194,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     place), offset the absolute position of token 0 -> out [T, Hv, Dv] in v's dtype. Chunks of
     delta_rule.CHUNK at absolute multiples of it: slices ending at such multiples compute the
     same bits as one call."""
+    if default_plan(v.dtype).delta_rule == "qvl_gated_delta_rule":
+        if (out := delta_rule.native_gated_delta_rule(library().lib, q, k, v, g, beta, state, offset)) is not None:
+            return out
     return delta_rule.reference_gated_delta_rule(q, k, v, g, beta, state, offset)
 
 
@@ -202,6 +205,9 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """Gated DeltaNet's decode step, one token per row: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta
     [B, Hv] float32, states [S, Hv, Dk, Dv] float32, slots [B] int64 (distinct): row b updates
     states[slots[b]] in place -> out [B, Hv, Dv] in v's dtype, each row as it would be alone."""
+    if default_plan(v.dtype).delta_step == "qvl_gated_delta_step":
+        if (out := delta_rule.native_gated_delta_step(library().lib, q, k, v, g, beta, states, slots)) is not None:
+            return out
     return delta_rule.reference_gated_delta_step(q, k, v, g, beta, states, slots)
 
 
@@ -209,6 +215,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor)
     """Gated DeltaNet's short convolution, prefill of one row: x [T, C], weight [C, K], conv_state
     [C, K-1] (the inputs before x; updated in place to the last K-1) -> silu(causal depthwise
     conv) [T, C] in x's dtype."""
+    if default_plan(x.dtype).delta_rule == "qvl_gated_delta_rule":
+        if (y := delta_rule.native_causal_conv(library().lib, x, weight, conv_state)) is not None:
+            return y
     return delta_rule.reference_causal_conv(x, weight, conv_state)
 
 
@@ -216,4 +225,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.T
                      slots: torch.Tensor) -> torch.Tensor:
     """The short convolution's decode step: x [B, C], weight [C, K], conv_states [S, C, K-1],
     slots [B] int64 (distinct): row b updates conv_states[slots[b]] in place -> [B, C]."""
+    if default_plan(x.dtype).delta_step == "qvl_gated_delta_step":
+        if (y := delta_rule.native_causal_conv_step(library().lib, x, weight, conv_states, slots)) is not None:
+            return y
     return delta_rule.reference_causal_conv_step(x, weight, conv_states, slots)

@@ -4,7 +4,7 @@ and stored on the modules that run it. `qvl info` prints it; the tests assert it
 
 Why each choice: docs/decisions/int8-activations.md (which layers, which codes, per CPU),
 docs/decisions/prefill-products.md (many-row int8 kernels per tier), docs/decisions/amx.md,
-docs/decisions/attention.md, docs/decisions/decode-step.md, docs/decisions/int8-weights.md and
+docs/decisions/attention.md, docs/decisions/decode-step.md, docs/decisions/delta-rule-chunk.md, docs/decisions/int8-weights.md and
 docs/decisions/compute-dtype.md."""
 
 from __future__ import annotations
@@ -177,6 +177,17 @@ class Plan:
         """All decoder layers of a decode step in one native call, else the per-layer modules."""
         return "qvl_decode_layers" if self.native and self.dtype in _FLOAT else "per-layer"
 
+    @functools.cached_property
+    def delta_rule(self) -> str:
+        """Gated DeltaNet's chunked delta rule (prefill) and its short convolution, in float32 on
+        every build; else torch's ops (docs/decisions/delta-rule-chunk.md)."""
+        return "qvl_gated_delta_rule" if self.native and self.dtype in _FLOAT else "torch"
+
+    @functools.cached_property
+    def delta_step(self) -> str:
+        """The delta rule's decode step (each state read once) and the convolution's, natively on every build."""
+        return "qvl_gated_delta_step" if self.native and self.dtype in _FLOAT else "torch"
+
     # -- linear layers -------------------------------------------------------------------------
     def int8_mode(self, kind: str) -> str:
         """How a layer of `kind` (text, vision, lm_head) runs many rows: "codes" (the byte kernel),
@@ -242,7 +253,10 @@ class Plan:
                 "text attention, decode": op(self.decode_attention),
                 "vision attention": op(self.vision_attention, codes), "rms_norm": op(self.rms_norm),
                 "rope, text prefill": op(self.text_rope), "rope, vision": op(self.vision_rope),
-                "silu_mul": op(self.silu_mul), "decode step": op(self.decode_step)}
+                "silu_mul": op(self.silu_mul), "decode step": op(self.decode_step),
+                "delta rule, prefill": op(self.delta_rule), "delta rule, decode": op(self.delta_step),
+                "short conv, prefill": op("qvl_causal_conv" if self.delta_rule != "torch" else "torch"),
+                "short conv, decode": op("qvl_causal_conv_step" if self.delta_step != "torch" else "torch")}
 
     def apply(self, model: torch.nn.Module) -> None:
         """Give every linear layer, mixture's experts and vision attention of `model` its plan,
