@@ -190,8 +190,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_silu_mul.restype = None
     lib.qvl_text_rope.argtypes = [ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     lib.qvl_text_rope.restype = c_int
-    lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
-                                      ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, c_int]
+    lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, ptr, c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
+                                      ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
     lib.qvl_amx_bf16_linear.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr, c_int]
     lib.qvl_amx_bf16_linear.restype = c_int
