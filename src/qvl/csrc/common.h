@@ -335,6 +335,8 @@ int qvl_decode_attention(const void* q, const void* keys, const void* values, in
 void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads);
 void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
+void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
+                              int threads);
 int qvl_features(void);
 int qvl_int8_amx_ready(void);
 int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,

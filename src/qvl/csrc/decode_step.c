@@ -149,22 +149,9 @@ typedef struct {
     const QvlStates* states;
 } Step;
 
-/* RMSNorm of `rows` rows of `dim` (out may be x): qvl_rmsnorm, or with zero_centred (Qwen3.5)
- * x * rsqrt(mean x^2 + eps) * (1 + w) in float32, rounded once (ops.rms_norm_zero_centred). */
+/* RMSNorm of `rows` rows of `dim` (out may be x): qvl_rmsnorm, or qvl_rmsnorm_zero_centred (Qwen3.5). */
 static void norm_rows(const Step* t, const void* x, const void* w, void* out, int64_t rows, int64_t dim) {
-    const int dt = t->dt;
-    const float eps = t->s->eps;
-    if (!t->s->zero_centred) {
-        qvl_rmsnorm(x, w, out, dt, rows, dim, eps, t->threads);
-        return;
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++) ss += get(x, dt, r * dim + i) * get(x, dt, r * dim + i);
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) put(out, dt, r * dim + i, get(x, dt, r * dim + i) * inv * (1.f + get(w, dt, i)));
-    }
+    (t->s->zero_centred ? qvl_rmsnorm_zero_centred : qvl_rmsnorm)(x, w, out, t->dt, rows, dim, t->s->eps, t->threads);
 }
 
 /* Attention of layer L (the `layer`-th with keys and values) for the normed rows xn [B][D] ->
