@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from qvl import paths
 from qvl.kernels import build
-from qvl.kernels import decode_step as decode_kernel
 from qvl.kernels import library as library_module
 from qvl.kernels.library import Library
+from tests.test_native import _count_one_calls
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
 RUNS = build.select_tier().name if TIERS else None
@@ -36,19 +36,6 @@ def load(checkpoint, weights: str, dtype: str | None = None):
 
     options = {"dtype": dtype} if dtype else {}
     return Engine.load(EngineOptions(model=str(checkpoint), weights=weights, threads=2, quant_cache=False, **options))
-
-
-def count_one_calls(monkeypatch) -> list[bool]:
-    """Each decode_step.decode_layers call: True when the one-call kernel ran the step."""
-    calls, one_call = [], decode_kernel.decode_layers
-
-    def counted(*a, **k):
-        out = one_call(*a, **k)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decode_kernel, "decode_layers", counted)
-    return calls
 
 
 def prefilled(model, slots: list[int], lengths: list[int], capacity: int):
@@ -89,7 +76,7 @@ def compare_paths(engine, monkeypatch, steps: int) -> None:
     (in another order) can move (the GEMVs and the delta rule's and convolution's kernels are
     shared: bf16 states mostly bit for bit); in float32 within float32 rounding."""
     text = engine.model.language_model
-    calls = count_one_calls(monkeypatch)
+    calls = _count_one_calls(monkeypatch)
     text.step_args = None
     logits, tokens, cache = greedy(engine.model, steps)
     assert calls == [True] * steps  # every step went through the one-call kernel
