@@ -15,7 +15,6 @@ from qvl.kernels.library import Library
 from tests.test_native import _count_one_calls
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
-RUNS = build.select_tier().name if TIERS else None
 pytestmark = pytest.mark.skipif(not TIERS, reason="no C compiler")
 PROMPT = torch.tensor([9707, 11, 1879, 0, 1086, 15164, 872, 198, 3838, 374, 13, 42])
 
@@ -138,7 +137,7 @@ def test_a_row_decodes_alone_as_among_other_rows(checkpoints, preset):
     rows_alone_as_together(load(checkpoints[preset], "int8"))
 
 
-@pytest.fixture(params=[pytest.param(name, marks=() if name == RUNS else pytest.mark.slow) for name in TIERS])
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in TIERS])  # this one's: the tests above
 def tier(request, monkeypatch):
     """Each tier this CPU runs, its own build chosen (the compute dtype follows it)."""
     t = TIERS[request.param]
