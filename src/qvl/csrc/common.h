@@ -299,18 +299,51 @@ typedef struct {
 } QvlLinear;
 
 /* A mixture-of-experts MLP (experts 0 in a dense layer): the router [experts][D] (bf16 weights)
- * and each expert's gate_up [2 * inter][D] (gate rows first) and down [D][inter]. */
+ * and each expert's gate_up [2 * inter][D] (gate rows first) and down [D][inter]; Qwen3.5's
+ * shared expert's score shared_gate [1][D] (n 0: none; the expert is the layer's gate/up/down). */
 typedef struct {
     int64_t experts, top_k, inter;
     QvlLinear router;
     const QvlLinear *gate_up, *down; /* [experts] each */
+    QvlLinear shared_gate;
 } QvlMoe;
 
+/* A Gated DeltaNet layer's weights (Qwen3.5): in_proj_qkv [C][D] (C = 2 Hk Dk + Hv Dv),
+ * in_proj_z [Hv Dv][D], in_proj_b and in_proj_a [Hv][D], out_proj [D][Hv Dv]; conv1d's weight
+ * [C][K], dt_bias and A_log [Hv], the gated norm's weight [Dv], all of the compute dtype. */
+typedef struct {
+    QvlLinear qkv, z, b, a, out;
+    const void *conv, *dt_bias, *a_log, *norm;
+} QvlDelta;
+
+/* One decoder layer: attention (q, k, v, o, the q/k norms) or, where delta.out.n != 0, a Gated
+ * DeltaNet; then a dense MLP (gate, up, down) or a mixture (moe.experts != 0; gate/up/down
+ * its shared expert where it has one). */
 typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm;
     QvlLinear q, k, v, o, gate, up, down;
     QvlMoe moe;
+    QvlDelta delta;
 } QvlLayer;
+
+/* The model's shapes for qvl_decode_layers: hidden size D, attention heads H and key/value heads
+ * Hkv of hd dims, the first rotary_dim of them rotated; gated: q_proj gives each head's query
+ * then its output gate (Qwen3.5); zero_centred: the RMSNorms scale by (1 + w); the Gated
+ * DeltaNet's key heads Hk of Dk, value heads Hv of Dv and convolution width K (0 without). */
+typedef struct {
+    int64_t D, H, Hkv, hd, rotary_dim, gated, zero_centred, Hk, Hv, Dk, Dv, K;
+    float eps;
+} QvlShape;
+
+/* The Gated DeltaNet layers' states (qvl.state_cache.StatePool): conv [L][slots][C][K-1] of the
+ * compute dtype, recurrent [L][slots][Hv][Dk][Dv] float32 (L: the DeltaNet layers), row b's at
+ * slot rows[b]. */
+typedef struct {
+    void* conv;
+    float* recurrent;
+    int64_t slots;
+    const int64_t* rows;
+} QvlStates;
 
 /* Entry points shared between the files (each defined once). */
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
@@ -321,6 +354,8 @@ int qvl_decode_attention(const void* q, const void* keys, const void* values, in
 void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads);
 void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin);
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
+void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
+                              int threads);
 int qvl_features(void);
 int qvl_int8_amx_ready(void);
 int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,
@@ -340,9 +375,15 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
                   int gelu, const void* residual);
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads);
-int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
-                      int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
-                      void* values, int64_t layer_stride, const int64_t* table, int64_t table_stride, int64_t block,
-                      int64_t block_stride, int64_t head_stride, const int64_t* slots, int threads);
+int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, int64_t B, int64_t Hk, int64_t Hv,
+                         int64_t Dk, int64_t Dv, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
+                         int64_t v_tok, int64_t v_head, const float* g, const float* beta, float* states,
+                         const int64_t* slots, void* out, int threads);
+int qvl_causal_conv_step(const void* x, int dt, int64_t B, int64_t C, int64_t x_tok, const void* w, int64_t K,
+                         void* states, const int64_t* slots, void* out, int threads);
+int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, const QvlShape* s, void* x, int dt, int64_t B,
+                      const void* cos, const void* sin, void* keys, void* values, int64_t layer_stride,
+                      const int64_t* table, int64_t table_stride, int64_t block, int64_t block_stride,
+                      int64_t head_stride, const int64_t* slots, const QvlStates* states, int threads);
 
 #endif

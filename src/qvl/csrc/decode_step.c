@@ -132,83 +132,205 @@ static void add_into(void* x, const void* a, int dt, int64_t n) { /* one loop pe
     }
 }
 
+static inline float in_dt(float v, int dt) { return dt == BF16 ? round_bf(v) : v; } /* as torch stores it */
+static inline float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* What every layer of one step shares: the model's shapes, the rows, their cache and states. */
+typedef struct {
+    const QvlShape* s;
+    int dt, threads;
+    int64_t B;
+    size_t es;
+    const char *cos, *sin; /* [B][rotary_dim] */
+    char *keys, *values;
+    int64_t layer_stride, table_stride, block, block_stride, head_stride;
+    const int64_t *table, *slots, *lengths;
+    const QvlStates* states;
+} Step;
+
+/* RMSNorm of `rows` rows of `dim` (out may be x): qvl_rmsnorm, or qvl_rmsnorm_zero_centred (Qwen3.5). */
+static void norm_rows(const Step* t, const void* x, const void* w, void* out, int64_t rows, int64_t dim) {
+    (t->s->zero_centred ? qvl_rmsnorm_zero_centred : qvl_rmsnorm)(x, w, out, t->dt, rows, dim, t->s->eps, t->threads);
+}
+
+/* Attention of layer L (the `layer`-th with keys and values) for the normed rows xn [B][D] ->
+ * out [B][D]: q/k/v, the q/k norms, RoPE on each head's first rotary_dim dims, the new keys and
+ * values written at each row's position, attention over its positions 0..slots[b], times
+ * sigmoid(gate) where q_proj gives each head's gate after its query (rounded as torch rounds
+ * them), o_proj. w: scratch. Returns 0, -1 out of memory, or qvl_decode_attention's status. */
+static int attention(const Step* t, const QvlLayer* L, int64_t layer, const char* xn, char* w, void* out) {
+    const QvlShape* s = t->s;
+    const int dt = t->dt;
+    const size_t es = t->es;
+    const int64_t B = t->B, H = s->H, Hkv = s->Hkv, hd = s->hd, rd = s->rotary_dim, qn = B * H * hd, kn = B * Hkv * hd;
+    char *q = w, *att = q + qn * es, *k = att + qn * es, *v = k + kn * es, *qg = v + kn * es; /* qg [B][H][2 hd] */
+    char *kc = t->keys + layer * t->layer_stride * es, *vc = t->values + layer * t->layer_stride * es;
+    if (layer_linear(&L->q, xn, dt, B, s->gated ? qg : q, t->threads) || layer_linear(&L->k, xn, dt, B, k, t->threads) ||
+        layer_linear(&L->v, xn, dt, B, v, t->threads))
+        return -1;
+    if (s->gated)
+        for (int64_t r = 0; r < B * H; r++) memcpy(q + r * hd * es, qg + 2 * r * hd * es, (size_t)hd * es);
+    norm_rows(t, q, L->q_norm, q, B * H, hd);
+    norm_rows(t, k, L->k_norm, k, B * Hkv, hd);
+    for (int64_t b = 0; b < B; b++) {
+        const char *cos = t->cos + b * rd * es, *sin = t->sin + b * rd * es;
+        for (int64_t h = 0; h < H; h++) qvl_text_rope_rows(q + (b * H + h) * hd * es, dt, 1, rd, cos, sin);
+        for (int64_t h = 0; h < Hkv; h++) {
+            qvl_text_rope_rows(k + (b * Hkv + h) * hd * es, dt, 1, rd, cos, sin);
+            const int64_t at = (t->table[b * t->table_stride + t->slots[b] / t->block] * t->block_stride +
+                                h * t->head_stride + t->slots[b] % t->block * hd) * es;
+            memcpy(kc + at, k + (b * Hkv + h) * hd * es, (size_t)hd * es);
+            memcpy(vc + at, v + (b * Hkv + h) * hd * es, (size_t)hd * es);
+        }
+    }
+    int status = qvl_decode_attention(q, kc, vc, dt, t->table, t->table_stride, t->block, t->block_stride,
+                                      t->head_stride, B, H, Hkv, t->lengths, hd, att, t->threads);
+    if (status) return status;
+    if (s->gated)
+        for (int64_t r = 0; r < B * H; r++)
+            for (int64_t i = 0; i < hd; i++) {
+                const float gate = in_dt(sigmoid(get(qg, dt, (2 * r + 1) * hd + i)), dt);
+                put(att, dt, r * hd + i, get(att, dt, r * hd + i) * gate);
+            }
+    return layer_linear(&L->o, att, dt, B, out, t->threads) ? -1 : 0;
+}
+
+/* A Gated DeltaNet layer (the `index`-th) for the normed rows xn [B][D] -> out [B][D], as
+ * qvl.model.gated_deltanet computes a decode step: in_proj_qkv/z/b/a, beta = sigmoid(b) (rounded),
+ * g = -e^A_log softplus(a + dt_bias) in float32, the convolution's and the delta rule's steps on
+ * the rows' states, the gated RMSNorm per value head (float32 rms, times the weight after
+ * rounding, times silu(z) in float32, rounded), out_proj. w, f: scratch. Returns 0, or -1. */
+static int delta_layer(const Step* t, const QvlDelta* L, int64_t index, const char* xn, char* w, float* f, void* out) {
+    const QvlShape* s = t->s;
+    const int dt = t->dt;
+    const size_t es = t->es;
+    const int64_t B = t->B, Hv = s->Hv, Dv = s->Dv, C = 2 * s->Hk * s->Dk + Hv * Dv, VD = Hv * Dv;
+    char *mixed = w, *y = mixed + B * C * es, *z = y + B * C * es, *o = z + B * VD * es, *bl = o + B * VD * es,
+         *al = bl + B * Hv * es;
+    float *g = f, *beta = f + B * Hv;
+    if (layer_linear(&L->qkv, xn, dt, B, mixed, t->threads) || layer_linear(&L->z, xn, dt, B, z, t->threads) ||
+        layer_linear(&L->b, xn, dt, B, bl, t->threads) || layer_linear(&L->a, xn, dt, B, al, t->threads))
+        return -1;
+    for (int64_t i = 0; i < B * Hv; i++) {
+        const float a = get(al, dt, i) + get(L->dt_bias, dt, i % Hv);
+        beta[i] = in_dt(sigmoid(get(bl, dt, i)), dt);
+        g[i] = -expf(get(L->a_log, dt, i % Hv)) * (a > 20.f ? a : log1pf(expf(a)));
+    }
+    const QvlStates* st = t->states;
+    const int64_t Hk = s->Hk, Dk = s->Dk;
+    if (qvl_causal_conv_step(mixed, dt, B, C, C, L->conv, s->K, (char*)st->conv + index * st->slots * C * (s->K - 1) * es,
+                             st->rows, y, t->threads) ||
+        qvl_gated_delta_step(y, y + Hk * Dk * es, y + 2 * Hk * Dk * es, dt, B, Hk, Hv, Dk, Dv, C, Dk, C, Dk, C, Dv, g,
+                             beta, st->recurrent + index * st->slots * Hv * Dk * Dv, st->rows, o, t->threads))
+        return -2;
+    for (int64_t r = 0; r < B * Hv; r++) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < Dv; i++) ss += get(o, dt, r * Dv + i) * get(o, dt, r * Dv + i);
+        const float inv = 1.f / sqrtf(ss / (float)Dv + s->eps);
+        for (int64_t i = 0; i < Dv; i++) {
+            const float n = in_dt(get(L->norm, dt, i) * in_dt(get(o, dt, r * Dv + i) * inv, dt), dt);
+            put(o, dt, r * Dv + i, n * silu(get(z, dt, r * Dv + i)));
+        }
+    }
+    return layer_linear(&L->out, o, dt, B, out, t->threads) ? -1 : 0;
+}
+
+/* The SwiGLU MLP of layer L's gate/up/down for the normed rows xn [B][D] -> out [B][D]. */
+static int dense_mlp(const Step* t, const QvlLayer* L, const char* xn, char* w, void* out) {
+    const int64_t B = t->B, I = L->gate.n;
+    char *g = w, *u = w + B * I * t->es;
+    if (layer_linear(&L->gate, xn, t->dt, B, g, t->threads) || layer_linear(&L->up, xn, t->dt, B, u, t->threads))
+        return -1;
+    qvl_silu_mul(g, u, t->dt, B * I, t->threads);
+    return layer_linear(&L->down, g, t->dt, B, out, t->threads) ? -1 : 0;
+}
+
+/* Layer L's MLP for the normed rows xn [B][D] -> out [B][D]: dense, or the mixture of experts
+ * plus, where it has one, sigmoid(shared_gate xn) times the shared expert (each step rounded as
+ * torch rounds it). */
+static int mlp(const Step* t, const QvlLayer* L, const char* xn, char* w, void* out) {
+    const QvlMoe* m = &L->moe;
+    const int dt = t->dt;
+    const int64_t B = t->B, D = t->s->D;
+    if (!m->experts) return dense_mlp(t, L, xn, w, out);
+    if (moe_mlp(m, xn, dt, B, D, out, t->threads)) return -1;
+    if (!m->shared_gate.n) return 0;
+    char *score = w, *shared = score + B * t->es;
+    if (layer_linear(&m->shared_gate, xn, dt, B, score, t->threads) ||
+        dense_mlp(t, L, xn, shared + B * D * t->es, shared))
+        return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const float weight = in_dt(sigmoid(get(score, dt, b)), dt);
+        for (int64_t i = 0; i < D; i++)
+            put(out, dt, b * D + i, get(out, dt, b * D + i) + in_dt(weight * get(shared, dt, b * D + i), dt));
+    }
+    return 0;
+}
+
+/* Scratch elements (of the compute dtype) the layers need beside the hidden rows. */
+static int64_t scratch(const QvlLayer* layers, int64_t n_layers, const QvlShape* s, int64_t B) {
+    const int64_t qn = B * s->H * s->hd, kn = B * s->Hkv * s->hd, C = 2 * s->Hk * s->Dk + s->Hv * s->Dv;
+    const int64_t delta = 2 * B * C + 2 * B * s->Hv * s->Dv + 2 * B * s->Hv;
+    int64_t most = 2 * qn + 2 * kn + (s->gated ? 2 * qn : 0);
+    most = delta > most ? delta : most;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t need = B + B * s->D + 2 * B * layers[l].gate.n;
+        most = need > most ? need : most;
+    }
+    return most;
+}
+
+/* Whether the kernels take the shapes: the decode attention's head size and grouping, a
+ * rotary part of even size, the delta rule's heads (Dk, Dv multiples of 16 up to 256). */
+static int shapes_fit(const QvlShape* s, int64_t block) {
+    if (s->hd % 32 != 0 || s->hd > 256 || s->Hkv < 1 || s->H % s->Hkv != 0 || s->H / s->Hkv > 16 || block < 1)
+        return 0;
+    if (s->rotary_dim < 2 || s->rotary_dim > s->hd || s->rotary_dim % 2) return 0;
+    return !s->Hv || (s->Hk >= 1 && s->Hv % s->Hk == 0 && s->Dk % 16 == 0 && s->Dv % 16 == 0 &&
+                      s->Dk <= 256 && s->Dv <= 256 && s->K >= 2 && s->K <= 8);
+}
+
 /* One decode step (one new token per row) through all decoder layers, in place on the
- * hidden states x [B][D] of dtype dt (bf16 or float32; weights' scales, norms, cos/sin and
- * the cache share it): per layer RMSNorm, q/k/v, per-head q/k norms, RoPE (cos/sin [B][hd]),
- * the new keys/values of batch row b written at its position slots[b] of the paged cache
- * (layer l, position j of row b, head h at l*layer_stride + table[b*table_stride + j/block] *
- * block_stride + h*head_stride + (j%block)*hd elements), attention of row b over its
- * positions 0..slots[b], o_proj + residual,
- * RMSNorm, SwiGLU MLP (or the layer's mixture of experts) + residual. Returns 0, -1 when out of memory, -2 for shapes the decode attention does
- * not take (before anything is written). */
-int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, void* x, int dt, int64_t B, int64_t D, int64_t H,
-                      int64_t Hkv, int64_t hd, int64_t I, float eps, const void* cos, const void* sin, void* keys,
-                      void* values, int64_t layer_stride, const int64_t* table, int64_t table_stride, int64_t block,
-                      int64_t block_stride, int64_t head_stride, const int64_t* slots, int threads) {
-    if (hd % 32 != 0 || hd > 256 || Hkv < 1 || H % Hkv != 0 || H / Hkv > 16 || block < 1) return -2;
+ * hidden states x [B][D] of dtype dt (bf16 or float32; weights' scales, norms, cos/sin, the
+ * cache and the convolution states share it): per layer RMSNorm, the token mixer, residual,
+ * RMSNorm, the MLP (dense, or a mixture of experts with its shared expert), residual. The
+ * mixer is attention (`attention`: RoPE with cos/sin [B][rotary_dim]; the new keys/values of
+ * batch row b written at its position slots[b] of the paged cache: layer l (among the attention
+ * layers), position j of row b, head h at l*layer_stride + table[b*table_stride + j/block] *
+ * block_stride + h*head_stride + (j%block)*hd elements; row b attends to its positions
+ * 0..slots[b]) or a Gated DeltaNet (`delta_layer`, on the rows' states). Returns 0, -1 when out
+ * of memory, -2 for shapes the kernels do not take (before anything is written). */
+int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, const QvlShape* s, void* x, int dt, int64_t B,
+                      const void* cos, const void* sin, void* keys, void* values, int64_t layer_stride,
+                      const int64_t* table, int64_t table_stride, int64_t block, int64_t block_stride,
+                      int64_t head_stride, const int64_t* slots, const QvlStates* states, int threads) {
+    if (!shapes_fit(s, block)) return -2;
     const size_t es = dt == BF16 ? 2 : 4;
-    const int64_t qn = B * H * hd, kn = B * Hkv * hd;
+    const int64_t D = s->D;
     int64_t* lengths = malloc((size_t)B * sizeof(int64_t));
-    char* buf = malloc((size_t)(2 * B * D + 2 * qn + 2 * kn + 2 * B * I) * es);
-    if (!buf || !lengths) {
-        free(buf), free(lengths);
+    char* buf = malloc((size_t)(2 * B * D + scratch(layers, n_layers, s, B)) * es);
+    float* f = malloc((size_t)(2 * B * (s->Hv ? s->Hv : 1)) * sizeof(float));
+    if (!buf || !lengths || !f) {
+        free(buf), free(lengths), free(f);
         return -1;
     }
     for (int64_t b = 0; b < B; b++) lengths[b] = slots[b] + 1;
-    char *xn = buf, *a = xn + B * D * es, *q = a + B * D * es, *att = q + qn * es, *k = att + qn * es,
-         *v = k + kn * es, *g = v + kn * es, *u = g + B * I * es;
+    const Step t = {s, dt, threads, B, es, cos, sin, keys, values, layer_stride, table_stride, block, block_stride,
+                    head_stride, table, slots, lengths, states};
+    char *xn = buf, *a = xn + B * D * es, *w = a + B * D * es;
     int status = 0;
-    for (int64_t l = 0; l < n_layers && status == 0; l++) {
+    for (int64_t l = 0, attention_layer = 0, delta_index = 0; l < n_layers && status == 0; l++) {
         const QvlLayer* L = layers + l;
-        char *kc = (char*)keys + l * layer_stride * es, *vc = (char*)values + l * layer_stride * es;
-        qvl_rmsnorm(x, L->input_norm, xn, dt, B, D, eps, threads);
-        if (layer_linear(&L->q, xn, dt, B, q, threads) || layer_linear(&L->k, xn, dt, B, k, threads) ||
-            layer_linear(&L->v, xn, dt, B, v, threads)) {
-            status = -1;
-            break;
-        }
-        qvl_rmsnorm(q, L->q_norm, q, dt, B * H, hd, eps, threads);
-        qvl_rmsnorm(k, L->k_norm, k, dt, B * Hkv, hd, eps, threads);
-        for (int64_t b = 0; b < B; b++) {
-            qvl_text_rope_rows(q + b * H * hd * es, dt, H, hd, (const char*)cos + b * hd * es,
-                               (const char*)sin + b * hd * es);
-            qvl_text_rope_rows(k + b * Hkv * hd * es, dt, Hkv, hd, (const char*)cos + b * hd * es,
-                      (const char*)sin + b * hd * es);
-            for (int64_t h = 0; h < Hkv; h++) {
-                int64_t at = (table[b * table_stride + slots[b] / block] * block_stride + h * head_stride +
-                              slots[b] % block * hd) * es;
-                memcpy(kc + at, k + (b * Hkv + h) * hd * es, (size_t)hd * es);
-                memcpy(vc + at, v + (b * Hkv + h) * hd * es, (size_t)hd * es);
-            }
-        }
-        status = qvl_decode_attention(q, kc, vc, dt, table, table_stride, block, block_stride, head_stride, B, H, Hkv,
-                                      lengths, hd, att, threads);
-        if (status || layer_linear(&L->o, att, dt, B, a, threads)) {
-            status = status ? status : -1;
-            break;
-        }
+        norm_rows(&t, x, L->input_norm, xn, B, D);
+        status = L->delta.out.n ? delta_layer(&t, &L->delta, delta_index++, xn, w, f, a)
+                                : attention(&t, L, attention_layer++, xn, w, a);
+        if (status) break;
         add_into(x, a, dt, B * D);
-        qvl_rmsnorm(x, L->post_norm, xn, dt, B, D, eps, threads);
-        if (L->moe.experts) {
-            if (moe_mlp(&L->moe, xn, dt, B, D, a, threads)) {
-                status = -1;
-                break;
-            }
-            add_into(x, a, dt, B * D);
-            continue;
-        }
-        if (layer_linear(&L->gate, xn, dt, B, g, threads) || layer_linear(&L->up, xn, dt, B, u, threads)) {
-            status = -1;
-            break;
-        }
-        qvl_silu_mul(g, u, dt, B * I, threads);
-        if (layer_linear(&L->down, g, dt, B, a, threads)) {
-            status = -1;
-            break;
-        }
+        norm_rows(&t, x, L->post_norm, xn, B, D);
+        if ((status = mlp(&t, L, xn, w, a))) break;
         add_into(x, a, dt, B * D);
     }
-    free(buf);
-    free(lengths);
+    free(buf), free(lengths), free(f);
     return status;
 }

@@ -31,6 +31,20 @@ void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, 
     }
 }
 
+/* RMSNorm scaling by (1 + w) (Qwen3.5): x * rsqrt(mean x^2 + eps) * (1 + w) in float32, rounded
+ * once (out may be x). */
+void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
+                              int threads) {
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) ss += get(x, dt, r * dim + i) * get(x, dt, r * dim + i);
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) put(out, dt, r * dim + i, get(x, dt, r * dim + i) * inv * (1.f + get(w, dt, i)));
+    }
+}
+
 /* Rotary embedding of `heads` rows of D in place: x*cos + rotate_half(x)*sin, in bf16 with
  * each product and the sum rounded as the reference does, in float32 exactly as written. */
 void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin) {

@@ -186,12 +186,14 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_vision_rope.restype = c_int
     lib.qvl_rmsnorm.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
     lib.qvl_rmsnorm.restype = None
+    lib.qvl_rmsnorm_zero_centred.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
+    lib.qvl_rmsnorm_zero_centred.restype = None
     lib.qvl_silu_mul.argtypes = [ptr, ptr, c_int, i64, c_int]
     lib.qvl_silu_mul.restype = None
     lib.qvl_text_rope.argtypes = [ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]
     lib.qvl_text_rope.restype = c_int
-    lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, c_int, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
-                                      ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, c_int]
+    lib.qvl_decode_layers.argtypes = [ptr, i64, ptr, ptr, c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
+                                      ptr, ptr, c_int]
     lib.qvl_decode_layers.restype = c_int
     lib.qvl_amx_bf16_linear.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, ptr, c_int]
     lib.qvl_amx_bf16_linear.restype = c_int

@@ -27,13 +27,15 @@ def vision_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch
     return out if status == 0 else None
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             zero_centred: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of x (bf16 or float32) with a weight of the same dtype, in one
-    call (the reference runs seven small ops)."""
+    call (the reference runs seven small ops); zero_centred: scaling by (1 + weight), rounded once."""
     rows = x.contiguous()
     out = torch.empty_like(rows)
-    lib.qvl_rmsnorm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype],
-                    rows.numel() // rows.shape[-1], rows.shape[-1], eps, torch.get_num_threads())
+    kernel = lib.qvl_rmsnorm_zero_centred if zero_centred else lib.qvl_rmsnorm
+    kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype], rows.numel() // rows.shape[-1],
+           rows.shape[-1], eps, torch.get_num_threads())
     return out
 
 

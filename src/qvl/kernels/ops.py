@@ -36,7 +36,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm scaling by (1 + weight) (Qwen3.5; x: [..., D], weight [D]), in float32 and
-    rounded once, as the reference does."""
+    rounded once, as the reference does (natively where rms_norm is: the one-call decode step's kernel)."""
+    if x.dtype == weight.dtype and default_plan(x.dtype).rms_norm == "qvl_rmsnorm":
+        return elementwise.rms_norm(library().lib, x, weight, eps, zero_centred=True)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * (1.0 + weight.float())).to(x.dtype)
