@@ -331,3 +331,16 @@ def test_every_tier_runs_the_hybrid_layers_natively_within_int8s_error(tiny35_ch
     plan = outputs[tier]["plan"]
     assert all(plan[kind].startswith("qvl_") for kind in ("delta rule, prefill", "delta rule, decode",
                                                             "short conv, prefill", "short conv, decode"))
+
+
+def test_the_mixture_runs_int4_with_int8_where_groups_do_not_divide(tmp_path):
+    """The tiny mixture's shared expert has 64 inputs to its down projection: less than one
+    group of 128, so that linear is int8 while the rest is int4."""
+    from qvl.quantize import Int4Linear, Int8Linear
+    from qvl.synth import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "moe", "qwen3.5-tiny-moe", seed=5)
+    engine = Engine.load(EngineOptions(model=str(path), weights="int4", threads=2, quant_cache=False))
+    mlp = engine.model.language_model.layers[0].mlp
+    assert isinstance(mlp.shared_expert.down_proj, Int8Linear) and isinstance(mlp.shared_expert.up_proj, Int4Linear)
+    assert len(engine.generate(greedy([{"role": "user", "content": "Hi"}], 6, ignore_eos=True)).token_ids) == 6

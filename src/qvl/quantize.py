@@ -321,9 +321,9 @@ def use_decode_kernels(model: nn.Module) -> None:
 
 
 def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[str]:
-    """Replace the quantised linears by empty int8/int4 modules, and a mixture's experts by
-    experts of the same format (int4 only where the group size divides both of their input
-    sizes, else int8), before loading. Returns the replaced modules' names."""
+    """Replace the quantised linears by empty int8/int4 modules (int4 only where the group size
+    divides their inputs, else int8), and a mixture's experts by experts of the same format
+    (int4 only where the group size divides both of their input sizes), before loading. Returns the replaced modules' names."""
     from qvl.model.text import Experts
 
     names = quantized_linear_names(model, spec)
@@ -340,7 +340,7 @@ def swap_modules(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> list[
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         vision = name.startswith("visual.")
-        if spec.weights == "int8" or vision:
+        if spec.weights == "int8" or vision or old.in_features % spec.group_size:  # int4 needs whole groups
             new = Int8Linear(old.in_features, old.out_features, old.bias is not None, dtype)
         else:
             new = Int4Linear(old.in_features, old.out_features, spec.group_size, dtype)

@@ -31,10 +31,11 @@ class Footprint:
 
 def linear_bytes(linear: nn.Linear, weights: str) -> int:
     """One linear as qvl stores it: int8 with a scale per output row, int4 with a scale and a
-    zero per group of GROUP_SIZE inputs (both in bf16), or bf16."""
+    zero per group of GROUP_SIZE inputs (both in bf16; int8 where the groups do not divide its
+    inputs, as qvl.quantize does), or bf16."""
     out, inp = linear.weight.shape
     bias = 2 * out if linear.bias is not None else 0
-    if weights == "int8":
+    if weights == "int8" or (weights == "int4" and inp % GROUP_SIZE):
         return out * inp + 2 * out + bias
     if weights == "int4":
         return out * inp // 2 + 2 * 2 * out * (inp // GROUP_SIZE) + bias
