@@ -43,14 +43,14 @@ PAD_ID = 151643  # <|endoftext|>
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 6000
+    steps: int = 3000
     batch_size: int = 16
     seed: int = 0
     lr: float = 2e-3
     warmup: int = 200
     negatives: int = 2048  # random vocabulary rows in each step's softmax (see answer_loss)
-    eval_every: int = 250
-    eval_items: int = 48
+    eval_every: int = 500
+    eval_items: int = 32
     save_every: int = 250
     log_every: int = 10
     threads: int = 2
