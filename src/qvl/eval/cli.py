@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from qvl.batch.cli import DEFAULT_BATCH_SIZE
 from qvl.options import SamplingOptions, add_engine_args, engine_options
@@ -75,4 +74,5 @@ def table(results: list[dict]) -> str:
                     + [str(s["failed"]), f"{speed['items_per_s']:.2f}", f"{speed['answer_tokens_per_s']:.1f}",
                        f"{speed['answer_s']:.1f}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + f"\n({results[0]['summary']['items']} items)"
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + f"\n({results[0]['summary']['items']} items)"
