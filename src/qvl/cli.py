@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from qvl.options import SamplingOptions, UsageError, add_engine_args, add_sampling_args, engine_options, prompt_text
 
-FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli")
+FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli", "qvl.eval.cli")
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:

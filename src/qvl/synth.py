@@ -308,6 +308,32 @@ def _present(state: dict[str, torch.Tensor], module: str) -> list[str]:
     return [name for leaf in ("weight", "bias") if (name := f"{module}.{leaf}") in state]
 
 
+def write_side_files(out: Path, config: dict, thinking: bool = False, generation: dict | None = None,
+                     preprocessor: dict | None = None) -> ModelConfig:
+    """Everything of a checkpoint folder but its weights: config.json, generation_config.json
+    (`generation` overrides the family's defaults), preprocessor_config.json (`preprocessor`
+    overrides the published one), the chat template and the tokenizer files."""
+    from qvl.processing.tokenizer import write_tokenizer_files
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_dict(config)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    hybrid = cfg.model_type in HYBRID_MODEL_TYPES
+    if hybrid:  # one template for both: its `enable_thinking` switch (on unless a request turns it off)
+        defaults, name = QWEN3_5_GENERATION_CONFIG, "qwen3_5_chat_template.jinja"
+    else:
+        defaults = {**GENERATION_CONFIG, **THINKING_SAMPLING} if thinking else GENERATION_CONFIG
+        name = "qwen3_vl_thinking_chat_template.jinja" if thinking else "qwen3_vl_chat_template.jinja"
+    (out / "generation_config.json").write_text(json.dumps({**defaults, **(generation or {})}, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(_merge(PREPROCESSOR_CONFIG, preprocessor or {}),
+                                                             indent=2))
+    template = resources.files("qvl") / "data" / name
+    with resources.as_file(template) as path:
+        shutil.copyfile(path, out / "chat_template.jinja")
+    write_tokenizer_files(out, family="qwen3_5" if hybrid else "qwen3_vl")
+    return cfg
+
+
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, changes: dict | None = None,
                      outliers: bool = False, thinking: bool = False, quant: QuantSpec | None = None,
                      shard_bytes: int = SHARD_BYTES) -> Path:
@@ -317,25 +343,9 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
     chat template (the answer opens `<think>`) and sampling defaults; `quant` writes the
     pre-quantised checkpoint `qvl quantize` would make of the bf16 one, tensor by tensor
     (a 30B model without its 62 GB bf16 file). Weights are sharded as published ones are."""
-    from qvl.processing.tokenizer import write_tokenizer_files
-
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     config = preset_config(preset, changes)
-    cfg = ModelConfig.from_dict(config)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    hybrid = cfg.model_type in HYBRID_MODEL_TYPES
-    if hybrid:  # one template for both: its `enable_thinking` switch (on unless a request turns it off)
-        generation, name = QWEN3_5_GENERATION_CONFIG, "qwen3_5_chat_template.jinja"
-    else:
-        generation = {**GENERATION_CONFIG, **THINKING_SAMPLING} if thinking else GENERATION_CONFIG
-        name = "qwen3_vl_thinking_chat_template.jinja" if thinking else "qwen3_vl_chat_template.jinja"
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    template = resources.files("qvl") / "data" / name
-    with resources.as_file(template) as path:
-        shutil.copyfile(path, out / "chat_template.jinja")
-    write_tokenizer_files(out, family="qwen3_5" if hybrid else "qwen3_vl")
+    cfg = write_side_files(out, config, thinking=thinking)
     tensors, metadata = random_tensors(cfg, seed), {"format": "pt"}
     if outliers:
         state = dict(tensors)

@@ -46,10 +46,11 @@ class Summary:
 
 
 class Progress:
-    """Counts finished items; draws a tqdm bar on a terminal, else prints a line every `interval` s."""
+    """Counts finished items; draws a tqdm bar on a terminal, else prints a line every `interval` s
+    (starting with `name`)."""
 
-    def __init__(self, total: int, interval: float = 10.0, stream=None):
-        self.stream = stream or sys.stderr
+    def __init__(self, total: int, interval: float = 10.0, stream=None, name: str = "qvl batch"):
+        self.stream, self.name = stream or sys.stderr, name
         self.total, self.interval, self.count, self.failed = total, interval, 0, 0
         self.started = self.last = time.perf_counter()
         tty = hasattr(self.stream, "isatty") and self.stream.isatty()
@@ -72,7 +73,7 @@ class Progress:
         elapsed = now - self.started
         rate = self.count / elapsed if elapsed > 0 else 0.0
         eta = tqdm.format_interval((self.total - self.count) / rate) if rate else "?"
-        return (f"qvl batch: {self.count}/{self.total} items ({self.failed} failed), "
+        return (f"{self.name}: {self.count}/{self.total} items ({self.failed} failed), "
                 f"{rate * 60:.1f} items/min, ETA {eta}")
 
     def close(self) -> None:

@@ -1,0 +1,82 @@
+"""`python -m qvl.demo data|train|path`: draw a labelled set, train a small model, or print
+where the shipped one is."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from qvl.demo import data
+
+SHIPPED = Path(__file__).resolve().parent / "checkpoints" / "qwen3-vl-demo"  # the trained demo model, int8
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    if args.count < 1:
+        raise ValueError("--count must be at least 1")
+    labels = data.write_set(Path(args.out), args.seed, args.count, args.task)
+    print(f"wrote {args.count} item(s) and {labels}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from qvl.demo.train import TrainConfig, train
+
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
+                         eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
+                         log_every=args.log_every, threads=args.threads, minutes=args.minutes)
+    out = train(Path(args.out), config)
+    print(f"wrote the trained checkpoint to {out}")
+    return 0
+
+
+def cmd_path(args: argparse.Namespace) -> int:
+    print(SHIPPED)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from qvl.demo.train import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="python -m qvl.demo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("data", help="draw a labelled set (PNG files and labels.jsonl, qvl eval's format)")
+    p.add_argument("--out", required=True, help="folder for the images and labels.jsonl")
+    p.add_argument("--seed", type=int, default=0, help="the set drawn (the same items on every machine)")
+    p.add_argument("--count", type=int, default=100)
+    p.add_argument("--task", choices=data.TASK_NAMES, help="only this task (default: the training mix)")
+    p.set_defaults(run=cmd_data)
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
+    p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW; cosine to a tenth)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="steps of linear warm-up")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out exact-match checks")
+    p.add_argument("--eval-items", type=int, default=d.eval_items, help="held-out items per check")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between resumable states")
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between loss and speed lines")
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--minutes", type=float, help="stop (saving) after this much wall time; run again to go on")
+    p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("path", help="print the folder of the shipped demo checkpoint")
+    p.set_defaults(run=cmd_path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"python -m qvl.demo {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

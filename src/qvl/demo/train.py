@@ -1,0 +1,244 @@
+"""Training of the small Qwen3-VL-shaped demo model from scratch on the synthetic tasks
+(qvl.demo.data), with transformers' Qwen3VLForConditionalGeneration as the trainable module
+(the reference, under the checkpoint's own names). Needs `transformers`; never imported by
+the engine.
+
+Deterministic from a seed: the initial weights come from it, and step k trains on items
+k*B .. k*B+B-1 of the training stream drawn from it, so a run resumed from its saved state
+(OUT/train/state.pt) goes on exactly as an uninterrupted one. The loss covers the answer
+tokens only, over a sampled softmax (see `answer_loss`). Every `eval_every` steps a held-out
+set (another seed's items) is answered greedily and its exact match logged."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qvl.demo.data import TASK_NAMES, Sample, sample
+from qvl.processing.image import ImageProcessorConfig, preprocess
+from qvl.processing.prompt import load_chat_template, tokenize_chat
+from qvl.processing.tokenizer import Tokenizer
+from qvl.synth import preset_config, write_side_files
+from qvl.weights import write_shards
+
+# The tiny test layout with a wider vision tower and more text layers: the 151,936-token
+# embedding (tied, 128 wide) is 19.4 M of the ~22 M parameters.
+DEMO_CHANGES = {
+    "text_config": {"num_hidden_layers": 6, "intermediate_size": 512},
+    "vision_config": {"hidden_size": 128, "intermediate_size": 512, "num_heads": 4, "depth": 4,
+                      "deepstack_visual_indexes": [1, 2, 3]},
+}
+PREPROCESSOR = {"size": {"shortest_edge": 4096}}  # pictures down to 4 image tokens are not enlarged
+GENERATION = {"do_sample": False, "max_new_tokens": 256}  # a reader and a finder: greedy answers
+HELD_OUT_SEED = 1_000_003  # held-out items: this seed plus the training seed
+PAD_ID = 151643  # <|endoftext|>
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 3000
+    batch_size: int = 16
+    seed: int = 0
+    lr: float = 2e-3
+    warmup: int = 200
+    negatives: int = 2048  # random vocabulary rows in each step's softmax (see answer_loss)
+    eval_every: int = 500
+    eval_items: int = 32
+    save_every: int = 250
+    log_every: int = 10
+    threads: int = 2
+    minutes: float | None = None  # stop after this much wall time (state saved: run again to go on)
+
+
+@dataclass
+class Encoded:
+    ids: list[int]  # the prompt, then the answer and <|im_end|>
+    prompt_length: int
+    pixel_values: torch.Tensor  # [patches, 3*2*16*16]
+    grid_thw: tuple[int, int, int]
+
+
+class Encoder:
+    """A sample as the engine would see it: the checkpoint's image processor, chat template and
+    tokenizer (answer tokens as the tokenizer encodes the answer, then <|im_end|>)."""
+
+    def __init__(self, model_dir: Path):
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.template = load_chat_template(model_dir)
+        self.image_cfg = ImageProcessorConfig.from_file(model_dir / "preprocessor_config.json")
+        self.end = self.tokenizer.token_id("<|im_end|>")
+
+    def prompt(self, item: Sample) -> Encoded:
+        image = preprocess(item.image, self.image_cfg)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": item.question}]}]
+        ids = tokenize_chat(self.tokenizer, self.template, messages, [image.num_tokens]).ids
+        return Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
+
+    def __call__(self, item: Sample) -> Encoded:
+        encoded = self.prompt(item)
+        encoded.ids = encoded.ids + self.tokenizer.encode(item.answer, special_tokens=False) + [self.end]
+        return encoded
+
+
+def collate(items: list[Encoded], image_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded model inputs and `labels` (-100 on the prompt and the padding)."""
+    length = max(len(e.ids) for e in items)
+    ids = torch.full((len(items), length), PAD_ID)
+    labels = torch.full((len(items), length), -100)
+    mask = torch.zeros((len(items), length), dtype=torch.long)
+    for row, e in enumerate(items):
+        ids[row, : len(e.ids)] = torch.tensor(e.ids)
+        labels[row, e.prompt_length : len(e.ids)] = torch.tensor(e.ids[e.prompt_length :])
+        mask[row, : len(e.ids)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+            "mm_token_type_ids": (ids == image_token_id).int(),
+            "pixel_values": torch.cat([e.pixel_values for e in items]),
+            "image_grid_thw": torch.tensor([e.grid_thw for e in items])}
+
+
+def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives: torch.Tensor) -> tuple:
+    """Cross-entropy of the answer tokens over a sampled vocabulary: every token any answer has
+    used so far (`seen`), and `negatives` (random rows, new each step, so the rest of the
+    151,936 tokens are pushed down too). The full softmax would cost ~50x more: its matrix
+    product over the whole vocabulary dominates a step of this small model. Returns (loss,
+    answer tokens)."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.model(**inputs).last_hidden_state[:, :-1]  # [B, T-1, H]
+    targets = labels[:, 1:]
+    keep = targets != -100
+    hidden, targets = hidden[keep], targets[keep]  # [N, H], [N]
+    seen.update(targets.tolist())
+    vocabulary = torch.unique(torch.cat([torch.tensor(sorted(seen)), negatives]))  # sorted
+    logits = hidden @ model.lm_head.weight[vocabulary].T  # [N, V']
+    return F.cross_entropy(logits, torch.searchsorted(vocabulary, targets)), len(targets)
+
+
+def build_model(config: dict, seed: int):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).float().train()
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up, then a cosine down to a tenth."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    done = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
+    for step in range(start, config.steps):
+        first = step * config.batch_size
+        yield collate([encode(sample(config.seed, first + j)) for j in range(config.batch_size)], image_token_id)
+
+
+@torch.no_grad()
+def held_out(model, encode: Encoder, config: TrainConfig, image_token_id: int) -> dict[str, float]:
+    """Exact match per task on held-out items, answered greedily over the whole vocabulary."""
+    model.eval()
+    right = {task: [0, 0] for task in TASK_NAMES}
+    for i in range(config.eval_items):
+        task = TASK_NAMES[i % len(TASK_NAMES)]
+        item = sample(HELD_OUT_SEED + config.seed, i, task)
+        e = encode.prompt(item)
+        ids = torch.tensor([e.ids])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=e.pixel_values,
+                             image_grid_thw=torch.tensor([e.grid_thw]), mm_token_type_ids=(ids == image_token_id).int(),
+                             max_new_tokens=96, do_sample=False, eos_token_id=encode.end, pad_token_id=PAD_ID)
+        answer = encode.tokenizer.decode(out[0, ids.shape[1]:].tolist())
+        right[task][0] += answer.strip() == item.answer
+        right[task][1] += 1
+    model.train()
+    return {task: round(n / total, 3) for task, (n, total) in right.items() if total}
+
+
+def save_state(path: Path, model, optimizer, step: int, seen: set[int]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "seen": sorted(seen)}, tmp)
+    tmp.replace(path)
+
+
+def write_weights(model, out: Path, tied: bool) -> None:
+    """The weights under the official checkpoint names, in bf16 (as published)."""
+    tensors = ((name, t.detach().to(torch.bfloat16).contiguous()) for name, t in model.state_dict().items()
+               if not (tied and name == "lm_head.weight"))
+    write_shards(tensors, out, {"format": "pt"})
+
+
+def train(out: Path, config: TrainConfig) -> Path:
+    """Train (or go on training) into `out`; writes the checkpoint there when the run ends."""
+    torch.set_num_threads(config.threads)
+    started = time.perf_counter()
+    checkpoint = preset_config("tiny", DEMO_CHANGES)
+    write_side_files(out, checkpoint, generation=GENERATION, preprocessor=PREPROCESSOR)
+    work = out / "train"
+    work.mkdir(exist_ok=True)
+    (work / "config.json").write_text(json.dumps(asdict(config), indent=2))
+    encode = Encoder(out)
+    image_token_id = checkpoint["image_token_id"]
+    model = build_model(checkpoint, config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    state_file, step, seen = work / "state.pt", 0, {encode.end}
+    if state_file.exists():
+        state = torch.load(state_file, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, seen = state["step"], set(state["seen"])
+        print(f"resuming at step {step} of {config.steps}", flush=True)
+    log = open(work / "log.jsonl", "a", encoding="utf-8")
+    window = {"loss": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
+    for batch in batches(encode, config, step, image_token_id):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        negatives = torch.randint(0, checkpoint["text_config"]["vocab_size"], (config.negatives,),
+                                  generator=torch.Generator().manual_seed(config.seed * 7_919 + step))
+        loss, answer_tokens = answer_loss(model, batch, seen, negatives)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        window["loss"] += loss.item()
+        window["steps"] += 1
+        window["answer_tokens"] += answer_tokens
+        window["tokens"] += int(batch["attention_mask"].sum())
+        if step % config.log_every == 0 or step == config.steps:
+            record = report(window, step, config, time.perf_counter() - started)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            window = {"loss": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
+        if step % config.eval_every == 0 or step == config.steps:
+            record = {"step": step, "held_out_exact": held_out(model, encode, config, image_token_id)}
+            print(json.dumps(record), flush=True)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        out_of_time = config.minutes is not None and time.perf_counter() - started > 60 * config.minutes
+        if step % config.save_every == 0 or step == config.steps or out_of_time:
+            save_state(state_file, model, optimizer, step, seen)
+        if out_of_time:
+            print(f"stopped after {config.minutes} minutes at step {step}: run the same command to go on", flush=True)
+            break
+    log.close()
+    write_weights(model, out, checkpoint["tie_word_embeddings"])
+    return out
+
+
+def report(window: dict, step: int, config: TrainConfig, elapsed: float) -> dict:
+    seconds = time.perf_counter() - window["started"]
+    record = {"step": step, "loss": round(window["loss"] / window["steps"], 4), "lr": learning_rate(config, step - 1),
+              "tokens_per_s": round(window["tokens"] / seconds, 1),
+              "answer_tokens_per_s": round(window["answer_tokens"] / seconds, 1),
+              "s_per_step": round(seconds / window["steps"], 3), "elapsed_s": round(elapsed, 1)}
+    print(json.dumps(record), flush=True)
+    return record

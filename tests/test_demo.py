@@ -1,0 +1,68 @@
+"""The demo tasks and trainer: a seed draws the same items every time, in qvl eval's format with
+answers that match their pictures; training is deterministic from its seed, a resumed run ends
+bit-identical to an uninterrupted one, and what it writes loads and answers in qvl."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qvl.demo.__main__ import SHIPPED, main
+from qvl.demo.data import SCENE_SIZE, sample, write_set
+from qvl.eval.labels import read_labels
+from qvl.grounding import parse
+
+
+def test_a_seed_draws_the_same_items():
+    for index, task in enumerate(("read", "detect", "point", "ask")):
+        a, b = sample(3, index, task), sample(3, index, task)
+        assert (a.question, a.answer, a.kind) == (b.question, b.answer, b.kind)
+        assert np.array_equal(np.asarray(a.image), np.asarray(b.image))
+    assert [sample(3, i).answer for i in range(8)] != [sample(4, i).answer for i in range(8)]
+
+
+def test_grounding_answers_match_their_pictures():
+    """Every box encloses its shape's pixels (not the background) and every point lies on one."""
+    for i in range(12):
+        item = sample(9, i, "detect")
+        boxes, _ = parse(item.answer)
+        pixels = np.asarray(item.image).astype(int)
+        background = pixels[0, 0]
+        for box in boxes:
+            x1, y1, x2, y2 = (round(v * side / 1000) for v, side in
+                              zip((box.x1, box.y1, box.x2, box.y2), SCENE_SIZE * 2))
+            inside = pixels[y1:y2, x1:x2]
+            assert np.abs(inside - background).sum(-1).max() > 100, (i, box)  # the shape's colour is there
+            assert box.label in item.question
+        _, points = parse(sample(9, i, "point").answer)
+        assert points and all(0 <= p.x <= 1000 and 0 <= p.y <= 1000 for p in points)
+
+
+def test_data_command_writes_a_set_qvl_eval_reads(tmp_path, capsys):
+    assert main(["data", "--out", str(tmp_path), "--seed", "2", "--count", "6"]) == 0
+    labels = read_labels(str(tmp_path))
+    assert len(labels) == 6 and {label.kind for label in labels} <= {"text", "boxes", "points"}
+    rows = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
+    assert all((tmp_path / row["image"]).is_file() for row in rows)
+    assert main(["data", "--out", str(tmp_path), "--count", "0"]) == 1
+    assert main(["path"]) == 0 and capsys.readouterr().out.strip().endswith(str(SHIPPED))
+
+
+@pytest.mark.slow  # builds and trains the 23.5 M-parameter model for a few steps, three times
+def test_training_is_deterministic_resumes_exactly_and_loads_in_qvl(tmp_path):
+    from qvl.cli import main as qvl
+    from qvl.demo.train import TrainConfig, train
+
+    config = TrainConfig(steps=2, batch_size=2, eval_items=4, save_every=1, log_every=1)
+    straight = train(tmp_path / "straight", config)
+    train(tmp_path / "resumed", TrainConfig(**{**config.__dict__, "minutes": 0.0}))  # stops after step 1
+    resumed = train(tmp_path / "resumed", config)
+    assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+    log = [json.loads(line) for line in (straight / "train" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2] and "held_out_exact" in log[-1]
+
+    write_set(tmp_path / "set", seed=1, count=2)
+    assert qvl(["eval", str(tmp_path / "set"), "--model", str(straight), "--weights", "fp32", "--threads", "1",
+                "--max-new-tokens", "4"]) == 0
