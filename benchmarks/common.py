@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts: spreads and ratios, timed calls in alternating rounds,
-child processes with their peak memory and a time limit, a free port, kernel tiers emulated
-through the environment, the CPU's class, and markdown tables and sections.
+a streamer stamping transformers' tokens, child processes with their peak memory and a time
+limit, a free port, kernel tiers emulated through the environment, the CPU's class, and markdown
+tables and sections.
 
 Standard library only: scripts run it under other interpreters too (a peer's own virtualenv).
 """
@@ -55,6 +56,22 @@ def alternate(sides: dict[str, Callable[[], object]], rounds: int, echo: bool = 
             if echo:
                 print(f"round {r + 1} {name}: {results[name][-1]}", flush=True)
     return results
+
+
+class TokenStamps:
+    """A streamer for transformers' generate keeping the time of each new token (generate's
+    first put is the prompt)."""
+
+    def __init__(self):
+        self.times, self.prompt_seen = [], False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
 
 def time_call(fn: Callable[[], object], repeat: int = 3) -> float:

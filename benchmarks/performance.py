@@ -241,21 +241,6 @@ def transformers_worker(args) -> dict:
     import transformers
     from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
-    from transformers.generation.streamers import BaseStreamer
-
-    class Stamps(BaseStreamer):
-        """The time of each new token (generate's first put is the prompt)."""
-
-        def __init__(self):
-            self.times, self.prompt_seen = [], False
-
-        def put(self, value):
-            if self.prompt_seen:
-                self.times.append(time.perf_counter())
-            self.prompt_seen = True
-
-        def end(self):
-            pass
 
     torch.set_num_threads(args.threads)
     model = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.bfloat16).eval()
@@ -268,7 +253,7 @@ def transformers_worker(args) -> dict:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def once(path: str, tokens: int) -> dict:
-        stamps = Stamps()
+        stamps = common.TokenStamps()
         started = time.perf_counter()
         pixels = images(images=[Image.open(path).convert("RGB")], size=limits, return_tensors="pt")
         n_image = int(pixels["image_grid_thw"].prod()) // images.merge_size**2
