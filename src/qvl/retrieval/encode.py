@@ -43,6 +43,7 @@ def embedding(hidden: torch.Tensor, dimensions: int | None = None) -> torch.Tens
     return head / head.norm().clamp_min(1e-12)
 
 
+@torch.inference_mode()
 def score_vector(engine) -> torch.Tensor:
     """lm_head's row of "yes" minus its row of "no" [D] float32: the reranker's one-logit head."""
     ids = torch.tensor([engine.tokenizer.token_id("yes"), engine.tokenizer.token_id("no")])
