@@ -5,6 +5,7 @@ answering prefill-only requests beside generation."""
 
 from __future__ import annotations
 
+import functools
 import json
 import unicodedata
 
@@ -45,6 +46,16 @@ def fp32_engine(path) -> Engine:
     return Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))
 
 
+@pytest.fixture(scope="module")
+def embedder(embedding_checkpoint):
+    return fp32_engine(embedding_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def embedding_reference(embedding_checkpoint):
+    return load_reference(embedding_checkpoint)
+
+
 # -- the official method, on transformers ------------------------------------------------------
 
 def reference_content(item: dict, images: list) -> list[dict]:
@@ -55,12 +66,17 @@ def reference_content(item: dict, images: list) -> list[dict]:
     return content or [{"type": "text", "text": "NULL"}]
 
 
+@functools.cache
+def reference_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def reference_batch(path, conversations: list[list[dict]], units_per_conv: list[list], padding_side: str) -> dict:
     """The processor's batch: the chat template with the generation prompt, each image's pad
     token repeated for its tokens, padded; pixels as qvl preprocessed them (parity-tested elsewhere)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = reference_tokenizer(path)
     tok.padding_side = padding_side
     texts = []
     for conv, units in zip(conversations, units_per_conv):
@@ -106,9 +122,7 @@ def reference_embeddings(path, ref, engine, items: list[dict]) -> torch.Tensor:
 def reference_scores(path, ref, engine, query: dict, documents: list[dict], instruction: str | None = None) -> list[float]:
     """Qwen3VLReranker.process: one pair at a time, sigmoid of the last hidden state times
     lm_head's "yes" row minus its "no" row."""
-    from transformers import AutoTokenizer
-
-    vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+    vocab = reference_tokenizer(path).get_vocab()
     weight = ref.lm_head.weight.data
     w = weight[vocab["yes"]] - weight[vocab["no"]]
     scores = []
@@ -143,8 +157,8 @@ EMBED_ITEMS = [
 ]
 
 
-def test_embeddings_match_the_reference_in_float32(embedding_checkpoint):
-    engine, ref = fp32_engine(embedding_checkpoint), load_reference(embedding_checkpoint)
+def test_embeddings_match_the_reference_in_float32(embedding_checkpoint, embedder, embedding_reference):
+    engine, ref = embedder, embedding_reference
     theirs = torch.cat([reference_embeddings(embedding_checkpoint, ref, engine, [item]) for item in EMBED_ITEMS])
     for i, item in enumerate(EMBED_ITEMS):  # one call per instruction (the CLI's and API's unit)
         ours, _ = embed(engine, [parts(item)], item.get("instruction"))
@@ -156,8 +170,8 @@ def test_embeddings_match_the_reference_in_float32(embedding_checkpoint):
     assert tokens > 0
 
 
-def test_matryoshka_dimensions_are_the_leading_entries_renormalised(embedding_checkpoint):
-    engine = fp32_engine(embedding_checkpoint)
+def test_matryoshka_dimensions_are_the_leading_entries_renormalised(embedder):
+    engine = embedder
     full, _ = embed(engine, [parts({"texts": ["matryoshka"]})])
     short, _ = embed(engine, [parts({"texts": ["matryoshka"]})], dimensions=32)
     assert short.shape == (1, 32)
@@ -178,10 +192,10 @@ def test_reranker_scores_match_the_reference_in_float32(reranker_checkpoint):
     assert len(set(np.round(ours, 4))) > 1  # the documents score differently
 
 
-def test_default_path_stays_close_to_the_reference(embedding_checkpoint, reranker_checkpoint):
+def test_default_path_stays_close_to_the_reference(embedding_checkpoint, reranker_checkpoint, embedding_reference):
     """int8 weights, the CPU's dtype, native kernels: what a user runs."""
     embedder = Engine.load(EngineOptions(model=str(embedding_checkpoint), threads=2, max_image_tokens=64))
-    ref = load_reference(embedding_checkpoint)
+    ref = embedding_reference
     items = EMBED_ITEMS[:3]
     ours, _ = embed(embedder, [parts(item) for item in items[1:]])
     theirs = reference_embeddings(embedding_checkpoint, ref, embedder, items[1:])
@@ -207,8 +221,8 @@ def test_checkpoints_say_what_they_are(embedding_checkpoint, reranker_checkpoint
     assert model_task(tmp_path, "Qwen/Qwen3-VL-Embedding-8B") == EMBED
 
 
-def test_requests_of_the_other_task_are_refused_naming_the_model(embedding_checkpoint, tiny_engine):
-    engine = fp32_engine(embedding_checkpoint)
+def test_requests_of_the_other_task_are_refused_naming_the_model(embedder, tiny_engine):
+    engine = embedder
     with pytest.raises(RequestError) as err:
         engine.parse(Request([{"role": "user", "content": "hi"}]))
     assert err.value.param == "model" and "embedding model" in str(err.value)
