@@ -252,3 +252,20 @@ def test_prefill_only_requests_run_beside_generation(tiny_engine):
     assert done.token_ids == [] and done.hidden.shape == (tiny_engine.cfg.text.hidden_size,)
     assert done.usage.prompt_tokens == len(parsed.ids) and done.usage.completion_tokens == 0
     assert tiny_engine.scheduler.idle
+
+
+def test_cli_embed_and_rerank(embedding_checkpoint, reranker_checkpoint, embedder, capsys):
+    from qvl.cli import main
+
+    engine_args = ["--weights", "fp32", "--threads", "2", "--max-image-tokens", "64"]
+    assert main(["embed", "first", "second", "-m", str(embedding_checkpoint), "--dimensions", "8", *engine_args]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected, _ = embed(embedder, [[{"type": "text", "text": "first"}], [{"type": "text", "text": "second"}]], dimensions=8)
+    assert [line["input"] for line in lines] == ["first", "second"]
+    np.testing.assert_allclose([line["embedding"] for line in lines], expected.numpy(), atol=1e-6)
+    assert main(["rerank", "red", "a red square", "a blue sky", "-m", str(reranker_checkpoint), "--json", "-k", "1",
+                 *engine_args]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert len(results) == 1 and results[0]["document"] in ("a red square", "a blue sky")
+    assert main(["embed", "x", "-m", str(reranker_checkpoint), *engine_args]) == 1
+    assert "is a reranker" in capsys.readouterr().err
