@@ -16,19 +16,21 @@ from qvl.sampling import SamplingParams
 from qvl.stream import Done
 
 PREFILL_ONLY = SamplingParams(max_new_tokens=1)  # nothing is decoded; the context check counts one token
+REFERENCE_VIDEO = {"fps": 1.0, "max_frames": 64}  # the reference samples clips at 1 fps, 64 frames at most
 
 
 def parse_embedding(engine, parts: list[dict], instruction: str | None = None, deadline: Deadline | None = None,
-                    salt: str = "", max_image_tokens: int | None = None) -> ParsedRequest:
+                    salt: str = "") -> ParsedRequest:
     """One input of an embedding model, checked and tokenized (RequestError when unusable)."""
-    request = Request(embedding_messages(parts, instruction), PREFILL_ONLY, max_image_tokens, cache_salt=salt)
+    request = Request(embedding_messages(parts, instruction), PREFILL_ONLY, video=REFERENCE_VIDEO, cache_salt=salt)
     return engine.parse(request, deadline, EMBED)
 
 
 def parse_pair(engine, query: list[dict], document: list[dict], instruction: str | None = None,
-               deadline: Deadline | None = None, salt: str = "", max_image_tokens: int | None = None) -> ParsedRequest:
+               deadline: Deadline | None = None, salt: str = "") -> ParsedRequest:
     """One (query, document) pair of a reranker, checked and tokenized."""
-    request = Request(rerank_messages(query, document, instruction), PREFILL_ONLY, max_image_tokens, cache_salt=salt)
+    request = Request(rerank_messages(query, document, instruction), PREFILL_ONLY, video=REFERENCE_VIDEO,
+                      cache_salt=salt)
     return engine.parse(request, deadline, RERANK)
 
 
