@@ -19,7 +19,6 @@ from qvl.engine import Engine, EngineOptions, Request, RequestError
 from qvl.retrieval.encode import embed, parse_embedding, rerank
 from qvl.retrieval.task import EMBED, GENERATE, RERANK, model_task
 from qvl.sampling import SamplingParams
-from qvl.synth import write_checkpoint
 from tests.reference import load_reference
 
 REFERENCE_EMBED_INSTRUCTION = "Represent the user's input."
@@ -32,28 +31,13 @@ def noise_image(h: int, w: int, seed: int) -> Image.Image:
     return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
 
 
-@pytest.fixture(scope="module")
-def embedding_checkpoint(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("embedding"), "embedding-tiny", seed=4)
-
-
-@pytest.fixture(scope="module")
-def reranker_checkpoint(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("reranker"), "reranker-tiny", seed=5)
-
-
 def fp32_engine(path) -> Engine:
     return Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))
 
 
 @pytest.fixture(scope="module")
-def embedder(embedding_checkpoint):
-    return fp32_engine(embedding_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def embedding_reference(embedding_checkpoint):
-    return load_reference(embedding_checkpoint)
+def embedding_reference(tiny_embedding_checkpoint):
+    return load_reference(tiny_embedding_checkpoint)
 
 
 # -- the official method, on transformers ------------------------------------------------------
@@ -94,6 +78,14 @@ def reference_batch(path, conversations: list[list[dict]], units_per_conv: list[
     return batch
 
 
+def engine_units(engine, images: list, task: str) -> list:
+    """The images as the engine preprocesses them (the same budget)."""
+    if not images:
+        return []
+    return engine.parse(Request([{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]),
+                        task=task).images
+
+
 def reference_embeddings(path, ref, engine, items: list[dict]) -> torch.Tensor:
     """Qwen3VLEmbedder.process: right-padded batch, hidden state at the last real token, L2-normalised."""
     conversations, units = [], []
@@ -105,12 +97,9 @@ def reference_embeddings(path, ref, engine, items: list[dict]) -> torch.Tensor:
                 instruction += "."
         images: list = []
         content = reference_content(item, images)
-        conversations.append([{"role": "system", "content": [{"type": "text", "text": instruction or REFERENCE_EMBED_INSTRUCTION}]},
-                              {"role": "user", "content": content}])
-        # the images as the engine preprocesses them (same budget)
-        units.append(engine.parse(Request([{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]
-                                          if images else [{"role": "user", "content": "x"}]), task=EMBED).images
-                     if images else [])
+        system = [{"type": "text", "text": instruction or REFERENCE_EMBED_INSTRUCTION}]
+        conversations.append([{"role": "system", "content": system}, {"role": "user", "content": content}])
+        units.append(engine_units(engine, images, EMBED))
     batch = reference_batch(path, conversations, units, "right")
     with torch.no_grad():
         hidden = ref.model(**batch).last_hidden_state
@@ -119,7 +108,8 @@ def reference_embeddings(path, ref, engine, items: list[dict]) -> torch.Tensor:
     return F.normalize(hidden[torch.arange(hidden.shape[0]), last], p=2, dim=-1)
 
 
-def reference_scores(path, ref, engine, query: dict, documents: list[dict], instruction: str | None = None) -> list[float]:
+def reference_scores(path, ref, engine, query: dict, documents: list[dict],
+                     instruction: str | None = None) -> list[float]:
     """Qwen3VLReranker.process: one pair at a time, sigmoid of the last hidden state times
     lm_head's "yes" row minus its "no" row."""
     vocab = reference_tokenizer(path).get_vocab()
@@ -133,9 +123,7 @@ def reference_scores(path, ref, engine, query: dict, documents: list[dict], inst
                     {"type": "text", "text": "\n<Document>:"}, *reference_content(doc, images)]
         conv = [{"role": "system", "content": [{"type": "text", "text": REFERENCE_SYSTEM}]},
                 {"role": "user", "content": contents}]
-        units = engine.parse(Request([{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]),
-                             task=RERANK).images if images else []
-        batch = reference_batch(path, [conv], [units], "left")
+        batch = reference_batch(path, [conv], [engine_units(engine, images, RERANK)], "left")
         with torch.no_grad():
             h = ref.model(**batch).last_hidden_state[:, -1]
         scores.append(torch.sigmoid(h @ w).item())
@@ -149,7 +137,8 @@ def parts(item: dict) -> list[dict]:
 
 
 EMBED_ITEMS = [
-    {"texts": ["A woman playing with her dog on a beach at sunset."], "instruction": "Retrieve images or text relevant to the user's query"},
+    {"texts": ["A woman playing with her dog on a beach at sunset."],
+     "instruction": "Retrieve images or text relevant to the user's query"},
     {"texts": ["短い"]},
     {"images": [noise_image(120, 90, 1)]},
     {"texts": ["a caption", "and another"], "images": [noise_image(64, 100, 2), noise_image(80, 80, 3)]},
@@ -157,21 +146,22 @@ EMBED_ITEMS = [
 ]
 
 
-def test_embeddings_match_the_reference_in_float32(embedding_checkpoint, embedder, embedding_reference):
-    engine, ref = embedder, embedding_reference
-    theirs = torch.cat([reference_embeddings(embedding_checkpoint, ref, engine, [item]) for item in EMBED_ITEMS])
+def test_embeddings_match_the_reference_in_float32(tiny_embedding_checkpoint, tiny_embedder, embedding_reference):
+    engine, ref = tiny_embedder, embedding_reference
+    theirs = torch.cat([reference_embeddings(tiny_embedding_checkpoint, ref, engine, [item]) for item in EMBED_ITEMS])
     for i, item in enumerate(EMBED_ITEMS):  # one call per instruction (the CLI's and API's unit)
         ours, _ = embed(engine, [parts(item)], item.get("instruction"))
         assert F.cosine_similarity(ours[0], theirs[i], dim=0) >= 0.99999, i
     # texts batched as the reference batches them (right padding), in one engine call
     texts = [{"texts": ["one"]}, {"texts": ["a much longer second input, padded in the reference's batch"]}]
     ours, tokens = embed(engine, [parts(t) for t in texts])
-    assert F.cosine_similarity(ours, reference_embeddings(embedding_checkpoint, ref, engine, texts)).min() >= 0.99999
+    theirs = reference_embeddings(tiny_embedding_checkpoint, ref, engine, texts)
+    assert F.cosine_similarity(ours, theirs).min() >= 0.99999
     assert tokens > 0
 
 
-def test_matryoshka_dimensions_are_the_leading_entries_renormalised(embedder):
-    engine = embedder
+def test_matryoshka_dimensions_are_the_leading_entries_renormalised(tiny_embedder):
+    engine = tiny_embedder
     full, _ = embed(engine, [parts({"texts": ["matryoshka"]})])
     short, _ = embed(engine, [parts({"texts": ["matryoshka"]})], dimensions=32)
     assert short.shape == (1, 32)
@@ -181,38 +171,40 @@ def test_matryoshka_dimensions_are_the_leading_entries_renormalised(embedder):
     assert err.value.param == "dimensions"
 
 
-def test_reranker_scores_match_the_reference_in_float32(reranker_checkpoint):
-    engine, ref = fp32_engine(reranker_checkpoint), load_reference(reranker_checkpoint)
+def test_reranker_scores_match_the_reference_in_float32(tiny_reranker_checkpoint, tiny_reranker):
+    engine, ref = tiny_reranker, load_reference(tiny_reranker_checkpoint)
     query = {"texts": ["a red stamp on an invoice"]}
     documents = [{"texts": ["Invoice, March, stamped in red."]}, {"images": [noise_image(100, 70, 4)]},
                  {"texts": ["both"], "images": [noise_image(64, 64, 5)]}, {}]
-    theirs = reference_scores(reranker_checkpoint, ref, engine, query, documents, "Find invoices")
+    theirs = reference_scores(tiny_reranker_checkpoint, ref, engine, query, documents, "Find invoices")
     ours, _ = rerank(engine, parts(query), [parts(d) for d in documents], "Find invoices")
     assert np.abs(np.array(ours) - np.array(theirs)).max() <= 1e-5
     assert len(set(np.round(ours, 4))) > 1  # the documents score differently
 
 
-def test_default_path_stays_close_to_the_reference(embedding_checkpoint, reranker_checkpoint, embedding_reference):
+def test_default_path_stays_close_to_the_reference(tiny_embedding_checkpoint, tiny_reranker_checkpoint,
+                                                   embedding_reference):
     """int8 weights, the CPU's dtype, native kernels: what a user runs."""
-    embedder = Engine.load(EngineOptions(model=str(embedding_checkpoint), threads=2, max_image_tokens=64))
-    ref = embedding_reference
-    items = EMBED_ITEMS[:3]
-    ours, _ = embed(embedder, [parts(item) for item in items[1:]])
-    theirs = reference_embeddings(embedding_checkpoint, ref, embedder, items[1:])
+    embedder = Engine.load(EngineOptions(model=str(tiny_embedding_checkpoint), threads=2, max_image_tokens=64))
+    items = EMBED_ITEMS[1:3]
+    ours, _ = embed(embedder, [parts(item) for item in items])
+    theirs = reference_embeddings(tiny_embedding_checkpoint, embedding_reference, embedder, items)
     assert F.cosine_similarity(ours, theirs).min() >= 0.99
-    reranker = Engine.load(EngineOptions(model=str(reranker_checkpoint), threads=2, max_image_tokens=64))
+    reranker = Engine.load(EngineOptions(model=str(tiny_reranker_checkpoint), threads=2, max_image_tokens=64))
     query, docs = {"texts": ["red"]}, [{"texts": ["a red square"]}, {"images": [noise_image(90, 90, 6)]}]
     ours_scores, _ = rerank(reranker, parts(query), [parts(d) for d in docs])
-    theirs_scores = reference_scores(reranker_checkpoint, load_reference(reranker_checkpoint), reranker, query, docs)
+    theirs_scores = reference_scores(tiny_reranker_checkpoint, load_reference(tiny_reranker_checkpoint), reranker,
+                                     query, docs)
     assert np.abs(np.array(ours_scores) - np.array(theirs_scores)).max() <= 0.02
 
 
-def test_checkpoints_say_what_they_are(embedding_checkpoint, reranker_checkpoint, tiny_checkpoint, tmp_path):
-    assert model_task(embedding_checkpoint) == EMBED
-    assert model_task(reranker_checkpoint) == RERANK
+def test_checkpoints_say_what_they_are(tiny_embedding_checkpoint, tiny_reranker_checkpoint, tiny_checkpoint, tmp_path):
+    assert model_task(tiny_embedding_checkpoint) == EMBED
+    assert model_task(tiny_reranker_checkpoint) == RERANK
     assert model_task(tiny_checkpoint) == GENERATE
-    assert json.loads((embedding_checkpoint / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "lasttoken"
-    config = json.loads((embedding_checkpoint / "config.json").read_text())
+    pooling = json.loads((tiny_embedding_checkpoint / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode"] == "lasttoken"
+    config = json.loads((tiny_embedding_checkpoint / "config.json").read_text())
     assert config["architectures"] == ["Qwen3VLForConditionalGeneration"] and "rope_parameters" in config["text_config"]
     # a download without the sentence-transformers files: by its name (a hub cache folder keeps it)
     bare = tmp_path / "models--Qwen--Qwen3-VL-Reranker-2B"
@@ -221,8 +213,8 @@ def test_checkpoints_say_what_they_are(embedding_checkpoint, reranker_checkpoint
     assert model_task(tmp_path, "Qwen/Qwen3-VL-Embedding-8B") == EMBED
 
 
-def test_requests_of_the_other_task_are_refused_naming_the_model(embedder, tiny_engine):
-    engine = embedder
+def test_requests_of_the_other_task_are_refused_naming_the_model(tiny_embedder, tiny_engine):
+    engine = tiny_embedder
     with pytest.raises(RequestError) as err:
         engine.parse(Request([{"role": "user", "content": "hi"}]))
     assert err.value.param == "model" and "embedding model" in str(err.value)
@@ -254,18 +246,19 @@ def test_prefill_only_requests_run_beside_generation(tiny_engine):
     assert tiny_engine.scheduler.idle
 
 
-def test_cli_embed_and_rerank(embedding_checkpoint, reranker_checkpoint, embedder, capsys):
+def test_cli_embed_and_rerank(tiny_embedding_checkpoint, tiny_reranker_checkpoint, tiny_embedder, capsys):
     from qvl.cli import main
 
     engine_args = ["--weights", "fp32", "--threads", "2", "--max-image-tokens", "64"]
-    assert main(["embed", "first", "second", "-m", str(embedding_checkpoint), "--dimensions", "8", *engine_args]) == 0
+    assert main(["embed", "first", "second", "-m", str(tiny_embedding_checkpoint), "--dimensions", "8",
+                 *engine_args]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    expected, _ = embed(embedder, [[{"type": "text", "text": "first"}], [{"type": "text", "text": "second"}]], dimensions=8)
+    expected, _ = embed(tiny_embedder, [parts({"texts": ["first"]}), parts({"texts": ["second"]})], dimensions=8)
     assert [line["input"] for line in lines] == ["first", "second"]
     np.testing.assert_allclose([line["embedding"] for line in lines], expected.numpy(), atol=1e-6)
-    assert main(["rerank", "red", "a red square", "a blue sky", "-m", str(reranker_checkpoint), "--json", "-k", "1",
-                 *engine_args]) == 0
+    assert main(["rerank", "red", "a red square", "a blue sky", "-m", str(tiny_reranker_checkpoint), "--json",
+                 "-k", "1", *engine_args]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 1 and results[0]["document"] in ("a red square", "a blue sky")
-    assert main(["embed", "x", "-m", str(reranker_checkpoint), *engine_args]) == 1
+    assert main(["embed", "x", "-m", str(tiny_reranker_checkpoint), *engine_args]) == 1
     assert "is a reranker" in capsys.readouterr().err

@@ -14,50 +14,26 @@ import pytest
 from fastapi.testclient import TestClient
 from langchain_openai import OpenAIEmbeddings
 
-from qvl.engine import Engine, EngineOptions
 from qvl.retrieval.encode import embed, rerank
-from qvl.synth import write_checkpoint
+from tests.test_retrieval import fp32_engine
 from tests.test_server_api import assert_error, make_app, wait_ready
 from tests.test_server_support import data_uri, png_bytes
 
 JSON_BODY = {"Content-Type": "application/json"}
 
 
-def engine_for(path) -> Engine:
-    return Engine.load(EngineOptions(model=str(path), weights="fp32", threads=2, max_image_tokens=64))
-
-
+# the expected answers come from engines of their own (tiny_embedder, tiny_reranker): the server's worker
+# alone drives its engine
 @pytest.fixture(scope="module")
-def embedding_path(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("embedding"), "embedding-tiny", seed=6)
-
-
-@pytest.fixture(scope="module")
-def reranker_path(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("reranker"), "reranker-tiny", seed=7)
-
-
-# the expected answers come from engines of their own: the server's worker alone drives its engine
-@pytest.fixture(scope="module")
-def embedder(embedding_path):
-    return engine_for(embedding_path)
-
-
-@pytest.fixture(scope="module")
-def reranker(reranker_path):
-    return engine_for(reranker_path)
-
-
-@pytest.fixture(scope="module")
-def client(embedding_path):
-    with TestClient(make_app(engine_for(embedding_path))) as c:
+def client(tiny_embedding_checkpoint):
+    with TestClient(make_app(fp32_engine(tiny_embedding_checkpoint))) as c:
         wait_ready(c)
         yield c
 
 
 @pytest.fixture(scope="module")
-def rerank_client(reranker_path):
-    with TestClient(make_app(engine_for(reranker_path))) as c:
+def rerank_client(tiny_reranker_checkpoint):
+    with TestClient(make_app(fp32_engine(tiny_reranker_checkpoint))) as c:
         wait_ready(c)
         yield c
 
@@ -66,10 +42,10 @@ def texts(*values: str) -> list[list[dict]]:
     return [[{"type": "text", "text": v}] for v in values]
 
 
-def test_openai_client_embeddings_create(client, embedder):
+def test_openai_client_embeddings_create(client, tiny_embedder):
     api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
     got = api.embeddings.create(model="embedder", input=["a cat on a mat", "invoices from March"])  # base64 on the wire
-    expected, tokens = embed(embedder, texts("a cat on a mat", "invoices from March"))
+    expected, tokens = embed(tiny_embedder, texts("a cat on a mat", "invoices from March"))
     assert [d.index for d in got.data] == [0, 1]
     np.testing.assert_allclose(np.array([d.embedding for d in got.data]), expected.numpy(), atol=1e-6)
     assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
@@ -78,31 +54,32 @@ def test_openai_client_embeddings_create(client, embedder):
     assert abs(np.linalg.norm(short.data[0].embedding) - 1) < 1e-5
 
 
-def test_langchain_openai_embeddings(client, embedder):
+def test_langchain_openai_embeddings(client, tiny_embedder):
     lc = OpenAIEmbeddings(model="embedder", base_url="http://testserver/v1", api_key="unused",
                           check_embedding_ctx_length=False, http_client=client, max_retries=0)
     documents = lc.embed_documents(["first page", "second page"])
-    expected, _ = embed(embedder, texts("first page", "second page"))
+    expected, _ = embed(tiny_embedder, texts("first page", "second page"))
     np.testing.assert_allclose(np.array(documents), expected.numpy(), atol=1e-6)
     np.testing.assert_allclose(lc.embed_query("first page"), expected[0].numpy(), atol=1e-6)
 
 
-def test_ollama_client_embed(client, embedder):
+def test_ollama_client_embed(client, tiny_embedder):
     api = ollama.Client(host="http://testserver")
     api._client = client  # the client's requests go to the app in-process (its own httpx client, swapped)
     got = api.embed(model="embedder", input=["hello", "world"])
-    expected, tokens = embed(embedder, texts("hello", "world"))
+    expected, tokens = embed(tiny_embedder, texts("hello", "world"))
     np.testing.assert_allclose(np.array(got.embeddings), expected.numpy(), atol=1e-6)
     assert got.prompt_eval_count == tokens
     assert len(api.embed(model="embedder", input="hello", dimensions=8).embeddings[0]) == 8
 
 
-def test_multimodal_inputs_as_content_parts_and_messages(client, embedder):
+def test_multimodal_inputs_as_content_parts_and_messages(client, tiny_embedder):
     image = png_bytes(64, 48)
     parts = [{"type": "image_url", "image_url": {"url": data_uri(image)}}, {"type": "text", "text": "a red page"}]
-    expected, _ = embed(embedder, [[{"type": "image", "image": image}, {"type": "text", "text": "a red page"}]],
+    expected, _ = embed(tiny_embedder, [[{"type": "image", "image": image}, {"type": "text", "text": "a red page"}]],
                         "Find the page")
-    r = client.post("/v1/embeddings", json={"input": [parts], "instruction": "Find the page", "encoding_format": "base64"})
+    r = client.post("/v1/embeddings", json={"input": [parts], "instruction": "Find the page",
+                                            "encoding_format": "base64"})
     assert r.status_code == 200, r.text
     vector = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(vector, expected[0].numpy(), atol=1e-6)
@@ -113,12 +90,13 @@ def test_multimodal_inputs_as_content_parts_and_messages(client, embedder):
     np.testing.assert_allclose(r.json()["data"][0]["embedding"], expected[0].numpy(), atol=1e-6)
 
 
-def test_rerank_and_score(rerank_client, reranker):
+def test_rerank_and_score(rerank_client, tiny_reranker):
     image = png_bytes(48, 48, (10, 10, 200))
-    documents = ["a red stamp on the invoice", "a blue sky", {"image": data_uri(image)}, {"text": "stamped", "image": data_uri(image)}]
+    documents = ["a red stamp on the invoice", "a blue sky", {"image": data_uri(image)},
+                 {"text": "stamped", "image": data_uri(image)}]
     engine_docs = texts("a red stamp on the invoice", "a blue sky") + [
         [{"type": "image", "image": image}], [{"type": "text", "text": "stamped"}, {"type": "image", "image": image}]]
-    expected, _ = rerank(reranker, texts("red stamp")[0], engine_docs)
+    expected, _ = rerank(tiny_reranker, texts("red stamp")[0], engine_docs)
     r = rerank_client.post("/v1/rerank", json={"model": "r", "query": "red stamp", "documents": documents, "top_n": 3})
     assert r.status_code == 200, r.text
     results = r.json()["results"]
@@ -128,7 +106,8 @@ def test_rerank_and_score(rerank_client, reranker):
         assert abs(x["relevance_score"] - expected[x["index"]]) < 1e-6
         assert x.get("document", {}).get("text") == (documents[x["index"]] if isinstance(documents[x["index"]], str)
                                                      else documents[x["index"]].get("text"))
-    r = rerank_client.post("/v1/score", json={"text_1": "red stamp", "text_2": ["a red stamp on the invoice", "a blue sky"]})
+    r = rerank_client.post("/v1/score", json={"text_1": "red stamp",
+                                              "text_2": ["a red stamp on the invoice", "a blue sky"]})
     assert r.status_code == 200, r.text
     np.testing.assert_allclose([d["score"] for d in r.json()["data"]], expected[:2], atol=1e-6)
 
@@ -143,8 +122,8 @@ def test_bad_requests_name_their_field_and_the_server_keeps_serving(client, rera
     assert_error(client.post("/v1/embeddings", json={"input": "x", "dimensions": 100000}), 400, "dimensions")
     assert_error(client.post("/v1/embeddings", json={"input": [[15339, 1917]]}), 400, "input")
     assert_error(client.post("/v1/embeddings", json={"input": ["ok", 3]}), 400, "input")
-    assert_error(client.post("/v1/embeddings", json={"input": [[{"type": "image_url", "image_url": {"url": "data:,x"}}]]}),
-                 400, "input[0][0].image_url.url")
+    broken = [[{"type": "image_url", "image_url": {"url": "data:,x"}}]]
+    assert_error(client.post("/v1/embeddings", json={"input": broken}), 400, "input[0][0].image_url.url")
     assert_error(client.post("/v1/embeddings", json={}), 400, "input")
     assert_error(client.post("/v1/embeddings", json={"input": "x", "encoding_format": "int8"}), 400, "encoding_format")
     assert_error(rerank_client.post("/v1/rerank", json={"query": "q", "documents": []}), 400, "documents")

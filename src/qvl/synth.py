@@ -356,8 +356,8 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
 # The base models' layout (the 2B's config.json as published, written by transformers 5), and
 # the sentence-transformers files that say what each is (qvl.retrieval.task reads them).
 
-RETRIEVAL_PRESETS = {f"{kind}-{size}": (kind, size) for kind in ("embedding", "reranker") for size in ("tiny", "2b", "8b")}
-ST_MODULE = "sentence_transformers.{}.models.{}"
+RETRIEVAL_PRESETS = {f"{kind}-{size}": (kind, size) for kind in ("embedding", "reranker")
+                     for size in ("tiny", "2b", "8b")}
 
 
 def retrieval_config(config: dict) -> dict:
@@ -374,23 +374,27 @@ def write_retrieval_files(out: Path, kind: str, cfg: ModelConfig) -> None:
     logit score (reranker)."""
     from qvl.processing.tokenizer import Tokenizer
 
-    transformer = {"idx": 0, "name": "0", "path": "", "type": ST_MODULE.format("base", "Transformer")}
+    def module(idx: int, path: str, package: str, name: str) -> dict:
+        return {"idx": idx, "name": str(idx), "path": path, "type": f"sentence_transformers.{package}.models.{name}"}
+
+    transformer = module(0, "", "base", "Transformer")
     if kind == "embedding":
-        modules = [transformer, {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_MODULE.format("sentence_transformer", "Pooling")},
-                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": ST_MODULE.format("base", "Normalize")}]
+        modules = [transformer, module(1, "1_Pooling", "sentence_transformer", "Pooling"),
+                   module(2, "2_Normalize", "base", "Normalize")]
         heads = {"1_Pooling": {"embedding_dimension": cfg.text.hidden_size, "pooling_mode": "lasttoken",
                                "include_prompt": True}, "2_Normalize": None}
         model_type, task, length = "SentenceTransformer", "feature-extraction", 8192
     else:
         tokenizer = Tokenizer.from_dir(out)
-        modules = [transformer, {"idx": 1, "name": "1", "path": "1_LogitScore", "type": ST_MODULE.format("cross_encoder", "LogitScore")}]
-        heads = {"1_LogitScore": {"true_token_id": tokenizer.token_id("yes"), "false_token_id": tokenizer.token_id("no"),
-                                  "module_input_name": "causal_logits"}}
+        modules = [transformer, module(1, "1_LogitScore", "cross_encoder", "LogitScore")]
+        heads = {"1_LogitScore": {"true_token_id": tokenizer.token_id("yes"),
+                                  "false_token_id": tokenizer.token_id("no"), "module_input_name": "causal_logits"}}
         model_type, task, length = "CrossEncoder", "text-generation", 10240
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
     (out / "config_sentence_transformers.json").write_text(json.dumps(
         {"model_type": model_type, "prompts": {}, "default_prompt_name": None}, indent=2))
-    (out / "sentence_bert_config.json").write_text(json.dumps({"transformer_task": task, "max_seq_length": length}, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"transformer_task": task, "max_seq_length": length},
+                                                              indent=2))
     for folder, config in heads.items():
         (out / folder).mkdir(exist_ok=True)
         if config is not None:

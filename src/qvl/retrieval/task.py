@@ -37,7 +37,8 @@ DOORS = {GENERATE: "chat and completions (/v1/chat/completions, /v1/responses, /
 KINDS = {GENERATE: "a chat model", EMBED: "an embedding model (Qwen3-VL-Embedding)",
          RERANK: "a reranker (Qwen3-VL-Reranker)"}
 NEEDS = {GENERATE: "chat, serve a chat checkpoint (Qwen3-VL Instruct or Thinking)",
-         EMBED: "embeddings, serve a Qwen3-VL-Embedding checkpoint", RERANK: "reranking, serve a Qwen3-VL-Reranker checkpoint"}
+         EMBED: "embeddings, serve a Qwen3-VL-Embedding checkpoint",
+         RERANK: "reranking, serve a Qwen3-VL-Reranker checkpoint"}
 
 
 def wrong_task(model: str, task: str, wanted: str) -> RequestError:

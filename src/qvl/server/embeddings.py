@@ -106,8 +106,8 @@ class Retrieval:
         if isinstance(value, str):
             return [{"type": "text", "text": value}]
         if isinstance(value, dict) and value and set(value) <= set(OBJECT_KEYS):
-            value = [{"type": "text", "text": v} if kind == "text" else {"type": OBJECT_KEYS[kind], OBJECT_KEYS[kind]: {"url": v}}
-                     for kind, v in value.items()]
+            value = [{"type": "text", "text": v} if kind == "text" else
+                     {"type": OBJECT_KEYS[kind], OBJECT_KEYS[kind]: {"url": v}} for kind, v in value.items()]
         if not isinstance(value, list):
             raise RequestError("expected a string, a list of content parts, or an object with text, image or video",
                                param)
@@ -118,7 +118,8 @@ class Retrieval:
             raise RequestError(f"{first['msg'].removeprefix('Value error, ')}", param) from None
         options = engine.options
         try:
-            return engine_messages([message], self.state.settings.images, options.max_images, options.max_videos)[0]["content"]
+            converted = engine_messages([message], self.state.settings.images, options.max_images, options.max_videos)
+            return converted[0]["content"]
         except APIError as exc:
             exc.param = param + (exc.param or "").removeprefix("messages[0].content")
             raise
@@ -132,7 +133,8 @@ class Retrieval:
             instruction, parts = self._conversation(req.messages, engine)
             inputs, instruction = [("messages", parts)], instruction or req.instruction
         else:
-            inputs, instruction = [(param, self._parts(v, param, engine)) for param, v in input_list(req.input)], req.instruction
+            inputs = [(param, self._parts(v, param, engine)) for param, v in input_list(req.input)]
+            instruction = req.instruction
         return req, [parsed_as(param, lambda: parse_embedding(engine, parts, instruction, deadline, salt))
                      for param, parts in inputs]
 
