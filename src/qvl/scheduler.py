@@ -90,6 +90,7 @@ class Sequence:
     text: TextStream | None = None
     preparing: Generator | None = None  # vision, run a few blocks per step
     stopped: str | None = None  # why it was cancelled from outside
+    admitted: bool = False  # once: a preempted sequence is admitted again with its state kept
     done: bool = False
     index: int = 0  # which of the request's n answers (1.. are forked from 0 after its prefill)
     parent: Sequence | None = None  # the sequence a sibling was forked from (stopping it stops them all)
@@ -290,7 +291,7 @@ class Scheduler:
         engine, params = self.engine, seq.params
         if seq.stop_reason:
             raise Cancelled(seq.stop_reason)
-        first = seq.text is None
+        first, seq.admitted = not seq.admitted, True
         if first:
             if seq.started is None:
                 seq.started = time.perf_counter()
