@@ -94,6 +94,37 @@ def tiny35_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_embedding_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-VL-Embedding checkpoint (its sentence-transformers files say so)."""
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_embedding"), "embedding-tiny", seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-VL-Reranker checkpoint."""
+    from qvl.synth import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_reranker"), "reranker-tiny", seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder(tiny_embedding_checkpoint):
+    """A float32 engine on the tiny embedding checkpoint (shared: do not mutate)."""
+    from tests.test_retrieval import fp32_engine
+
+    return fp32_engine(tiny_embedding_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker(tiny_reranker_checkpoint):
+    from tests.test_retrieval import fp32_engine
+
+    return fp32_engine(tiny_reranker_checkpoint)
+
+
+@pytest.fixture(scope="session")
 def tiny35_engine(tiny35_checkpoint):
     """The engine a user gets on the tiny Qwen3.5 checkpoint (every default; shared: do not mutate)."""
     from qvl.engine import Engine, EngineOptions

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from qvl.options import SamplingOptions, UsageError, add_engine_args, add_sampling_args, engine_options, prompt_text
 
-FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli", "qvl.eval.cli")
+FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli", "qvl.eval.cli", "qvl.retrieval.cli")
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
@@ -321,7 +321,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 PRESETS = ["tiny", "tiny-moe", "2b", "4b", "8b", "32b", "30b-a3b", "qwen3.5-tiny", "qwen3.5-tiny-moe", "qwen3.5-0.8b",
-           "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"]
+           "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
+           *(f"{kind}-{size}" for kind in ("embedding", "reranker") for size in ("tiny", "2b", "8b"))]
 KNOWN_SIZES = {**{f"Qwen/Qwen3-VL-{size.upper()}-{kind}": size for size in ("2b", "4b", "8b", "32b")
                   for kind in ("Instruct", "Thinking")},
                **{f"Qwen/Qwen{family}-{size.upper()}{base}": f"qwen3.5-{size}"
@@ -410,7 +411,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     p = sub.add_parser("synth", help="write a random-weight checkpoint in the official layout (offline demo)")
     p.add_argument("out")
     p.add_argument("--preset", default="tiny", choices=PRESETS,
-                   help="Qwen3-VL: tiny, tiny-moe, 2b ... 30b-a3b; Qwen3.5: qwen3.5-tiny ... qwen3.5-35b-a3b")
+                   help="Qwen3-VL: tiny, tiny-moe, 2b ... 30b-a3b; Qwen3.5: qwen3.5-tiny ... qwen3.5-35b-a3b; "
+                        "Qwen3-VL-Embedding and -Reranker: embedding-tiny, -2b, -8b, reranker-tiny, -2b, -8b")
     p.add_argument("--layers", type=int, help="text decoder layers (fewer than the preset's: a full-width model "
                                               "for benchmarks that fits the disk and memory)")
     p.add_argument("--seed", type=int, default=0)

@@ -32,6 +32,7 @@ from qvl.processing.tokenizer import Tokenizer
 from qvl.quantize import WEIGHT_FORMATS, Int4Linear, Int8Linear, QuantSpec
 from qvl.processing.video import MAX_VIDEOS, VIDEO_FRAMES_CAP, VIDEO_TOKENS_CAP, VideoSettings
 from qvl.requests import ClipCache, Limits, ParsedRequest, Request, RequestError, parse_request
+from qvl.retrieval.task import GENERATE, model_task, wrong_task
 from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, Scheduler, Sequence
@@ -143,6 +144,7 @@ class Engine:
         self.scheduler = Scheduler(self, options.max_batch, options.kv_cache_mb, options.prefix_cache_mb)
         self.grammars = Grammars(tokenizer, model.cfg.text.vocab_size, defaults.eos_token_ids)
         self.think_end = tokenizer.find("</think>")  # a Thinking model's reasoning ends there
+        self.task = model_task(path, options.model)  # generate | embed | rerank: what its checkpoint is for
         self._thinks: dict[bool | None, bool] = {}  # thinks(enable_thinking), rendered once each
 
     @classmethod
@@ -202,6 +204,8 @@ class Engine:
         """Whether the chat template opens `<think>` for the answer: a Thinking variant's always,
         a hybrid one's (Qwen3.5) as its switch `enable_thinking` says (None: the template's
         default). A request's own prompt decides its answer (ParsedRequest.reasoning)."""
+        if self.task != GENERATE:
+            return False
         if enable_thinking not in self._thinks:
             switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
             probe = Request([{"role": "user", "content": "?"}], template_kwargs=switch)
@@ -221,13 +225,18 @@ class Engine:
                               reasoning_budget=self.options.reasoning_budget)
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
-    def parse(self, request: Request, deadline: Deadline | None = None) -> ParsedRequest:
+    def parse(self, request: Request, deadline: Deadline | None = None, task: str = GENERATE) -> ParsedRequest:
         """Decode images and videos, tokenize, check the budget: cheap next to generation, and
         raises RequestError / ImageError for anything unusable (a server answers 400 before
         queueing). `deadline` bounds the decoding and tokenizing (its time limit is a
-        RequestError naming the part that took too long; cancelling it raises Cancelled)."""
+        RequestError naming the part that took too long; cancelling it raises Cancelled).
+        `task` is what the request wants of the model (generate, embed, rerank): another than
+        its checkpoint's is a RequestError; embed and rerank requests end after their prefill."""
+        if task != self.task:
+            raise wrong_task(self.model_name, self.task, task)
         parsed = parse_request(request, self.tokenizer, self.template, self.image_cfg, self.limits, self.clips,
                                deadline)
+        parsed.last_hidden = task != GENERATE
         self.scheduler.check_admissible(parsed)
         if parsed.sampling.constraint is not None:
             self.grammars.compile(parsed.sampling.constraint)  # a grammar it cannot enforce: RequestError
@@ -318,7 +327,7 @@ class Engine:
 
         started = time.perf_counter()
         parsed = self.parse(Request([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
-                                                                  {"type": "text", "text": "Hi"}]}]))
+                                                                  {"type": "text", "text": "Hi"}]}]), task=self.task)
         prompt = self.prepare(parsed, Timings(), use_cache=False)
         cache = new_cache(self.model, 1, len(prompt) + 1)
         logits = prefill(self.model, cache, prompt)
@@ -342,7 +351,8 @@ class Engine:
         return () if params.ignore_eos else self.defaults.eos_token_ids
 
     def _answer_key(self, parsed: ParsedRequest) -> str | None:
-        if not (self.answer_cache.enabled and parsed.sampling.deterministic) or parsed.sampling.n > 1:
+        if not (self.answer_cache.enabled and parsed.sampling.deterministic) or parsed.sampling.n > 1 \
+                or parsed.last_hidden:
             return None
         return AnswerCache.key(self.model_id, parsed.ids, parsed.image_hashes, parsed.sampling, parsed.cache_salt)
 

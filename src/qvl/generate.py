@@ -42,11 +42,12 @@ class PreparedPrompt:
 
 @torch.inference_mode()
 def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start: int,
-                  end: int) -> torch.Tensor | None:
+                  end: int, hidden: bool = False) -> torch.Tensor | None:
     """Run prompt tokens start..end through the decoder into positions start..end of a B=1
     cache (or one row's view), whose first `start` positions already hold the prompt's first tokens.
-    Returns the logits of the prompt's last token [1, V] when the slice ends the prompt, else
-    None (the final layer then only writes its keys and values, and the head does not run)."""
+    Returns the logits of the prompt's last token [1, V] when the slice ends the prompt (with
+    `hidden`, its final-normed hidden state [1, D] instead: the head does not run), else None
+    (the final layer then only writes its keys and values, and the head does not run)."""
     is_image = model.cfg.is_vision_token(prompt.ids)
     done_images = int(is_image[:start].sum()) - prompt.embeds_from  # image tokens before start, already embedded
     vis = is_image[start:end][None]
@@ -60,7 +61,9 @@ def prefill_slice(model: Qwen3VL, cache: KVCache, prompt: PreparedPrompt, start:
     wanted = int(end == len(prompt))
     with prompt_products():  # the same products for a prompt token whatever the slice (the head: one row, always)
         h_last = model.language_model(h, cos, sin, cache, start, vis, deepstack, last=wanted)
-    return model.logits(h_last)[:, -1] if wanted else None
+    if not wanted:
+        return None
+    return h_last[:, -1] if hidden else model.logits(h_last)[:, -1]
 
 
 def prefill(

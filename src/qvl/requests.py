@@ -72,6 +72,8 @@ class ParsedRequest:
     answer_checked: bool = False  # the answer cache was already asked (and missed)
     reasoning: bool = False  # the prompt opened `<think>`: the answer starts with reasoning
     cache_salt: str = ""  # the request's cache namespace (Request.cache_salt)
+    last_hidden: bool = False  # ends after its prefill, answered with the last token's hidden state
+    # (embeddings, reranking): no decoding
 
     @property
     def vision_tokens(self) -> int:

@@ -3,7 +3,9 @@ sequences, admits waiting ones between decode steps (first come, first served, w
 and KV blocks allow), encodes their images and prefills their prompts in bounded slices,
 decodes all rows that are generating together in one pass per step, and retires a row the
 moment it finishes (EOS, stop string, token limit, cancellation). A request for n answers is
-prefilled once and forked into n rows that share its prompt's KV blocks.
+prefilled once and forked into n rows that share its prompt's KV blocks. A request that
+ends after its prefill (ParsedRequest.last_hidden: embeddings, reranking) is answered with its
+prompt's last hidden state as soon as the prefill ends, and never decodes.
 
 KV memory is one pool of fixed-size blocks (qvl.kv_cache) with a total budget: a sequence
 takes blocks as it grows; requests that begin with the same tokens and images share the
@@ -88,6 +90,7 @@ class Sequence:
     text: TextStream | None = None
     preparing: Generator | None = None  # vision, run a few blocks per step
     stopped: str | None = None  # why it was cancelled from outside
+    admitted: bool = False  # once: a preempted sequence is admitted again with its state kept
     done: bool = False
     index: int = 0  # which of the request's n answers (1.. are forked from 0 after its prefill)
     parent: Sequence | None = None  # the sequence a sibling was forked from (stopping it stops them all)
@@ -288,7 +291,7 @@ class Scheduler:
         engine, params = self.engine, seq.params
         if seq.stop_reason:
             raise Cancelled(seq.stop_reason)
-        first = seq.text is None
+        first, seq.admitted = not seq.admitted, True
         if first:
             if seq.started is None:
                 seq.started = time.perf_counter()
@@ -309,7 +312,7 @@ class Scheduler:
         if first:
             seq.timings.cached["prefix"], seq.timings.reused_tokens = reused > 0, reused
         seq.preparing = engine.prepare_steps(seq.parsed, seq.timings, reused, seq.cancel, seq.spans)
-        if first:
+        if first and not seq.parsed.last_hidden:
             vocab = self.model.cfg.text.vocab_size
             if params.repetition_penalty != 1.0:
                 seq.seen = torch.zeros(vocab, dtype=torch.bool)
@@ -411,7 +414,9 @@ class Scheduler:
                 self.prefill_rate = 0.5 * self.prefill_rate + 0.5 * rate
             seq.filled = end
             self._register(seq, seq.digests or [])
-            if end == len(seq.prompt):
+            if end == len(seq.prompt) and seq.parsed.last_hidden:
+                self._retire(seq, hidden=logits[0].float())
+            elif end == len(seq.prompt):
                 seq.logits = logits[0].float()
                 self._fork(seq)
         except Exception as exc:
@@ -421,8 +426,8 @@ class Scheduler:
         """--deterministic: prompt tokens seq.filled (a chunk boundary) to about `end` as whole
         DETERMINISTIC_CHUNK-token chunks at fixed positions, one call each (at least one), so
         every token's keys, values and logits are computed in the same products whatever the
-        slice sizes or the reused prefix were. Returns the last chunk's logits (None unless it ends
-        the prompt) and the new end."""
+        slice sizes or the reused prefix were. Returns the last chunk's logits (or hidden state; None
+        unless it ends the prompt) and the new end."""
         chunk, total = DETERMINISTIC_CHUNK, len(seq.prompt)
         end = min(total, max(end // chunk * chunk, seq.filled + chunk))
         logits = None
@@ -431,7 +436,8 @@ class Scheduler:
         return logits, end
 
     def _prefill_call(self, seq: Sequence, start: int, end: int) -> torch.Tensor | None:
-        """Prompt tokens start..end of one sequence in one model call (prefill_slice); for a
+        """Prompt tokens start..end of one sequence in one model call (prefill_slice: the last
+        token's logits, or its hidden state for a last_hidden request, when it ends the prompt); for a
         hybrid model, the recurrent states at the call's capture points (state_cache.
         capture_points) are kept in the prefix cache after the blocks they follow."""
         view, digests = self._view([seq]), seq.digests or []
@@ -439,7 +445,7 @@ class Scheduler:
             points = [p for p in capture_points(start, end, self._last_turn(seq)) if p // BLOCK <= len(digests)]
             view.states.capture = tuple(points)
             view.states.captured = tuple(self.states.empty_snapshot() for _ in points)
-        logits = prefill_slice(self.model, view, seq.prompt, start, end)
+        logits = prefill_slice(self.model, view, seq.prompt, start, end, seq.parsed.last_hidden)
         if view.states is not None and view.states.capture:
             self._register(seq, digests, view.states.capture[-1])
             for point, snapshot in zip(view.states.capture, view.states.captured):
@@ -642,10 +648,11 @@ class Scheduler:
         for seq in gone:
             self._fail(seq, Cancelled(seq.stop_reason))
 
-    def _retire(self, seq: Sequence, error: BaseException | None = None) -> None:
+    def _retire(self, seq: Sequence, error: BaseException | None = None, hidden: torch.Tensor | None = None) -> None:
         """Take a running sequence out, its blocks released (the full ones of its prompt, and
         of the answer tokens fed back unless --deterministic, stay as prefix cache): its Done
-        (the answer is kept for exact repeats), or the error that ended it."""
+        (the answer is kept for exact repeats; a last_hidden request's carries `hidden` [D]), or
+        the error that ended it."""
         self.running.remove(seq)
         if error is None and self._keeps_answers():
             ids = torch.cat([seq.parsed.ids, torch.tensor(seq.fed_ids, dtype=torch.long)])
@@ -659,12 +666,21 @@ class Scheduler:
         if error is not None:
             self._fail(seq, error)
             return
-        tail, done = seq.text.close()
+        tail, done = seq.text.close() if hidden is None else (None, self._prefilled(seq, hidden))
         seq.done = True
         if tail is not None:
             seq.emit(tail)
         self.engine.remember(seq.parsed, done)
         seq.emit(done)
+
+    @staticmethod
+    def _prefilled(seq: Sequence, hidden: torch.Tensor) -> Done:
+        """The Done of a request that ends after its prefill: no text, its hidden state [D]."""
+        parsed, t = seq.parsed, seq.timings
+        t.ttft_ms = (time.perf_counter() - seq.started) * 1000
+        t.prefill_ms = max(0.0, t.ttft_ms - t.vision_ms - t.parse_ms)
+        usage = Usage(prompt_tokens=len(parsed.ids), image_tokens=parsed.image_tokens, video_tokens=parsed.video_tokens)
+        return Done("", [], "stop", usage, t, hidden=hidden)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         seq.done = True

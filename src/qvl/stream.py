@@ -7,8 +7,12 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from qvl.processing.tokenizer import StreamDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -67,6 +71,8 @@ class Done:
     logprobs: list[TokenLogprob] | None = None  # one per token (when asked)
     index: int = 0  # which of the request's n answers
     reasoning: str | None = None  # a Thinking model's reasoning (None: the prompt opened none)
+    hidden: torch.Tensor | None = None  # [D] float32: a request that ends after its prefill (embeddings,
+    # reranking) is answered with its last token's final-normed hidden state, no text
 
     def to_dict(self) -> dict:
         timings = asdict(self.timings)

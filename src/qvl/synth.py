@@ -193,8 +193,11 @@ def _merge(base: dict, changes: dict) -> dict:
 
 def preset_config(preset: str, changes: dict | None = None) -> dict:
     """config.json contents for a preset (Qwen3-VL: tiny, tiny-moe, 2b, 4b, 8b, 32b, 30b-a3b;
-    Qwen3.5: qwen3.5-tiny, qwen3.5-tiny-moe, qwen3.5-0.8b, -2b, -4b, -9b, -27b, -35b-a3b), with
-    optional nested overrides (a hybrid config's layer_types follow a new num_hidden_layers)."""
+    Qwen3.5: qwen3.5-tiny, qwen3.5-tiny-moe, qwen3.5-0.8b, -2b, -4b, -9b, -27b, -35b-a3b;
+    RETRIEVAL_PRESETS: embedding-tiny ... reranker-8b), with optional nested overrides (a hybrid
+    config's layer_types follow a new num_hidden_layers)."""
+    if preset in RETRIEVAL_PRESETS:
+        return retrieval_config(preset_config(RETRIEVAL_PRESETS[preset][1], changes))
     tiny = _merge(OFFICIAL_2B, TINY_CHANGES)
     tiny35 = _merge(QWEN3_5_2B, QWEN3_5_TINY)
     presets = {"2b": OFFICIAL_2B, "tiny": tiny, "tiny-moe": _merge(tiny, TINY_MOE), "30b-a3b": _merge(OFFICIAL_2B, MOE_30B),
@@ -354,4 +357,55 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, chang
     if quant is not None:
         tensors, metadata = quantized_tensors(tensors, cfg, quant), {**metadata, **quant.metadata()}
     write_shards(tensors, out, metadata, shard_bytes)
+    if preset in RETRIEVAL_PRESETS:
+        write_retrieval_files(out, RETRIEVAL_PRESETS[preset][0], cfg)
     return out
+
+
+# -- Qwen3-VL-Embedding and Qwen3-VL-Reranker ----------------------------------------------
+# The base models' layout (the 2B's config.json as published, written by transformers 5), and
+# the sentence-transformers files that say what each is (qvl.retrieval.task reads them).
+
+RETRIEVAL_PRESETS = {f"{kind}-{size}": (kind, size) for kind in ("embedding", "reranker")
+                     for size in ("tiny", "2b", "8b")}
+
+
+def retrieval_config(config: dict) -> dict:
+    """A base config as the retrieval checkpoints carry it: `rope_parameters` (rope_theta
+    inside), transformers 5.1."""
+    text = config["text_config"]
+    text["rope_parameters"] = {**text.pop("rope_scaling"), "rope_theta": text.pop("rope_theta")}
+    return {**config, "transformers_version": "5.1.0"}
+
+
+def write_retrieval_files(out: Path, kind: str, cfg: ModelConfig) -> None:
+    """modules.json, config_sentence_transformers.json, sentence_bert_config.json and the head
+    module's config: last-token pooling then normalisation (embedding), or the "yes" - "no"
+    logit score (reranker)."""
+    from qvl.processing.tokenizer import Tokenizer
+
+    def module(idx: int, path: str, package: str, name: str) -> dict:
+        return {"idx": idx, "name": str(idx), "path": path, "type": f"sentence_transformers.{package}.models.{name}"}
+
+    transformer = module(0, "", "base", "Transformer")
+    if kind == "embedding":
+        modules = [transformer, module(1, "1_Pooling", "sentence_transformer", "Pooling"),
+                   module(2, "2_Normalize", "base", "Normalize")]
+        heads = {"1_Pooling": {"embedding_dimension": cfg.text.hidden_size, "pooling_mode": "lasttoken",
+                               "include_prompt": True}, "2_Normalize": None}
+        model_type, task, length = "SentenceTransformer", "feature-extraction", 8192
+    else:
+        tokenizer = Tokenizer.from_dir(out)
+        modules = [transformer, module(1, "1_LogitScore", "cross_encoder", "LogitScore")]
+        heads = {"1_LogitScore": {"true_token_id": tokenizer.token_id("yes"),
+                                  "false_token_id": tokenizer.token_id("no"), "module_input_name": "causal_logits"}}
+        model_type, task, length = "CrossEncoder", "text-generation", 10240
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "config_sentence_transformers.json").write_text(json.dumps(
+        {"model_type": model_type, "prompts": {}, "default_prompt_name": None}, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"transformer_task": task, "max_seq_length": length},
+                                                              indent=2))
+    for folder, config in heads.items():
+        (out / folder).mkdir(exist_ok=True)
+        if config is not None:
+            (out / folder / "config.json").write_text(json.dumps(config, indent=2))

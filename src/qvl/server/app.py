@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from qvl.engine import Engine
-from qvl.server import errors
+from qvl.server import embeddings, errors
 from qvl.server.errors import APIError
 from qvl.server.guard import BrowserGuard, matching_key
 from qvl.server.metrics import StatusCounter
@@ -90,6 +90,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     api.add_api_route("/api/tags", ollama.tags, methods=["GET"])
     api.add_api_route("/api/ps", ollama.ps, methods=["GET"])
     api.add_api_route("/api/version", version, methods=["GET"])
+    embeddings.register(api, state, submit)
 
     @api.get("/v1/models")
     async def models():

@@ -234,7 +234,8 @@ class Ollama:
                                f"{arch}.context_length": engine.options.max_context,
                                f"{arch}.embedding_length": text.hidden_size,
                                f"{arch}.block_count": text.num_hidden_layers},
-                "capabilities": ["completion", "vision", "tools"] + (["thinking"] if engine.thinks(True) else []),
+                "capabilities": ["completion", "vision", "tools"] + (["thinking"] if engine.thinks(True) else [])
+                if engine.task == "generate" else ["embedding", "vision"] if engine.task == "embed" else ["vision"],
                 "modified_at": modified(engine)}
 
 

@@ -266,3 +266,49 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- embeddings and reranking (an embedding or reranker model: qvl.server.embeddings) ------------
+# An input, query or document is a string, a list of content parts as in chat messages, or (rerank)
+# an object with "text", "image", "video" as Jina's API and the reference take it: checked when read.
+
+MAX_INPUTS = 2048  # inputs of one embeddings request, documents of one rerank
+
+
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: Any = None  # a string, a list of strings, or a list of inputs each a list of content parts
+    messages: list[Message] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)  # vLLM's chat form: one input
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    instruction: str | None = Field(None, max_length=4096)  # qvl: what the embeddings are for (the reference's)
+    cache_salt: CacheSalt = None
+
+
+class RerankRequest(_Strict):
+    model: str | None = None
+    query: Any
+    documents: Any  # a list of documents, or vLLM's {"content": [parts]} (each part a document)
+    top_n: int | None = Field(None, ge=0)  # 0 or none: all
+    return_documents: bool = True
+    instruction: str | None = Field(None, max_length=4096)
+    cache_salt: CacheSalt = None
+
+
+class ScoreRequest(_Strict):
+    model: str | None = None
+    text_1: Any  # one query, or as many as text_2
+    text_2: Any
+    instruction: str | None = Field(None, max_length=4096)
+    cache_salt: CacheSalt = None
+
+
+class OllamaEmbedRequest(_Strict):
+    model: str | None = None
+    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)]
+    dimensions: int | None = Field(None, ge=1)
+    truncate: bool | None = None  # an input over the context is refused either way
+    options: dict | None = None
+    keep_alive: Any = None
+    cache_salt: CacheSalt = None
