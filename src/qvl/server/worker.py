@@ -38,7 +38,9 @@ class Job:
         self.reason: str | None = None  # why it was cancelled
         self.started = self.finished = False
         self.answers = 0  # Done events so far, of parsed.sampling.n
-        self.seq = Sequence(parsed, self.on_event, cancel=self.should_stop, on_start=self.on_start)
+        # None once the scheduler has ended it: its callbacks hold this job, and the cycle would keep
+        # its tensors (logits, the prompt, the constraint) until Python's next full collection
+        self.seq: Sequence | None = Sequence(parsed, self.on_event, cancel=self.should_stop, on_start=self.on_start)
 
     def put(self, item: Delta | Done | APIError) -> None:
         """Deliver to the consumer; callable from any thread."""
@@ -64,16 +66,20 @@ class Job:
             if self.answers == self.parsed.sampling.n:
                 with self.worker.cond:
                     self.finished = True
+                    self.seq = None
                 self.worker.finished(self)
             self.put(event)
         elif isinstance(event, Cancelled):  # stopped between two steps (disconnect, time limit, shutdown)
             if self.reason is None:
                 self.worker.cancel(self, TIMEOUT)
+            with self.worker.cond:
+                self.seq = None
             if self.started:  # a job cancelled while waiting was answered by `cancel`
                 self.put(self.failure())
         elif isinstance(event, BaseException):  # a failing request must not take the others down
             with self.worker.cond:
                 self.finished = True  # answered (with an error): not a cancellation
+                self.seq = None
                 if self in self.worker.jobs:
                     self.worker.jobs.remove(self)
             self.put(internal(event))
@@ -101,7 +107,10 @@ class Job:
                     self.worker.cancel(self, TIMEOUT)
                     raise self.failure() from None
                 if isinstance(item, APIError):
-                    raise item
+                    try:
+                        raise item
+                    finally:
+                        item = None  # its traceback holds this frame
                 yield item
                 answers += isinstance(item, Done)
                 if answers == self.parsed.sampling.n:
