@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator
 from qvl.engine import Cancelled, Engine, ParsedRequest
 from qvl.scheduler import Sequence
 from qvl.server.errors import APIError, internal
+from qvl.server.memory import release
 from qvl.server.metrics import Metrics
 from qvl.stream import Delta, Done
 
 DISCONNECT, TIMEOUT, SHUTDOWN = "disconnect", "timeout", "shutdown"
 STATUS_EVERY_S = 10.0  # a one-line status in the log while requests run
+IDLE_RELEASE_S = 1.0  # idle this long after work, the worker hands freed memory back to the system
 log = logging.getLogger("qvl.server")
 
 
@@ -222,16 +224,22 @@ class Worker:
             except Exception:  # only a lost optimisation: serve anyway
                 log.exception("warm-up failed")
         last_status, tokens = time.monotonic(), self.scheduler.tokens
+        released = True  # nothing ran since memory was last handed back
         while True:
             with self.cond:
-                while self.scheduler.idle and not self.stopped:
-                    self.cond.wait()
+                work = self.cond.wait_for(lambda: self.stopped or not self.scheduler.idle,
+                                          None if released else IDLE_RELEASE_S)
                 if self.stopped:
                     return
+            if not work:  # an idle server's memory is what its caches and the model hold
+                release()
+                released = True
+                continue
             try:
                 self.scheduler.step()
             except Exception:  # the scheduler answers each request's own failures; this is its own
                 log.exception("scheduler step failed")
+            released = False
             if (now := time.monotonic()) - last_status >= STATUS_EVERY_S:
                 stats = self.scheduler.stats()
                 log.info("running %d/%d, waiting %d, %.1f tokens/s, KV pool %.0f of %.0f MB held "
