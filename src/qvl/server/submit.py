@@ -112,6 +112,7 @@ class Submitter:
             finally:
                 deadline.cancel()  # a no-op once the work ended
                 result.cancel()
+                job = result = None  # they hold its failure, whose traceback holds this frame
         finally:
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
@@ -215,6 +216,7 @@ async def finals_or_disconnect(events: AsyncIterator[Delta | Done], http: HTTPRe
         for task in (answer, gone):
             task.cancel()
         await asyncio.gather(answer, gone, return_exceptions=True)
+        answer = gone = None  # they hold a failure, whose traceback holds this frame
 
 
 async def disconnected(http: HTTPRequest) -> None:
