@@ -1,7 +1,8 @@
 """Models by name against a local mirror of the hub's file API serving a synthetic checkpoint:
 `qvl pull` by short name into the Hugging Face cache ($HF_HOME, $HF_ENDPOINT), resumed after a
 dropped connection and after the process was killed, checksums enforced; `qvl list` and
-`qvl rm`; a pulled model answers `qvl ask` offline; Ollama's /api/pull and /api/delete."""
+`qvl rm`; a pulled model answers `qvl ask` offline; Ollama's /api/pull and /api/delete.
+In-process tests point this process's huggingface_hub at the mirror (the `hub` fixture)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 import qvl
-from qvl.models import hub_id
+from qvl.cli import main
+from qvl.models import hub_id, local_models, preset_of
+from qvl.pull import ChecksumError, pull
 from qvl.server.app import create_app
 from qvl.server.settings import ServerSettings
 from tests.hub_mirror import COMMIT, HubMirror
@@ -55,15 +58,16 @@ def test_short_names_stand_for_hub_ids():
     assert hub_id(f"{REPO}:latest") == REPO == hub_id(REPO)
     with pytest.raises(ValueError, match="qwen3-vl:2b"):
         hub_id("llama3")
+    assert preset_of("qwen3.5:9b") == preset_of("Qwen/Qwen3.5-9B") == "qwen3.5-9b"  # `qvl info --model` sizes it
 
 
-def test_pull_by_short_name_resumes_a_dropped_connection_then_list_ask_rm(tiny_checkpoint, tmp_path):
-    with HubMirror(REPO, tiny_checkpoint, extra={"README.md": b"# not a model file"},
-                   cut={WEIGHTS: 10_000_000}) as mirror:
+@pytest.mark.slow
+def test_pull_by_short_name_then_list_ask_offline_and_rm(tiny_checkpoint, tmp_path):
+    """The whole round as a user runs it, HF_HOME and HF_ENDPOINT read from the environment."""
+    with HubMirror(REPO, tiny_checkpoint, extra={"README.md": b"# not a model file"}) as mirror:
         env = hub_env(tmp_path, mirror)
         out = qvl_cli(env, "pull", "qwen3-vl:2b")
         assert out.returncode == 0, out.stderr
-        assert mirror.gets(WEIGHTS) == [None, "bytes=10000000-"]  # the second request asked for the rest only
         assert mirror.gets("README.md") == []
     weights = (tiny_checkpoint / WEIGHTS).read_bytes()
     assert blob(tmp_path, weights).read_bytes() == weights
@@ -72,7 +76,7 @@ def test_pull_by_short_name_resumes_a_dropped_connection_then_list_ask_rm(tiny_c
     assert (model["name"], model["short"], model["formats"], model["size"]) == (REPO, "qwen3-vl:2b", ["bf16"], served)
     assert model["last_used"] is None
 
-    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # the mirror is gone too
+    offline = {**env, "HF_HUB_OFFLINE": "1"}  # and the mirror is gone
     out = qvl_cli(offline, "ask", "--model", "qwen3-vl:2b", "Hi", "--max-new-tokens", "2", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["usage"]["completion_tokens"] == 2
@@ -87,55 +91,6 @@ def test_pull_by_short_name_resumes_a_dropped_connection_then_list_ask_rm(tiny_c
     assert again.returncode == 1 and "not in the Hugging Face cache" in again.stderr
 
 
-def test_a_killed_pull_resumes_where_it_stopped(tiny_checkpoint, tmp_path):
-    weights = (tiny_checkpoint / WEIGHTS).read_bytes()
-    partial = blob(tmp_path, weights).with_name(blob(tmp_path, weights).name + ".incomplete")
-    with HubMirror(REPO, tiny_checkpoint, stall={WEIGHTS: 20_000_000}) as mirror:
-        env = hub_env(tmp_path, mirror)
-        first = subprocess.Popen([sys.executable, "-m", "qvl.cli", "pull", REPO], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while not (partial.exists() and partial.stat().st_size == 20_000_000):
-            assert time.monotonic() < deadline and first.poll() is None, first.communicate()
-            time.sleep(0.05)
-        first.send_signal(signal.SIGINT)  # Ctrl-C halfway through the weights
-        assert first.wait(30) == 130
-        mirror.release.set()
-        assert listed(env) == []  # half a model is no model
-        out = qvl_cli(env, "pull", REPO)
-        assert out.returncode == 0, out.stderr
-        assert mirror.gets(WEIGHTS)[-1] == "bytes=20000000-"
-    assert blob(tmp_path, weights).read_bytes() == weights and not partial.exists()
-    assert [m["name"] for m in listed(env)] == [REPO]
-
-
-def test_a_corrupted_download_is_refused_and_not_kept(tiny_checkpoint, tmp_path):
-    weights = (tiny_checkpoint / WEIGHTS).read_bytes()
-    with HubMirror(REPO, tiny_checkpoint, corrupt={WEIGHTS}) as mirror:
-        env = hub_env(tmp_path, mirror)
-        out = qvl_cli(env, "pull", REPO)
-        assert out.returncode == 1 and "model.safetensors: checksum mismatch" in out.stderr
-        assert not blob(tmp_path, weights).exists() and not list(blob(tmp_path, weights).parent.glob("*.incomplete"))
-        assert listed(env) == []
-        mirror.corrupt.clear()
-        assert qvl_cli(env, "pull", REPO).returncode == 0
-    assert blob(tmp_path, weights).read_bytes() == weights
-
-
-def test_pull_errors_say_what_is_wrong(tiny_checkpoint, tmp_path):
-    with HubMirror(REPO, tiny_checkpoint) as mirror:
-        env = hub_env(tmp_path, mirror)
-        missing = qvl_cli(env, "pull", "Qwen/No-Such-Model")
-        assert missing.returncode == 1 and "no such model on the hub" in missing.stderr
-        unknown = qvl_cli(env, "pull", "llama3")
-        assert unknown.returncode == 1 and "unknown model name 'llama3'" in unknown.stderr
-        offline = qvl_cli({**env, "HF_HUB_OFFLINE": "1"}, "pull", REPO)
-        assert offline.returncode == 1 and "offline mode" in offline.stderr
-        assert qvl_cli(env, "pull", REPO).returncode == 0
-        again = qvl_cli({**env, "HF_HUB_OFFLINE": "1"}, "pull", REPO)  # already here: nothing to fetch
-        assert again.returncode == 0, again.stderr
-
-
 @pytest.fixture
 def hub(tiny_checkpoint, tmp_path, monkeypatch):
     """This process's huggingface_hub pointed at a mirror and an empty cache, as HF_ENDPOINT
@@ -147,7 +102,76 @@ def hub(tiny_checkpoint, tmp_path, monkeypatch):
         monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", mirror.url + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        mirror.cache = constants.HF_HUB_CACHE
         yield mirror
+
+
+def partial_of(path: Path) -> Path:
+    return path.with_name(path.name + ".incomplete")
+
+
+def test_a_dropped_connection_resumes_from_the_bytes_written(hub, tmp_path):
+    hub.cut[WEIGHTS] = 10_000_000
+    steps = []
+    path = pull("qwen3-vl:2b", steps.append)
+    assert hub.gets(WEIGHTS) == [None, "bytes=10000000-"]  # the second request asked for the rest only
+    assert (path / WEIGHTS).read_bytes() == (hub.folder / WEIGHTS).read_bytes()
+    assert [s.status for s in steps if s.file == WEIGHTS][-1] == "verifying"
+    assert [m.name for m in local_models()] == [REPO] and not list(Path(hub.cache).rglob("*.incomplete"))
+
+
+def test_a_killed_pull_resumes_where_it_stopped(hub, tmp_path):
+    weights = (hub.folder / WEIGHTS).read_bytes()
+    partial = partial_of(Path(hub.cache) / "models--Qwen--Qwen3-VL-2B-Instruct/blobs" /
+                         hashlib.sha256(weights).hexdigest())
+    hub.stall[WEIGHTS] = 20_000_000
+    env = {**os.environ, "HF_HUB_CACHE": hub.cache, "HF_ENDPOINT": hub.url, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "0"}
+    first = subprocess.Popen([sys.executable, "-m", "qvl.cli", "pull", REPO], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (partial.exists() and partial.stat().st_size == 20_000_000):
+        assert time.monotonic() < deadline and first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)  # Ctrl-C halfway through the weights
+    assert first.wait(30) == 130
+    hub.release.set()
+    assert local_models() == []  # half a model is no model
+    pull(REPO)
+    assert hub.gets(WEIGHTS)[-1] == "bytes=20000000-"
+    assert partial.with_suffix("").read_bytes() == weights and not partial.exists()
+    assert [m.name for m in local_models()] == [REPO]
+
+
+def test_a_corrupted_download_is_refused_and_not_kept(hub):
+    hub.corrupt.add(WEIGHTS)
+    with pytest.raises(ChecksumError, match="model.safetensors: checksum mismatch"):
+        pull(REPO)
+    kept = Path(hub.cache) / "models--Qwen--Qwen3-VL-2B-Instruct/blobs" / hub.files[WEIGHTS].etag
+    assert not kept.exists() and not partial_of(kept).exists()
+    assert local_models() == []
+    hub.corrupt.clear()
+    assert (pull(REPO) / WEIGHTS).read_bytes() == (hub.folder / WEIGHTS).read_bytes()
+
+
+def test_pull_errors_say_what_is_wrong(hub, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    assert main(["pull", "Qwen/No-Such-Model"]) == 1
+    assert "no such model on the hub" in capsys.readouterr().err
+    assert main(["pull", "llama3"]) == 1
+    assert "unknown model name 'llama3'" in capsys.readouterr().err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["pull", REPO]) == 1
+    assert "offline mode" in capsys.readouterr().err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert main(["pull", REPO]) == 0
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    before = len(hub.requests)
+    assert main(["pull", REPO]) == 0  # already here: nothing to fetch
+    assert len(hub.requests) == before
+    assert main(["rm", "qwen3-vl:2b", "Qwen/Never-Pulled"]) == 1
+    assert "'Qwen/Never-Pulled' is not in the Hugging Face cache" in capsys.readouterr().err
+    assert local_models() == []
 
 
 def test_ollama_pull_streams_progress_and_delete_removes(hub, tiny_engine):

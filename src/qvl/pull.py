@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from tqdm import tqdm
+
 from qvl.hub import MODEL_FILES
 from qvl.models import hub_id
 
@@ -43,6 +45,13 @@ class ChecksumError(OSError):
     """A downloaded file's hash is not the one the hub lists: it is deleted, not kept."""
 
 
+class Quiet(tqdm):
+    """snapshot_download's bars, hidden: linking files already fetched says nothing new."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "disable": True})
+
+
 def _ignore(_: Progress) -> None:
     pass
 
@@ -52,7 +61,7 @@ def pull(name: str, report: Report = _ignore, revision: str = "main") -> Path:
     snapshot folder. Files already there are not fetched again; a partial file is resumed."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import OfflineModeIsEnabled
-    from huggingface_hub.utils import filter_repo_objects, silent_tqdm
+    from huggingface_hub.utils import filter_repo_objects
 
     repo = hub_id(name)
     report(Progress("pulling manifest"))
@@ -68,7 +77,7 @@ def pull(name: str, report: Report = _ignore, revision: str = "main") -> Path:
     for file in files:
         _fetch(repo, file, info.sha, report)
     report(Progress("writing manifest"))
-    path = Path(snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES, tqdm_class=silent_tqdm))
+    path = Path(snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES, tqdm_class=Quiet))
     report(Progress("success"))
     return path
 
