@@ -13,12 +13,14 @@ import stat
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import qvl
+from qvl.cli import main
 
 ROOT = Path(qvl.__file__).parents[2]
 PACKAGE = Path(qvl.__file__).parent
@@ -51,6 +53,15 @@ def writable(folder: Path, on: bool) -> None:
     for p in [folder, *folder.rglob("*")]:
         mode = p.stat().st_mode
         p.chmod(mode | stat.S_IWUSR if on else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def test_version_is_written_in_one_place(capsys):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "qvl.__version__"}
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"qvl {qvl.__version__}"
 
 
 @pytest.mark.slow
