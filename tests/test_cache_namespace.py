@@ -1,7 +1,7 @@
 """Cache namespaces: requests of different cache salts (the `cache_salt` field, or different
 API keys) share no cached work, so neither cache flags nor reused token counts tell one
 client what another asked; the same salt shares as before; --hide-cache-stats blanks the
-flags."""
+flags. Chat completions report the prompt's cached tokens as Responses does."""
 
 from __future__ import annotations
 
@@ -111,6 +111,28 @@ def test_cache_salt_field_separates_clients_of_one_key(serve):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
 
 
+def streamed_usage(client: TestClient, body: dict) -> dict:
+    with client.stream("POST", URL, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return chunks[-1]["usage"]
+
+
+def test_chat_completions_report_cached_prompt_tokens_as_responses_do(serve):
+    client = serve()
+    body = {"messages": chat("What is the codename?"), "max_tokens": 2, "temperature": 0}
+    first = client.post(URL, json=body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    follow_up = client.post(URL, json={**body, "messages": chat("Who asks?")}).json()
+    cached = follow_up["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == follow_up["qvl"]["timings"]["reused_tokens"] >= 2 * BLOCK
+    assert cached < follow_up["usage"]["prompt_tokens"]
+    assert streamed_usage(client, {**body, "messages": chat("Where?")})["prompt_tokens_details"] == {"cached_tokens": cached}
+
+    responses = {"input": "When?", "instructions": SYSTEM, "max_output_tokens": 2, "temperature": 0}
+    as_responses = client.post("/v1/responses", json=responses).json()["usage"]["input_tokens_details"]
+    assert as_responses == {"cached_tokens": cached}  # the same system prompt, reused as far
+
+
 def test_hide_cache_stats_blanks_the_flags(serve):
     client = serve(hide_cache_stats=True)
     body = {"messages": chat("What is the codename?"), "max_tokens": 2, "temperature": 0}
@@ -120,6 +142,7 @@ def test_hide_cache_stats_blanks_the_flags(serve):
     with client.stream("POST", URL, json={**body, "stream": True}) as stream:
         chunks = [json.loads(line[6:]) for line in stream.iter_lines() if '"qvl"' in line]
     assert {k: chunks[-1]["qvl"]["timings"][k] for k in ("cached", "reused_tokens")} == {"cached": {}, "reused_tokens": 0}
+    assert streamed_usage(client, {**body, "messages": chat("Who?")})["prompt_tokens_details"] == {"cached_tokens": 0}
 
     responses = {"input": "What is the codename?", "instructions": SYSTEM, "max_output_tokens": 2, "temperature": 0}
     client.post("/v1/responses", json=responses)

@@ -30,6 +30,14 @@ def test_which_layers_have_experts():
         moe_text(num_experts_per_tok=17)
 
 
+@pytest.mark.parametrize("preset", ["tiny-moe", "qwen3.5-tiny-moe"])
+def test_num_local_experts_is_the_expert_count(preset):
+    """Newer transformers saves the expert count as `num_local_experts`: still a MoE model."""
+    raw = preset_config(preset)
+    raw["text_config"]["num_local_experts"] = raw["text_config"].pop("num_experts")
+    assert ModelConfig.from_dict(raw).text == ModelConfig.from_dict(preset_config(preset)).text
+
+
 def test_routing_is_the_renormalised_top_k_of_the_softmax():
     """The grouped computation equals the definition: every expert on every token, weighted by
     the softmax over the chosen k renormalised to 1, zero for the others."""

@@ -9,9 +9,11 @@ import os
 import sys
 from collections.abc import Callable
 
+from qvl import __version__
 from qvl.options import SamplingOptions, UsageError, add_engine_args, add_sampling_args, engine_options, prompt_text
 
-FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli", "qvl.eval.cli", "qvl.retrieval.cli")
+FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli", "qvl.eval.cli", "qvl.retrieval.cli",
+                               "qvl.models_cli")
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
@@ -265,7 +267,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     import torch
 
-    from qvl import __version__
     from qvl.engine import DEFAULT_WEIGHTS
     from qvl.kernels.build import tiers
     from qvl.kernels.library import library
@@ -323,11 +324,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 PRESETS = ["tiny", "tiny-moe", "2b", "4b", "8b", "32b", "30b-a3b", "qwen3.5-tiny", "qwen3.5-tiny-moe", "qwen3.5-0.8b",
            "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
            *(f"{kind}-{size}" for kind in ("embedding", "reranker") for size in ("tiny", "2b", "8b"))]
-KNOWN_SIZES = {**{f"Qwen/Qwen3-VL-{size.upper()}-{kind}": size for size in ("2b", "4b", "8b", "32b")
-                  for kind in ("Instruct", "Thinking")},
-               **{f"Qwen/Qwen{family}-{size.upper()}{base}": f"qwen3.5-{size}"
-                  for family, sizes in (("3.5", ("0.8b", "2b", "4b", "9b", "27b", "35b-a3b")), ("3.6", ("27b", "35b-a3b")))
-                  for size in sizes for base in ("", "-Base")}}
 
 
 def model_needs(name: str) -> dict:
@@ -340,14 +336,15 @@ def model_needs(name: str) -> dict:
     import psutil
 
     from qvl.config import ModelConfig
+    from qvl.models import preset_of
     from qvl.sizing import FORMATS, footprint, read_bandwidth
 
     if Path(name).expanduser().is_dir():
         cfg = ModelConfig.from_file(Path(name).expanduser() / "config.json")
-    elif name in KNOWN_SIZES:  # no download needed to say what it needs
+    elif preset := preset_of(name):  # no download needed to say what it needs
         from qvl.synth import preset_config
 
-        cfg = ModelConfig.from_dict(preset_config(KNOWN_SIZES[name]))
+        cfg = ModelConfig.from_dict(preset_config(preset))
     else:
         from qvl.hub import resolve_model
 
@@ -368,6 +365,7 @@ def model_needs(name: str) -> dict:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
     parser = argparse.ArgumentParser(prog="qvl", description="Qwen vision-language models (Qwen3-VL, Qwen3.5, Qwen3.6) on the CPU: ask, chat, serve, batch, bench.")
+    parser.add_argument("--version", action="version", version=f"qvl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {}
 

@@ -172,14 +172,19 @@ def _hybrid(d: dict, rope: dict, where: str) -> dict:
         if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
             raise ConfigError(f"{where}: linear_num_value_heads ({out['linear_num_value_heads']}) must be a "
                               f"multiple of linear_num_key_heads ({out['linear_num_key_heads']})")
-    if d.get("num_experts"):
+    if _expert_count(d):
         out["shared_expert_intermediate_size"] = _require(d, "shared_expert_intermediate_size", where)
     return out
 
 
+def _expert_count(d: dict) -> int:
+    """Experts per layer: `num_experts`, or `num_local_experts` as newer transformers saves it."""
+    return d.get("num_experts") or d.get("num_local_experts") or 0
+
+
 def _experts(d: dict, where: str) -> dict:
     """The mixture-of-experts fields of a text config (none for a dense model)."""
-    experts = d.get("num_experts") or 0
+    experts = _expert_count(d)
     if not experts:
         return {}
     top_k = _require(d, "num_experts_per_tok", where)

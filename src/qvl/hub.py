@@ -18,13 +18,17 @@ def default_model() -> str:
 
 
 def resolve_model(name: str | os.PathLike | None = None) -> Path:
-    """Local folder -> Hugging Face cache -> download; fail fast with what to do."""
+    """Local folder -> Hugging Face cache -> download; fail fast with what to do. A short
+    name (qwen3-vl:2b) stands for its hub id."""
+    from qvl.models import SHORT_NAMES
+
     name = str(name or default_model())
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFound(f"{path} is a folder but holds no config.json: not a model checkpoint")
         return path
+    name = SHORT_NAMES.get(name.lower(), name)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ModelNotFound(f"model folder not found: {name}")
     from huggingface_hub import snapshot_download
@@ -39,6 +43,6 @@ def resolve_model(name: str | os.PathLike | None = None) -> Path:
         raise ModelNotFound(
             f"cannot get '{name}': not in the Hugging Face cache and the download failed "
             f"({type(exc).__name__}). Download it on a connected machine with "
-            f"`huggingface-cli download {name}` (or copy the folder and pass --model PATH), "
+            f"`qvl pull {name}` (or copy the folder and pass --model PATH), "
             f"or make an offline demo checkpoint with `qvl synth ./demo --preset 2b` and use --model ./demo"
         ) from None

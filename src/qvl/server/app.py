@@ -20,6 +20,7 @@ from qvl.server.guard import BrowserGuard, matching_key
 from qvl.server.metrics import StatusCounter
 from qvl.server.ollama import Ollama, version
 from qvl.server.openai import ChatCompletions
+from qvl.server.pulls import Pulls
 from qvl.server.schemas import ModelCard, ModelList
 from qvl.server.settings import ServerSettings
 from qvl.server.responses import Responses
@@ -61,6 +62,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     chat = ChatCompletions(state, submit)
     responses = Responses(state, submit)
     ollama = Ollama(state, submit)
+    pulls = Pulls(state)
     page = web_page(settings.max_body_bytes)
 
     @asynccontextmanager
@@ -91,6 +93,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     api.add_api_route("/api/ps", ollama.ps, methods=["GET"])
     api.add_api_route("/api/version", version, methods=["GET"])
     embeddings.register(api, state, submit)
+    api.add_api_route("/api/pull", pulls.pull, methods=["POST"])
+    api.add_api_route("/api/delete", pulls.delete, methods=["DELETE"])
 
     @api.get("/v1/models")
     async def models():

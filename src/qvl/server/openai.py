@@ -244,11 +244,13 @@ def image_tokens(req: ChatCompletionRequest, engine: Engine) -> int | None:
 
 
 def usage(dones: list[Done]) -> Usage:
-    """One prompt, every answer's tokens (reasoning included, and counted apart)."""
+    """One prompt (its cached tokens as the first answer reused them), every answer's tokens
+    (reasoning included, and counted apart)."""
     prompt, completion_tokens = dones[0].usage.prompt_tokens, sum(d.usage.completion_tokens for d in dones)
     details = ({"reasoning_tokens": sum(d.usage.reasoning_tokens for d in dones)}
                if any(d.reasoning is not None for d in dones) else None)
     return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens,
+                 prompt_tokens_details={"cached_tokens": dones[0].timings.reused_tokens},
                  completion_tokens_details=details)
 
 

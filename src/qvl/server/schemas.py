@@ -195,6 +195,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict  # {"cached_tokens"}: the prompt's tokens reused from the prefix cache
     completion_tokens_details: dict | None = None  # {"reasoning_tokens"} for a Thinking model
 
     @model_serializer(mode="wrap")
