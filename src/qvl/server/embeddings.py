@@ -25,12 +25,12 @@ from qvl.requests import RequestError
 from qvl.retrieval.encode import check_dimensions, embedding, parse_embedding, parse_pair, relevance, score_vector
 from qvl.retrieval.task import EMBED, RERANK, wrong_task
 from qvl.server.errors import APIError, from_exception
-from qvl.server.guard import cache_salt, matching_key
+from qvl.server.guard import cache_salt
 from qvl.server.openai import engine_messages
 from qvl.server.schemas import (MAX_INPUTS, EmbeddingRequest, Message, OllamaEmbedRequest, RerankRequest,
                                 ScoreRequest)
 from qvl.server.state import ServerState
-from qvl.server.submit import Submitter, client_gone, disconnected, read_body, require_json
+from qvl.server.submit import Submitter, client_gone, disconnected
 from qvl.server.worker import DISCONNECT, Job, Worker
 from qvl.stream import Done
 
@@ -84,20 +84,15 @@ class Retrieval:
         """The body read and checked, every input prepared in a thread of the preparing lanes
         (400 before anything is queued), then answered on the worker: (what `prepare`
         returned beside the requests, their Done events in order, the engine)."""
-        if json_only:
-            require_json(http)
-        settings = self.state.settings
-        body = await read_body(http, settings.max_body_bytes)
-        engine, worker = self.state.ready()
-        key = matching_key(http.headers.get("authorization", ""), settings.api_keys)
+        body, engine, worker, key = await self.submit.receive(http, json_only)
         try:
             req = await asyncio.to_thread(schema.model_validate_json, body)
             salt = cache_salt(key, req.cache_salt)
-            spec, parsed = await self.submit._in_lane(http, has_media(req),
+            spec, parsed = await self.submit.in_lane(http, has_media(req),
                                                       lambda deadline: prepare(req, engine, deadline, salt))
         except Exception as exc:
             raise from_exception(exc) from None
-        return spec, await answers(worker, parsed, settings.time_limit_s, http), engine
+        return spec, await answers(worker, parsed, self.state.settings.time_limit_s, http), engine
 
     def _parts(self, value: Any, param: str, engine: Engine) -> Parts:
         """An input, query or document as content parts: a string, a list of chat content

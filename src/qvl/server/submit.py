@@ -62,20 +62,25 @@ class Submitter:
         self.lanes = {True: asyncio.Semaphore(slots), False: asyncio.Semaphore(slots)}  # with media, without
         self.threads = ThreadPoolExecutor(2 * slots, thread_name_prefix="qvl-prepare")  # one per slot: none queues
 
-    async def __call__(self, http: HTTPRequest, read: Read, prepare: Prepare, json_only: bool = True) -> Submission:
-        """json_only: refuse bodies not sent as application/json (Ollama's routes take what
-        `curl -d` sends too; the browser guard still refuses foreign pages)."""
+    async def receive(self, http: HTTPRequest, json_only: bool = True):
+        """The request's body (within --max-body-bytes; JSON unless not `json_only`), the ready
+        engine and worker, and the API key the caller presented (its cache namespace)."""
         if json_only:
             require_json(http)
         settings = self.state.settings
         body = await read_body(http, settings.max_body_bytes)
         engine, worker = self.state.ready()
-        key = matching_key(http.headers.get("authorization", ""), settings.api_keys)
-        request, media = None, False
+        return body, engine, worker, matching_key(http.headers.get("authorization", ""), settings.api_keys)
+
+    async def __call__(self, http: HTTPRequest, read: Read, prepare: Prepare, json_only: bool = True) -> Submission:
+        """json_only: refuse bodies not sent as application/json (Ollama's routes take what
+        `curl -d` sends too; the browser guard still refuses foreign pages)."""
+        body, engine, worker, key = await self.receive(http, json_only)
+        settings, request, media = self.state.settings, None, False
         try:
             request, media = await asyncio.to_thread(read, body)
             salt = cache_salt(key, request.cache_salt)
-            spec, parsed, cached = await self._in_lane(
+            spec, parsed, cached = await self.in_lane(
                 http, media, lambda deadline: self._prepare(prepare, request, engine, deadline, salt))
         except Exception as exc:
             raise from_exception(exc) from None
@@ -92,7 +97,7 @@ class Submitter:
         return Submission(spec, parsed, without_cache_stats(events) if settings.hide_cache_stats else events,
                           on_close, engine)
 
-    async def _in_lane(self, http: HTTPRequest, media: bool, work: Callable[[Deadline], Any]) -> Any:
+    async def in_lane(self, http: HTTPRequest, media: bool, work: Callable[[Deadline], Any]) -> Any:
         """`work(deadline)` on a thread of its lane, once a slot is free; the slot stays taken
         until the thread ends. The client leaving (499) cancels the deadline: the thread stops
         at its next check."""
