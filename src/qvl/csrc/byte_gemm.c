@@ -79,9 +79,9 @@ static inline void place_codes(int32_t* a, const int8_t* codes, int64_t K, int r
 }
 
 /* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % Q8_UNIT == 0; rows past M zero), layer-normalised
- * first when nw (float32 [K], with nb) is given -> int8 codes in a (place_codes), each group's
+ * first when nw (float32 [K], with nb) is given -> codes up to +-levels in a (place_codes), each group's
  * step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
-static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, const float* nw,
+static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, float levels, const float* nw,
                         const float* nb, float eps, int64_t m0, int32_t* a, float* sg, int32_t* nq, float* buf,
                         int8_t* codes) {
     const int64_t G = (K + group - 1) / group;
@@ -100,7 +100,7 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
             const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
             const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f; /* rows past M: no codes */
             int32_t sum;
-            sg[g * Q8_MR + r] = group_codes8(row + k0, n, finite, top, Q8_LEVELS, codes + k0, &sum);
+            sg[g * Q8_MR + r] = group_codes8(row + k0, n, finite, top, levels, codes + k0, &sum);
             nq[g * Q8_MR + r] = -128 * sum;
         }
         place_codes(a, codes, K, r);
@@ -127,47 +127,72 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
         f##r = vf_fmadd(vf_of(d##r), sv, f##r);       \
     }
 #define Q8_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_set1(sg[g * Q8_MR + (r)]), e##r);
+/* int4 weights: a group's step times each column's weight scale (w0, w1: ws's group row) */
+#define Q4_SCALE2(r)                                                  \
+    {                                                                 \
+        const vflt sv = vf_set1(sg[g * Q8_MR + (r)]);                 \
+        e##r = vf_fmadd(vf_of(c##r), vf_mul(sv, w0), e##r);           \
+        f##r = vf_fmadd(vf_of(d##r), vf_mul(sv, w1), f##r);           \
+    }
+#define Q4_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_mul(vf_set1(sg[g * Q8_MR + (r)]), w0), e##r);
+#define Q8_FROM2(r) e##r = vf_load(z0 + (r) * I16_NR), f##r = vf_load(z0 + (r) * I16_NR + VL);
+#define Q8_FROM1(r) e##r = vf_load(z0 + (r) * I16_NR);
 #define Q8_OUT(acc, r, off) vf_store(c + (r) * I16_NR + (off), acc);
 #define Q8_OUT2(r) Q8_OUT(e##r, r, 0) Q8_OUT(f##r, r, VL)
 #define Q8_OUT1(r) Q8_OUT(e##r, r, 0)
 
 /* c[r][0 .. 2 VL) = the sum over groups of gq quads of each group's exact sum of
  * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg, nq: [groups][Q8_MR]); c is
- * [Q8_MR][I16_NR]. */
+ * [Q8_MR][I16_NR]. int4 weights (ws given): each group's sum times its step and the columns'
+ * weight scales ws [groups][I16_NR], added to z0 [Q8_MR][I16_NR] (the zeros' part). */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const float* ws, const float* z0, float* c) {
     Q8_ROWS(Q8_DECL2)
+    if (z0) { Q8_ROWS(Q8_FROM2) }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START2)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
             const vint b0 = vi_load(b + p * I16_NR), b1 = vi_load(b + p * I16_NR + VL);
             Q8_ROWS(Q8_STEP2)
         }
-        Q8_ROWS(Q8_SCALE2)
+        if (ws) {
+            const vflt w0 = vf_load(ws + g * I16_NR), w1 = vf_load(ws + g * I16_NR + VL);
+            Q8_ROWS(Q4_SCALE2)
+        } else {
+            Q8_ROWS(Q8_SCALE2)
+        }
     }
     Q8_ROWS(Q8_OUT2)
 }
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const float* ws, const float* z0, float* c) {
     Q8_ROWS(Q8_DECL1)
+    if (z0) { Q8_ROWS(Q8_FROM1) }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START1)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
             const vint b0 = vi_load(b + p * I16_NR);
             Q8_ROWS(Q8_STEP1)
         }
-        Q8_ROWS(Q8_SCALE1)
+        if (ws) {
+            const vflt w0 = vf_load(ws + g * I16_NR);
+            Q8_ROWS(Q4_SCALE1)
+        } else {
+            Q8_ROWS(Q8_SCALE1)
+        }
     }
     Q8_ROWS(Q8_OUT1)
 }
 
+#define Q8_WEIGHT_XOR 0x80 /* the panel's offset: +128 as a byte's top bit */
 /* The tile's weights: w rows n0..n0+nr-1 as quads b[K/4][I16_NR] (w + 128: vpdpbusd's unsigned operand). */
 static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
     weight_panel(w, K, n0, nr, 0, K, 4, b);
 }
 #else
+#define Q8_WEIGHT_XOR 0 /* the panel holds the weights as they are */
 /* NEON: sdot multiplies signed bytes by signed bytes, so the weights stay as they are (nq, the
  * x86 kernels' offset, is not used) and each group's int32 sum is the exact sum of w . q
  * (|sum| <= 256 * 128 * 127 < 2^31 at groups of up to 256). The register block: 6 rows x 8
@@ -202,6 +227,11 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
 #define Q8M_ZERO(p, q) c##p##q = vdupq_n_s32(0);
 #define Q8M_STEP(p, q) c##p##q = vmmlaq_s32(c##p##q, a##p, b##q);
 #define Q8M_SCALE(p, q) e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), s##p);
+/* int4 weights: the rows' steps times the column pair's weight scales [w_2q, w_2q+1, w_2q, w_2q+1] */
+#define Q4M_SCALE(p, q) \
+    e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), vmulq_f32(s##p, column_pair(ws + g * I16_NR + 2 * (q))));
+#define Q8M_FROM(p, q) \
+    e##p##q = vcombine_f32(vld1_f32(z0 + (2 * (p)) * I16_NR + 2 * (q)), vld1_f32(z0 + (2 * (p) + 1) * I16_NR + 2 * (q)));
 #define Q8M_OUT(p, q)                                                     \
     vst1_f32(c + (2 * (p)) * I16_NR + 2 * (q), vget_low_f32(e##p##q));     \
     vst1_f32(c + (2 * (p) + 1) * I16_NR + 2 * (q), vget_high_f32(e##p##q));
@@ -210,15 +240,18 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
     const float32x4_t s1 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR + 2]), vdup_n_f32(sg[(g) * Q8_MR + 3])); \
     const float32x4_t s2 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR + 4]), vdup_n_f32(sg[(g) * Q8_MR + 5]));
 
+static inline float32x4_t column_pair(const float* w) { return vcombine_f32(vld1_f32(w), vld1_f32(w)); }
+
 /* c[r][0 .. 2 VL) = the sum over groups of gq quads (gq / 2 octets) of each group's exact sum of
  * the codes a (place_codes) . the weights b (q8_panel) times its step (sg: [groups][Q8_MR]); c is
- * [Q8_MR][I16_NR]. */
+ * [Q8_MR][I16_NR]. int4 weights (ws given): as x86's q8_tile2. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const float* ws, const float* z0, float* c) {
     (void)nq;
     const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
     const int64_t octets = quads / 2, go = gq / 2;
     Q8M_BLOCKS2(Q8M_DECL)
+    if (z0) { Q8M_BLOCKS2(Q8M_FROM) }
     for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
         Q8M_BLOCKS2(Q8M_ZERO)
         for (int64_t o = o0; o < o0 + go && o < octets; o++) {
@@ -228,18 +261,23 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             Q8M_BLOCKS2(Q8M_STEP)
         }
         Q8M_PAIR_STEPS(g)
-        Q8M_BLOCKS2(Q8M_SCALE)
+        if (ws) {
+            Q8M_BLOCKS2(Q4M_SCALE)
+        } else {
+            Q8M_BLOCKS2(Q8M_SCALE)
+        }
     }
     Q8M_BLOCKS2(Q8M_OUT)
 }
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const float* ws, const float* z0, float* c) {
     (void)nq;
     const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
     const int64_t octets = quads / 2, go = gq / 2;
     Q8M_BLOCKS1(Q8M_DECL)
+    if (z0) { Q8M_BLOCKS1(Q8M_FROM) }
     for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
         Q8M_BLOCKS1(Q8M_ZERO)
         for (int64_t o = o0; o < o0 + go && o < octets; o++) {
@@ -248,7 +286,11 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             Q8M_BLOCKS1(Q8M_STEP)
         }
         Q8M_PAIR_STEPS(g)
-        Q8M_BLOCKS1(Q8M_SCALE)
+        if (ws) {
+            Q8M_BLOCKS1(Q4M_SCALE)
+        } else {
+            Q8M_BLOCKS1(Q8M_SCALE)
+        }
     }
     Q8M_BLOCKS1(Q8M_OUT)
 }
@@ -273,6 +315,12 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
     e##r = vfmaq_n_f32(e##r, vcvtq_f32_s32(c##r), sg[g * Q8_MR + (r)]); \
     f##r = vfmaq_n_f32(f##r, vcvtq_f32_s32(d##r), sg[g * Q8_MR + (r)]);
 #define Q8N_SCALE1(r) e##r = vfmaq_n_f32(e##r, vcvtq_f32_s32(c##r), sg[g * Q8_MR + (r)]);
+#define Q4N_SCALE2(r)                                                                  \
+    e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)])); \
+    f##r = vfmaq_f32(f##r, vcvtq_f32_s32(d##r), vmulq_n_f32(w1, sg[g * Q8_MR + (r)]));
+#define Q4N_SCALE1(r) e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)]));
+#define Q8N_FROM2(r) e##r = vld1q_f32(z0 + (r) * I16_NR), f##r = vld1q_f32(z0 + (r) * I16_NR + VL);
+#define Q8N_FROM1(r) e##r = vld1q_f32(z0 + (r) * I16_NR);
 #define Q8N_OUT2(r) vst1q_f32(c + (r) * I16_NR, e##r), vst1q_f32(c + (r) * I16_NR + VL, f##r);
 #define Q8N_OUT1(r) vst1q_f32(c + (r) * I16_NR, e##r);
 
@@ -280,9 +328,10 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
  * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg: [groups][Q8_MR]); c is
  * [Q8_MR][I16_NR]. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const float* ws, const float* z0, float* c) {
     (void)nq;
     Q8_NEON_ROWS(Q8N_DECL2)
+    if (z0) { Q8_NEON_ROWS(Q8N_FROM2) }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_NEON_ROWS(Q8N_ZERO2)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
@@ -297,16 +346,22 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             c4 = vdotq_lane_s32(c4, b0, hi, 0), d4 = vdotq_lane_s32(d4, b1, hi, 0);
             c5 = vdotq_lane_s32(c5, b0, hi, 1), d5 = vdotq_lane_s32(d5, b1, hi, 1);
         }
-        Q8_NEON_ROWS(Q8N_SCALE2)
+        if (ws) {
+            const float32x4_t w0 = vld1q_f32(ws + g * I16_NR), w1 = vld1q_f32(ws + g * I16_NR + VL);
+            Q8_NEON_ROWS(Q4N_SCALE2)
+        } else {
+            Q8_NEON_ROWS(Q8N_SCALE2)
+        }
     }
     Q8_NEON_ROWS(Q8N_OUT2)
 }
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const float* ws, const float* z0, float* c) {
     (void)nq;
     Q8_NEON_ROWS(Q8N_DECL1)
+    if (z0) { Q8_NEON_ROWS(Q8N_FROM1) }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_NEON_ROWS(Q8N_ZERO1)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
@@ -317,31 +372,97 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             c2 = vdotq_laneq_s32(c2, b0, lo, 2), c3 = vdotq_laneq_s32(c3, b0, lo, 3);
             c4 = vdotq_lane_s32(c4, b0, hi, 0), c5 = vdotq_lane_s32(c5, b0, hi, 1);
         }
-        Q8_NEON_ROWS(Q8N_SCALE1)
+        if (ws) {
+            const float32x4_t w0 = vld1q_f32(ws + g * I16_NR);
+            Q8_NEON_ROWS(Q4N_SCALE1)
+        } else {
+            Q8_NEON_ROWS(Q8N_SCALE1)
+        }
     }
     Q8_NEON_ROWS(Q8N_OUT1)
 }
 #endif /* i8mm or dot products */
 #endif
 
-/* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
- * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
- * norm_w (dt [K], and norm_b or NULL) x's rows are layer-normalised first (never written);
- * `gelu` applies tanh-GELU to the result and `residual` ([M][N] dt, or NULL) is added to it
- * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K or the
- * group size not a multiple of Q8_UNIT, a group past 256, N % VL). */
-int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
-                  int gelu, const void* residual) {
+/* The weights of a byte-code product: int8 w [N][K] with a scale per row (zero NULL), or int4
+ * nibbles [N][K/2] (even column in the low nibble) with a scale and a zero per group of gs
+ * inputs ([N][K/gs] each, dt): w = (q - 8) * scale + zero. */
+typedef struct {
+    const void* w;
+    const void* scale;
+    const void* zero;
+    int64_t gs;
+} ByteWeights;
+
+/* int4 weights, per row block: each weight group's sum of the coded activations, xs[g][r] =
+ * sum over its activation groups h of sg[h][r] * (the codes' sum: nq[h][r] / -128), for the
+ * zeros' part of the product (G, H: weight and activation groups); nq then zero (the panel
+ * holds the nibbles as they are: no offset to take back). */
+static void coded_sums(float* xs, const float* sg, int32_t* nq, int64_t G, int64_t H) {
+    for (int r = 0; r < Q8_MR; r++)
+        for (int64_t g = 0; g < G; g++) {
+            float v = 0.f;
+            for (int64_t h = g * (H / G); h < (g + 1) * (H / G); h++) v += sg[h * Q8_MR + r] * (float)(nq[h * Q8_MR + r] / -128);
+            xs[g * Q8_MR + r] = v;
+        }
+    memset(nq, 0, (size_t)(H * Q8_MR) * sizeof(int32_t));
+}
+
+/* int4 weights: the tile's rows n0..n0+nr-1 as q8_panel lays out int8 rows, the nibbles unpacked
+ * into rows of bytes q (tmp: [nr][K] bytes, as q ^ Q8_WEIGHT_XOR, which the panel takes back);
+ * each activation group's weight scales ws [K/group][I16_NR] and each weight group's lowest
+ * value lo = zero - 8 * scale [K/gs][I16_NR] in float32 (columns past nr zero). */
+static void q4_panel(const ByteWeights* wt, int dt, int64_t K, int64_t n0, int64_t nr, int64_t group, int8_t* tmp,
+                     int32_t* b, float* ws, float* lo) {
+    const int64_t G = K / wt->gs, H = K / group;
+    for (int64_t i = 0; i < nr; i++) {
+        const uint8_t* src = (const uint8_t*)wt->w + (n0 + i) * (K / 2);
+        uint16_t* dst = (uint16_t*)(tmp + i * K); /* two bytes per nibble pair, the even column first */
+#pragma omp simd
+        for (int64_t j = 0; j < K / 2; j++)
+            dst[j] = (uint16_t)(((src[j] & 15) | (src[j] >> 4) << 8) ^ (Q8_WEIGHT_XOR * 0x0101));
+    }
+    q8_panel(tmp, K, 0, nr, b);
+    for (int64_t i = 0; i < I16_NR; i++) {
+        for (int64_t h = 0; h < H; h++)
+            ws[h * I16_NR + i] = i < nr ? get(wt->scale, dt, (n0 + i) * G + h * group / wt->gs) : 0.f;
+        for (int64_t g = 0; g < G; g++)
+            lo[g * I16_NR + i] = i < nr ? get(wt->zero, dt, (n0 + i) * G + g) - 8.f * get(wt->scale, dt, (n0 + i) * G + g)
+                                        : 0.f;
+    }
+}
+
+/* z0[r][i] = sum over the weight groups of xs[g][r] * lo[g][i] ([Q8_MR][I16_NR]): the zeros' part
+ * of a row block's int4 products, where its totals start. */
+static void zero_part(const float* xs, const float* lo, int64_t G, float* z0) {
+    for (int r = 0; r < Q8_MR; r++) {
+        float* zr = z0 + r * I16_NR;
+        memset(zr, 0, I16_NR * sizeof(float));
+        for (int64_t g = 0; g < G; g++)
+#pragma omp simd
+            for (int i = 0; i < I16_NR; i++) zr[i] += xs[g * Q8_MR + r] * lo[g * I16_NR + i];
+    }
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), x in 8-bit codes per `group` columns
+ * (Q8_LEVELS; 127 for int4 weights, whose nibbles times codes never saturate vpmaddubsw's pair
+ * sums), W the int8 or int4 weights `wt` (ByteWeights). Fusions and return values as qvl_q8_linear's. */
+static int byte_products(const void* x, int dt, int64_t M, int64_t K, int64_t N, const ByteWeights* wt,
+                         const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b,
+                         float eps, int gelu, const void* residual) {
+    const int int4 = wt->zero != NULL;
     if (K % Q8_UNIT || N % VL || M < 1 || K < 4 || group < Q8_UNIT || group % Q8_UNIT || group > 256) return -2;
+    if (int4 && (wt->gs % group || K % wt->gs)) return -2;
     const int64_t MB = (M + Q8_MR - 1) / Q8_MR, Q = K / 4, G = (K + group - 1) / group, T = threads < 1 ? 1 : threads;
+    const int64_t GW = int4 ? K / wt->gs : 0; /* int4: weight groups */
     int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
     float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
     int32_t* nq = malloc((size_t)(MB * G * Q8_MR) * sizeof(int32_t));
+    float* xs = malloc((size_t)(MB * GW * Q8_MR + 1) * sizeof(float));
     float *nw = NULL, *nb = NULL, *cs = NULL, *cb = NULL; /* the norm's and the columns' factors in float32 */
-    if (!a || !sg || !nq || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb)) ||
-        qvl_rescale_columns(scale, bias, dt, N, &cs, &cb)) {
-        free(a), free(sg), free(nq), free(nw);
+    if (!a || !sg || !nq || !xs || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb)) ||
+        qvl_rescale_columns(int4 ? NULL : wt->scale, bias, dt, N, &cs, &cb)) {
+        free(a), free(sg), free(nq), free(xs), free(nw);
         return -1;
     }
     int failed = 0;
@@ -355,13 +476,15 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
         }
 #pragma omp for schedule(dynamic, 4) /* blocks of rows in turn, as take_item */
         for (int64_t mb = 0; mb < MB; mb++)
-            if (buf && codes)
-                pack_groups(x, dt, M, K, group, nw, nb, eps, mb * Q8_MR, a + mb * Q * Q8_MR, sg + mb * G * Q8_MR,
-                            nq + mb * G * Q8_MR, buf, codes);
+            if (buf && codes) {
+                pack_groups(x, dt, M, K, group, int4 ? 127.f : Q8_LEVELS, nw, nb, eps, mb * Q8_MR, a + mb * Q * Q8_MR,
+                            sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, buf, codes);
+                if (int4) coded_sums(xs + mb * GW * Q8_MR, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, GW, G);
+            }
         free(buf), free(codes);
     }
     if (failed) {
-        free(a), free(sg), free(nq), free(nw), free(cs);
+        free(a), free(sg), free(nq), free(xs), free(nw), free(cs);
         return -1;
     }
     const int64_t gq = group / 4, tiles = (N + I16_NR - 1) / I16_NR, chunk = chunk_blocks(K * Q8_MR);
@@ -374,33 +497,69 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
          * block's float totals in registers from the first group to the last, its 6 x 32
          * results written out at once; (chunk, tile) pairs taken in turn (take_item), each
          * tile's weights laid out again per chunk (a few % of the products' time, against the
-         * codes of every row streaming from memory per tile) */
+         * codes of every row streaming from memory per tile). int4: the nibbles unpacked as the
+         * tile's weights are laid out, with its columns' scales and zeros */
         int32_t* b = aligned_alloc(64, (size_t)(Q * I16_NR * 4 + 63) / 64 * 64);
-        if (!b) {
+        float* q4 = int4 ? malloc((size_t)((G + GW + Q8_MR) * I16_NR) * sizeof(float) + (size_t)(K * I16_NR)) : NULL;
+        float *ws = q4, *lo = q4 ? q4 + G * I16_NR : NULL, *z0 = q4 ? lo + GW * I16_NR : NULL;
+        int8_t* tmp = q4 ? (int8_t*)(z0 + Q8_MR * I16_NR) : NULL;
+        const int ready = b && (!int4 || q4);
+        if (!ready) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t item; b && (item = take_item(&next, items)) >= 0;) {
+        for (int64_t item; ready && (item = take_item(&next, items)) >= 0;) {
             const int64_t mb0 = item / tiles * chunk, n0 = item % tiles * I16_NR;
             const int64_t nr = N - n0 < I16_NR ? N - n0 : I16_NR;
             float c[Q8_MR * I16_NR];
-            q8_panel(w, K, n0, nr, b);
+            if (int4)
+                q4_panel(wt, dt, K, n0, nr, group, tmp, b, ws, lo);
+            else
+                q8_panel(wt->w, K, n0, nr, b);
             for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                 const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
                 const int32_t* am = a + mb * Q * Q8_MR;
+                if (int4) zero_part(xs + mb * GW * Q8_MR, lo, GW, z0);
                 if (nr == I16_NR)
-                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
+                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, ws, z0, c);
                 else
-                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
+                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, ws, z0, c);
                 write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
                            residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
                            (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
             }
         }
-        free(b);
+        free(b), free(q4);
     }
-    free(a), free(sg), free(nq), free(nw), free(cs);
+    free(a), free(sg), free(nq), free(xs), free(nw), free(cs);
     return failed ? -1 : 0;
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
+ * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
+ * norm_w (dt [K], and norm_b or NULL) x's rows are layer-normalised first (never written);
+ * `gelu` applies tanh-GELU to the result and `residual` ([M][N] dt, or NULL) is added to it
+ * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K or the
+ * group size not a multiple of Q8_UNIT, a group past 256, N % VL). */
+int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
+                  int gelu, const void* residual) {
+    const ByteWeights wt = {w, scale, NULL, 0};
+    return byte_products(x, dt, M, K, N, &wt, bias, y, threads, group, norm_w, norm_b, eps, gelu, residual);
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), W int4: nibbles w [N][K/2] (even column
+ * in the low nibble), scale and zero [N][K/gs] (dt), W = (q - 8) * scale + zero; x in 8-bit codes
+ * (127 levels on every build) per `group` columns. Each activation group's exact sum of codes .
+ * nibbles is scaled by its step times the column's group scale; the zeros' part is each weight
+ * group's coded-activation sum times its lowest value zero - 8 * scale: the product of the coded
+ * activations with W. Returns as qvl_q8_linear, -2 also when gs is not a multiple of the group
+ * or does not divide K. */
+int qvl_q4_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const uint8_t* w, const void* scale,
+                  const void* zero, int64_t gs, const void* bias, void* y, int threads, int group) {
+    if (!zero || gs < 1) return -2;
+    const ByteWeights wt = {w, scale, zero, gs};
+    return byte_products(x, dt, M, K, N, &wt, bias, y, threads, group, NULL, NULL, 0.f, 0, NULL);
 }
 
 int qvl_q8_levels(void) { return Q8_LEVELS; }
@@ -410,6 +569,12 @@ int qvl_q8_levels(void) { return Q8_LEVELS; }
 
 #ifndef QVL_Q8 /* no byte products: prefill keeps 16-bit codes */
 int qvl_q8_levels(void) { return 0; }
+int qvl_q4_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const uint8_t* w, const void* scale,
+                  const void* zero, int64_t gs, const void* bias, void* y, int threads, int group) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)y;
+    (void)threads, (void)group;
+    return -2;
+}
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
                   int gelu, const void* residual) {
