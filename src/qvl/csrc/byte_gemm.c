@@ -67,6 +67,17 @@ static inline vint vi_dp8(vint acc, vint w, vint a) {
 }
 #endif
 
+/* A row block's and a column tile's int4 factors for the tiles (NULL for int8 weights): each
+ * activation group's column scales ws [groups][I16_NR]; each weight group's lowest values
+ * lo = zero - 8 * scale [wg][I16_NR] and the rows' coded-activation sums xs [wg][Q8_MR], whose
+ * products (the zeros' part) the totals start from. */
+typedef struct {
+    const float* ws;
+    const float* lo;
+    const float* xs;
+    int64_t wg;
+} Q4Factors;
+
 /* Row r's int8 codes[K] into its block's layout a (K * Q8_MR bytes): quads a[K/4][Q8_MR] (quad p
  * of row r at a[p * Q8_MR + r]) for the dot products; for smmla octets in row pairs, [K/8][Q8_MR/2]
  * of 16 bytes (row 2j's 8 codes, then row 2j + 1's). */
@@ -135,28 +146,35 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
         f##r = vf_fmadd(vf_of(d##r), vf_mul(sv, w1), f##r);           \
     }
 #define Q4_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_mul(vf_set1(sg[g * Q8_MR + (r)]), w0), e##r);
-#define Q8_FROM2(r) e##r = vf_load(z0 + (r) * I16_NR), f##r = vf_load(z0 + (r) * I16_NR + VL);
-#define Q8_FROM1(r) e##r = vf_load(z0 + (r) * I16_NR);
+#define Q4_ZERO2(r)                                                \
+    {                                                              \
+        const vflt xv = vf_set1(q4->xs[g * Q8_MR + (r)]);          \
+        e##r = vf_fmadd(xv, l0, e##r), f##r = vf_fmadd(xv, l1, f##r); \
+    }
+#define Q4_ZERO1(r) e##r = vf_fmadd(vf_set1(q4->xs[g * Q8_MR + (r)]), l0, e##r);
 #define Q8_OUT(acc, r, off) vf_store(c + (r) * I16_NR + (off), acc);
 #define Q8_OUT2(r) Q8_OUT(e##r, r, 0) Q8_OUT(f##r, r, VL)
 #define Q8_OUT1(r) Q8_OUT(e##r, r, 0)
 
 /* c[r][0 .. 2 VL) = the sum over groups of gq quads of each group's exact sum of
  * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg, nq: [groups][Q8_MR]); c is
- * [Q8_MR][I16_NR]. int4 weights (ws given): each group's sum times its step and the columns'
- * weight scales ws [groups][I16_NR], added to z0 [Q8_MR][I16_NR] (the zeros' part). */
+ * [Q8_MR][I16_NR]. int4 weights (q4 given): each group's sum times its step and the columns'
+ * weight scales, the totals starting from the zeros' part. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, const float* ws, const float* z0, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     Q8_ROWS(Q8_DECL2)
-    if (z0) { Q8_ROWS(Q8_FROM2) }
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const vflt l0 = vf_load(q4->lo + g * I16_NR), l1 = vf_load(q4->lo + g * I16_NR + VL);
+        Q8_ROWS(Q4_ZERO2)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START2)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
             const vint b0 = vi_load(b + p * I16_NR), b1 = vi_load(b + p * I16_NR + VL);
             Q8_ROWS(Q8_STEP2)
         }
-        if (ws) {
-            const vflt w0 = vf_load(ws + g * I16_NR), w1 = vf_load(ws + g * I16_NR + VL);
+        if (q4) {
+            const vflt w0 = vf_load(q4->ws + g * I16_NR), w1 = vf_load(q4->ws + g * I16_NR + VL);
             Q8_ROWS(Q4_SCALE2)
         } else {
             Q8_ROWS(Q8_SCALE2)
@@ -167,17 +185,20 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, const float* ws, const float* z0, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     Q8_ROWS(Q8_DECL1)
-    if (z0) { Q8_ROWS(Q8_FROM1) }
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const vflt l0 = vf_load(q4->lo + g * I16_NR);
+        Q8_ROWS(Q4_ZERO1)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START1)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
             const vint b0 = vi_load(b + p * I16_NR);
             Q8_ROWS(Q8_STEP1)
         }
-        if (ws) {
-            const vflt w0 = vf_load(ws + g * I16_NR);
+        if (q4) {
+            const vflt w0 = vf_load(q4->ws + g * I16_NR);
             Q8_ROWS(Q4_SCALE1)
         } else {
             Q8_ROWS(Q8_SCALE1)
@@ -186,13 +207,19 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
     Q8_ROWS(Q8_OUT1)
 }
 
-#define Q8_WEIGHT_XOR 0x80 /* the panel's offset: +128 as a byte's top bit */
 /* The tile's weights: w rows n0..n0+nr-1 as quads b[K/4][I16_NR] (w + 128: vpdpbusd's unsigned operand). */
 static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
-    weight_panel(w, K, n0, nr, 0, K, 4, b);
+    weight_panel(w, K, n0, nr, 0, K, PANEL_BYTES, b);
+}
+
+/* int4: rows n0..n0+nr-1 of the nibbles w [N][K/2] as quads b[K/4][I16_NR] of bytes 0..15,
+ * unpacked as the panel is laid out (unpacked: not used on x86). */
+#define Q4_UNPACKED_BYTES(K) 0
+static inline void q4_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t nr, int8_t* unpacked, int32_t* b) {
+    (void)unpacked;
+    weight_panel((const int8_t*)w, K, n0, nr, 0, K, PANEL_NIBBLES, b);
 }
 #else
-#define Q8_WEIGHT_XOR 0 /* the panel holds the weights as they are */
 /* NEON: sdot multiplies signed bytes by signed bytes, so the weights stay as they are (nq, the
  * x86 kernels' offset, is not used) and each group's int32 sum is the exact sum of w . q
  * (|sum| <= 256 * 128 * 127 < 2^31 at groups of up to 256). The register block: 6 rows x 8
@@ -229,9 +256,11 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
 #define Q8M_SCALE(p, q) e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), s##p);
 /* int4 weights: the rows' steps times the column pair's weight scales [w_2q, w_2q+1, w_2q, w_2q+1] */
 #define Q4M_SCALE(p, q) \
-    e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), vmulq_f32(s##p, column_pair(ws + g * I16_NR + 2 * (q))));
-#define Q8M_FROM(p, q) \
-    e##p##q = vcombine_f32(vld1_f32(z0 + (2 * (p)) * I16_NR + 2 * (q)), vld1_f32(z0 + (2 * (p) + 1) * I16_NR + 2 * (q)));
+    e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), vmulq_f32(s##p, column_pair(q4->ws + g * I16_NR + 2 * (q))));
+#define Q4M_ZERO(p, q)                                                                                       \
+    e##p##q = vfmaq_f32(e##p##q, vcombine_f32(vdup_n_f32(q4->xs[g * Q8_MR + 2 * (p)]),                       \
+                                              vdup_n_f32(q4->xs[g * Q8_MR + 2 * (p) + 1])),                  \
+                        column_pair(q4->lo + g * I16_NR + 2 * (q)));
 #define Q8M_OUT(p, q)                                                     \
     vst1_f32(c + (2 * (p)) * I16_NR + 2 * (q), vget_low_f32(e##p##q));     \
     vst1_f32(c + (2 * (p) + 1) * I16_NR + 2 * (q), vget_high_f32(e##p##q));
@@ -246,12 +275,12 @@ static inline float32x4_t column_pair(const float* w) { return vcombine_f32(vld1
  * the codes a (place_codes) . the weights b (q8_panel) times its step (sg: [groups][Q8_MR]); c is
  * [Q8_MR][I16_NR]. int4 weights (ws given): as x86's q8_tile2. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, const float* ws, const float* z0, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
     const int64_t octets = quads / 2, go = gq / 2;
     Q8M_BLOCKS2(Q8M_DECL)
-    if (z0) { Q8M_BLOCKS2(Q8M_FROM) }
+    for (int64_t g = 0; q4 && g < q4->wg; g++) { Q8M_BLOCKS2(Q4M_ZERO) }
     for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
         Q8M_BLOCKS2(Q8M_ZERO)
         for (int64_t o = o0; o < o0 + go && o < octets; o++) {
@@ -261,7 +290,7 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             Q8M_BLOCKS2(Q8M_STEP)
         }
         Q8M_PAIR_STEPS(g)
-        if (ws) {
+        if (q4) {
             Q8M_BLOCKS2(Q4M_SCALE)
         } else {
             Q8M_BLOCKS2(Q8M_SCALE)
@@ -272,12 +301,12 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, const float* ws, const float* z0, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
     const int64_t octets = quads / 2, go = gq / 2;
     Q8M_BLOCKS1(Q8M_DECL)
-    if (z0) { Q8M_BLOCKS1(Q8M_FROM) }
+    for (int64_t g = 0; q4 && g < q4->wg; g++) { Q8M_BLOCKS1(Q4M_ZERO) }
     for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
         Q8M_BLOCKS1(Q8M_ZERO)
         for (int64_t o = o0; o < o0 + go && o < octets; o++) {
@@ -286,7 +315,7 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             Q8M_BLOCKS1(Q8M_STEP)
         }
         Q8M_PAIR_STEPS(g)
-        if (ws) {
+        if (q4) {
             Q8M_BLOCKS1(Q4M_SCALE)
         } else {
             Q8M_BLOCKS1(Q8M_SCALE)
@@ -319,8 +348,8 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
     e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)])); \
     f##r = vfmaq_f32(f##r, vcvtq_f32_s32(d##r), vmulq_n_f32(w1, sg[g * Q8_MR + (r)]));
 #define Q4N_SCALE1(r) e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)]));
-#define Q8N_FROM2(r) e##r = vld1q_f32(z0 + (r) * I16_NR), f##r = vld1q_f32(z0 + (r) * I16_NR + VL);
-#define Q8N_FROM1(r) e##r = vld1q_f32(z0 + (r) * I16_NR);
+#define Q4N_ZERO2(r) e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]), f##r = vfmaq_n_f32(f##r, l1, q4->xs[g * Q8_MR + (r)]);
+#define Q4N_ZERO1(r) e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]);
 #define Q8N_OUT2(r) vst1q_f32(c + (r) * I16_NR, e##r), vst1q_f32(c + (r) * I16_NR + VL, f##r);
 #define Q8N_OUT1(r) vst1q_f32(c + (r) * I16_NR, e##r);
 
@@ -328,10 +357,13 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
  * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg: [groups][Q8_MR]); c is
  * [Q8_MR][I16_NR]. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, const float* ws, const float* z0, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     Q8_NEON_ROWS(Q8N_DECL2)
-    if (z0) { Q8_NEON_ROWS(Q8N_FROM2) }
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const float32x4_t l0 = vld1q_f32(q4->lo + g * I16_NR), l1 = vld1q_f32(q4->lo + g * I16_NR + VL);
+        Q8_NEON_ROWS(Q4N_ZERO2)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_NEON_ROWS(Q8N_ZERO2)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
@@ -346,8 +378,8 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             c4 = vdotq_lane_s32(c4, b0, hi, 0), d4 = vdotq_lane_s32(d4, b1, hi, 0);
             c5 = vdotq_lane_s32(c5, b0, hi, 1), d5 = vdotq_lane_s32(d5, b1, hi, 1);
         }
-        if (ws) {
-            const float32x4_t w0 = vld1q_f32(ws + g * I16_NR), w1 = vld1q_f32(ws + g * I16_NR + VL);
+        if (q4) {
+            const float32x4_t w0 = vld1q_f32(q4->ws + g * I16_NR), w1 = vld1q_f32(q4->ws + g * I16_NR + VL);
             Q8_NEON_ROWS(Q4N_SCALE2)
         } else {
             Q8_NEON_ROWS(Q8N_SCALE2)
@@ -358,10 +390,13 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, const float* ws, const float* z0, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     Q8_NEON_ROWS(Q8N_DECL1)
-    if (z0) { Q8_NEON_ROWS(Q8N_FROM1) }
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const float32x4_t l0 = vld1q_f32(q4->lo + g * I16_NR);
+        Q8_NEON_ROWS(Q4N_ZERO1)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_NEON_ROWS(Q8N_ZERO1)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
@@ -372,8 +407,8 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             c2 = vdotq_laneq_s32(c2, b0, lo, 2), c3 = vdotq_laneq_s32(c3, b0, lo, 3);
             c4 = vdotq_lane_s32(c4, b0, hi, 0), c5 = vdotq_lane_s32(c5, b0, hi, 1);
         }
-        if (ws) {
-            const float32x4_t w0 = vld1q_f32(ws + g * I16_NR);
+        if (q4) {
+            const float32x4_t w0 = vld1q_f32(q4->ws + g * I16_NR);
             Q8_NEON_ROWS(Q4N_SCALE1)
         } else {
             Q8_NEON_ROWS(Q8N_SCALE1)
@@ -382,6 +417,19 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
     Q8_NEON_ROWS(Q8N_OUT1)
 }
 #endif /* i8mm or dot products */
+
+/* int4: rows n0..n0+nr-1 of the nibbles w [N][K/2] in q8_panel's layout, as bytes 0..15 (first
+ * unpacked into `unpacked`, [nr][K] bytes). */
+#define Q4_UNPACKED_BYTES(K) ((K) * I16_NR)
+static void q4_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t nr, int8_t* unpacked, int32_t* b) {
+    for (int64_t i = 0; i < nr; i++) {
+        const uint8_t* src = w + (n0 + i) * (K / 2);
+        int8_t* dst = unpacked + i * K;
+#pragma omp simd
+        for (int64_t j = 0; j < K / 2; j++) dst[2 * j] = (int8_t)(src[j] & 15), dst[2 * j + 1] = (int8_t)(src[j] >> 4);
+    }
+    q8_panel(unpacked, K, 0, nr, b);
+}
 #endif
 
 /* The weights of a byte-code product: int8 w [N][K] with a scale per row (zero NULL), or int4
@@ -402,46 +450,25 @@ static void coded_sums(float* xs, const float* sg, int32_t* nq, int64_t G, int64
     for (int r = 0; r < Q8_MR; r++)
         for (int64_t g = 0; g < G; g++) {
             float v = 0.f;
-            for (int64_t h = g * (H / G); h < (g + 1) * (H / G); h++) v += sg[h * Q8_MR + r] * (float)(nq[h * Q8_MR + r] / -128);
+            for (int64_t h = g * (H / G); h < (g + 1) * (H / G); h++)
+                v += sg[h * Q8_MR + r] * (float)(nq[h * Q8_MR + r] / -128);
             xs[g * Q8_MR + r] = v;
         }
     memset(nq, 0, (size_t)(H * Q8_MR) * sizeof(int32_t));
 }
 
-/* int4 weights: the tile's rows n0..n0+nr-1 as q8_panel lays out int8 rows, the nibbles unpacked
- * into rows of bytes q (tmp: [nr][K] bytes, as q ^ Q8_WEIGHT_XOR, which the panel takes back);
- * each activation group's weight scales ws [K/group][I16_NR] and each weight group's lowest
- * value lo = zero - 8 * scale [K/gs][I16_NR] in float32 (columns past nr zero). */
-static void q4_panel(const ByteWeights* wt, int dt, int64_t K, int64_t n0, int64_t nr, int64_t group, int8_t* tmp,
-                     int32_t* b, float* ws, float* lo) {
-    const int64_t G = K / wt->gs, H = K / group;
-    for (int64_t i = 0; i < nr; i++) {
-        const uint8_t* src = (const uint8_t*)wt->w + (n0 + i) * (K / 2);
-        uint16_t* dst = (uint16_t*)(tmp + i * K); /* two bytes per nibble pair, the even column first */
-#pragma omp simd
-        for (int64_t j = 0; j < K / 2; j++)
-            dst[j] = (uint16_t)(((src[j] & 15) | (src[j] >> 4) << 8) ^ (Q8_WEIGHT_XOR * 0x0101));
-    }
-    q8_panel(tmp, K, 0, nr, b);
-    for (int64_t i = 0; i < I16_NR; i++) {
-        for (int64_t h = 0; h < H; h++)
-            ws[h * I16_NR + i] = i < nr ? get(wt->scale, dt, (n0 + i) * G + h * group / wt->gs) : 0.f;
-        for (int64_t g = 0; g < G; g++)
-            lo[g * I16_NR + i] = i < nr ? get(wt->zero, dt, (n0 + i) * G + g) - 8.f * get(wt->scale, dt, (n0 + i) * G + g)
-                                        : 0.f;
-    }
-}
-
-/* z0[r][i] = sum over the weight groups of xs[g][r] * lo[g][i] ([Q8_MR][I16_NR]): the zeros' part
- * of a row block's int4 products, where its totals start. */
-static void zero_part(const float* xs, const float* lo, int64_t G, float* z0) {
-    for (int r = 0; r < Q8_MR; r++) {
-        float* zr = z0 + r * I16_NR;
-        memset(zr, 0, I16_NR * sizeof(float));
-        for (int64_t g = 0; g < G; g++)
-#pragma omp simd
-            for (int i = 0; i < I16_NR; i++) zr[i] += xs[g * Q8_MR + r] * lo[g * I16_NR + i];
-    }
+/* int4 weights: the tile's columns n0..n0+nr-1's factors in float32 (columns past nr zero):
+ * each activation group's weight scale ws [K/group][I16_NR], each weight group's lowest value
+ * lo = zero - 8 * scale [K/gs][I16_NR]. */
+static void q4_factors(const ByteWeights* wt, int dt, int64_t K, int64_t n0, int64_t nr, int64_t group, float* ws,
+                       float* lo) {
+    const int64_t G = K / wt->gs, per = wt->gs / group; /* weight groups; activation groups in each */
+    for (int64_t i = 0; i < I16_NR; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const float s = i < nr ? get(wt->scale, dt, (n0 + i) * G + g) : 0.f;
+            lo[g * I16_NR + i] = i < nr ? get(wt->zero, dt, (n0 + i) * G + g) - 8.f * s : 0.f;
+            for (int64_t h = g * per; h < (g + 1) * per; h++) ws[h * I16_NR + i] = s;
+        }
 }
 
 /* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), x in 8-bit codes per `group` columns
@@ -500,10 +527,10 @@ static int byte_products(const void* x, int dt, int64_t M, int64_t K, int64_t N,
          * codes of every row streaming from memory per tile). int4: the nibbles unpacked as the
          * tile's weights are laid out, with its columns' scales and zeros */
         int32_t* b = aligned_alloc(64, (size_t)(Q * I16_NR * 4 + 63) / 64 * 64);
-        float* q4 = int4 ? malloc((size_t)((G + GW + Q8_MR) * I16_NR) * sizeof(float) + (size_t)(K * I16_NR)) : NULL;
-        float *ws = q4, *lo = q4 ? q4 + G * I16_NR : NULL, *z0 = q4 ? lo + GW * I16_NR : NULL;
-        int8_t* tmp = q4 ? (int8_t*)(z0 + Q8_MR * I16_NR) : NULL;
-        const int ready = b && (!int4 || q4);
+        float* ws = int4 ? malloc((size_t)((G + GW) * I16_NR) * sizeof(float) + Q4_UNPACKED_BYTES(K)) : NULL;
+        float* lo = ws ? ws + G * I16_NR : NULL; /* q4_factors' */
+        int8_t* unpacked = ws ? (int8_t*)(lo + GW * I16_NR) : NULL;
+        const int ready = b && (!int4 || ws);
         if (!ready) {
 #pragma omp atomic write
             failed = 1;
@@ -512,24 +539,26 @@ static int byte_products(const void* x, int dt, int64_t M, int64_t K, int64_t N,
             const int64_t mb0 = item / tiles * chunk, n0 = item % tiles * I16_NR;
             const int64_t nr = N - n0 < I16_NR ? N - n0 : I16_NR;
             float c[Q8_MR * I16_NR];
-            if (int4)
-                q4_panel(wt, dt, K, n0, nr, group, tmp, b, ws, lo);
-            else
+            if (int4) {
+                q4_panel(wt->w, K, n0, nr, unpacked, b);
+                q4_factors(wt, dt, K, n0, nr, group, ws, lo);
+            } else {
                 q8_panel(wt->w, K, n0, nr, b);
+            }
             for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                 const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
                 const int32_t* am = a + mb * Q * Q8_MR;
-                if (int4) zero_part(xs + mb * GW * Q8_MR, lo, GW, z0);
+                const Q4Factors f = {ws, lo, xs + mb * GW * Q8_MR, GW}, *q4 = int4 ? &f : NULL;
                 if (nr == I16_NR)
-                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, ws, z0, c);
+                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, q4, c);
                 else
-                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, ws, z0, c);
+                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, q4, c);
                 write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
                            residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
                            (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
             }
         }
-        free(b), free(q4);
+        free(b), free(ws);
     }
     free(a), free(sg), free(nq), free(xs), free(nw), free(cs);
     return failed ? -1 : 0;
