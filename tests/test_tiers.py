@@ -724,8 +724,8 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
 @pytest.mark.slow  # cross-compiles and runs four builds under qemu
 def test_aarch64_kernels_under_qemu(tmp_path):
     """The NEON kernels (with and without dot products; with them the byte-product kernel too, on
-    sdot or with i8mm on smmla) and the portable C, cross-compiled for aarch64 and run under
-    qemu-user (emulating every feature: -cpu max) by tests/native_check.c."""
+    sdot or with i8mm on smmla, for int8 and int4 weights) and the portable C, cross-compiled for
+    aarch64 and run under qemu-user (emulating every feature: -cpu max) by tests/native_check.c."""
     cc, qemu = "aarch64-linux-gnu-gcc", "qemu-aarch64"
     if subprocess.run(["which", cc, qemu], capture_output=True).returncode != 0:
         pytest.skip("no aarch64 cross compiler / qemu-user (test.sh installs them as root)")
@@ -744,6 +744,7 @@ def test_aarch64_kernels_under_qemu(tmp_path):
         assert bool(features & build.DOTPROD) == name.startswith("neon-")
         assert bool(features & build.I8MM) == (name == "neon-i8mm")
         assert ("byte kernel checked" in ran.stdout) == name.startswith("neon-")
+        assert ("int4 byte kernel checked" in ran.stdout) == name.startswith("neon-")
 
 
 @pytest.mark.parametrize("kind", ["i8mm", "dotprod", "neither"])
