@@ -463,12 +463,23 @@ static void coded_sums(float* xs, const float* sg, int32_t* nq, int64_t G, int64
 static void q4_factors(const ByteWeights* wt, int dt, int64_t K, int64_t n0, int64_t nr, int64_t group, float* ws,
                        float* lo) {
     const int64_t G = K / wt->gs, per = wt->gs / group; /* weight groups; activation groups in each */
-    for (int64_t i = 0; i < I16_NR; i++)
-        for (int64_t g = 0; g < G; g++) {
-            const float s = i < nr ? get(wt->scale, dt, (n0 + i) * G + g) : 0.f;
-            lo[g * I16_NR + i] = i < nr ? get(wt->zero, dt, (n0 + i) * G + g) - 8.f * s : 0.f;
-            for (int64_t h = g * per; h < (g + 1) * per; h++) ws[h * I16_NR + i] = s;
+    memset(ws, 0, (size_t)(G * per * I16_NR) * sizeof(float));
+    memset(lo, 0, (size_t)(G * I16_NR) * sizeof(float));
+    for (int64_t i = 0; i < nr; i++) {
+        const int64_t at = (n0 + i) * G; /* the column's groups */
+        float s[G], z[G];
+        if (dt == BF16) {
+            const uint16_t *sb = (const uint16_t*)wt->scale + at, *zb = (const uint16_t*)wt->zero + at;
+#pragma omp simd
+            for (int64_t g = 0; g < G; g++) s[g] = bf16_to_f32(sb[g]), z[g] = bf16_to_f32(zb[g]);
+        } else {
+            memcpy(s, (const float*)wt->scale + at, sizeof s), memcpy(z, (const float*)wt->zero + at, sizeof z);
         }
+        for (int64_t g = 0; g < G; g++) {
+            lo[g * I16_NR + i] = z[g] - 8.f * s[g];
+            for (int64_t h = g * per; h < (g + 1) * per; h++) ws[h * I16_NR + i] = s[g];
+        }
+    }
 }
 
 /* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), x in 8-bit codes per `group` columns
