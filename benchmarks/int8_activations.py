@@ -422,7 +422,8 @@ def measure_int4_prefill(path: Path, args) -> list[tuple[str, dict]]:
             out = run(engine, evaluation)
         if rows.base is None:  # int8 weights' float prefill: the "top-1 vs int8 weights" column's reference
             rows.base = out
-        rows.record(f"{weights} weights ({str(engine.plan.dtype).removeprefix('torch.')}), prefill's products dequantised", out)
+        dtype = str(engine.plan.dtype).removeprefix("torch.")
+        rows.record(f"{weights} weights ({dtype}), prefill's products dequantised", out)
         rows.record(f"{weights} weights, prefill in {kernel.name} ({kernel.code_bits}-bit codes, the default)",
                     run(engine, evaluation))
         del engine
