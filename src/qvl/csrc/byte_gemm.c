@@ -36,6 +36,7 @@
 #else
 #define Q8_LEVELS 127
 #endif
+#define Q4_LEVELS 127 /* int4 weights' codes on every build: nibbles . codes never saturate vpmaddubsw's pairs */
 
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #if defined(QVL_NEON) && defined(__ARM_FEATURE_MATMUL_INT8)
@@ -90,8 +91,8 @@ static inline void place_codes(int32_t* a, const int8_t* codes, int64_t K, int r
 }
 
 /* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % Q8_UNIT == 0; rows past M zero), layer-normalised
- * first when nw (float32 [K], with nb) is given -> codes up to +-levels in a (place_codes), each group's
- * step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
+ * first when nw (float32 [K], with nb) is given -> codes up to +-levels in a (place_codes), each
+ * group's step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
 static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, float levels, const float* nw,
                         const float* nb, float eps, int64_t m0, int32_t* a, float* sg, int32_t* nq, float* buf,
                         int8_t* codes) {
@@ -273,7 +274,7 @@ static inline float32x4_t column_pair(const float* w) { return vcombine_f32(vld1
 
 /* c[r][0 .. 2 VL) = the sum over groups of gq quads (gq / 2 octets) of each group's exact sum of
  * the codes a (place_codes) . the weights b (q8_panel) times its step (sg: [groups][Q8_MR]); c is
- * [Q8_MR][I16_NR]. int4 weights (ws given): as x86's q8_tile2. */
+ * [Q8_MR][I16_NR]. int4 weights (q4 given): as x86's q8_tile2. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
                      const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
@@ -348,7 +349,9 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
     e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)])); \
     f##r = vfmaq_f32(f##r, vcvtq_f32_s32(d##r), vmulq_n_f32(w1, sg[g * Q8_MR + (r)]));
 #define Q4N_SCALE1(r) e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)]));
-#define Q4N_ZERO2(r) e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]), f##r = vfmaq_n_f32(f##r, l1, q4->xs[g * Q8_MR + (r)]);
+#define Q4N_ZERO2(r)                                      \
+    e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]); \
+    f##r = vfmaq_n_f32(f##r, l1, q4->xs[g * Q8_MR + (r)]);
 #define Q4N_ZERO1(r) e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]);
 #define Q8N_OUT2(r) vst1q_f32(c + (r) * I16_NR, e##r), vst1q_f32(c + (r) * I16_NR + VL, f##r);
 #define Q8N_OUT1(r) vst1q_f32(c + (r) * I16_NR, e##r);
@@ -426,7 +429,8 @@ static void q4_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t nr, int8_t
         const uint8_t* src = w + (n0 + i) * (K / 2);
         int8_t* dst = unpacked + i * K;
 #pragma omp simd
-        for (int64_t j = 0; j < K / 2; j++) dst[2 * j] = (int8_t)(src[j] & 15), dst[2 * j + 1] = (int8_t)(src[j] >> 4);
+        for (int64_t j = 0; j < K / 2; j++)
+            dst[2 * j] = (int8_t)(src[j] & 15), dst[2 * j + 1] = (int8_t)(src[j] >> 4);
     }
     q8_panel(unpacked, K, 0, nr, b);
 }
@@ -483,8 +487,8 @@ static void q4_factors(const ByteWeights* wt, int dt, int64_t K, int64_t n0, int
 }
 
 /* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), x in 8-bit codes per `group` columns
- * (Q8_LEVELS; 127 for int4 weights, whose nibbles times codes never saturate vpmaddubsw's pair
- * sums), W the int8 or int4 weights `wt` (ByteWeights). Fusions and return values as qvl_q8_linear's. */
+ * (Q8_LEVELS; Q4_LEVELS for int4 weights), W the int8 or int4 weights `wt` (ByteWeights). Fusions
+ * and return values as qvl_q8_linear's. */
 static int byte_products(const void* x, int dt, int64_t M, int64_t K, int64_t N, const ByteWeights* wt,
                          const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b,
                          float eps, int gelu, const void* residual) {
@@ -515,8 +519,8 @@ static int byte_products(const void* x, int dt, int64_t M, int64_t K, int64_t N,
 #pragma omp for schedule(dynamic, 4) /* blocks of rows in turn, as take_item */
         for (int64_t mb = 0; mb < MB; mb++)
             if (buf && codes) {
-                pack_groups(x, dt, M, K, group, int4 ? 127.f : Q8_LEVELS, nw, nb, eps, mb * Q8_MR, a + mb * Q * Q8_MR,
-                            sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, buf, codes);
+                pack_groups(x, dt, M, K, group, int4 ? Q4_LEVELS : Q8_LEVELS, nw, nb, eps, mb * Q8_MR,
+                            a + mb * Q * Q8_MR, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, buf, codes);
                 if (int4) coded_sums(xs + mb * GW * Q8_MR, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, GW, G);
             }
         free(buf), free(codes);
