@@ -39,6 +39,11 @@ nothing but float rounding changes.
 --vision-codes measures the vision tower's int8 x int8 products on a float32 tier with the byte
 kernel: oneDNN's int8 GEMM with codes per row against the byte kernel's codes per 64 columns,
 against float32 compute with bf16 weights.
+
+--int4-prefill measures what prefill's activation codes cost int4 weights (qvl_q4_linear: 8-bit
+codes per 64 columns) beside what this tier's codes cost int8 weights: each weight format with
+the text decoder's prefill products dequantised for the float GEMM, then as the defaults run them,
+in the tier's compute dtype, against float32 compute with bf16 weights.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -387,6 +393,43 @@ def measure_prefill_groups(path: Path, args) -> list[tuple[str, dict]]:
     return rows
 
 
+@contextlib.contextmanager
+def float_prefill(engine: Engine):
+    """Within it, the text decoder's quantised linears run their many-row products dequantised
+    for the float GEMM (the tower and decoding as planned)."""
+    layers = [m for n, m in engine.model.named_modules()
+              if layer_kind(n) == "text" and isinstance(m.__dict__.get("plan"), LinearPlan)]
+    plans = [m.plan for m in layers]
+    for m in layers:
+        m.plan = dataclasses.replace(m.plan, prefill=Kernel("dequantize", 0, m.plan.prefill.dtype))
+    try:
+        yield
+    finally:
+        for m, plan in zip(layers, plans):
+            m.plan = plan
+
+
+def measure_int4_prefill(path: Path, args) -> list[tuple[str, dict]]:
+    """int4 and int8 weights, prefill's products dequantised and in the tier's activation codes,
+    against float32 compute with bf16 weights."""
+    common = dict(model=str(path), threads=args.threads, quant_cache=False)
+    evaluation = samples(eval_sizes(args.images), PROMPTS, 0, args.max_image_tokens)
+    rows = Rows(run(Engine.load(EngineOptions(**common, weights="bf16", dtype="fp32")), evaluation))
+    for weights in ("int8", "int4"):
+        engine = Engine.load(EngineOptions(**common, weights=weights))
+        kernel = engine.plan.entries()["text linears, prefill"]
+        with float_prefill(engine):
+            out = run(engine, evaluation)
+        if rows.base is None:  # int8 weights' float prefill: the "top-1 vs int8 weights" column's reference
+            rows.base = out
+        dtype = str(engine.plan.dtype).removeprefix("torch.")
+        rows.record(f"{weights} weights ({dtype}), prefill's products dequantised", out)
+        rows.record(f"{weights} weights, prefill in {kernel.name} ({kernel.code_bits}-bit codes, the default)",
+                    run(engine, evaluation))
+        del engine
+    return rows
+
+
 def measure_vision_codes(path: Path, args) -> list[tuple[str, dict]]:
     """The vision tower's int8 x int8 products on this tier (float32 compute, prefill as the
     defaults): oneDNN's int8 GEMM with codes per row against qvl's byte kernel with codes per
@@ -447,6 +490,8 @@ def main() -> int:
     parser.add_argument("--prefill-groups", action="store_true", help="prefill in 8-bit codes per group (see above)")
     parser.add_argument("--vision-codes", action="store_true", help="the vision tower's int8 x int8 products: "
                         "oneDNN's codes per row against the byte kernel's per group (float32 tiers)")
+    parser.add_argument("--int4-prefill", action="store_true", help="what prefill's activation codes cost int4 "
+                        "weights beside int8's (see above)")
     parser.add_argument("--noise", action="store_true", help="with --prefill-groups: also 16-bit and 8-bit codes "
                         "with the sums in float32 (how far the scores move with float rounding alone)")
     args = parser.parse_args()
@@ -459,7 +504,8 @@ def main() -> int:
         for path in paths:
             print(f"{path}:", file=sys.stderr)
             how = (measure_prefill_codes if args.prefill_codes else measure_prefill_groups if args.prefill_groups
-                   else measure_vision_codes if args.vision_codes else measure)
+                   else measure_vision_codes if args.vision_codes else measure_int4_prefill if args.int4_prefill
+                   else measure)
             results[path.name] = how(path, args)
     print(table(results))
     return 0

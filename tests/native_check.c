@@ -5,6 +5,7 @@
 #include <stdio.h>
 
 #include "common.h"
+#include "quantise.h"
 
 static int failures = 0;
 static uint32_t seed = 12345;
@@ -317,12 +318,44 @@ static void test_q8_linear(void) {
     printf("byte kernel checked\n"); /* the test asserts it ran where the build has it */
 }
 
+/* The int4 byte-product kernel (qvl_q4_linear: 8-bit codes per 64 columns on every build that
+ * has byte products) against its scheme computed here: each group's codes and step from the
+ * kernel's own quantiser, times the weights (q - 8) * scale + zero, summed in double. */
+static void test_q4_linear(void) {
+    enum { K = 512, N = 48, M = 13, GS = 128 };
+    static float x[M * K], y[M * N], ref[M * N], scale[N * (K / GS)], zero[N * (K / GS)], bias[N];
+    static uint8_t nib[N * K / 2], q[N * K];
+    static int8_t codes[64];
+    for (int i = 0; i < M * K; i++) x[i] = frand() * (i % 97 == 5 ? 40.f : 1.f);
+    for (int i = 0; i < N * K; i++) q[i] = (uint8_t)((seed = seed * 1664525u + 1013904223u) >> 28);
+    for (int i = 0; i < N * K / 2; i++) nib[i] = (uint8_t)(q[2 * i] | q[2 * i + 1] << 4);
+    for (int i = 0; i < N * (K / GS); i++) scale[i] = 0.01f + 0.01f * fabsf(frand()), zero[i] = 0.1f * frand();
+    for (int n = 0; n < N; n++) bias[n] = frand();
+    if (qvl_q4_linear(x, F32, M, K, N, nib, scale, zero, GS, bias, y, 2, 64) == -2) return; /* no byte products */
+    for (int r = 0; r < M; r++)
+        for (int n = 0; n < N; n++) {
+            double acc = bias[n];
+            for (int k0 = 0; k0 < K; k0 += 64) {
+                int32_t sum;
+                const float step = group_codes8(x + r * K + k0, 64, 1, absmax(x + r * K + k0, 64), 127.f, codes, &sum);
+                for (int k = 0; k < 64; k++) {
+                    const int64_t g = n * (K / GS) + (k0 + k) / GS;
+                    acc += (double)codes[k] * step * (((double)q[n * K + k0 + k] - 8) * scale[g] + zero[g]);
+                }
+            }
+            ref[r * N + n] = (float)acc;
+        }
+    check("q4 linear", y, ref, M * N, 1e-5f);
+    printf("int4 byte kernel checked\n");
+}
+
 int main(void) {
     printf("features %d\n", qvl_features());
     test_linear();
     test_decode_attention();
     test_decode_layers();
     test_q8_linear();
+    test_q4_linear();
     printf(failures ? "%d checks failed\n" : "all checks passed\n", failures);
     return failures ? 1 : 0;
 }

@@ -374,6 +374,73 @@ def test_prefill_int8_products(tier_lib, codes):
         assert linear.q8_linear(lib, x, q, s, bias, group=6) is None  # a group not a multiple of 4
 
 
+def _coded_rows(x: torch.Tensor, group: int, top: int, fused: bool) -> torch.Tensor:
+    """x [M, K] as the byte kernel codes it, in float64: per `group` columns symmetric codes
+    x * (top / max|x|) rounded half away from zero (v + 0.5 truncated: in float32, or, `fused`,
+    x * inv + 0.5 rounded once, as the compiler may contract it), times the step max|x| / top."""
+    m, k = x.shape
+    xg = x.float().view(m, k // group, group)
+    peak = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(peak > 0, torch.full_like(peak, top) / peak, torch.zeros(()))  # a division, as in C
+    v = xg.double() * inv.double() if fused else xg * inv  # float32 x float32 is exact in float64
+    codes = torch.where(v >= 0, v + 0.5, v - 0.5).float().trunc()
+    return (codes.double() * (peak / top).double()).view(m, k)
+
+
+def test_prefill_int4_products(tier_lib):
+    """Prefill's int4 products in the byte kernel (qvl_q4_linear): the same 8-bit activation codes
+    per 64 columns as int8's (127 levels on every build, plain AVX2's too: nibbles times codes
+    never saturate its byte pairs), times the weights (q - 8) * scale + zero, unpacked from the
+    nibbles: within float32 rounding of that scheme computed in float64, even with an outlier 300x
+    the rest, over group sizes, tails of rows and a 16-column block, and two chunks of rows; a zero
+    row gives the bias; a row's result is bit for bit the same alone, among others and on 1 or 2
+    threads; a NaN turns only its row NaN; shapes it does not take say None, as do the tiers
+    without the kernel."""
+    tier, lib = tier_lib
+    torch.manual_seed(5)
+    for rows, k_in, n, gs in ((29, 512, 48, 128), (1, 256, 16, 64), (13, 2048, 272, 128), (40, 1024, 64, 256),
+                              (600, 4096, 16, 128)):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, s, z = quantize_int4(torch.randn(n, k_in), gs)
+            nibbles, s, z, bias = pack_nibbles(q), s.to(dtype), z.to(dtype), torch.randn(n).to(dtype)
+            x = torch.randn(rows, k_in).to(dtype)
+            x[0, 5] = 300.0  # a massive activation
+            if rows > 2:
+                x[2] = 0
+            y = linear.q4_linear(lib, x, nibbles, s, z, gs, bias)
+            if not lib.q8_levels:
+                assert y is None
+                return
+            scaled = (q.double() * s.double().repeat_interleave(gs, 1))  # [N, K]
+            lowest = (z.double() - 8 * s.double()).repeat_interleave(gs, 1)
+            coded, fused = (_coded_rows(x, linear.ACTIVATION_GROUP, 127, f) for f in (False, True))
+            exact = coded @ (scaled + lowest).T + bias.double()
+            bound = (2**-20 * (coded.abs() @ (scaled + lowest.abs()).T)  # float32 rounding
+                     + (coded - fused).abs() @ (scaled + lowest).abs().T  # a tie's code either way
+                     + (2**-8 * exact.abs() if dtype == torch.bfloat16 else 0))
+            assert y.dtype == dtype and y.shape == (rows, n)
+            assert ((y.double() - exact).abs() <= bound).all(), (tier.name, rows, k_in, gs, dtype)
+            if rows > 2:
+                assert torch.equal(y[2], bias)
+            for r in (0, rows - 1):
+                assert torch.equal(linear.q4_linear(lib, x[r : r + 1], nibbles, s, z, gs, bias), y[r : r + 1])
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1 if threads > 1 else 2)
+                assert torch.equal(linear.q4_linear(lib, x, nibbles, s, z, gs, bias), y), tier.name
+            finally:
+                torch.set_num_threads(threads)
+    bad = x.clone()
+    bad[1, 7] = float("nan")
+    out = linear.q4_linear(lib, bad, nibbles, s, z, gs)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+    assert linear.q4_linear(lib, x, nibbles, s, z, gs, bias[:-1].contiguous()) is None  # a bias of the wrong length
+    assert linear.q4_linear(lib, x, nibbles[:8].contiguous(), s[:8], z[:8], gs) is None  # N % 16
+    assert linear.q4_linear(lib, x, nibbles, s.double(), z.double(), gs) is None  # scales of another dtype than x
+    q, s, z = quantize_int4(torch.randn(n, k_in), 32)  # groups of 32: smaller than an activation group
+    assert linear.q4_linear(lib, x, pack_nibbles(q), s.to(x.dtype), z.to(x.dtype), 32) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_byte_products_fuse_the_vision_blocks_norm_gelu_and_residual(tier_lib, dtype):
     """The vision tower's products in byte codes per group (qvl_q8_linear) take its blocks' layer
@@ -528,7 +595,12 @@ def test_plan_follows_the_options(tier_lib):
     dtype = torch.bfloat16 if tier.bf16 else torch.float32
     int4 = _codes(Plan.choose(k, dtype, "int4").entries())
     assert int4["text linears, decode"] == ("gemv", 8) and int4["lm_head"] == ("gemv", 8)
-    assert int4["text linears, prefill"] == ("amx_bf16_linear" if amx else "dequantize", 0)
+    byte_kernel = bool(lib.q8_levels)  # int4 takes it in 8-bit codes, plain AVX2 too
+    assert int4["text linears, prefill"] == (("amx_bf16_linear", 0) if amx else ("q4_linear", 8) if byte_kernel
+                                             else ("dequantize", 0))
+    for acts in ("vision", "off"):  # asked for: prefill's products in float
+        assert _codes(Plan.choose(k, dtype, "int4", acts).entries())["text linears, prefill"] == (
+            ("amx_bf16_linear", 0) if amx else ("dequantize", 0))
     off = _codes(Plan.choose(k, dtype, "int8", "off").entries())
     many = ("amx_i16_linear", 16) if amx else ("i16_linear", 16) if x86 else ("dequantize", 0)
     assert off["text linears, prefill"] == many and off["vision attention"][0] in ("qvl_attention", "sdpa")
@@ -652,8 +724,8 @@ def test_peak_memory_without_the_resource_module(monkeypatch):
 @pytest.mark.slow  # cross-compiles and runs four builds under qemu
 def test_aarch64_kernels_under_qemu(tmp_path):
     """The NEON kernels (with and without dot products; with them the byte-product kernel too, on
-    sdot or with i8mm on smmla) and the portable C, cross-compiled for aarch64 and run under
-    qemu-user (emulating every feature: -cpu max) by tests/native_check.c."""
+    sdot or with i8mm on smmla, for int8 and int4 weights) and the portable C, cross-compiled for
+    aarch64 and run under qemu-user (emulating every feature: -cpu max) by tests/native_check.c."""
     cc, qemu = "aarch64-linux-gnu-gcc", "qemu-aarch64"
     if subprocess.run(["which", cc, qemu], capture_output=True).returncode != 0:
         pytest.skip("no aarch64 cross compiler / qemu-user (test.sh installs them as root)")
@@ -672,6 +744,7 @@ def test_aarch64_kernels_under_qemu(tmp_path):
         assert bool(features & build.DOTPROD) == name.startswith("neon-")
         assert bool(features & build.I8MM) == (name == "neon-i8mm")
         assert ("byte kernel checked" in ran.stdout) == name.startswith("neon-")
+        assert ("int4 byte kernel checked" in ran.stdout) == name.startswith("neon-")
 
 
 @pytest.mark.parametrize("kind", ["i8mm", "dotprod", "neither"])
@@ -693,5 +766,7 @@ def test_arm_with_dot_products_runs_vision_and_prefill_in_byte_codes(kind):
     entries = _codes(plan.entries())
     assert entries["text linears, prefill"] == entries["vision linears"] == (("q8_linear", 8) if dot else
                                                                              ("dequantize", 0))
+    int4 = Plan.choose(plan.library, torch.float32, "int4").entries()["text linears, prefill"]
+    assert (int4.name, int4.code_bits) == (("q4_linear", 8) if dot else ("dequantize", 0))
     assert entries["vision attention"] == ("sdpa", 0)  # the integer attention kernels are x86's
 

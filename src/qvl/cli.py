@@ -282,6 +282,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     stored = checkpoint_quantization(Path(args.model)) if args.model and Path(args.model).is_dir() else None
     plan = Plan.choose(lib, choose_dtype("auto", lib.tier.bf16), stored.weights if stored else DEFAULT_WEIGHTS,
                        stored_vision=stored.vision if stored else None)
+    entries = plan.entries()
+    if plan.weights != "int4":  # what int4 weights' prefill runs with the same defaults
+        entries["int4 linears, prefill"] = Plan.choose(lib, plan.dtype, "int4").entries()["text linears, prefill"]
     info = {
         "qvl": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},
@@ -291,7 +294,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "kernels": lib.describe(),
         "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "dtype": str(k.dtype).replace("torch.", "")}
-                 for kind, k in plan.entries().items()},
+                 for kind, k in entries.items()},
     }
     if args.model:
         info["model"] = model_needs(args.model)

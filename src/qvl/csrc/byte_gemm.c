@@ -36,6 +36,7 @@
 #else
 #define Q8_LEVELS 127
 #endif
+#define Q4_LEVELS 127 /* int4 weights' codes on every build: nibbles . codes never saturate vpmaddubsw's pairs */
 
 #define Q8_MR 6   /* rows per register block: 2 x 6 int32 sums and 2 x 6 float32 totals */
 #if defined(QVL_NEON) && defined(__ARM_FEATURE_MATMUL_INT8)
@@ -67,6 +68,17 @@ static inline vint vi_dp8(vint acc, vint w, vint a) {
 }
 #endif
 
+/* A row block's and a column tile's int4 factors for the tiles (NULL for int8 weights): each
+ * activation group's column scales ws [groups][I16_NR]; each weight group's lowest values
+ * lo = zero - 8 * scale [wg][I16_NR] and the rows' coded-activation sums xs [wg][Q8_MR], whose
+ * products (the zeros' part) the totals start from. */
+typedef struct {
+    const float* ws;
+    const float* lo;
+    const float* xs;
+    int64_t wg;
+} Q4Factors;
+
 /* Row r's int8 codes[K] into its block's layout a (K * Q8_MR bytes): quads a[K/4][Q8_MR] (quad p
  * of row r at a[p * Q8_MR + r]) for the dot products; for smmla octets in row pairs, [K/8][Q8_MR/2]
  * of 16 bytes (row 2j's 8 codes, then row 2j + 1's). */
@@ -79,9 +91,9 @@ static inline void place_codes(int32_t* a, const int8_t* codes, int64_t K, int r
 }
 
 /* Rows m0..m0+Q8_MR-1 of x (dt [M][K], K % Q8_UNIT == 0; rows past M zero), layer-normalised
- * first when nw (float32 [K], with nb) is given -> int8 codes in a (place_codes), each group's
- * step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
-static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, const float* nw,
+ * first when nw (float32 [K], with nb) is given -> codes up to +-levels in a (place_codes), each
+ * group's step sg[G][Q8_MR] and -128 * its codes' sum nq[G][Q8_MR], G = ceil(K / group). */
+static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t group, float levels, const float* nw,
                         const float* nb, float eps, int64_t m0, int32_t* a, float* sg, int32_t* nq, float* buf,
                         int8_t* codes) {
     const int64_t G = (K + group - 1) / group;
@@ -100,7 +112,7 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
             const int64_t k0 = g * group, n = K - k0 < group ? K - k0 : group;
             const float top = m0 + r < M && finite ? absmax(row + k0, n) : 0.f; /* rows past M: no codes */
             int32_t sum;
-            sg[g * Q8_MR + r] = group_codes8(row + k0, n, finite, top, Q8_LEVELS, codes + k0, &sum);
+            sg[g * Q8_MR + r] = group_codes8(row + k0, n, finite, top, levels, codes + k0, &sum);
             nq[g * Q8_MR + r] = -128 * sum;
         }
         place_codes(a, codes, K, r);
@@ -127,45 +139,86 @@ static void pack_groups(const void* x, int dt, int64_t M, int64_t K, int64_t gro
         f##r = vf_fmadd(vf_of(d##r), sv, f##r);       \
     }
 #define Q8_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_set1(sg[g * Q8_MR + (r)]), e##r);
+/* int4 weights: a group's step times each column's weight scale (w0, w1: ws's group row) */
+#define Q4_SCALE2(r)                                                  \
+    {                                                                 \
+        const vflt sv = vf_set1(sg[g * Q8_MR + (r)]);                 \
+        e##r = vf_fmadd(vf_of(c##r), vf_mul(sv, w0), e##r);           \
+        f##r = vf_fmadd(vf_of(d##r), vf_mul(sv, w1), f##r);           \
+    }
+#define Q4_SCALE1(r) e##r = vf_fmadd(vf_of(c##r), vf_mul(vf_set1(sg[g * Q8_MR + (r)]), w0), e##r);
+#define Q4_ZERO2(r)                                                \
+    {                                                              \
+        const vflt xv = vf_set1(q4->xs[g * Q8_MR + (r)]);          \
+        e##r = vf_fmadd(xv, l0, e##r), f##r = vf_fmadd(xv, l1, f##r); \
+    }
+#define Q4_ZERO1(r) e##r = vf_fmadd(vf_set1(q4->xs[g * Q8_MR + (r)]), l0, e##r);
 #define Q8_OUT(acc, r, off) vf_store(c + (r) * I16_NR + (off), acc);
 #define Q8_OUT2(r) Q8_OUT(e##r, r, 0) Q8_OUT(f##r, r, VL)
 #define Q8_OUT1(r) Q8_OUT(e##r, r, 0)
 
 /* c[r][0 .. 2 VL) = the sum over groups of gq quads of each group's exact sum of
  * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg, nq: [groups][Q8_MR]); c is
- * [Q8_MR][I16_NR]. */
+ * [Q8_MR][I16_NR]. int4 weights (q4 given): each group's sum times its step and the columns'
+ * weight scales, the totals starting from the zeros' part. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     Q8_ROWS(Q8_DECL2)
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const vflt l0 = vf_load(q4->lo + g * I16_NR), l1 = vf_load(q4->lo + g * I16_NR + VL);
+        Q8_ROWS(Q4_ZERO2)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START2)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
             const vint b0 = vi_load(b + p * I16_NR), b1 = vi_load(b + p * I16_NR + VL);
             Q8_ROWS(Q8_STEP2)
         }
-        Q8_ROWS(Q8_SCALE2)
+        if (q4) {
+            const vflt w0 = vf_load(q4->ws + g * I16_NR), w1 = vf_load(q4->ws + g * I16_NR + VL);
+            Q8_ROWS(Q4_SCALE2)
+        } else {
+            Q8_ROWS(Q8_SCALE2)
+        }
     }
     Q8_ROWS(Q8_OUT2)
 }
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     Q8_ROWS(Q8_DECL1)
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const vflt l0 = vf_load(q4->lo + g * I16_NR);
+        Q8_ROWS(Q4_ZERO1)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_ROWS(Q8_START1)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
             const vint b0 = vi_load(b + p * I16_NR);
             Q8_ROWS(Q8_STEP1)
         }
-        Q8_ROWS(Q8_SCALE1)
+        if (q4) {
+            const vflt w0 = vf_load(q4->ws + g * I16_NR);
+            Q8_ROWS(Q4_SCALE1)
+        } else {
+            Q8_ROWS(Q8_SCALE1)
+        }
     }
     Q8_ROWS(Q8_OUT1)
 }
 
 /* The tile's weights: w rows n0..n0+nr-1 as quads b[K/4][I16_NR] (w + 128: vpdpbusd's unsigned operand). */
 static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, int32_t* b) {
-    weight_panel(w, K, n0, nr, 0, K, 4, b);
+    weight_panel(w, K, n0, nr, 0, K, PANEL_BYTES, b);
+}
+
+/* int4: rows n0..n0+nr-1 of the nibbles w [N][K/2] as quads b[K/4][I16_NR] of bytes 0..15,
+ * unpacked as the panel is laid out (unpacked: not used on x86). */
+#define Q4_UNPACKED_BYTES(K) 0
+static inline void q4_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t nr, int8_t* unpacked, int32_t* b) {
+    (void)unpacked;
+    weight_panel((const int8_t*)w, K, n0, nr, 0, K, PANEL_NIBBLES, b);
 }
 #else
 /* NEON: sdot multiplies signed bytes by signed bytes, so the weights stay as they are (nq, the
@@ -202,6 +255,13 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
 #define Q8M_ZERO(p, q) c##p##q = vdupq_n_s32(0);
 #define Q8M_STEP(p, q) c##p##q = vmmlaq_s32(c##p##q, a##p, b##q);
 #define Q8M_SCALE(p, q) e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), s##p);
+/* int4 weights: the rows' steps times the column pair's weight scales [w_2q, w_2q+1, w_2q, w_2q+1] */
+#define Q4M_SCALE(p, q) \
+    e##p##q = vfmaq_f32(e##p##q, vcvtq_f32_s32(c##p##q), vmulq_f32(s##p, column_pair(q4->ws + g * I16_NR + 2 * (q))));
+#define Q4M_ZERO(p, q)                                                                                       \
+    e##p##q = vfmaq_f32(e##p##q, vcombine_f32(vdup_n_f32(q4->xs[g * Q8_MR + 2 * (p)]),                       \
+                                              vdup_n_f32(q4->xs[g * Q8_MR + 2 * (p) + 1])),                  \
+                        column_pair(q4->lo + g * I16_NR + 2 * (q)));
 #define Q8M_OUT(p, q)                                                     \
     vst1_f32(c + (2 * (p)) * I16_NR + 2 * (q), vget_low_f32(e##p##q));     \
     vst1_f32(c + (2 * (p) + 1) * I16_NR + 2 * (q), vget_high_f32(e##p##q));
@@ -210,15 +270,18 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
     const float32x4_t s1 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR + 2]), vdup_n_f32(sg[(g) * Q8_MR + 3])); \
     const float32x4_t s2 = vcombine_f32(vdup_n_f32(sg[(g) * Q8_MR + 4]), vdup_n_f32(sg[(g) * Q8_MR + 5]));
 
+static inline float32x4_t column_pair(const float* w) { return vcombine_f32(vld1_f32(w), vld1_f32(w)); }
+
 /* c[r][0 .. 2 VL) = the sum over groups of gq quads (gq / 2 octets) of each group's exact sum of
  * the codes a (place_codes) . the weights b (q8_panel) times its step (sg: [groups][Q8_MR]); c is
- * [Q8_MR][I16_NR]. */
+ * [Q8_MR][I16_NR]. int4 weights (q4 given): as x86's q8_tile2. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
     const int64_t octets = quads / 2, go = gq / 2;
     Q8M_BLOCKS2(Q8M_DECL)
+    for (int64_t g = 0; q4 && g < q4->wg; g++) { Q8M_BLOCKS2(Q4M_ZERO) }
     for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
         Q8M_BLOCKS2(Q8M_ZERO)
         for (int64_t o = o0; o < o0 + go && o < octets; o++) {
@@ -228,18 +291,23 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             Q8M_BLOCKS2(Q8M_STEP)
         }
         Q8M_PAIR_STEPS(g)
-        Q8M_BLOCKS2(Q8M_SCALE)
+        if (q4) {
+            Q8M_BLOCKS2(Q4M_SCALE)
+        } else {
+            Q8M_BLOCKS2(Q8M_SCALE)
+        }
     }
     Q8M_BLOCKS2(Q8M_OUT)
 }
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     const int8_t *ab = (const int8_t*)a, *bb = (const int8_t*)b;
     const int64_t octets = quads / 2, go = gq / 2;
     Q8M_BLOCKS1(Q8M_DECL)
+    for (int64_t g = 0; q4 && g < q4->wg; g++) { Q8M_BLOCKS1(Q4M_ZERO) }
     for (int64_t g = 0, o0 = 0; o0 < octets; g++, o0 += go) {
         Q8M_BLOCKS1(Q8M_ZERO)
         for (int64_t o = o0; o < o0 + go && o < octets; o++) {
@@ -248,7 +316,11 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             Q8M_BLOCKS1(Q8M_STEP)
         }
         Q8M_PAIR_STEPS(g)
-        Q8M_BLOCKS1(Q8M_SCALE)
+        if (q4) {
+            Q8M_BLOCKS1(Q4M_SCALE)
+        } else {
+            Q8M_BLOCKS1(Q8M_SCALE)
+        }
     }
     Q8M_BLOCKS1(Q8M_OUT)
 }
@@ -273,6 +345,14 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
     e##r = vfmaq_n_f32(e##r, vcvtq_f32_s32(c##r), sg[g * Q8_MR + (r)]); \
     f##r = vfmaq_n_f32(f##r, vcvtq_f32_s32(d##r), sg[g * Q8_MR + (r)]);
 #define Q8N_SCALE1(r) e##r = vfmaq_n_f32(e##r, vcvtq_f32_s32(c##r), sg[g * Q8_MR + (r)]);
+#define Q4N_SCALE2(r)                                                                  \
+    e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)])); \
+    f##r = vfmaq_f32(f##r, vcvtq_f32_s32(d##r), vmulq_n_f32(w1, sg[g * Q8_MR + (r)]));
+#define Q4N_SCALE1(r) e##r = vfmaq_f32(e##r, vcvtq_f32_s32(c##r), vmulq_n_f32(w0, sg[g * Q8_MR + (r)]));
+#define Q4N_ZERO2(r)                                      \
+    e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]); \
+    f##r = vfmaq_n_f32(f##r, l1, q4->xs[g * Q8_MR + (r)]);
+#define Q4N_ZERO1(r) e##r = vfmaq_n_f32(e##r, l0, q4->xs[g * Q8_MR + (r)]);
 #define Q8N_OUT2(r) vst1q_f32(c + (r) * I16_NR, e##r), vst1q_f32(c + (r) * I16_NR + VL, f##r);
 #define Q8N_OUT1(r) vst1q_f32(c + (r) * I16_NR, e##r);
 
@@ -280,9 +360,13 @@ static inline void q8_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr, 
  * a [quads][Q8_MR] . b [quads][I16_NR] times its step (sg: [groups][Q8_MR]); c is
  * [Q8_MR][I16_NR]. */
 static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     Q8_NEON_ROWS(Q8N_DECL2)
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const float32x4_t l0 = vld1q_f32(q4->lo + g * I16_NR), l1 = vld1q_f32(q4->lo + g * I16_NR + VL);
+        Q8_NEON_ROWS(Q4N_ZERO2)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_NEON_ROWS(Q8N_ZERO2)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
@@ -297,16 +381,25 @@ static void q8_tile2(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             c4 = vdotq_lane_s32(c4, b0, hi, 0), d4 = vdotq_lane_s32(d4, b1, hi, 0);
             c5 = vdotq_lane_s32(c5, b0, hi, 1), d5 = vdotq_lane_s32(d5, b1, hi, 1);
         }
-        Q8_NEON_ROWS(Q8N_SCALE2)
+        if (q4) {
+            const float32x4_t w0 = vld1q_f32(q4->ws + g * I16_NR), w1 = vld1q_f32(q4->ws + g * I16_NR + VL);
+            Q8_NEON_ROWS(Q4N_SCALE2)
+        } else {
+            Q8_NEON_ROWS(Q8N_SCALE2)
+        }
     }
     Q8_NEON_ROWS(Q8N_OUT2)
 }
 
 /* The same for the first VL columns only (a block of columns' tail). */
 static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t gq, const float* sg,
-                     const int32_t* nq, float* c) {
+                     const int32_t* nq, const Q4Factors* q4, float* c) {
     (void)nq;
     Q8_NEON_ROWS(Q8N_DECL1)
+    for (int64_t g = 0; q4 && g < q4->wg; g++) {
+        const float32x4_t l0 = vld1q_f32(q4->lo + g * I16_NR);
+        Q8_NEON_ROWS(Q4N_ZERO1)
+    }
     for (int64_t g = 0, q0 = 0; q0 < quads; g++, q0 += gq) {
         Q8_NEON_ROWS(Q8N_ZERO1)
         for (int64_t p = q0; p < q0 + gq && p < quads; p++) {
@@ -317,31 +410,101 @@ static void q8_tile1(const int32_t* a, const int32_t* b, int64_t quads, int64_t 
             c2 = vdotq_laneq_s32(c2, b0, lo, 2), c3 = vdotq_laneq_s32(c3, b0, lo, 3);
             c4 = vdotq_lane_s32(c4, b0, hi, 0), c5 = vdotq_lane_s32(c5, b0, hi, 1);
         }
-        Q8_NEON_ROWS(Q8N_SCALE1)
+        if (q4) {
+            const float32x4_t w0 = vld1q_f32(q4->ws + g * I16_NR);
+            Q8_NEON_ROWS(Q4N_SCALE1)
+        } else {
+            Q8_NEON_ROWS(Q8N_SCALE1)
+        }
     }
     Q8_NEON_ROWS(Q8N_OUT1)
 }
 #endif /* i8mm or dot products */
+
+/* int4: rows n0..n0+nr-1 of the nibbles w [N][K/2] in q8_panel's layout, as bytes 0..15 (first
+ * unpacked into `unpacked`, [nr][K] bytes). */
+#define Q4_UNPACKED_BYTES(K) ((K) * I16_NR)
+static void q4_panel(const uint8_t* w, int64_t K, int64_t n0, int64_t nr, int8_t* unpacked, int32_t* b) {
+    for (int64_t i = 0; i < nr; i++) {
+        const uint8_t* src = w + (n0 + i) * (K / 2);
+        int8_t* dst = unpacked + i * K;
+#pragma omp simd
+        for (int64_t j = 0; j < K / 2; j++)
+            dst[2 * j] = (int8_t)(src[j] & 15), dst[2 * j + 1] = (int8_t)(src[j] >> 4);
+    }
+    q8_panel(unpacked, K, 0, nr, b);
+}
 #endif
 
-/* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
- * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
- * norm_w (dt [K], and norm_b or NULL) x's rows are layer-normalised first (never written);
- * `gelu` applies tanh-GELU to the result and `residual` ([M][N] dt, or NULL) is added to it
- * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K or the
- * group size not a multiple of Q8_UNIT, a group past 256, N % VL). */
-int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
-                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
-                  int gelu, const void* residual) {
+/* The weights of a byte-code product: int8 w [N][K] with a scale per row (zero NULL), or int4
+ * nibbles [N][K/2] (even column in the low nibble) with a scale and a zero per group of gs
+ * inputs ([N][K/gs] each, dt): w = (q - 8) * scale + zero. */
+typedef struct {
+    const void* w;
+    const void* scale;
+    const void* zero;
+    int64_t gs;
+} ByteWeights;
+
+/* int4 weights, per row block: each weight group's sum of the coded activations, xs[g][r] =
+ * sum over its activation groups h of sg[h][r] * (the codes' sum: nq[h][r] / -128), for the
+ * zeros' part of the product (G, H: weight and activation groups); nq then zero (the panel
+ * holds the nibbles as they are: no offset to take back). */
+static void coded_sums(float* xs, const float* sg, int32_t* nq, int64_t G, int64_t H) {
+    for (int r = 0; r < Q8_MR; r++)
+        for (int64_t g = 0; g < G; g++) {
+            float v = 0.f;
+            for (int64_t h = g * (H / G); h < (g + 1) * (H / G); h++)
+                v += sg[h * Q8_MR + r] * (float)(nq[h * Q8_MR + r] / -128);
+            xs[g * Q8_MR + r] = v;
+        }
+    memset(nq, 0, (size_t)(H * Q8_MR) * sizeof(int32_t));
+}
+
+/* int4 weights: the tile's columns n0..n0+nr-1's factors in float32 (columns past nr zero):
+ * each activation group's weight scale ws [K/group][I16_NR], each weight group's lowest value
+ * lo = zero - 8 * scale [K/gs][I16_NR]. */
+static void q4_factors(const ByteWeights* wt, int dt, int64_t K, int64_t n0, int64_t nr, int64_t group, float* ws,
+                       float* lo) {
+    const int64_t G = K / wt->gs, per = wt->gs / group; /* weight groups; activation groups in each */
+    memset(ws, 0, (size_t)(G * per * I16_NR) * sizeof(float));
+    memset(lo, 0, (size_t)(G * I16_NR) * sizeof(float));
+    for (int64_t i = 0; i < nr; i++) {
+        const int64_t at = (n0 + i) * G; /* the column's groups */
+        float s[G], z[G];
+        if (dt == BF16) {
+            const uint16_t *sb = (const uint16_t*)wt->scale + at, *zb = (const uint16_t*)wt->zero + at;
+#pragma omp simd
+            for (int64_t g = 0; g < G; g++) s[g] = bf16_to_f32(sb[g]), z[g] = bf16_to_f32(zb[g]);
+        } else {
+            memcpy(s, (const float*)wt->scale + at, sizeof s), memcpy(z, (const float*)wt->zero + at, sizeof z);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            lo[g * I16_NR + i] = z[g] - 8.f * s[g];
+            for (int64_t h = g * per; h < (g + 1) * per; h++) ws[h * I16_NR + i] = s[g];
+        }
+    }
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), x in 8-bit codes per `group` columns
+ * (Q8_LEVELS; Q4_LEVELS for int4 weights), W the int8 or int4 weights `wt` (ByteWeights). Fusions
+ * and return values as qvl_q8_linear's. */
+static int byte_products(const void* x, int dt, int64_t M, int64_t K, int64_t N, const ByteWeights* wt,
+                         const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b,
+                         float eps, int gelu, const void* residual) {
+    const int int4 = wt->zero != NULL;
     if (K % Q8_UNIT || N % VL || M < 1 || K < 4 || group < Q8_UNIT || group % Q8_UNIT || group > 256) return -2;
+    if (int4 && (wt->gs % group || K % wt->gs)) return -2;
     const int64_t MB = (M + Q8_MR - 1) / Q8_MR, Q = K / 4, G = (K + group - 1) / group, T = threads < 1 ? 1 : threads;
+    const int64_t GW = int4 ? K / wt->gs : 0; /* int4: weight groups */
     int32_t* a = aligned_alloc(64, (size_t)(MB * Q * Q8_MR * 4 + 63) / 64 * 64);
     float* sg = malloc((size_t)(MB * G * Q8_MR) * sizeof(float));
     int32_t* nq = malloc((size_t)(MB * G * Q8_MR) * sizeof(int32_t));
+    float* xs = malloc((size_t)(MB * GW * Q8_MR + 1) * sizeof(float));
     float *nw = NULL, *nb = NULL, *cs = NULL, *cb = NULL; /* the norm's and the columns' factors in float32 */
-    if (!a || !sg || !nq || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb)) ||
-        qvl_rescale_columns(scale, bias, dt, N, &cs, &cb)) {
-        free(a), free(sg), free(nq), free(nw);
+    if (!a || !sg || !nq || !xs || (norm_w && qvl_rescale_columns(norm_w, norm_b, dt, K, &nw, &nb)) ||
+        qvl_rescale_columns(int4 ? NULL : wt->scale, bias, dt, N, &cs, &cb)) {
+        free(a), free(sg), free(nq), free(xs), free(nw);
         return -1;
     }
     int failed = 0;
@@ -355,13 +518,15 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
         }
 #pragma omp for schedule(dynamic, 4) /* blocks of rows in turn, as take_item */
         for (int64_t mb = 0; mb < MB; mb++)
-            if (buf && codes)
-                pack_groups(x, dt, M, K, group, nw, nb, eps, mb * Q8_MR, a + mb * Q * Q8_MR, sg + mb * G * Q8_MR,
-                            nq + mb * G * Q8_MR, buf, codes);
+            if (buf && codes) {
+                pack_groups(x, dt, M, K, group, int4 ? Q4_LEVELS : Q8_LEVELS, nw, nb, eps, mb * Q8_MR,
+                            a + mb * Q * Q8_MR, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, buf, codes);
+                if (int4) coded_sums(xs + mb * GW * Q8_MR, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, GW, G);
+            }
         free(buf), free(codes);
     }
     if (failed) {
-        free(a), free(sg), free(nq), free(nw), free(cs);
+        free(a), free(sg), free(nq), free(xs), free(nw), free(cs);
         return -1;
     }
     const int64_t gq = group / 4, tiles = (N + I16_NR - 1) / I16_NR, chunk = chunk_blocks(K * Q8_MR);
@@ -374,33 +539,71 @@ int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const 
          * block's float totals in registers from the first group to the last, its 6 x 32
          * results written out at once; (chunk, tile) pairs taken in turn (take_item), each
          * tile's weights laid out again per chunk (a few % of the products' time, against the
-         * codes of every row streaming from memory per tile) */
+         * codes of every row streaming from memory per tile). int4: the nibbles unpacked as the
+         * tile's weights are laid out, with its columns' scales and zeros */
         int32_t* b = aligned_alloc(64, (size_t)(Q * I16_NR * 4 + 63) / 64 * 64);
-        if (!b) {
+        float* ws = int4 ? malloc((size_t)((G + GW) * I16_NR) * sizeof(float) + Q4_UNPACKED_BYTES(K)) : NULL;
+        float* lo = ws ? ws + G * I16_NR : NULL; /* q4_factors' */
+        int8_t* unpacked = ws ? (int8_t*)(lo + GW * I16_NR) : NULL;
+        const int ready = b && (!int4 || ws);
+        if (!ready) {
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t item; b && (item = take_item(&next, items)) >= 0;) {
+        for (int64_t item; ready && (item = take_item(&next, items)) >= 0;) {
             const int64_t mb0 = item / tiles * chunk, n0 = item % tiles * I16_NR;
             const int64_t nr = N - n0 < I16_NR ? N - n0 : I16_NR;
             float c[Q8_MR * I16_NR];
-            q8_panel(w, K, n0, nr, b);
+            if (int4) {
+                q4_panel(wt->w, K, n0, nr, unpacked, b);
+                q4_factors(wt, dt, K, n0, nr, group, ws, lo);
+            } else {
+                q8_panel(wt->w, K, n0, nr, b);
+            }
             for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                 const int64_t m0 = mb * Q8_MR, rows = M - m0 < Q8_MR ? M - m0 : Q8_MR;
                 const int32_t* am = a + mb * Q * Q8_MR;
+                const Q4Factors f = {ws, lo, xs + mb * GW * Q8_MR, GW}, *q4 = int4 ? &f : NULL;
                 if (nr == I16_NR)
-                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
+                    q8_tile2(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, q4, c);
                 else
-                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, c);
+                    q8_tile1(am, b, Q, gq, sg + mb * G * Q8_MR, nq + mb * G * Q8_MR, q4, c);
                 write_rows(c, I16_NR, NULL, rows, n0, nr, cs + n0, cb + n0, dt, N, gelu, /* steps in c */
                            residual ? (const char*)residual + m0 * N * (dt == BF16 ? 2 : 4) : NULL,
                            (char*)y + m0 * N * (dt == BF16 ? 2 : 4));
             }
         }
-        free(b);
+        free(b), free(ws);
     }
-    free(a), free(sg), free(nq), free(nw), free(cs);
+    free(a), free(sg), free(nq), free(xs), free(nw), free(cs);
     return failed ? -1 : 0;
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . (w [N][K] int8 * scale[N] (dt))^T (+ bias[N] (dt)), x in
+ * 8-bit codes per `group` columns. Fused around it, as the vision tower's layers ask: with
+ * norm_w (dt [K], and norm_b or NULL) x's rows are layer-normalised first (never written);
+ * `gelu` applies tanh-GELU to the result and `residual` ([M][N] dt, or NULL) is added to it
+ * (write_rows). Returns 0, -1 when out of memory, -2 for shapes it does not take (K or the
+ * group size not a multiple of Q8_UNIT, a group past 256, N % VL). */
+int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
+                  const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
+                  int gelu, const void* residual) {
+    const ByteWeights wt = {w, scale, NULL, 0};
+    return byte_products(x, dt, M, K, N, &wt, bias, y, threads, group, norm_w, norm_b, eps, gelu, residual);
+}
+
+/* y [M][N] (dt) = x [M][K] (dt) . W^T (+ bias[N] (dt)), W int4: nibbles w [N][K/2] (even column
+ * in the low nibble), scale and zero [N][K/gs] (dt), W = (q - 8) * scale + zero; x in 8-bit codes
+ * (127 levels on every build) per `group` columns. Each activation group's exact sum of codes .
+ * nibbles is scaled by its step times the column's group scale; the zeros' part is each weight
+ * group's coded-activation sum times its lowest value zero - 8 * scale: the product of the coded
+ * activations with W. Returns as qvl_q8_linear, -2 also when gs is not a multiple of the group
+ * or does not divide K. */
+int qvl_q4_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const uint8_t* w, const void* scale,
+                  const void* zero, int64_t gs, const void* bias, void* y, int threads, int group) {
+    if (!zero || gs < 1) return -2;
+    const ByteWeights wt = {w, scale, zero, gs};
+    return byte_products(x, dt, M, K, N, &wt, bias, y, threads, group, NULL, NULL, 0.f, 0, NULL);
 }
 
 int qvl_q8_levels(void) { return Q8_LEVELS; }
@@ -410,6 +613,12 @@ int qvl_q8_levels(void) { return Q8_LEVELS; }
 
 #ifndef QVL_Q8 /* no byte products: prefill keeps 16-bit codes */
 int qvl_q8_levels(void) { return 0; }
+int qvl_q4_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const uint8_t* w, const void* scale,
+                  const void* zero, int64_t gs, const void* bias, void* y, int threads, int group) {
+    (void)x, (void)dt, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)zero, (void)gs, (void)bias, (void)y;
+    (void)threads, (void)group;
+    return -2;
+}
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
                   int gelu, const void* residual) {

@@ -373,6 +373,8 @@ int qvl_q8_levels(void); /* the byte kernel's top activation code: 127, 63 on pl
 int qvl_q8_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const int8_t* w, const void* scale,
                   const void* bias, void* y, int threads, int group, const void* norm_w, const void* norm_b, float eps,
                   int gelu, const void* residual);
+int qvl_q4_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const uint8_t* w, const void* scale,
+                  const void* zero, int64_t gs, const void* bias, void* y, int threads, int group);
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads);
 int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, int64_t B, int64_t Hk, int64_t Hv,

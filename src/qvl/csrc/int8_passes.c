@@ -117,7 +117,7 @@ void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, co
     }
 }
 
-/* col_scale and bias (dt [N], bias may be NULL: zeros) as float32 arrays, for qvl_rescale_row
+/* col_scale and bias (dt [N]; col_scale NULL: ones, bias NULL: zeros) as float32 arrays, for qvl_rescale_row
  * (and a layer norm's weight and bias the same way); -1 when out of memory (free with
  * free(*cs); *b is in the same block). */
 int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b) {
@@ -125,7 +125,7 @@ int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t
     if (!*cs) return -1;
     *b = *cs + N;
     for (int64_t n = 0; n < N; n++) {
-        (*cs)[n] = get(col_scale, dt, n);
+        (*cs)[n] = col_scale ? get(col_scale, dt, n) : 1.f;
         (*b)[n] = bias ? get(bias, dt, n) : 0.f;
     }
     return 0;

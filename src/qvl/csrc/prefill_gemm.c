@@ -152,7 +152,7 @@ int qvl_i16_linear(const void* x, int dt, int64_t M, int64_t K, int64_t N, const
             const int64_t mb0 = item / tiles * chunk, n0 = item % tiles * I16_NR;
             const int64_t nr = N - n0 < I16_NR ? N - n0 : I16_NR;
             float c[I16_MR * I16_NR];
-            weight_panel(w, K, n0, nr, 0, K, 2, b);
+            weight_panel(w, K, n0, nr, 0, K, PANEL_PAIRS, b);
             for (int64_t mb = mb0; mb < MB && mb < mb0 + chunk; mb++) {
                 const int64_t m0 = mb * I16_MR, rows = M - m0 < I16_MR ? M - m0 : I16_MR;
                 for (int64_t k0 = 0; k0 < K; k0 += I16_KC) {

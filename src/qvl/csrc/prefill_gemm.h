@@ -124,6 +124,11 @@ static inline vblock widen16(const int8_t* p) { /* 32 int8 -> 16 dwords of two i
 static inline vblock quads(const int8_t* p) { /* 64 int8 -> 16 dwords of 4 bytes + 128 */
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_loadu_si512((const void*)p), _mm512_set1_epi8(-128)));
 }
+static inline vblock nibble_quads(const int8_t* p) { /* 32 bytes of nibbles -> 16 dwords of 4 bytes 0..15 */
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); /* byte b -> word b */
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x0F)),
+                                               _mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(0x0F00))));
+}
 #define transpose_block transpose16
 #define vblock_store(p, v) _mm512_store_ps((float*)(p), v)
 #else
@@ -134,6 +139,11 @@ static inline vblock widen16(const int8_t* p) { /* 16 int8 -> 8 dwords of two in
 }
 static inline vblock quads(const int8_t* p) { /* 32 int8 -> 8 dwords of 4 bytes + 128 */
     return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8(-128)));
+}
+static inline vblock nibble_quads(const int8_t* p) { /* 16 bytes of nibbles -> 8 dwords of 4 bytes 0..15 */
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); /* byte b -> word b */
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x0F)),
+                                               _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi16(0x0F00))));
 }
 static inline void transpose_block(__m256 r[8]) { /* r[i] row i of 8 x 8 -> r[j] column j */
     __m256 t[8], u[8];
@@ -157,31 +167,43 @@ static inline void transpose_block(__m256 r[8]) { /* r[i] row i of 8 x 8 -> r[j]
 #define vblock_store(p, v) _mm256_store_ps((float*)(p), v)
 #endif
 
-/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL), inputs k0..k0+kc-1 (kc % unit == 0) ->
- * b[kc/unit][I16_NR] dwords (lanes past nr zero), each either two inputs sign-extended to int16
- * (unit 2: the pair kernel's) or four as bytes + 128 (unit 4: the byte kernel's unsigned
- * operand): WIDEN_ROWS rows x WIDEN_ROWS dwords at a time, transposed in registers. */
+/* The panels' forms: each dword two int8 inputs sign-extended to int16 (the pair kernel's), four
+ * int8 inputs as bytes + 128 (the byte kernel's unsigned operand), or four int4 inputs (two
+ * bytes of nibbles, the even input in the low one) as bytes 0..15 (the same operand). */
+enum { PANEL_PAIRS, PANEL_BYTES, PANEL_NIBBLES };
+
+/* w rows n0..n0+nr-1 (nr <= I16_NR, a multiple of VL; int8 [N][K], or nibbles [N][K/2]),
+ * inputs k0..k0+kc-1 (k0 and kc multiples of the form's inputs per dword) -> b[kc/unit][I16_NR]
+ * dwords in `form` (lanes past nr zero): WIDEN_ROWS rows x WIDEN_ROWS dwords at a time,
+ * transposed in registers. */
 static inline __attribute__((always_inline)) void weight_panel(const int8_t* w, int64_t K, int64_t n0, int64_t nr,
-                                                                int64_t k0, int64_t kc, const int unit, int32_t* b) {
+                                                                int64_t k0, int64_t kc, const int form, int32_t* b) {
+    const int unit = form == PANEL_PAIRS ? 2 : 4, bytes = form == PANEL_NIBBLES ? 2 : unit; /* per dword */
+    const int64_t ld = form == PANEL_NIBBLES ? K / 2 : K; /* bytes per weight row */
     const int64_t units = kc / unit, whole = units / WIDEN_ROWS * WIDEN_ROWS;
     for (int64_t c0 = 0; c0 < I16_NR; c0 += WIDEN_ROWS) {
         if (c0 >= nr) {
             for (int64_t p = 0; p < units; p++) memset(b + p * I16_NR + c0, 0, WIDEN_ROWS * 4);
             continue;
         }
-        const int8_t* wr = w + (n0 + c0) * K + k0;
+        const int8_t* wr = w + (n0 + c0) * ld + k0 / unit * bytes;
         for (int64_t p0 = 0; p0 < whole; p0 += WIDEN_ROWS) {
             vblock v[WIDEN_ROWS];
-            for (int i = 0; i < WIDEN_ROWS; i++) v[i] = unit == 4 ? quads(wr + i * K + 4 * p0) : widen16(wr + i * K + 2 * p0);
+            for (int i = 0; i < WIDEN_ROWS; i++) {
+                const int8_t* q = wr + i * ld + bytes * p0;
+                v[i] = form == PANEL_PAIRS ? widen16(q) : form == PANEL_BYTES ? quads(q) : nibble_quads(q);
+            }
             transpose_block(v);
             for (int i = 0; i < WIDEN_ROWS; i++) vblock_store(b + (p0 + i) * I16_NR + c0, v[i]);
         }
         for (int64_t p = whole; p < units; p++)
             for (int i = 0; i < WIDEN_ROWS; i++) {
-                const int8_t* q = wr + i * K + unit * p;
+                const int8_t* q = wr + i * ld + bytes * p;
                 uint32_t d = 0;
                 for (int j = 0; j < unit; j++)
-                    d |= unit == 4 ? (uint32_t)(uint8_t)(q[j] + 128) << (8 * j) : (uint32_t)(uint16_t)(int16_t)q[j] << (16 * j);
+                    d |= form == PANEL_PAIRS ? (uint32_t)(uint16_t)(int16_t)q[j] << (16 * j)
+                         : form == PANEL_BYTES ? (uint32_t)(uint8_t)(q[j] + 128) << (8 * j)
+                                               : (uint32_t)(((uint8_t)q[j / 2] >> (4 * (j % 2))) & 15) << (8 * j);
                 b[p * I16_NR + c0 + i] = (int32_t)d;
             }
     }

@@ -206,6 +206,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_q8_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ctypes.c_float,
                                   c_int, ptr]
     lib.qvl_q8_linear.restype = c_int
+    lib.qvl_q4_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, c_int, c_int]
+    lib.qvl_q4_linear.restype = c_int
     lib.qvl_gated_delta_rule.argtypes = [ptr, ptr, ptr, c_int] + [i64] * 11 + [ptr, ptr, ptr, ptr, i64, i64, c_int]
     lib.qvl_gated_delta_rule.restype = c_int
     lib.qvl_gated_delta_step.argtypes = [ptr, ptr, ptr, c_int] + [i64] * 11 + [ptr, ptr, ptr, ptr, ptr, c_int]

@@ -1,5 +1,5 @@
 """ctypes bindings of the linear products: the GEMV (a few rows: decoding), the many-row int8
-kernels (16-bit pairs, byte products, AMX tiles), the int8 x int8 product around oneDNN's int8
+and int4 kernels (16-bit pairs, byte products, AMX tiles), the int8 x int8 product around oneDNN's int8
 GEMM, and dequantisation. Each takes the library as its first argument and returns None where
 it does not take the inputs (the caller then runs torch's product)."""
 
@@ -22,6 +22,12 @@ def int8_kernel_takes(name: str, n: int, k: int) -> bool:
     """Whether the many-row int8 kernel `name` (i16_linear, q8_linear, amx_i16_linear) takes a
     weight [n, k]."""
     return k % _K_STEP[name] == 0 and n % 16 == 0 and (name != "amx_i16_linear" or k <= INT8_SUM_MAX_COLUMNS)
+
+
+def int4_kernel_takes(n: int, k: int, group_size: int) -> bool:
+    """Whether q4_linear takes an int4 weight [n, k] with groups of group_size inputs: whole
+    activation groups (of ACTIVATION_GROUP columns) in each weight group."""
+    return group_size > 0 and group_size % ACTIVATION_GROUP == 0 and k % group_size == 0 and n % 16 == 0
 
 
 def amx_bf16_takes(n: int, k: int, group_size: int = 0, int4: bool = False) -> bool:
@@ -127,6 +133,32 @@ def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: to
     norm_w, norm_b, eps, residual = _fusions(x, scale.shape[0], residual, layer_norm)
     return _int8_rows(lib, "q8_linear", x, weight, scale, bias, tuple(DTYPES), group, address(norm_w),
                       address(norm_b), eps, int(gelu_tanh), address(residual))
+
+
+def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ the int4 weight's transpose (nibbles [N, K/2], scale and zero [N, K/g]:
+    (q - 8) * scale + zero) (+ bias) -> [..., N] with x in 8-bit codes per ACTIVATION_GROUP
+    columns, the same codes as q8_linear's, on byte products (byte_gemm.c's qvl_q4_linear: the
+    nibbles unpacked as each tile's weights are laid out, each group's scale and zero folded into
+    the rescale); None where that kernel does not run (no byte products, int4_kernel_takes says
+    no, the tensors' dtypes or shapes apart)."""
+    k, n = x.shape[-1], weight.shape[0]
+    if x.dtype not in DTYPES or not int4_kernel_takes(n, k, group_size) or weight.dtype != torch.uint8 or \
+            weight.shape[1] * 2 != k or not weight.is_contiguous():
+        return None
+    if not all(t is not None and t.dtype == x.dtype and t.is_contiguous() and t.shape == (n, k // group_size)
+               for t in (scale, zero)) or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()
+                                                                 or bias.numel() != n)):
+        return None
+    rows = x.reshape(-1, k).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    status = lib.qvl_q4_linear(rows.data_ptr(), DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
+                               scale.data_ptr(), zero.data_ptr(), group_size, address(bias), y.data_ptr(),
+                               torch.get_num_threads(), ACTIVATION_GROUP)
+    if status == -1:
+        raise MemoryError("qvl_q4_linear could not allocate its activation codes")
+    return y.view(*x.shape[:-1], n) if status == 0 else None
 
 
 def _int8_rows(lib: ctypes.CDLL, name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 
 from qvl.kernels.build import AMX_INT8, AVX2, BF16, VNNI
 from qvl.kernels.library import Library, library
-from qvl.kernels.linear import amx_bf16_takes, amx_tiles_take, int8_kernel_takes
+from qvl.kernels.linear import amx_bf16_takes, amx_tiles_take, int4_kernel_takes, int8_kernel_takes
 
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 AMX_GEMV_MAX_ROWS = 64  # int8 on AMX tiles: the GEMV up to this many rows
@@ -113,10 +113,12 @@ class Plan:
     @property
     def default_int8_activations(self) -> str:
         """--int8-activations auto: "all" (the vision tower and prefill) where the byte kernel runs
-        in 8-bit codes; "vision" where it runs in 7-bit ones (plain AVX2) or where oneDNN's or
-        AMX's int8 GEMM beats the float one (x86 with the native kernels); else "off"."""
+        in 8-bit codes, and for int4 weights wherever it runs (their products take 8-bit codes on
+        every build: nibbles never saturate plain AVX2's byte pairs); "vision" where it runs in
+        7-bit ones (plain AVX2) or where oneDNN's or AMX's int8 GEMM beats the float one (x86 with
+        the native kernels); else "off"."""
         if self.group_codes:
-            return "all" if self.library.q8_code_bits == 8 else "vision"
+            return "all" if self.library.q8_code_bits == 8 or self.weights == "int4" else "vision"
         return "vision" if self.native and self.library.has(AVX2) and self.library.int8_levels > 0 else "off"
 
     @property
@@ -200,7 +202,7 @@ class Plan:
         """The plan of a weight [n, k] stored as `weights` (int8, int4 or a float dtype's name) in
         a layer of `kind`; `packable`: it can take a packed int8 x int8 weight (not the experts)."""
         if weights == "int4":
-            many = self._int4_many(n, k, group_size)
+            many = self._int4_many(kind, n, k, group_size)
             return LinearPlan(Kernel("gemv", 8, self.dtype) if self._gemv else many, many, GEMV_MAX_ROWS, GEMV_MAX_ROWS)
         if weights != "int8":
             gemv = self.native and weights == "bf16"
@@ -233,10 +235,16 @@ class Plan:
             return Kernel("i16_linear", 16, self.dtype)
         return Kernel("dequantize", 0, self.dtype)
 
-    def _int4_many(self, n: int, k: int, group_size: int) -> Kernel:
-        """Many rows of an int4 weight: bf16 on AMX tiles (converted panel by panel), else dequantise + GEMM."""
-        amx = self.amx_bf16 and amx_bf16_takes(n, k, group_size, int4=True)
-        return Kernel("amx_bf16_linear" if amx else "dequantize", 0, self.dtype)
+    def _int4_many(self, kind: str, n: int, k: int, group_size: int) -> Kernel:
+        """Many rows of an int4 weight in a layer of `kind`: bf16 on AMX tiles (converted panel by
+        panel), 8-bit codes per group in the byte kernel where int8 weights take it (the nibbles
+        unpacked in its panels), else dequantise + GEMM."""
+        if self.amx_bf16:
+            amx = amx_bf16_takes(n, k, group_size, int4=True)
+            return Kernel("amx_bf16_linear" if amx else "dequantize", 0, self.dtype)
+        if self.int8_mode(kind) == "codes" and int4_kernel_takes(n, k, group_size):
+            return Kernel("q4_linear", 8, self.dtype)
+        return Kernel("dequantize", 0, self.dtype)
 
     def entries(self) -> dict[str, Kernel]:
         """Kind of layer -> its kernel (for `qvl info` and the tests), the linears' for weights of

@@ -123,12 +123,16 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bi
 def int4_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  kernel: Kernel) -> torch.Tensor:
     """x [..., I] @ the int4 weight's transpose (nibbles [O, I/2], scales and zeros [O, I/g]) ->
-    [..., O] in `kernel` (the GEMV, AMX bf16 tiles), else dequantise + GEMM."""
+    [..., O] in `kernel` (the GEMV, the byte kernel, AMX bf16 tiles), else dequantise + GEMM."""
     lib = library().lib
     if kernel.name == "gemv" and x.dtype == scales.dtype:
         return linear.gemv(lib, W_INT4, x, packed, packed.shape[0], scales, zeros, group_size)
-    if kernel.name == "amx_bf16_linear" and (
-            y := linear.amx_bf16_linear(lib, W_INT4, x, packed, scales, zeros, group_size)) is not None:
+    y = None
+    if kernel.name == "amx_bf16_linear":
+        y = linear.amx_bf16_linear(lib, W_INT4, x, packed, scales, zeros, group_size)
+    elif kernel.name == "q4_linear":
+        y = linear.q4_linear(lib, x, packed, scales, zeros, group_size)
+    if y is not None:
         return y
     return dequantized_product(x, packed.shape[0],
                                lambda r: dequantize_int4(packed[r], scales[r], zeros[r], group_size, transient=True))
