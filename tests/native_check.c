@@ -206,8 +206,11 @@ static void test_decode_layers(void) {
     for (int i = 0; i < DD; i++) x[i] = rx[i] = frand();
     for (int i = 0; i < DHD; i++) cos[i] = cosf(0.3f * i), sin[i] = sinf(0.3f * i);
     const int64_t table = 0, slot = DPOS; /* one block of DCAP positions per layer */
-    int status = qvl_decode_layers(layers, DL, x, F32, 1, DD, DH, DKV, DHD, DI, 1e-6f, cos, sin, keys, values,
-                                   DKV * DCAP * DHD, &table, 1, DCAP, DKV * DCAP * DHD, DCAP * DHD, &slot, 2);
+    /* Qwen3-VL's layers: every head dim rotated, no output gate, no Gated DeltaNet (no states) */
+    const QvlShape shape = {DD, DH, DKV, DHD, DHD, 0, 0, 0, 0, 0, 0, 0, 1e-6f};
+    const QvlStates none = {0};
+    int status = qvl_decode_layers(layers, DL, &shape, x, F32, 1, cos, sin, keys, values, DKV * DCAP * DHD, &table, 1,
+                                   DCAP, DKV * DCAP * DHD, DCAP * DHD, &slot, &none, 2);
     if (status != 0) {
         printf("FAIL decode layers returned %d\n", status);
         failures++;
