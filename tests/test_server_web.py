@@ -319,7 +319,8 @@ def sse_fixture(answer: str, extension: dict) -> str:
                     *(chunk(choices=[ChunkChoice(delta={"content": p})]) for p in pieces),
                     chunk(choices=[ChunkChoice(delta={}, finish_reason="stop")], qvl=extension),
                     chunk(choices=[], usage=Usage(prompt_tokens=80, completion_tokens=len(pieces),
-                                                  total_tokens=80 + len(pieces))),
+                                                  total_tokens=80 + len(pieces),
+                                                  prompt_tokens_details={"cached_tokens": 0})),
                     "data: [DONE]\n\n"])
 
 

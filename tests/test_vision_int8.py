@@ -88,12 +88,15 @@ def test_defaults_per_tier(monkeypatch, tiny_checkpoint, tier_kernels):
     assert sixteen.int8_activations == "vision" and not any(byte_codes(m) for m in text_layers(sixteen))
     assert all(byte_codes(m) for m in vision_layers(sixteen))  # the tower keeps its group codes
 
-    # plain AVX2: the byte kernel in 7-bit codes (vpmaddubsw) for the tower; prefill keeps 16-bit codes
+    # plain AVX2: the byte kernel in 7-bit codes (vpmaddubsw) for the tower; int4 weights' prefill
+    # in 8-bit codes (nibbles cannot overflow the byte instruction), so auto is "all" for int4
     avx2 = load_on(monkeypatch, tier_kernels("avx2"), tiny_checkpoint, weights="int4")
-    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "vision"
+    assert avx2.model.dtype == torch.float32 and avx2.int8_activations == "all"
     assert vision_layers(avx2) and all(byte_codes(m) and m.packed is None for m in vision_layers(avx2))
     assert all(m.plan.prefill.code_bits == 7 for m in vision_layers(avx2))
-    assert "int8-activations-vision-7bit" in avx2.model_id
+    assert all(m.plan.prefill.name == "q4_linear" and m.plan.prefill.code_bits == 8
+               for m in text_layers(avx2) if m is not avx2.model.lm_head)
+    assert "int8-activations-all-7bit" in avx2.model_id
 
     portable = load_on(monkeypatch, tier_kernels("portable"), tiny_checkpoint, weights="int8")
     assert portable.model.dtype == torch.float32 and portable.int8_activations == "off"
