@@ -152,14 +152,14 @@ class KVPool:
     def _trim(self) -> None:
         """Evict the least recently used unused blocks and snapshots until they fit max_bytes."""
         while len(self.unused) * self.block_bytes + self.snapshot_bytes > self.max_bytes:
-            oldest_block = next(iter(self.unused.items()), (None, None))
-            oldest_snapshot = next(iter(self.snapshots.items()), (None, (None, None)))
-            if oldest_block[0] is None or (oldest_snapshot[0] is not None and oldest_snapshot[1][1] < oldest_block[1]):
-                self._drop_snapshot(oldest_snapshot[0])
+            block, released = next(iter(self.unused.items()), (None, None))
+            digest, kept = next(iter(self.snapshots.items()), (None, None))
+            if block is None or (kept is not None and kept[1] < released):  # the snapshot is older
+                self._drop_snapshot(digest)
             else:
-                del self.unused[oldest_block[0]]
-                self._forget(oldest_block[0])
-                heapq.heappush(self.free, oldest_block[0])
+                del self.unused[block]
+                self._forget(block)
+                heapq.heappush(self.free, block)
             self.stats.evictions += 1
         self._count()
 
