@@ -51,6 +51,7 @@ DEFAULT_WEIGHTS = "int8"  # ~2x faster decoding than bf16 at near-identical outp
 @dataclass(frozen=True)
 class EngineOptions:
     model: str | None = None  # folder or hub id; None = $QVL_MODEL or the default
+    name: str | None = None  # what answers call the model (a server's alias for it); None: see Engine.model_name
     dtype: str = "auto"  # compute dtype of int8/int4 models; bf16/fp32 weights compute in their own
     weights: str = "auto"  # auto | bf16 | fp32 | int8 | int4 (auto: a pre-quantised file's format, else int8)
     group_size: int = 128  # int4 group size
@@ -117,6 +118,12 @@ def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Quant
     return model
 
 
+def chosen_weights(requested: str, stored: QuantSpec | None) -> str:
+    """The weight format a load uses: the one asked for, else a pre-quantised checkpoint's own,
+    else int8."""
+    return requested if requested != "auto" else (stored.weights if stored else DEFAULT_WEIGHTS)
+
+
 def _weights_name(model) -> str:
     head = model.lm_head
     if isinstance(head, Int4Linear):
@@ -156,7 +163,7 @@ class Engine:
         if stored and options.weights not in ("auto", stored.weights):
             raise ValueError(f"{path} holds pre-quantised {stored.weights} weights; run it with --weights "
                              f"{stored.weights} (or auto), or use the original bf16 checkpoint for {options.weights}")
-        weights = options.weights if options.weights != "auto" else (stored.weights if stored else DEFAULT_WEIGHTS)
+        weights = chosen_weights(options.weights, stored)
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weights format '{weights}' (choose from auto, {', '.join(WEIGHT_FORMATS)})")
         dtype = weights if weights in ("bf16", "fp32") else options.dtype
@@ -187,7 +194,10 @@ class Engine:
 
     @property
     def model_name(self) -> str:
-        """The hub id, or the folder's name for a local checkpoint."""
+        """The name it was given (options.name), else the hub id, or the folder's name for a
+        local checkpoint."""
+        if self.options.name:
+            return self.options.name
         name = self.options.model
         return name if name and not Path(name).expanduser().is_dir() else self.path.name
 

@@ -24,19 +24,15 @@ def resolve_model(name: str | os.PathLike | None = None) -> Path:
 
     name = str(name or default_model())
     path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFound(f"{path} is a folder but holds no config.json: not a model checkpoint")
-        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelNotFound(f"{path} is a folder but holds no config.json: not a model checkpoint")
+    if (found := local_model(name)) is not None:
+        return found
     name = SHORT_NAMES.get(name.lower(), name)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ModelNotFound(f"model folder not found: {name}")
     from huggingface_hub import snapshot_download
 
-    try:
-        return Path(snapshot_download(name, allow_patterns=MODEL_FILES, local_files_only=True))
-    except Exception:
-        pass
     try:
         return Path(snapshot_download(name, allow_patterns=MODEL_FILES, etag_timeout=10))
     except Exception as exc:
@@ -46,3 +42,23 @@ def resolve_model(name: str | os.PathLike | None = None) -> Path:
             f"`qvl pull {name}` (or copy the folder and pass --model PATH), "
             f"or make an offline demo checkpoint with `qvl synth ./demo --preset 2b` and use --model ./demo"
         ) from None
+
+
+def local_model(name: str | os.PathLike | None = None) -> Path | None:
+    """The checkpoint folder a name stands for without downloading anything: a folder holding
+    config.json, or the model's snapshot in the Hugging Face cache; None when neither."""
+    from qvl.models import SHORT_NAMES
+
+    name = str(name or default_model())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path if (path / "config.json").exists() else None
+    name = SHORT_NAMES.get(name.lower(), name)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=MODEL_FILES, local_files_only=True))
+    except Exception:
+        return None

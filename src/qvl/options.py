@@ -21,11 +21,19 @@ class UsageError(ValueError):
     unreadable --json-schema): exit status 2."""
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """several_models: --model may be repeated (`qvl serve`), each optionally NAME=MODEL; the
+    list is args.models and args.model is not set."""
     from qvl.processing.video import DEFAULT_FPS, DEFAULT_MAX_FRAMES, DEFAULT_MAX_VIDEO_TOKENS, VIDEO_TOKENS_CAP
 
     g = p.add_argument_group("engine")
-    g.add_argument("--model", "-m", help="model folder or Hugging Face id (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)")
+    model_help = "model folder, Hugging Face id or short name (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)"
+    if several_models:
+        g.add_argument("--model", "-m", action="append", dest="models", metavar="[NAME=]MODEL",
+                       help=model_help.replace("(default", "; repeat to serve several, each called NAME if given, "
+                                                          "else by its folder name or hub id (default"))
+    else:
+        g.add_argument("--model", "-m", help=model_help)
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="compute dtype of int8/int4 models; auto = bf16 where the CPU has AVX512-BF16/AMX, else fp32")
     g.add_argument("--weights", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"],
@@ -87,7 +95,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     if tokens is None and getattr(args, "task", None):
         tokens = get_task(args.task).max_image_tokens  # e.g. OCR reads small print at a larger budget
     return EngineOptions(
-        model=args.model, dtype=args.dtype, weights=args.weights, group_size=args.group_size,
+        model=getattr(args, "model", None), dtype=args.dtype, weights=args.weights, group_size=args.group_size,
         vision_int8=args.vision_int8, int8_activations=args.int8_activations, threads=args.threads,
         cpus=tuple(parse_cpu_list(args.cpus)) if args.cpus else None,
         max_image_tokens=tokens or DEFAULT_MAX_IMAGE_TOKENS, image_tokens_cap=args.image_tokens_cap,

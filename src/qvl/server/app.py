@@ -1,11 +1,12 @@
-"""The FastAPI app: routes only. Handlers live in openai.py, state in state.py, the error
-shape in errors.py."""
+"""The FastAPI app: routes only. Handlers live in openai.py, responses.py, ollama.py,
+embeddings.py, catalog.py and pulls.py, state in state.py (the models in registry.py), the
+error shape in errors.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -15,13 +16,14 @@ from fastapi.staticfiles import StaticFiles
 
 from qvl.engine import Engine
 from qvl.server import embeddings, errors
+from qvl.server.catalog import Catalog
 from qvl.server.errors import APIError
 from qvl.server.guard import BrowserGuard, matching_key
 from qvl.server.metrics import StatusCounter
 from qvl.server.ollama import Ollama, version
 from qvl.server.openai import ChatCompletions
 from qvl.server.pulls import Pulls
-from qvl.server.schemas import ModelCard, ModelList
+from qvl.server.registry import ModelSource
 from qvl.server.settings import ServerSettings
 from qvl.server.responses import Responses
 from qvl.server.state import ServerState
@@ -55,13 +57,15 @@ def bearer_auth(keys: tuple[str, ...]) -> Callable:
     return check
 
 
-def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
-    """`load` builds the engine; it runs in a background thread so /health answers at once."""
-    state = ServerState(settings, load)
+def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence[ModelSource]) -> FastAPI:
+    """models: what to serve (registry.py), or one function that builds the only engine. Loads
+    run in a background thread so /health answers at once."""
+    state = ServerState(settings, models)
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
     responses = Responses(state, submit)
     ollama = Ollama(state, submit)
+    catalog = Catalog(state)
     pulls = Pulls(state)
     page = web_page(settings.max_body_bytes)
 
@@ -88,18 +92,14 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
 
     api.add_api_route("/api/chat", ollama.chat, methods=["POST"])
     api.add_api_route("/api/generate", ollama.generate, methods=["POST"])
-    api.add_api_route("/api/show", ollama.show, methods=["POST"])
-    api.add_api_route("/api/tags", ollama.tags, methods=["GET"])
-    api.add_api_route("/api/ps", ollama.ps, methods=["GET"])
+    api.add_api_route("/api/show", catalog.show, methods=["POST"])
+    api.add_api_route("/api/tags", catalog.tags, methods=["GET"])
+    api.add_api_route("/api/ps", catalog.ps, methods=["GET"])
+    api.add_api_route("/v1/models", catalog.models, methods=["GET"])
     api.add_api_route("/api/version", version, methods=["GET"])
     embeddings.register(api, state, submit)
     api.add_api_route("/api/pull", pulls.pull, methods=["POST"])
     api.add_api_route("/api/delete", pulls.delete, methods=["DELETE"])
-
-    @api.get("/v1/models")
-    async def models():
-        engine, _ = state.ready()
-        return ModelList(data=[ModelCard(id=engine.model_name, created=state.started)]).model_dump()
 
     @api.get("/metrics")
     async def metrics():

@@ -6,20 +6,25 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from qvl.options import add_engine_args, engine_options
-from qvl.server.settings import MB, ConnectionLimits, ImagePolicy, ServerSettings
+from qvl.server.settings import (MB, ConnectionLimits, ImagePolicy, ModelLimits, ServerSettings, byte_size,
+                                 keep_alive_s)
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # and every other loopback address
+DEFAULT_KEEP_ALIVE_S = 300.0  # several models: each stays loaded 5 minutes after its last request, as in Ollama
 
 
 def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     s, im, cl = ServerSettings(), ImagePolicy(), ConnectionLimits()
-    p = sub.add_parser("serve", help="OpenAI-compatible API and web page over one loaded model",
-                       description="Serve /v1/chat/completions, /v1/models, /health, /metrics and a web page at /.")
+    p = sub.add_parser("serve", help="OpenAI- and Ollama-compatible API and web page over one model or several",
+                       description="Serve /v1/chat/completions, /v1/responses, Ollama's /api/*, /v1/models, /health, "
+                                   "/metrics and a web page at /. Several models (--model repeated, --models DIR) "
+                                   "are chosen by each request's `model`, loaded on first use and unloaded when idle.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
@@ -87,7 +92,21 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                                                     "(default: 1)")
     g.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas on running rows and "
                                                     "queue depth (default: a fixed --replicas)")
-    add_engine_args(p)
+    g = p.add_argument_group("several models (see docs/models.md)")
+    g.add_argument("--models", type=Path, dest="models_dir", metavar="DIR",
+                   help="serve every checkpoint folder in DIR (a folder holding config.json), each called by its "
+                        "folder name; with --model, those too")
+    g.add_argument("--keep-alive", metavar="DURATION",
+                   help="how long a model stays loaded after its last request: 5m, 1h, 90 (seconds), 0 (unloaded "
+                        "at once), -1 (for ever); a request's keep_alive (Ollama's) overrides it (default: for ever "
+                        "with one model, 5m with several)")
+    g.add_argument("--max-loaded", type=int, metavar="N",
+                   help="models loaded at once; loading another first unloads the least recently used idle one "
+                        "(default: no limit)")
+    g.add_argument("--max-memory", metavar="SIZE",
+                   help="what the loaded models may hold together (weights, KV cache, caches), e.g. 12G; loading "
+                        "another first unloads the least recently used idle ones until it fits (default: no limit)")
+    add_engine_args(p, several_models=True)
     commands["serve"] = cmd_serve
 
 
@@ -111,7 +130,39 @@ def settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(queue_size=args.queue_size, max_body_bytes=max_bytes, time_limit_s=args.request_timeout,
                           parse_timeout_s=args.parse_timeout, shutdown_grace_s=args.shutdown_timeout,
                           api_keys=keys, hide_cache_stats=args.hide_cache_stats, images=images, warm_up=args.warm_up,
-                          connections=connections, allowed_hosts=allowed, allowed_origins=named)
+                          connections=connections, allowed_hosts=allowed, allowed_origins=named,
+                          models=model_limits(args, len(served_models(args))))
+
+
+def model_limits(args: argparse.Namespace, count: int) -> ModelLimits:
+    if args.keep_alive is None:
+        keep_alive = None if count == 1 else DEFAULT_KEEP_ALIVE_S
+    else:
+        keep_alive = keep_alive_s(args.keep_alive.strip())
+    memory = byte_size(args.max_memory) if args.max_memory is not None else None
+    return ModelLimits(keep_alive_s=keep_alive, max_loaded=args.max_loaded, max_memory_bytes=memory)
+
+
+def served_models(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
+    """(name or None, folder or hub id) of every --model (NAME=MODEL or MODEL) and every
+    checkpoint folder in --models DIR; [(None, None)] for neither (the default model)."""
+    given = [named(text) for text in args.models or []]
+    if args.models_dir is not None:
+        if not args.models_dir.is_dir():
+            raise ValueError(f"--models {args.models_dir} is not a folder")
+        found = sorted(p for p in args.models_dir.iterdir() if (p / "config.json").is_file())
+        if not found:
+            raise ValueError(f"--models {args.models_dir}: no checkpoint folder (one holding config.json) in it")
+        given += [(None, str(p)) for p in found]
+    return given or [(None, None)]
+
+
+def named(text: str) -> tuple[str | None, str]:
+    """'fast=./ckpt' -> ('fast', './ckpt'); a path or hub id without NAME= -> (None, text)."""
+    name, sep, model = text.partition("=")
+    if sep and model and re.fullmatch(r"[\w.:-]+", name):
+        return name, model
+    return None, text
 
 
 def is_loopback(host: str) -> bool:
@@ -124,8 +175,8 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from qvl.engine import Engine
     from qvl.server.app import create_app
+    from qvl.server.registry import ModelSource
     from qvl.server.serve import run
 
     if not args.ray and (args.ray_address or args.replicas != 1 or args.min_replicas is not None
@@ -134,6 +185,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.min_replicas is not None and args.max_replicas is None:
         raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
     config = settings(args)
+    models = served_models(args)
+    if args.ray and len(models) > 1:
+        raise ValueError("--ray serves one model per replica: give one --model")
     options = engine_options(args)
     if args.max_images is not None:
         options = replace(options, max_images=args.max_images)
@@ -145,8 +199,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.port} can use this model; {risk}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if args.ray:
-        return serve_on_ray(args, config, options)
-    app = create_app(config, lambda: Engine.load(options))
+        (name, model), = models
+        return serve_on_ray(args, config, replace(options, model=model, name=name))
+    app = create_app(config, [ModelSource.of(replace(options, model=model), name) for name, model in models])
     return run(app, args.host, args.port, args.log_level)
 
 

@@ -104,10 +104,7 @@ class Replica:
         self.app = create_app(settings, lambda: Engine.load(options))
         self.state = self.app.state.qvl
         self.state.start()
-        while self.state.engine is None and self.state.load_error is None:
-            time.sleep(0.05)
-        if self.state.load_error:
-            raise RuntimeError(f"the model failed to load: {self.state.load_error}")
+        self.state.models.wait_started()
         self.id = serve.get_replica_context().replica_id.unique_id
         self.board, self.closed = board, threading.Event()
         threading.Thread(target=self._report, name="qvl-report", daemon=True).start()

@@ -30,7 +30,7 @@ from qvl.server.openai import engine_messages
 from qvl.server.schemas import (MAX_INPUTS, EmbeddingRequest, Message, OllamaEmbedRequest, RerankRequest,
                                 ScoreRequest)
 from qvl.server.state import ServerState
-from qvl.server.submit import Submitter, client_gone, disconnected
+from qvl.server.submit import Submitter, client_gone, disconnected, keep_alive_of
 from qvl.server.worker import DISCONNECT, Job, Worker
 from qvl.stream import Done
 
@@ -82,17 +82,22 @@ class Retrieval:
 
     async def _run(self, http: HTTPRequest, schema, prepare: Callable, json_only: bool = True):
         """The body read and checked, every input prepared in a thread of the preparing lanes
-        (400 before anything is queued), then answered on the worker: (what `prepare`
-        returned beside the requests, their Done events in order, the engine)."""
-        body, engine, worker, key = await self.submit.receive(http, json_only)
+        (400 before anything is queued), then answered on the named model's worker: (what
+        `prepare` returned beside the requests, their Done events in order, the engine)."""
+        body, key = await self.submit.receive(http, json_only)
+        lease = None
         try:
             req = await asyncio.to_thread(schema.model_validate_json, body)
-            salt = cache_salt(key, req.cache_salt)
+            lease = await self.state.acquire(req.model, keep_alive_of(req))
+            salt, engine = cache_salt(key, req.cache_salt), lease.engine
             spec, parsed = await self.submit.in_lane(http, has_media(req),
                                                       lambda deadline: prepare(req, engine, deadline, salt))
+            return spec, await answers(lease.worker, parsed, self.state.settings.time_limit_s, http), engine
         except Exception as exc:
             raise from_exception(exc) from None
-        return spec, await answers(worker, parsed, self.state.settings.time_limit_s, http), engine
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _parts(self, value: Any, param: str, engine: Engine) -> Parts:
         """An input, query or document as content parts: a string, a list of chat content

@@ -1,12 +1,12 @@
 """Ollama's API, so that Ollama clients and the tools built on them connect to qvl unchanged:
 POST /api/chat and /api/generate (images as base64, `format` "json" or a JSON schema,
-`options`, tools; NDJSON streaming, on by default as in Ollama), GET /api/tags, /api/ps,
-/api/version, POST /api/show. Errors are Ollama's {"error": "..."} (see errors.py). One
-process serves one model: any model name is answered by it."""
+`options`, tools, `keep_alive`; NDJSON streaming, on by default as in Ollama), GET
+/api/version. Errors are Ollama's {"error": "..."} (see errors.py). Requests go to the model
+they name (registry.py); /api/tags, /api/ps and /api/show are catalog.py's. As in Ollama, a
+request with no prompt (no messages) only loads its model, or with keep_alive 0 unloads it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,7 +17,6 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from qvl import __version__
 from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest, Request
 from qvl.grammar import Constraint
@@ -27,7 +26,7 @@ from qvl.server.images import load_image_bytes
 from qvl.server.openai import tool_choice
 from qvl.server.schemas import MAX_MESSAGES, CacheSalt, Seed, _Strict
 from qvl.server.state import ServerState
-from qvl.server.submit import EventStream, Submitter
+from qvl.server.submit import EventStream, Submitter, keep_alive_of
 from qvl.stream import Delta, Done
 from qvl.tools import TextPiece, ToolCallStream, answer_constraint, check_tool, check_unique, parse_answer
 
@@ -70,7 +69,7 @@ class Common(_Strict):
     format: Any = None  # "json" or a JSON schema
     options: Options = Options()
     stream: bool = True
-    keep_alive: Any = None  # the model stays loaded: qvl serves one
+    keep_alive: Any = None  # how long the model stays loaded once idle: "5m", seconds, 0 (at once), < 0 (forever)
     think: Any = None
     cache_salt: CacheSalt = None  # qvl's, as on its OpenAI routes
 
@@ -119,6 +118,10 @@ class Ollama:
     async def _answer(self, http: HTTPRequest, read, prepare) -> Response:
         sub = await self.submit(http, read, prepare, json_only=False)  # as Ollama: `curl -d '{...}'` works
         spec: Spec = sub.spec
+        if sub.parsed is None:  # no prompt: the model is loaded (and with keep_alive 0 unloaded once let go)
+            sub.on_close()
+            reason = "unload" if keep_alive_of(spec.body) == 0 else "load"
+            return JSONResponse(line(spec, "", done=True, done_reason=reason))
         if spec.body.stream:
             return EventStream(ndjson(sub.events, spec), sub.on_close, NDJSON)
         done = (await sub.finals(http))[0]
@@ -138,7 +141,11 @@ class Ollama:
         req = GenerateBody.model_validate_json(body)
         return req, bool(req.images)
 
-    def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline, salt: str) -> tuple[Spec, ParsedRequest]:
+    def prepare_chat(self, req: ChatBody, engine: Engine, deadline: Deadline,
+                     salt: str) -> tuple[Spec, ParsedRequest | None]:
+        """The request to generate; None for no messages (it only loads the model)."""
+        if not req.messages:
+            return Spec(req, engine.model_name, True), None
         switch = think_switch(req, engine)
         tools = check_unique([tool_from(t, i) for i, t in enumerate(req.tools or [])], "tools")
         constraint = answer_constraint(tools, tool_choice(None, None, tools), True, format_constraint(req.format),
@@ -152,7 +159,10 @@ class Ollama:
         return Spec(req, engine.model_name, True, bool(tools)), parsed
 
     def prepare_generate(self, req: GenerateBody, engine: Engine, deadline: Deadline,
-                         salt: str) -> tuple[Spec, ParsedRequest]:
+                         salt: str) -> tuple[Spec, ParsedRequest | None]:
+        """The request to generate; None for no prompt and no images (it only loads the model)."""
+        if not req.prompt and not req.images:
+            return Spec(req, engine.model_name, False), None
         for name in ("suffix", "template", "context"):
             if getattr(req, name):
                 raise bad_request(f"'{name}' is not supported by qvl", name, "unsupported_parameter")
@@ -207,36 +217,6 @@ class Ollama:
                 called = None
             out.append(entry)
         return out
-
-    # -- model information -------------------------------------------------------------------
-
-    def model_entry(self, engine: Engine) -> dict:
-        return {"name": ollama_name(engine), "model": ollama_name(engine), "modified_at": modified(engine),
-                "size": weights_size(engine), "digest": digest(engine), "details": details(engine)}
-
-    async def tags(self) -> dict:
-        engine, _ = self.state.ready()
-        return {"models": [self.model_entry(engine)]}
-
-    async def ps(self) -> dict:
-        engine, _ = self.state.ready()
-        return {"models": [{**self.model_entry(engine), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}]}
-
-    async def show(self, http: HTTPRequest) -> dict:
-        engine, _ = self.state.ready()
-        d = engine.defaults
-        parameters = "\n".join(f"{k} {v}" for k, v in (("temperature", d.temperature), ("top_k", d.top_k),
-                                                         ("top_p", d.top_p), ("repeat_penalty", d.repetition_penalty)))
-        text, arch = engine.cfg.text, architecture(engine)
-        return {"license": "", "modelfile": f"# served by qvl {__version__}\nFROM {engine.path}\n",
-                "parameters": parameters, "template": engine.template, "details": details(engine),
-                "model_info": {"general.architecture": arch, "general.basename": engine.model_name,
-                               f"{arch}.context_length": engine.options.max_context,
-                               f"{arch}.embedding_length": text.hidden_size,
-                               f"{arch}.block_count": text.num_hidden_layers},
-                "capabilities": ["completion", "vision", "tools"] + (["thinking"] if engine.thinks(True) else [])
-                if engine.task == "generate" else ["embedding", "vision"] if engine.task == "embed" else ["vision"],
-                "modified_at": modified(engine)}
 
 
 def think_switch(req: Common, engine: Engine) -> dict:
@@ -296,42 +276,6 @@ def sampling(req: Common, engine: Engine, constraint: Constraint | None):
         max_new_tokens=limit, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, seed=o.seed,
         stop=tuple(o.stop) if o.stop else None, repetition_penalty=o.repeat_penalty,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, constraint=constraint)
-
-
-# -- model facts -----------------------------------------------------------------------------------
-
-
-def ollama_name(engine: Engine) -> str:
-    name = engine.model_name
-    return name if ":" in name.rpartition("/")[2] else f"{name}:latest"
-
-
-def weights_size(engine: Engine) -> int:
-    return sum(f.stat().st_size for f in engine.path.glob("*.safetensors"))
-
-
-def modified(engine: Engine) -> str:
-    files = list(engine.path.glob("*.safetensors")) or [engine.path]
-    stamp = max(f.stat().st_mtime for f in files)
-    return datetime.fromtimestamp(stamp, timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def digest(engine: Engine) -> str:
-    return hashlib.sha256(engine.model_id.encode()).hexdigest()
-
-
-def architecture(engine: Engine) -> str:
-    """The model family's name as Ollama (llama.cpp's GGUF) spells it."""
-    return {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "qwen3_5": "qwen35",
-            "qwen3_5_moe": "qwen35moe"}[engine.cfg.model_type]
-
-
-def details(engine: Engine) -> dict:
-    params = sum(p.numel() for p in engine.model.parameters())
-    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
-    arch = architecture(engine)
-    return {"parent_model": "", "format": "safetensors", "family": arch, "families": [arch],
-            "parameter_size": size, "quantization_level": engine.weights.upper()}
 
 
 # -- answers -----------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -86,8 +85,8 @@ class Pulls:
         found = await run_in_threadpool(find_local, name)
         if found is None:
             raise APIError(404, f"model '{name}' not found")
-        engine = self.state.engine
-        if engine is not None and Path(engine.path).resolve() == found.path.resolve():
-            raise bad_request(f"model '{name}' is the one this server runs: stop the server to delete it", "model")
+        served = await run_in_threadpool(lambda: [m.path.resolve() for m in self.state.models.models if m.path])
+        if found.path.resolve() in served:
+            raise bad_request(f"model '{name}' is one this server serves: stop the server to delete it", "model")
         await run_in_threadpool(remove, name)
         return Response(status_code=200)

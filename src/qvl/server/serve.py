@@ -54,6 +54,6 @@ def run(app: FastAPI, host: str, port: int, log_level: str) -> int:
     """Serve until SIGTERM/SIGINT; 1 when the model failed to load."""
     state: ServerState = app.state.qvl
     server = Server(config(app, host, port, log_level), state)
-    state.on_load_failure = server.request_exit
+    state.models.on_start_failure = server.request_exit
     server.run()
-    return 1 if state.load_error else 0
+    return 1 if state.models.start_error else 0

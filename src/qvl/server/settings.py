@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 MB = 1024 * 1024
+DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+BYTE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,53 @@ class ConnectionLimits:
             raise ValueError("the header, body, write and keep-alive timeouts must be > 0")
 
 
+def keep_alive_s(value: object) -> float | None:
+    """Ollama's keep_alive as seconds; None: kept loaded forever. A number is seconds, a string
+    a Go duration ("5m", "1h30m", "90s", "0"; a bare number counts as seconds); a negative one
+    means forever. Anything else is a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("keep_alive must be a duration such as \"5m\" or a number of seconds")
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        pieces = re.findall(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)", body)
+        if re.fullmatch(r"\d+(?:\.\d*)?", body):
+            value = sign * float(body)
+        elif pieces and "".join(n + u for n, u in pieces) == body:
+            value = sign * sum(float(n) * DURATION_UNITS[u] for n, u in pieces)
+        else:
+            raise ValueError(f"keep_alive '{value}' is not a duration (such as \"5m\", \"1h30m\", \"0\", \"-1\")")
+    if not math.isfinite(value):
+        raise ValueError("keep_alive must be finite (a negative value keeps the model loaded)")
+    return None if value < 0 else float(value)
+
+
+def byte_size(text: str) -> int:
+    """'12G', '512M', '1.5T', '800000000' -> bytes (binary units; a trailing B or iB is allowed)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"'{text}' is not a size: give bytes, or a number with K, M, G or T (12G)")
+    return int(float(match.group(1)) * BYTE_UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """How long models stay loaded and how many may be at once (a server of several models)."""
+
+    keep_alive_s: float | None = None  # idle this long after its last request, a model is unloaded; None: never
+    max_loaded: int | None = None  # models loaded at once; None: no limit
+    max_memory_bytes: int | None = None  # what the loaded models may hold together (weights, KV, caches)
+
+    def __post_init__(self):
+        if self.keep_alive_s is not None and self.keep_alive_s < 0:
+            raise ValueError("--keep-alive must be >= 0 (or negative on the command line: forever)")
+        if self.max_loaded is not None and self.max_loaded < 1:
+            raise ValueError("--max-loaded must be >= 1")
+        if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
+            raise ValueError("--max-memory must be > 0")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     queue_size: int = 8  # requests waiting behind the one being generated
@@ -53,6 +104,7 @@ class ServerSettings:
     warm_up: bool = True  # run Engine.warm_up in the worker once loaded, before the first request
     images: ImagePolicy = field(default_factory=ImagePolicy)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    models: ModelLimits = field(default_factory=ModelLimits)
     # Host header values answered ("name", "*.name", "*"; ports ignored); None: any. The CLI
     # sets the loopback names for a loopback bind, plus --allowed-hosts.
     allowed_hosts: tuple[str, ...] | None = None

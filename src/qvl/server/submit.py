@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -23,28 +24,30 @@ from starlette.requests import ClientDisconnect
 
 from qvl.deadline import Deadline
 from qvl.engine import Engine, ParsedRequest
-from qvl.server.errors import APIError, from_exception
+from qvl.server.errors import APIError, bad_request, from_exception
 from qvl.server.guard import cache_salt, matching_key
 from qvl.server.memory import LARGE_BODY_BYTES, trim
-from qvl.server.settings import MB
+from qvl.server.registry import DEFAULT, Lease
+from qvl.server.settings import MB, keep_alive_s
 from qvl.server.state import ServerState
-from qvl.server.worker import DISCONNECT
+from qvl.server.worker import DISCONNECT, Job
 from qvl.stream import Delta, Done
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
 # body -> (the route's request, whether it carries images or videos); the request has `cache_salt`
 Read = Callable[[bytes], tuple[Any, bool]]
-# (the route's request, engine, deadline, the engine's cache salt for it) -> (its spec, parsed)
-Prepare = Callable[[Any, Engine, Deadline, str], tuple[Any, ParsedRequest]]
+# (the route's request, engine, deadline, the engine's cache salt for it) -> (its spec, parsed); parsed
+# None: nothing to generate (the request only loads its model)
+Prepare = Callable[[Any, Engine, Deadline, str], tuple[Any, ParsedRequest | None]]
 
 
 @dataclass
 class Submission:
     spec: Any  # what the route's `prepare` made of the body
-    parsed: ParsedRequest
+    parsed: ParsedRequest | None  # None: nothing to generate, no events
     events: AsyncIterator[Delta | Done]
-    on_close: Callable[[], None]  # cancels the job (a no-op once it finished)
+    on_close: Callable[[], None]  # cancels the job (a no-op once it finished) and lets go of the model
     engine: Engine
 
     async def finals(self, http: HTTPRequest) -> list[Done]:
@@ -62,38 +65,45 @@ class Submitter:
         self.lanes = {True: asyncio.Semaphore(slots), False: asyncio.Semaphore(slots)}  # with media, without
         self.threads = ThreadPoolExecutor(2 * slots, thread_name_prefix="qvl-prepare")  # one per slot: none queues
 
-    async def receive(self, http: HTTPRequest, json_only: bool = True):
-        """The request's body (within --max-body-bytes; JSON unless not `json_only`), the ready
-        engine and worker, and the API key the caller presented (its cache namespace)."""
+    async def receive(self, http: HTTPRequest, json_only: bool = True) -> tuple[bytes, str | None]:
+        """The request's body (within --max-body-bytes; JSON unless not `json_only`) and the
+        API key the caller presented (its cache namespace); 503 while the server is not ready."""
         if json_only:
             require_json(http)
         settings = self.state.settings
         body = await read_body(http, settings.max_body_bytes)
-        engine, worker = self.state.ready()
-        return body, engine, worker, matching_key(http.headers.get("authorization", ""), settings.api_keys)
+        self.state.ready()
+        return body, matching_key(http.headers.get("authorization", ""), settings.api_keys)
 
     async def __call__(self, http: HTTPRequest, read: Read, prepare: Prepare, json_only: bool = True) -> Submission:
         """json_only: refuse bodies not sent as application/json (Ollama's routes take what
-        `curl -d` sends too; the browser guard still refuses foreign pages)."""
-        body, engine, worker, key = await self.receive(http, json_only)
-        settings, request, media = self.state.settings, None, False
+        `curl -d` sends too; the browser guard still refuses foreign pages). The model the
+        request names is held until its answer is out (Submission.on_close)."""
+        body, key = await self.receive(http, json_only)
+        settings, request, media, lease = self.state.settings, None, False, None
         try:
             request, media = await asyncio.to_thread(read, body)
-            salt = cache_salt(key, request.cache_salt)
+            lease = await self.state.acquire(request.model, keep_alive_of(request))
+            salt, engine = cache_salt(key, request.cache_salt), lease.engine
             spec, parsed, cached = await self.in_lane(
                 http, media, lambda deadline: self._prepare(prepare, request, engine, deadline, salt))
-        except Exception as exc:
-            raise from_exception(exc) from None
+            job = lease.worker.submit(parsed, settings.time_limit_s) if parsed is not None and cached is None else None
+        except BaseException as exc:
+            if lease is not None:
+                lease.release()
+            if isinstance(exc, Exception):
+                raise from_exception(exc) from None
+            raise
         finally:
             if media or len(body) >= LARGE_BODY_BYTES:
                 body = request = None  # what the trim may give back
                 await asyncio.to_thread(trim)
-        if cached is not None:  # an exact repeat, answered without waiting in the queue
-            self.state.metrics.record(cached, cached=True)
-            events, on_close = replay(cached), lambda: None
-        else:
-            job = worker.submit(parsed, settings.time_limit_s)
-            events, on_close = job.events(), lambda: worker.cancel(job, DISCONNECT)
+        if job is not None:
+            events, on_close = job.events(), partial(end_job, job, lease)
+        else:  # an exact repeat, answered without waiting in the queue; or nothing to generate
+            if cached is not None:
+                self.state.metrics.record(cached, cached=True)
+            events, on_close = replay(cached), lease.release
         return Submission(spec, parsed, without_cache_stats(events) if settings.hide_cache_stats else events,
                           on_close, engine)
 
@@ -140,7 +150,25 @@ class Submitter:
     @staticmethod
     def _prepare(prepare: Prepare, request: Any, engine: Engine, deadline: Deadline, salt: str):
         spec, parsed = prepare(request, engine, deadline, salt)
-        return spec, parsed, engine.cached_answer(parsed)
+        return spec, parsed, engine.cached_answer(parsed) if parsed is not None else None
+
+
+def end_job(job: Job, lease: Lease) -> None:
+    """The answer is out, or nobody waits for it any more: cancel the job (a no-op once it
+    finished) and let go of its model."""
+    job.worker.cancel(job, DISCONNECT)
+    lease.release()
+
+
+def keep_alive_of(request: Any) -> object:
+    """A request's keep_alive (Ollama's routes) in seconds, None for ever; DEFAULT when it sets none."""
+    value = getattr(request, "keep_alive", None)
+    if value is None:
+        return DEFAULT
+    try:
+        return keep_alive_s(value)
+    except ValueError as exc:
+        raise bad_request(str(exc), "keep_alive") from None
 
 
 def releaser(lane: asyncio.Semaphore) -> Callable[[Future], None]:
@@ -186,7 +214,10 @@ async def read_body(http: HTTPRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def replay(done: Done) -> AsyncIterator[Delta | Done]:
+async def replay(done: Done | None) -> AsyncIterator[Delta | Done]:
+    """A whole answer as the events that made it (none for None)."""
+    if done is None:
+        return
     if done.text or done.reasoning:
         yield Delta(done.text, done.token_ids, done.logprobs, reasoning=done.reasoning or "")
     yield done

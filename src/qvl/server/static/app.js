@@ -31,13 +31,34 @@ async function pollHealth() {
   try {
     const res = await fetch("health");
     const body = await res.json();
-    if (res.ok) { $("status").textContent = `model ${body.model} ready`; return; }
+    if (res.ok && body.models) {  // several models: each loads on its first request
+      const loaded = body.models.filter((m) => m.loaded).map((m) => m.name);
+      $("status").textContent = `${body.models.length} models, loaded: ${loaded.join(", ") || "none yet"}`;
+      loadModels();
+      setTimeout(pollHealth, 5000);
+      return;
+    }
+    if (res.ok) { $("status").textContent = `model ${body.model} ready`; loadModels(); return; }
     $("status").textContent = body.status === "failed" ? `model failed to load: ${body.error}` : `model ${body.status}…`;
     if (body.status === "failed") return;
   } catch (e) {
     $("status").textContent = "server unreachable, retrying…";
   }
   setTimeout(pollHealth, 1000);
+}
+
+// The model picker: the names /v1/models lists; the chosen one goes in every request.
+async function loadModels() {
+  const picker = $("model");
+  try {
+    const res = await fetch("v1/models", {headers: headers()});
+    if (!res.ok) return;  // behind an API key: filled once the key is given
+    const names = (await res.json()).data.map((m) => m.id);
+    if (names.join("\n") === [...picker.options].map((o) => o.value).join("\n")) return;
+    const chosen = picker.value;
+    picker.replaceChildren(...names.map((name) => new Option(name, name)));
+    if (names.includes(chosen)) picker.value = chosen;
+  } catch (e) { /* the status line says the server is unreachable */ }
 }
 
 // -- the image, the PDF and the video --------------------------------------------------------
@@ -414,6 +435,7 @@ function prettyJson(text) {
 
 function requestBody(history, task, format) {
   const body = {messages: history, stream: true, stream_options: {include_usage: true}};
+  if ($("model").value) body.model = $("model").value;
   if (format) body.response_format = format;
   if (task && task.greedy) body.temperature = 0;
   if (task && task.max_image_tokens) body.max_pixels = task.max_image_tokens * 32 * 32;
@@ -454,7 +476,7 @@ async function ask(text, task, format, shown) {
     const res = await fetch("v1/chat/completions", {method: "POST", headers: headers(),
       body: JSON.stringify(requestBody(history, task, format)), signal: state.controller.signal});
     if (!res.ok) throw new Error(await errorMessage(res));
-    if ($("api-key").value) sessionStorage.setItem("qvl-key", $("api-key").value);
+    if ($("api-key").value) { sessionStorage.setItem("qvl-key", $("api-key").value); loadModels(); }
     for await (const data of sseData(res.body)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
