@@ -106,15 +106,19 @@ class Model:
 
     @property
     def weights(self) -> str:
-        """The weight format it runs in (loaded) or will (int8, int4, bf16, ...)."""
+        """The weight format it runs in, or will once loaded, as Engine.weights names it (int8,
+        int4-g128, bfloat16, float32)."""
         if self.engine is not None:
             return self.engine.weights
-        requested = self.source.options.weights if self.source.options else "auto"
-        path = self.path
+        options, path = self.source.options or EngineOptions(), self.path
         try:
-            return chosen_weights(requested, checkpoint_quantization(path) if path else None)
+            stored = checkpoint_quantization(path) if path else None
         except (OSError, ValueError):
-            return requested
+            stored = None
+        chosen = chosen_weights(options.weights, stored)
+        if chosen == "int4":
+            return f"int4-g{stored.group_size if stored else options.group_size}"
+        return {"bf16": "bfloat16", "fp32": "float32"}.get(chosen, chosen)
 
     def held_bytes(self) -> int:
         """What the loaded model holds: its tensors, the KV blocks written so far, the vision cache."""
@@ -438,7 +442,7 @@ def expected_bytes(model: Model) -> int:
     path = model.path
     if path is None:
         return 0
-    weights = model.weights
+    weights = {"bfloat16": "bf16", "float32": "fp32"}.get(model.weights, model.weights.partition("-")[0])
     try:
         cfg = ModelConfig.from_file(path / "config.json")
         return footprint(cfg, weights if weights in FORMATS else "bf16").total_bytes * (2 if weights == "fp32" else 1)
