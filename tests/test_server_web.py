@@ -571,3 +571,20 @@ def test_detect_and_point_presets_ask_for_the_categories(server, page, tmp_path)
     assert body["messages"][0]["content"][-1]["text"] == TASKS["markdown"].prompt
     assert body["temperature"] == 0 and body["max_pixels"] == TASKS["markdown"].max_image_tokens * 32 * 32
     answered(page, 1)
+
+
+def test_the_model_picker_chooses_the_model_that_answers(tiny_checkpoint, tiny_untied_checkpoint, page):
+    with live_server(tiny_checkpoint, "--model", f"second={tiny_untied_checkpoint}") as server:
+        page.goto(f"{server.url}/")
+        page.wait_for_selector("#status:has-text('2 models')")
+        wait_until(lambda: page.locator("#model option").count() == 2)
+        assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [tiny_checkpoint.name,
+                                                                                          "second"]
+        page.select_option("#model", "second")
+        page.fill("#max-tokens", "3")
+        page.fill("#question", "hi")
+        with page.expect_request("**/v1/chat/completions") as request:
+            page.click("#ask")
+        assert json.loads(request.value.post_data)["model"] == "second"
+        page.wait_for_selector("#stats:has-text('tokens/s')")
+        assert [m["name"] for m in httpx.get(f"{server.url}/api/ps").json()["models"]] == ["second:latest"]

@@ -269,10 +269,11 @@ class Registry:
             worker = Worker(engine, self.settings.queue_size, self.metrics, warm_up=self.settings.warm_up and self.starting)
             worker.start()
         except Exception as exc:
-            failure = exc if isinstance(exc, APIError) else load_failure(model, exc)
+            failure = exc if isinstance(exc, APIError) else load_failure(model, exc)  # APIError: no room
             exc = None  # its traceback holds the half-built engine's frames
             with self.cond:
-                loading, model.loading, model.error = model.loading, None, failure.message
+                loading, model.loading = model.loading, None
+                model.error = failure.message if failure.code == "model_load_failed" else model.error
                 self._started(failure.message)
             loading.set_exception(failure)
             return
