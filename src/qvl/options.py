@@ -30,8 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     model_help = "model folder, Hugging Face id or short name (default: $QVL_MODEL or Qwen/Qwen3-VL-2B-Instruct)"
     if several_models:
         g.add_argument("--model", "-m", action="append", dest="models", metavar="[NAME=]MODEL",
-                       help=model_help.replace("(default", "; repeat to serve several, each called NAME if given, "
-                                                          "else by its folder name or hub id (default"))
+                       help=model_help.replace(" (default", "; repeat to serve several, each called NAME if "
+                                                           "given, else by its folder name or hub id (default"))
     else:
         g.add_argument("--model", "-m", help=model_help)
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
