@@ -51,7 +51,7 @@ def main() -> None:
     from qvl.server.app import create_app
     from qvl.server.settings import ServerSettings
 
-    with TestClient(create_app(ServerSettings(), load=lambda: engine)) as client:
+    with TestClient(create_app(ServerSettings(), lambda: engine)) as client:
         while client.get("/health").status_code != 200:
             time.sleep(0.1)
         body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
