@@ -1,7 +1,7 @@
-"""The one engine worker: a thread that drives the engine's scheduler, which decodes every
-running request together (up to --max-batch of them) and admits waiting ones between decode
-steps; a bounded queue in front of it, cancellation and time limits. Nothing else ever
-drives the scheduler.
+"""An engine's worker (one per loaded model, see registry.py): a thread that drives the
+engine's scheduler, which decodes every running request together (up to --max-batch of them)
+and admits waiting ones between decode steps; a bounded queue in front of it, cancellation and
+time limits. Nothing else ever drives the scheduler.
 
 A job's events cross from the worker thread to the event loop through an asyncio.Queue
 (`loop.call_soon_threadsafe`). Whoever gives up on a job (client gone, time limit,
