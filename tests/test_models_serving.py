@@ -198,6 +198,19 @@ def test_a_generating_model_is_never_unloaded_for_another(tiny_checkpoint, tiny_
             assert loaded(c) == ["b:latest"]
 
 
+def test_no_room_while_every_model_is_busy_is_a_503_naming_them(tiny_checkpoint, tiny_untied_checkpoint):
+    settings = ServerSettings(warm_up=False, time_limit_s=1.0, models=ModelLimits(max_loaded=1))
+    with TestClient(create_app(settings, [source(tiny_checkpoint, "a"), source(tiny_untied_checkpoint, "b")])) as c:
+        held = c.portal.call(c.app.state.qvl.models.acquire, "a")  # a request holding a
+        busy = chat(c, "b")  # waits the request time limit for a to be let go
+        error = busy.json()["error"]
+        assert busy.status_code == 503 and error["code"] == "models_busy" and busy.headers["retry-after"]
+        assert "--max-loaded is 1" in error["message"] and "(a)" in error["message"]
+        assert loaded(c) == ["a:latest"]
+        c.portal.call(held.release)
+        assert chat(c, "b").status_code == 200 and loaded(c) == ["b:latest"]
+
+
 def test_requests_share_one_load_and_a_failed_load_leaves_the_others_serving(tiny_checkpoint, broken_checkpoint):
     loads = []
 
