@@ -326,6 +326,13 @@ class Engine:
                                                    self.cfg.vision.spatial_merge_size)
         return PreparedPrompt(parsed.ids, positions, next_position, embeds, deepstack, embeds_from)
 
+    def close(self) -> None:
+        """Done with it (a server unloading it): the scheduler lets go of the engine, so that the
+        engine and its weights are freed as soon as their last holder lets go, without waiting
+        for the garbage collector (which a server tells to skip what is alive at start). It
+        runs no request after."""
+        self.scheduler.engine = None
+
     def warm_up(self) -> float:
         """A small image and two tokens through vision, prefill and decode, past the caches
         (nothing is stored): the first real request then skips the first-touch page faults of

@@ -21,6 +21,7 @@ from qvl.engine import Engine
 from qvl.server.registry import Model
 from qvl.server.schemas import ModelCard, ModelList, _Strict
 from qvl.server.state import ServerState
+from qvl.server.submit import read_body
 
 ARCHITECTURES = {"qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe", "qwen3_5": "qwen35",
                  "qwen3_5_moe": "qwen35moe"}  # model types as Ollama (llama.cpp's GGUF) spells them
@@ -52,7 +53,7 @@ class Catalog:
         return {"models": [e for e in entries if e]}
 
     async def show(self, http: HTTPRequest) -> dict:
-        body = ShowBody.model_validate_json(await http.body() or b"{}")
+        body = ShowBody.model_validate_json(await read_body(http, self.state.settings.max_body_bytes) or b"{}")
         lease = await self.state.acquire(body.model or body.name)
         try:
             return show(lease.engine)

@@ -17,7 +17,6 @@ One thread, "qvl-models", loads and unloads, one model at a time. The counts it 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import time
@@ -219,16 +218,6 @@ class Registry:
                 model.expires = model.last_used + model.keep_alive_s
             self.cond.notify_all()
 
-    def unload_soon(self, name: str | None) -> None:
-        """Ollama's keep_alive 0 without a prompt: unload the model once nobody holds it (not
-        loading it if it is not loaded)."""
-        model = self.find(name)
-        with self.cond:
-            model.keep_alive_s = 0.0
-            if model.leases == 0 and model.engine is not None:
-                model.expires = time.monotonic()
-            self.cond.notify_all()
-
     # -- the models thread ---------------------------------------------------------------------
 
     def _load_soon(self, model: Model) -> Future:
@@ -344,8 +333,9 @@ class Registry:
             model.engine = model.worker = model.expires = None
             model.weight_bytes = 0
         worker.stop()
+        engine.close()  # freed once the last request that used it is done with it
         engine = worker = None
-        free_memory()
+        release()
         log.info("model %s unloaded (%s)", model.name, why)
 
     # -- the server's life ---------------------------------------------------------------------
@@ -353,13 +343,18 @@ class Registry:
     def loaded(self) -> list[Model]:
         return [m for m in self.models if m.engine is not None]
 
+    def engines(self) -> list[tuple[Engine, Worker]]:
+        """The loaded models' engines and workers, each pair taken together."""
+        with self.cond:
+            return [(m.engine, m.worker) for m in self.models if m.engine is not None]
+
     def close(self, grace_s: float) -> None:
         """Shutdown, step 1: refuse new requests; running ones may finish within `grace_s`."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
-        for model in self.loaded():
-            model.worker.close(grace_s)
+        for _, worker in self.engines():
+            worker.close(grace_s)
 
     def drained(self) -> bool:
         """Nothing running, waiting or held (after close: nothing will be)."""
@@ -371,25 +366,25 @@ class Registry:
         with self.cond:
             self.closing = self.stopped = True
             self.cond.notify_all()
-        for model in self.loaded():
-            model.worker.stop()
+        for _, worker in self.engines():
+            worker.stop()
         if self.thread.is_alive():
             self.thread.join(10)
 
     def gauges(self) -> dict[str, float]:
         """The workers' and schedulers' numbers, summed over the loaded models."""
-        loaded = self.loaded()
+        loaded = self.engines()
         gauges = {"qvl_models_loaded": len(loaded),
-                  "qvl_queue_depth": sum(m.worker.depth for m in loaded),
+                  "qvl_queue_depth": sum(worker.depth for _, worker in loaded),
                   "qvl_queue_capacity": self.settings.queue_size,
-                  "qvl_busy": float(any(m.worker.busy for m in loaded))}
+                  "qvl_busy": float(any(worker.busy for _, worker in loaded))}
         if not loaded:
             return gauges
-        stats = [m.engine.scheduler.stats() for m in loaded]
+        stats = [engine.scheduler.stats() for engine, _ in loaded]
         total = {key: sum(s[key] for s in stats) for key in stats[0]}
         return gauges | {
             "qvl_running_requests": total["running"],
-            "qvl_max_batch": sum(m.engine.scheduler.max_batch for m in loaded),
+            "qvl_max_batch": sum(engine.scheduler.max_batch for engine, _ in loaded),
             "qvl_last_step_rows": total["last_step_rows"],
             "qvl_last_step_seconds": max(s["last_step_seconds"] for s in stats),
             "qvl_kv_cache_budget_bytes": total["kv_budget_bytes"],
@@ -403,11 +398,10 @@ class Registry:
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Hits, misses, evictions and bytes of the loaded models' caches, summed (empty with none)."""
-        loaded = self.loaded()
-        if not loaded:
+        per_model = [{"vision": engine.vision_cache.stats, "prefix": engine.prefix_cache.stats,
+                      "answer": engine.answer_cache.stats} for engine, _ in self.engines()]
+        if not per_model:
             return {}
-        per_model = [{"vision": m.engine.vision_cache.stats, "prefix": m.engine.prefix_cache.stats,
-                      "answer": m.engine.answer_cache.stats} for m in loaded]
         return {cache: CacheStats(**{f.name: sum(getattr(s[cache], f.name) for s in per_model)
                                      for f in fields(CacheStats)}) for cache in per_model[0]}
 
@@ -449,12 +443,3 @@ def expected_bytes(model: Model) -> int:
         return footprint(cfg, weights if weights in FORMATS else "bf16").total_bytes * (2 if weights == "fp32" else 1)
     except Exception:  # an unreadable config: the load will say what is wrong
         return 0
-
-
-def free_memory() -> None:
-    """Hand an unloaded model's memory back: the collector sees again what the workers froze
-    out of its passes (the model among it, with the cycles that hold it), collects, and
-    malloc's arenas are trimmed; then what is alive is frozen again."""
-    gc.unfreeze()
-    release()
-    gc.freeze()

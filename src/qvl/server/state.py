@@ -43,12 +43,12 @@ class ServerState:
     def health(self) -> tuple[int, dict]:
         if self.shutting_down:
             return 503, {"status": "shutting_down"}
-        if self.models.start_error:
-            return 503, {"status": "failed", "error": self.models.start_error}
         if self.models.starting:
             return 503, {"status": "loading"}
         if self.models.single:
             model = self.models.models[0]
+            if model.error:  # its last load failed (at start: the process is exiting)
+                return 503, {"status": "failed", "error": model.error}
             load_s = {"load_s": round(model.engine.load_s, 3)} if model.engine is not None else {}
             return 200, {"status": "ok", "model": model.name, **load_s}
         return 200, {"status": "ok", "models": [{"name": m.name, "loaded": m.engine is not None,
