@@ -14,7 +14,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from qvl.engine import Engine
-from qvl.server import embeddings, errors
+from qvl.retrieval.store import Store
+from qvl.server import embeddings, errors, search
 from qvl.server.errors import APIError
 from qvl.server.guard import BrowserGuard, matching_key
 from qvl.server.metrics import StatusCounter
@@ -55,8 +56,9 @@ def bearer_auth(keys: tuple[str, ...]) -> Callable:
     return check
 
 
-def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
-    """`load` builds the engine; it runs in a background thread so /health answers at once."""
+def create_app(settings: ServerSettings, load: Callable[[], Engine], index: Store | None = None) -> FastAPI:
+    """`load` builds the engine; it runs in a background thread so /health answers at once.
+    `index`: an index to search with the (embedding) model (/v1/search)."""
     state = ServerState(settings, load)
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
@@ -93,6 +95,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     api.add_api_route("/api/ps", ollama.ps, methods=["GET"])
     api.add_api_route("/api/version", version, methods=["GET"])
     embeddings.register(api, state, submit)
+    if index is not None:
+        search.register(api, state, submit, index)
     api.add_api_route("/api/pull", pulls.pull, methods=["POST"])
     api.add_api_route("/api/delete", pulls.delete, methods=["DELETE"])
 
