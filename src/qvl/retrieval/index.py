@@ -194,6 +194,7 @@ def add(engine, store: Store, roots: list[Path], progress_interval: float = 10.0
     """Index what `roots` hold that `store` lacks; see the module's docstring."""
     require_embedding_model(engine)
     summary = AddSummary()
+    roots = [Path(os.path.abspath(root)) for root in roots]
     for root in roots:
         store.add_root(str(root))
     store.graph()  # loaded (or caught up with the database) before the new entries go in

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -77,8 +76,7 @@ def cmd_add(args: argparse.Namespace) -> int:
     from qvl.retrieval.index import QUERY_INSTRUCTION, add, require_embedding_model
     from qvl.retrieval.store import DATABASE, Store
 
-    folders = [Path(os.path.abspath(f)) for f in args.folders]
-    for folder in folders:
+    for folder in args.folders:
         if not folder.is_dir():
             raise UsageError(f"not a folder: {folder}")
     existing = Store.open(args.db) if (args.db / DATABASE).is_file() else None
@@ -99,7 +97,7 @@ def cmd_add(args: argparse.Namespace) -> int:
         "model": model, "dimensions": str(args.dimensions or width), "instruction": args.instruction or "",
         "query_instruction": args.query_instruction or QUERY_INSTRUCTION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    summary = add(engine, store, folders, args.progress_every)
+    summary = add(engine, store, args.folders, args.progress_every)
     print(f"qvl index add: {summary.line()}", file=sys.stderr)
     return summary.exit_code()
 
