@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from qvl.bench import synthetic_clip
 from qvl.cli import main
 from qvl.retrieval.encode import embed
 from qvl.retrieval.index import add, search
@@ -40,11 +41,13 @@ def embedder(tiny_embedding_checkpoint):
 
 
 def write_docs(folder: Path, images: int = 3) -> Path:
-    """img0.png ... (noise, each its own), sub/doc.pdf (2 pages), a corrupt PNG and a corrupt PDF."""
+    """img0.png ... (noise, each its own), sub/doc.pdf (2 pages), sub/clip.mp4 (2 s), a corrupt
+    PNG and a corrupt PDF."""
     (folder / "sub").mkdir(parents=True)
     for i in range(images):
         noise_image(64, 64, seed=i).save(folder / f"img{i}.png")
     (folder / "sub" / "doc.pdf").write_bytes(pdf_bytes(2, size=(200, 260)))
+    synthetic_clip(folder / "sub" / "clip.mp4", 2, 96, 64, fps=8)
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
     (folder / "sub" / "broken.pdf").write_bytes(b"%PDF-1.4\nnot a document\n")
     return folder
@@ -79,7 +82,7 @@ def indexed(embedder, tmp_path_factory):
 
 def test_add_embeds_every_image_and_pdf_page_and_each_finds_itself(indexed, embedder):
     docs, store, summary = indexed
-    assert (summary.added, summary.present) == (5, 0)  # 3 images + 2 pages
+    assert (summary.added, summary.present) == (6, 0)  # 3 images + 2 pages + a clip
     for i in range(3):
         hits = search(embedder, store, image_query(docs / f"img{i}.png"), k=5)
         assert hits[0].path == str(docs.resolve() / f"img{i}.png") and hits[0].page is None
@@ -89,6 +92,8 @@ def test_add_embeds_every_image_and_pdf_page_and_each_finds_itself(indexed, embe
         np.testing.assert_allclose(stored, expected[0].numpy(), atol=1e-6)
     page = search(embedder, store, image_query(f"{docs}/sub/doc.pdf#pages=2"), k=1)[0]
     assert (page.path, page.page, page.kind) == (str(docs.resolve() / "sub/doc.pdf"), 2, "pdf")
+    clip = search(embedder, store, [{"type": "video", "video": str(docs / "sub/clip.mp4")}], k=1)[0]
+    assert (clip.path, clip.page, clip.kind) == (str(docs.resolve() / "sub/clip.mp4"), None, "video")
 
 
 def test_unreadable_inputs_are_skipped_with_their_reasons(indexed):
@@ -107,7 +112,7 @@ def test_adding_again_embeds_only_what_is_new_and_forgets_what_went(embedder, tm
     add(embedder, store, [docs])
     before = entries(tmp_path / "idx")
     again = add(embedder, store, [docs])
-    assert (again.added, again.present) == (0, 5) and entries(tmp_path / "idx") == before
+    assert (again.added, again.present) == (0, 6) and entries(tmp_path / "idx") == before
     (docs / "copy.png").write_bytes((docs / "img0.png").read_bytes())  # same content: nothing to embed
     noise_image(64, 64, seed=9).save(docs / "sub" / "new.png")
     (docs / "img1.png").unlink()
@@ -115,7 +120,7 @@ def test_adding_again_embeds_only_what_is_new_and_forgets_what_went(embedder, tm
     assert (third.added, third.removed) == (1, 1)
     paths = store.paths()
     assert str(docs / "copy.png") in paths and str(docs / "img1.png") not in paths
-    assert len(entries(tmp_path / "idx")) == 5  # img1's entry went, new.png's came
+    assert len(entries(tmp_path / "idx")) == 6  # img1's entry went, new.png's came
     hits = search(embedder, store, image_query(docs / "sub" / "new.png"), k=5)
     assert hits[0].path == str(docs / "sub" / "new.png")
     assert str(docs / "img1.png") not in {h.path for h in hits}  # its entry is out of the graph's answers too
@@ -193,7 +198,7 @@ def test_without_faiss_the_index_names_the_extra(indexed, monkeypatch):
     _, store, _ = indexed
     monkeypatch.setitem(sys.modules, "faiss", None)
     reopened = Store.open(store.folder)  # the database opens; searching needs the graph
-    assert reopened.counts()["entries"] == 5
+    assert reopened.counts()["entries"] == 6
     with pytest.raises(RuntimeError, match=r"qvl\[index\]"):
         reopened.search(np.zeros(reopened.dims, np.float32), 3)
 
@@ -221,7 +226,9 @@ def test_server_search_answers_the_nearest_with_thumbnails(indexed, client):
     page = client.get("/v1/index/thumbnail", params={"path": str(docs.resolve() / "sub/doc.pdf"), "page": 2})
     assert page.status_code == 200 and page.content[:2] == b"\xff\xd8"
     info = client.get("/v1/index").json()
-    assert (info["entries"], info["files"]) == (5, 4)
+    assert (info["entries"], info["files"]) == (6, 5)
+    clip = client.get("/v1/index/thumbnail", params={"path": str(docs.resolve() / "sub/clip.mp4")})
+    assert clip.status_code == 200 and clip.content[:2] == b"\xff\xd8"
     assert client.post("/v1/search", json={"query": "a grey page", "k": 2}).status_code == 200
     assert_error(client.post("/v1/search", json={"query": "x", "k": 0}), 400, "k")
 
@@ -247,6 +254,6 @@ def test_web_page_search_box_shows_the_results_thumbnails(indexed, tiny_embeddin
         page.goto(server.url)
         page.fill("#search-query", "a grey page")
         page.click("#search-button")
-        expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(5)
+        expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(6)
         captions = page.locator("#search-results figcaption").all_inner_texts()
         assert any("doc.pdf, page 2" in c for c in captions) and any("img0.png" in c for c in captions)

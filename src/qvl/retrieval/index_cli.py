@@ -74,8 +74,9 @@ def index_model(store, given: str | None) -> str:
 def cmd_add(args: argparse.Namespace) -> int:
     from qvl.engine import Engine
     from qvl.retrieval.index import QUERY_INSTRUCTION, add, require_embedding_model
-    from qvl.retrieval.store import DATABASE, Store
+    from qvl.retrieval.store import DATABASE, Store, faiss_module
 
+    faiss_module()  # before anything is loaded or made
     for folder in args.folders:
         if not folder.is_dir():
             raise UsageError(f"not a folder: {folder}")
@@ -106,7 +107,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from qvl.cli import check_files
     from qvl.engine import Engine
     from qvl.retrieval.index import reranked, search
-    from qvl.retrieval.store import Store
+    from qvl.retrieval.store import Store, faiss_module
 
     text = sys.stdin.read().strip() if args.query == "-" else args.query
     check_files(args.image)
@@ -116,6 +117,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError("-k and --candidates must be >= 1")
     if args.rerank != (args.reranker is not None):
         raise UsageError("--rerank needs --reranker MODEL, and --reranker goes with --rerank")
+    faiss_module()
     store = Store.open(args.db)
     options = replace(engine_options(args), model=index_model(store, args.model))
     query = [{"type": "image", "image": path} for path in args.image] + \
