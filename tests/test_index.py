@@ -230,6 +230,7 @@ def test_server_search_answers_the_nearest_with_thumbnails(indexed, client):
     clip = client.get("/v1/index/thumbnail", params={"path": str(docs.resolve() / "sub/clip.mp4")})
     assert clip.status_code == 200 and clip.content[:2] == b"\xff\xd8"
     assert client.post("/v1/search", json={"query": "a grey page", "k": 2}).status_code == 200
+    assert '<script id="qvl-index" type="application/json">true</script>' in client.get("/").text  # the search box
     assert_error(client.post("/v1/search", json={"query": "x", "k": 0}), 400, "k")
 
 

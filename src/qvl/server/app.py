@@ -32,14 +32,16 @@ from qvl.tasks import TASKS
 STATIC = Path(__file__).parent / "static"
 
 
-def web_page(max_body_bytes: int) -> str:
-    """index.html with the task presets (so the page and the CLI share one prompt text) and the
-    body limit (so the page refuses a file too large to send before sending it) filled in."""
+def web_page(max_body_bytes: int, has_index: bool) -> str:
+    """index.html with the task presets (so the page and the CLI share one prompt text), the
+    body limit (so the page refuses a file too large to send before sending it) and whether
+    there is an index to search (its search box) filled in."""
     tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description,
               "max_image_tokens": t.max_image_tokens, "subject": t.subject, "grounding": t.grounding}
              for t in TASKS.values()]
     data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
     page = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
+    page = page.replace("{{QVL_INDEX}}", json.dumps(has_index))
     return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))
 
 
@@ -65,7 +67,7 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine], index: Stor
     responses = Responses(state, submit)
     ollama = Ollama(state, submit)
     pulls = Pulls(state)
-    page = web_page(settings.max_body_bytes)
+    page = web_page(settings.max_body_bytes, index is not None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
