@@ -2,7 +2,8 @@
 by the tiny embedding checkpoint, searched by image (random weights: a picture finds itself,
 and the stored vectors are the engine's own), resumed without embedding anything twice (after
 a SIGKILL too), unreadable inputs skipped with their reasons; the CLI's JSON; the server's
-/v1/search and its thumbnails, confined to the indexed folders."""
+/v1/search and its thumbnails, confined to the indexed folders (the web page's search box:
+tests/test_server_web.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from qvl.server.settings import MB, ImagePolicy, ServerSettings
 from tests.test_documents import pdf_bytes
 from tests.test_retrieval import fp32_engine, noise_image
 from tests.test_server_api import assert_error, wait_ready
-from tests.test_server_support import data_uri, live_server
-from tests.test_server_web import CHROMIUM, page  # noqa: F401 (the browser page fixture)
+from tests.test_server_support import data_uri
 
 ENGINE_FLAGS = ["--weights", "fp32", "--threads", "2", "--max-image-tokens", "64"]  # what fp32_engine loads
 
@@ -71,13 +71,16 @@ def image_query(path: Path) -> list[dict]:
     return [{"type": "image", "image": str(path)}]
 
 
+def make_index(engine, root: Path):
+    """(docs folder, store, the first add's summary) in `root`."""
+    docs = write_docs(root / "docs")
+    store = new_store(root / "idx", engine)
+    return docs, store, add(engine, store, [docs.resolve()])
+
+
 @pytest.fixture(scope="module")
 def indexed(embedder, tmp_path_factory):
-    """(docs folder, store, the first add's summary)."""
-    root = tmp_path_factory.mktemp("index")
-    docs = write_docs(root / "docs")
-    store = new_store(root / "idx", embedder)
-    return docs, store, add(embedder, store, [docs.resolve()])
+    return make_index(embedder, tmp_path_factory.mktemp("index"))
 
 
 def test_add_embeds_every_image_and_pdf_page_and_each_finds_itself(indexed, embedder):
@@ -90,8 +93,8 @@ def test_add_embeds_every_image_and_pdf_page_and_each_finds_itself(indexed, embe
         stored = store.vectors([hits[0].id])[hits[0].id]
         expected, _ = embed(embedder, [image_query(docs / f"img{i}.png")])  # the documents' (default) instruction
         np.testing.assert_allclose(stored, expected[0].numpy(), atol=1e-6)
-    page = search(embedder, store, image_query(f"{docs}/sub/doc.pdf#pages=2"), k=1)[0]
-    assert (page.path, page.page, page.kind) == (str(docs.resolve() / "sub/doc.pdf"), 2, "pdf")
+    second = search(embedder, store, image_query(f"{docs}/sub/doc.pdf#pages=2"), k=1)[0]
+    assert (second.path, second.page, second.kind) == (str(docs.resolve() / "sub/doc.pdf"), 2, "pdf")
     clip = search(embedder, store, [{"type": "video", "video": str(docs / "sub/clip.mp4")}], k=1)[0]
     assert (clip.path, clip.page, clip.kind) == (str(docs.resolve() / "sub/clip.mp4"), None, "video")
 
@@ -223,8 +226,8 @@ def test_server_search_answers_the_nearest_with_thumbnails(indexed, client):
     assert all(set(h) == {"path", "page", "kind", "score", "thumbnail"} for h in results)
     thumb = client.get(results[0]["thumbnail"])
     assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/jpeg"
-    page = client.get("/v1/index/thumbnail", params={"path": str(docs.resolve() / "sub/doc.pdf"), "page": 2})
-    assert page.status_code == 200 and page.content[:2] == b"\xff\xd8"
+    second = client.get("/v1/index/thumbnail", params={"path": str(docs.resolve() / "sub/doc.pdf"), "page": 2})
+    assert second.status_code == 200 and second.content[:2] == b"\xff\xd8"
     info = client.get("/v1/index").json()
     assert (info["entries"], info["files"]) == (6, 5)
     clip = client.get("/v1/index/thumbnail", params={"path": str(docs.resolve() / "sub/clip.mp4")})
@@ -244,17 +247,3 @@ def test_thumbnails_are_confined_to_the_indexed_files(indexed, client):
     assert_error(client.get("/v1/index/thumbnail", params={"path": f"{root}/sub/doc.pdf", "page": 3}), 400, "page")
     assert client.get("/v1/index/thumbnail", params={"path": f"{root}/sub/../img1.png"}).status_code == 200
 
-
-@pytest.mark.slow  # `qvl serve --index` and Chromium
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed: the web page cannot be driven")
-def test_web_page_search_box_shows_the_results_thumbnails(indexed, tiny_embedding_checkpoint, page):
-    from playwright.sync_api import expect
-
-    _, store, _ = indexed
-    with live_server(tiny_embedding_checkpoint, "--index", str(store.folder)) as server:
-        page.goto(server.url)
-        page.fill("#search-query", "a grey page")
-        page.click("#search-button")
-        expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(6)
-        captions = page.locator("#search-results figcaption").all_inner_texts()
-        assert any("doc.pdf, page 2" in c for c in captions) and any("img0.png" in c for c in captions)
