@@ -94,11 +94,11 @@ def content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_row(store: Store, path: Path) -> FileRow:
-    """What the store should hold of a file: its row as stored while its size and mtime are
-    unchanged, else hashed (and a PDF's pages counted) anew. OSError or PdfError when unreadable."""
+def file_row(path: Path, known: FileRow | None) -> FileRow:
+    """What the store should hold of a file: its row as stored (`known`) while its size and
+    mtime are unchanged, else hashed (and a PDF's pages counted) anew. OSError or PdfError when
+    unreadable."""
     stat = path.stat()
-    known = store.file(str(path))
     if known and (known.size, known.mtime_ns) == (stat.st_size, stat.st_mtime_ns):
         return known
     kind = kind_of(path)
@@ -127,13 +127,13 @@ def scan(store: Store, roots: list[Path], summary: AddSummary) -> list[Work]:
         under = str(root) + os.sep
         gone += [p for p in store.paths() if p.startswith(under) and p not in seen]
         for path in found:
+            known = store.file(str(path))
             try:
-                row = file_row(store, path)
+                row = file_row(path, known)
             except (OSError, ValueError) as exc:  # PdfError is a ValueError
                 summary.skip(str(path), str(exc))
                 gone.append(str(path))
                 continue
-            known = store.file(row.path)
             if known and known.hash != row.hash:
                 gone.append(row.path)
             by_content.setdefault(row.hash, []).append(row)
@@ -199,6 +199,7 @@ def add(engine, store: Store, roots: list[Path], progress_interval: float = 10.0
         store.add_root(str(root))
     store.graph()  # loaded (or caught up with the database) before the new entries go in
     work = scan(store, roots, summary)
+    tqdm.write(f"qvl index add: {len(work)} to embed, {summary.present} already indexed", file=sys.stderr)
     progress, saved = Progress(len(work), progress_interval, name="qvl index add"), time.monotonic()
     try:
         for item, result in embedded(engine, work, store.meta.get("instruction"), dimensions_of(store, engine)):

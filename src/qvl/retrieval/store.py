@@ -23,7 +23,6 @@ import os
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -98,6 +97,8 @@ class Graph:
     def load(cls, path: Path, dims: int) -> Graph | None:
         """The graph saved at `path`; None when there is none usable (missing, unreadable, other dims)."""
         faiss = faiss_module()
+        if not path.is_file():
+            return None
         try:
             index = faiss.read_index(str(path))
         except RuntimeError:  # missing or damaged: rebuilt from the database
@@ -180,14 +181,17 @@ class Store:
 
     # -- files and entries --------------------------------------------------------------------
 
-    def file(self, path: str) -> FileRow | None:
+    def _rows(self, sql: str, args=()) -> list[tuple]:
         with self.lock:
-            row = self.db.execute("SELECT * FROM files WHERE path = ?", (path,)).fetchone()
-        return FileRow(*row) if row else None
+            return self.db.execute(sql, args).fetchall()
+
+    def file(self, path: str) -> FileRow | None:
+        rows = self._rows("SELECT * FROM files WHERE path = ?", (path,))
+        return FileRow(*rows[0]) if rows else None
 
     def pages_of(self, content: str) -> set[int]:
         """The pages of a content (hash) already embedded."""
-        return {p for (p,) in self.db.execute("SELECT page FROM entries WHERE hash = ?", (content,))}
+        return {p for (p,) in self._rows("SELECT page FROM entries WHERE hash = ?", (content,))}
 
     def put_files(self, rows: list[FileRow]) -> None:
         with self.lock, transaction(self.db):
@@ -195,10 +199,6 @@ class Store:
 
     def _upsert(self, rows: list[FileRow]) -> None:
         self.db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)", [astuple(r) for r in rows])
-
-    def drop_file(self, path: str) -> None:
-        with self.lock, transaction(self.db):
-            self.db.execute("DELETE FROM files WHERE path = ?", (path,))
 
     def add(self, files: list[FileRow], page: int, vector: np.ndarray) -> None:
         """One entry: the vector [d] of page `page` of the content the files hold, and the
@@ -217,16 +217,16 @@ class Store:
             self.db.execute("INSERT OR IGNORE INTO roots VALUES (?)", (path,))
 
     def roots(self) -> list[str]:
-        return [p for (p,) in self.db.execute("SELECT path FROM roots ORDER BY path")]
+        return [p for (p,) in self._rows("SELECT path FROM roots ORDER BY path")]
 
     def paths(self) -> list[str]:
-        return [p for (p,) in self.db.execute("SELECT path FROM files ORDER BY path")]
+        return [p for (p,) in self._rows("SELECT path FROM files ORDER BY path")]
 
-    def files(self) -> Iterator[tuple[FileRow, int]]:
+    def files(self) -> list[tuple[FileRow, int]]:
         """Each file and the entries its content has, by path."""
-        query = ("SELECT f.*, (SELECT COUNT(*) FROM entries e WHERE e.hash = f.hash) FROM files f ORDER BY f.path")
-        for row in self.db.execute(query):
-            yield FileRow(*row[:6]), row[6]
+        rows = self._rows("SELECT f.*, (SELECT COUNT(*) FROM entries e WHERE e.hash = f.hash) FROM files f "
+                          "ORDER BY f.path")
+        return [(FileRow(*row[:6]), row[6]) for row in rows]
 
     def forget(self, paths: list[str]) -> int:
         """Remove these files, then every entry no file holds any more; returns the files removed."""
@@ -240,14 +240,12 @@ class Store:
 
     def counts(self) -> dict:
         """Entries, files (and by kind), the folders added."""
-        with self.lock:
-            entries = self.db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
-            kinds = dict(self.db.execute("SELECT kind, COUNT(*) FROM files GROUP BY kind"))
-            return {"entries": entries, "files": sum(kinds.values()), "files_by_kind": kinds, "roots": self.roots()}
+        entries = self._rows("SELECT COUNT(*) FROM entries")[0][0]
+        kinds = dict(self._rows("SELECT kind, COUNT(*) FROM files GROUP BY kind"))
+        return {"entries": entries, "files": sum(kinds.values()), "files_by_kind": kinds, "roots": self.roots()}
 
     def vectors(self, ids: list[int]) -> dict[int, np.ndarray]:
-        marks = ",".join("?" * len(ids))
-        rows = self.db.execute(f"SELECT id, vector FROM entries WHERE id IN ({marks})", ids)
+        rows = self._rows(f"SELECT id, vector FROM entries WHERE id IN ({','.join('?' * len(ids))})", ids)
         return {i: np.frombuffer(blob, "<f4") for i, blob in rows}
 
     # -- the graph ------------------------------------------------------------------------------
@@ -263,7 +261,7 @@ class Store:
             return self._graph
 
     def _synced_graph(self, graph: Graph | None) -> Graph:
-        ids = np.fromiter((i for (i,) in self.db.execute("SELECT id FROM entries")), np.int64)
+        ids = np.array([i for (i,) in self._rows("SELECT id FROM entries")], np.int64)
         have = graph.ids() if graph is not None else np.zeros(0, np.int64)
         deleted = np.setdiff1d(have, ids)
         if graph is None or len(deleted) > REBUILD_FRACTION * len(have):
