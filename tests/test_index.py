@@ -116,6 +116,8 @@ def test_adding_again_embeds_only_what_is_new_and_forgets_what_went(embedder, tm
     before = entries(tmp_path / "idx")
     again = add(embedder, store, [docs])
     assert (again.added, again.present) == (0, 6) and entries(tmp_path / "idx") == before
+    reader = Store.open(tmp_path / "idx")  # another process's view, as a server's
+    reader.graph()
     (docs / "copy.png").write_bytes((docs / "img0.png").read_bytes())  # same content: nothing to embed
     noise_image(64, 64, seed=9).save(docs / "sub" / "new.png")
     (docs / "img1.png").unlink()
@@ -127,6 +129,9 @@ def test_adding_again_embeds_only_what_is_new_and_forgets_what_went(embedder, tm
     hits = search(embedder, store, image_query(docs / "sub" / "new.png"), k=5)
     assert hits[0].path == str(docs / "sub" / "new.png")
     assert str(docs / "img1.png") not in {h.path for h in hits}  # its entry is out of the graph's answers too
+    vector, _ = embed(embedder, [image_query(docs / "sub" / "new.png")])
+    seen = reader.search(vector[0].numpy(), 5)  # caught up with what the other connection committed
+    assert seen[0].path == str(docs / "sub" / "new.png") and str(docs / "img1.png") not in {h.path for h in seen}
 
 
 def test_a_damaged_search_graph_is_rebuilt_from_the_database(indexed, embedder, tmp_path):
