@@ -14,7 +14,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from qvl.engine import Engine
-from qvl.server import embeddings, errors
+from qvl.retrieval.store import Store
+from qvl.server import embeddings, errors, search
 from qvl.server.errors import APIError
 from qvl.server.guard import BrowserGuard, matching_key
 from qvl.server.metrics import StatusCounter
@@ -31,14 +32,16 @@ from qvl.tasks import TASKS
 STATIC = Path(__file__).parent / "static"
 
 
-def web_page(max_body_bytes: int) -> str:
-    """index.html with the task presets (so the page and the CLI share one prompt text) and the
-    body limit (so the page refuses a file too large to send before sending it) filled in."""
+def web_page(max_body_bytes: int, has_index: bool) -> str:
+    """index.html with the task presets (so the page and the CLI share one prompt text), the
+    body limit (so the page refuses a file too large to send before sending it) and whether
+    there is an index to search (its search box) filled in."""
     tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description,
               "max_image_tokens": t.max_image_tokens, "subject": t.subject, "grounding": t.grounding}
              for t in TASKS.values()]
     data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
     page = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
+    page = page.replace("{{QVL_INDEX}}", json.dumps(has_index))
     return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))
 
 
@@ -55,15 +58,16 @@ def bearer_auth(keys: tuple[str, ...]) -> Callable:
     return check
 
 
-def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
-    """`load` builds the engine; it runs in a background thread so /health answers at once."""
+def create_app(settings: ServerSettings, load: Callable[[], Engine], index: Store | None = None) -> FastAPI:
+    """`load` builds the engine; it runs in a background thread so /health answers at once.
+    `index`: an index to search with the (embedding) model (/v1/search)."""
     state = ServerState(settings, load)
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
     responses = Responses(state, submit)
     ollama = Ollama(state, submit)
     pulls = Pulls(state)
-    page = web_page(settings.max_body_bytes)
+    page = web_page(settings.max_body_bytes, index is not None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -93,6 +97,8 @@ def create_app(settings: ServerSettings, load: Callable[[], Engine]) -> FastAPI:
     api.add_api_route("/api/ps", ollama.ps, methods=["GET"])
     api.add_api_route("/api/version", version, methods=["GET"])
     embeddings.register(api, state, submit)
+    if index is not None:
+        search.register(api, state, submit, index)
     api.add_api_route("/api/pull", pulls.pull, methods=["POST"])
     api.add_api_route("/api/delete", pulls.delete, methods=["DELETE"])
 

@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--write-timeout", type=float, default=cl.write_timeout_s,
                    help="seconds a client may take none of its answer (the server's send buffer full) before "
                         "it is cut off and its request cancelled (default: %(default)g)")
+    p.add_argument("--index", type=Path, metavar="DB",
+                   help="search this index (made by qvl index add) at POST /v1/search and on the web page; the "
+                        "model is the index's unless --model names the same one")
     g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
@@ -125,6 +128,7 @@ def is_loopback(host: str) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from qvl.engine import Engine
+    from qvl.retrieval.index_cli import index_model
     from qvl.server.app import create_app
     from qvl.server.serve import run
 
@@ -135,6 +139,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
     config = settings(args)
     options = engine_options(args)
+    index = None
+    if args.index is not None:
+        if args.ray:
+            raise ValueError("--index is served by one process: leave out --ray")
+        index = opened_index(args.index)
+        options = replace(options, model=index_model(index, args.model))
     if args.max_images is not None:
         options = replace(options, max_images=args.max_images)
     if args.max_videos is not None:
@@ -146,8 +156,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if args.ray:
         return serve_on_ray(args, config, options)
-    app = create_app(config, lambda: Engine.load(options))
+    app = create_app(config, lambda: Engine.load(options), index)
     return run(app, args.host, args.port, args.log_level)
+
+
+def opened_index(folder: Path):
+    """The index at `folder`, its search graph loading in the background (FAISS checked first)."""
+    import threading
+
+    from qvl.retrieval.store import Store, faiss_module
+
+    faiss_module()
+    store = Store.open(folder)
+    threading.Thread(target=store.graph, name="qvl-index-load", daemon=True).start()
+    return store
 
 
 def serve_on_ray(args: argparse.Namespace, config: ServerSettings, options) -> int:
