@@ -111,10 +111,11 @@ def test_unknown_model_is_404_naming_the_known_ones(tiny_checkpoint, tiny_untied
 
 
 def test_a_single_model_server_answers_every_name(tiny_engine):
+    own = [{"role": "user", "content": "which model are you?"}]  # the shared engine caches answers: not HELLO's
     with TestClient(create_app(ServerSettings(warm_up=False), lambda: tiny_engine)) as c:
         wait_for(lambda: c.get("/health").status_code == 200)
-        assert chat(c, "gpt-4o").status_code == 200
-        assert c.post("/api/chat", json={"model": "llama3", "messages": HELLO, "stream": False,
+        assert chat(c, "gpt-4o", messages=own).status_code == 200
+        assert c.post("/api/chat", json={"model": "llama3", "messages": own, "stream": False,
                                          "options": {"num_predict": 1}}).status_code == 200
 
 
@@ -282,3 +283,20 @@ def test_keep_alive_durations():
     assert byte_size("12G") == 12 * 2**30 and byte_size("512MiB") == 2**29 and byte_size("1000") == 1000
     with pytest.raises(ValueError):
         byte_size("lots")
+
+
+def test_an_index_is_searched_with_its_own_model(tmp_path):
+    from types import SimpleNamespace
+
+    from qvl.options import UsageError
+    from qvl.server.cli import with_index_model
+
+    (tmp_path / "embedder").mkdir()
+    index = SimpleNamespace(meta={"model": str(tmp_path / "embedder")}, folder=tmp_path / "my.index")  # Store's fields
+    assert with_index_model(index, [(None, None)]) == [(None, str(tmp_path / "embedder"))]  # no --model: its own
+    several = [("chat", "Qwen/Qwen3-VL-2B-Instruct"), ("embed", str(tmp_path / "embedder"))]
+    assert with_index_model(index, several) == several
+    with pytest.raises(UsageError, match="none of the --model"):
+        with_index_model(index, [("a", "Org/A"), ("b", "Org/B")])
+    with pytest.raises(UsageError, match="would make vectors"):
+        with_index_model(index, [(None, "Org/A")])

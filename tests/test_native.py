@@ -18,6 +18,7 @@ from qvl.kernels.library import Library, library
 from qvl.kernels.ops import byte_image_attention, image_attention, integer_image_attention
 from qvl.kernels.plan import GEMV_MAX_ROWS, PACKED, Plan, default_plan
 from qvl.kv_cache import BLOCK
+from qvl.model.gated_deltanet import GatedRMSNorm
 from qvl.model.rope import apply_rotary, inverse_frequencies, vision_cos_sin
 
 lib = library().lib
@@ -618,6 +619,26 @@ def test_rms_norm_matches_the_reference_formula(shape):
     differ = out != reference  # only a float32 sum in another order can move a value by one bf16 step
     assert differ.float().mean() < 1e-3
     torch.testing.assert_close(out.float(), reference.float(), atol=0, rtol=1e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 16, 128), (1, 300, 16, 128), (3, 48)])
+def test_gated_rms_norm_matches_the_reference_module(shape, dtype):
+    norm = GatedRMSNorm(shape[-1], 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+    x, gate = (torch.randn(*shape) * 5).to(dtype), (torch.randn(*shape) * 4).to(dtype)
+    h = x.float()
+    reference = (norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+                 * F.silu(gate.float())).to(dtype)
+    out = norm(x, gate)  # the native kernel
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.bfloat16:  # a float32 sum in another order, or SiLU's exponential, moves a value by one step
+        assert (out != reference).float().mean() < 1e-2
+        torch.testing.assert_close(out.float(), reference.float(), atol=1e-5, rtol=1e-2)
+    else:
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
 
 
 def _count_one_calls(monkeypatch) -> list[bool]:

@@ -1,7 +1,7 @@
 """The web page in headless Chromium (Debian's `chromium`, driven by Playwright's Python
 package): upload an image, pick a preset, watch the answer stream, stop it, ask a follow-up;
 the JSON switch with a schema; videos; PDFs and their pages; the detect and point presets and
-the boxes and points of an answer drawn over the image.
+the boxes and points of an answer drawn over the image; the search box of a server with an index.
 
 Set QVL_UPDATE_SCREENSHOT=1 to refresh docs/web-page.png from this run."""
 
@@ -588,3 +588,21 @@ def test_the_model_picker_chooses_the_model_that_answers(tiny_checkpoint, tiny_u
         assert json.loads(request.value.post_data)["model"] == "second"
         page.wait_for_selector("#stats:has-text('tokens/s')")
         assert [m["name"] for m in httpx.get(f"{server.url}/api/ps").json()["models"]] == ["second:latest"]
+
+
+def test_search_box_shows_the_results_thumbnails(tiny_embedding_checkpoint, page, tmp_path):
+    """`qvl serve --index`: the page has a search box, and a query shows every entry's thumbnail
+    (fetched by the page, shown from a blob: URL), score and file."""
+    from playwright.sync_api import expect
+
+    from tests.test_index import make_index
+    from tests.test_retrieval import fp32_engine
+
+    _, store, _ = make_index(fp32_engine(tiny_embedding_checkpoint), tmp_path)
+    with live_server(tiny_embedding_checkpoint, "--index", str(store.folder)) as server:
+        page.goto(server.url)
+        page.fill("#search-query", "a grey page")
+        page.click("#search-button")
+        expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(6)  # every entry
+        captions = page.locator("#search-results figcaption").all_inner_texts()
+        assert any("doc.pdf, page 2" in c for c in captions) and any("img0.png" in c for c in captions)

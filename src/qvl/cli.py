@@ -13,7 +13,7 @@ from qvl import __version__
 from qvl.options import SamplingOptions, UsageError, add_engine_args, add_sampling_args, engine_options, prompt_text
 
 FRONT_DOORS: tuple[str, ...] = ("qvl.batch.cli", "qvl.server.cli", "qvl.eval.cli", "qvl.retrieval.cli",
-                               "qvl.models_cli")
+                               "qvl.retrieval.index_cli", "qvl.models_cli")
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:

@@ -44,10 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "products run int8 x int8; see `qvl info`)")
     g.add_argument("--int8-activations", nargs="?", const="all", default="auto",
                    choices=["auto", "off", "vision", "all"],
-                   help="which int8 layers run their many-row products int8 x int8 (activations quantised "
-                        "per token): auto = the vision tower where that is faster than the float GEMM "
-                        "(x86: 7-bit activations without VNNI), else off; all (the bare flag) adds prefill: a faster "
-                        "first token, slightly less exact")
+                   help="which int8/int4 layers run their many-row products on integer activation codes: "
+                        "auto = the vision tower and prefill where the byte kernel codes activations in 8 bits "
+                        "(VNNI, ARM dot products) and for int4 weights, the vision tower only where it codes in "
+                        "7 bits (plain AVX2), else off (`qvl info` prints the choice); all (the bare flag): both "
+                        "everywhere, a faster first token, slightly less exact; off: float activations")
     g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
     g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")

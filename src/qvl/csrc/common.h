@@ -62,6 +62,8 @@ static inline void put(void* p, int dt, int64_t i, float v) {
         ((float*)p)[i] = v;
 }
 
+static inline float in_dt(float v, int dt) { return dt == BF16 ? round_bf(v) : v; } /* as torch stores it */
+
 /* Round to nearest (ties away from zero); unlike lrintf, loops over it vectorise. */
 static inline int32_t round_int(float v) { return (int32_t)(v + (v >= 0.f ? 0.5f : -0.5f)); }
 
@@ -356,6 +358,8 @@ void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* c
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps, int threads);
 void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
                               int threads);
+void qvl_gated_rmsnorm(const void* x, const void* z, const void* w, void* out, int dt, int64_t rows, int64_t dim,
+                       float eps, int threads);
 int qvl_features(void);
 int qvl_int8_amx_ready(void);
 int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t T, int64_t S,

@@ -132,9 +132,7 @@ static void add_into(void* x, const void* a, int dt, int64_t n) { /* one loop pe
     }
 }
 
-static inline float in_dt(float v, int dt) { return dt == BF16 ? round_bf(v) : v; } /* as torch stores it */
 static inline float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
-static inline float silu(float v) { return v / (1.f + expf(-v)); }
 
 /* What every layer of one step shares: the model's shapes, the rows, their cache and states. */
 typedef struct {
@@ -224,15 +222,7 @@ static int delta_layer(const Step* t, const QvlDelta* L, int64_t index, const ch
         qvl_gated_delta_step(y, y + Hk * Dk * es, y + 2 * Hk * Dk * es, dt, B, Hk, Hv, Dk, Dv, C, Dk, C, Dk, C, Dv, g,
                              beta, st->recurrent + index * st->slots * Hv * Dk * Dv, st->rows, o, t->threads))
         return -2;
-    for (int64_t r = 0; r < B * Hv; r++) {
-        float ss = 0.f;
-        for (int64_t i = 0; i < Dv; i++) ss += get(o, dt, r * Dv + i) * get(o, dt, r * Dv + i);
-        const float inv = 1.f / sqrtf(ss / (float)Dv + s->eps);
-        for (int64_t i = 0; i < Dv; i++) {
-            const float n = in_dt(get(L->norm, dt, i) * in_dt(get(o, dt, r * Dv + i) * inv, dt), dt);
-            put(o, dt, r * Dv + i, n * silu(get(z, dt, r * Dv + i)));
-        }
-    }
+    qvl_gated_rmsnorm(o, z, L->norm, o, dt, B * Hv, Dv, s->eps, t->threads);
     return layer_linear(&L->out, o, dt, B, out, t->threads) ? -1 : 0;
 }
 

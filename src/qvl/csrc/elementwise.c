@@ -45,6 +45,44 @@ void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, i
     }
 }
 
+/* Gated RMSNorm of the Gated DeltaNet's output (Qwen3.5), per row of dim: n = w * round(x *
+ * rsqrt(mean x^2 + eps)) rounded, then n * silu(z) in float32, rounded once, as the reference
+ * module rounds (out may be x). x, z, out: [rows][dim]; w: [dim]; all of dtype dt. */
+void qvl_gated_rmsnorm(const void* x, const void* z, const void* w, void* out, int dt, int64_t rows, int64_t dim,
+                       float eps, int threads) {
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+#if defined(QVL_AVX512) && defined(__AVX512BF16__)
+        if (dt == BF16 && dim % 16 == 0) {
+            const uint16_t *xr = (const uint16_t*)x + r * dim, *zr = (const uint16_t*)z + r * dim,
+                           *wr = (const uint16_t*)w;
+            uint16_t* o = (uint16_t*)out + r * dim;
+#define LD(p) bf16x16_to_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#define RB(v) bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(v))
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < dim; i += 16) acc = _mm512_fmadd_ps(LD(xr + i), LD(xr + i), acc);
+            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+            for (int64_t i = 0; i < dim; i += 16) {
+                const __m512 n = RB(_mm512_mul_ps(LD(wr + i), RB(_mm512_mul_ps(LD(xr + i), inv))));
+                const __m512 g = LD(zr + i);
+                const __m512 s = div_one_plus_exp2(g, _mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
+                _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(n, s)));
+            }
+#undef LD
+#undef RB
+            continue;
+        }
+#endif
+        float ss = 0.f;
+        for (int64_t i = 0; i < dim; i++) ss += get(x, dt, r * dim + i) * get(x, dt, r * dim + i);
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) {
+            const float n = in_dt(get(w, dt, i) * in_dt(get(x, dt, r * dim + i) * inv, dt), dt), g = get(z, dt, r * dim + i);
+            put(out, dt, r * dim + i, n * (g / (1.f + expf(-g))));
+        }
+    }
+}
+
 /* Rotary embedding of `heads` rows of D in place: x*cos + rotate_half(x)*sin, in bf16 with
  * each product and the sum rounded as the reference does, in float32 exactly as written. */
 void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* cos, const void* sin) {

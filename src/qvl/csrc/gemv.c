@@ -615,6 +615,12 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
                       const void* zr, int dt, int64_t n0, int nr, float* out) {
     const int64_t G = K / gs, unit = gs < CHUNK ? gs : CHUNK, stride = K / unit + 4; /* 4: _mm_loadu_ps past the end */
     const size_t es = dt == BF16 ? 2 : 4;
+#ifdef QVL_AVX512
+    for (int64_t b = 0; b < (int64_t)(nr * G * es); b += 64) { /* the scales and zeros of two blocks on */
+        _mm_prefetch((const char*)sc + (n0 + 2 * INT4_ROWS) * G * es + b, WEIGHT_PREFETCH);
+        _mm_prefetch((const char*)zr + (n0 + 2 * INT4_ROWS) * G * es + b, WEIGHT_PREFETCH);
+    }
+#endif
     enum { MOST = INT4_ROWS > 2 * TILE ? INT4_ROWS : 2 * TILE }; /* products per int4_tile call */
     float comb[MOST * stride], off[MOST], part[MOST];
 #ifdef QVL_AVX512

@@ -188,6 +188,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_rmsnorm.restype = None
     lib.qvl_rmsnorm_zero_centred.argtypes = [ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
     lib.qvl_rmsnorm_zero_centred.restype = None
+    lib.qvl_gated_rmsnorm.argtypes = [ptr, ptr, ptr, ptr, c_int, i64, i64, ctypes.c_float, c_int]
+    lib.qvl_gated_rmsnorm.restype = None
     lib.qvl_silu_mul.argtypes = [ptr, ptr, c_int, i64, c_int]
     lib.qvl_silu_mul.restype = None
     lib.qvl_text_rope.argtypes = [ptr, c_int, i64, i64, i64, i64, i64, ptr, ptr, ptr, c_int]

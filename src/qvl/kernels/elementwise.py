@@ -39,6 +39,17 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     return out
 
 
+def gated_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x times silu(gate) (x, gate: the same shape; all three one
+    dtype, bf16 or float32), in one pass rounded as the reference module rounds."""
+    rows, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(rows)
+    lib.qvl_gated_rmsnorm(rows.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype],
+                          rows.numel() // rows.shape[-1], rows.shape[-1], eps, torch.get_num_threads())
+    return out
+
+
 def silu_mul(lib: ctypes.CDLL, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u (bf16 or float32, the same shape), rounded as the reference rounds it (after
     the SiLU and after the product), in one pass; returns g's storage (overwritten) when g is

@@ -44,6 +44,17 @@ def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] scaled by weight [D], times silu(gate) [..., D] (the Gated DeltaNet's
+    output norm), rounded as the reference rounds: in one native pass where rms_norm is native."""
+    if x.dtype == gate.dtype == weight.dtype and x.shape == gate.shape \
+            and default_plan(x.dtype).rms_norm == "qvl_rmsnorm":
+        return elementwise.gated_rms_norm(library().lib, x, gate, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (the same shape), rounded as the reference rounds."""
     if gate.dtype == up.dtype and default_plan(gate.dtype).silu_mul == "qvl_silu_mul":

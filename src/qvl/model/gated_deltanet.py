@@ -28,9 +28,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [..., dim] -> [..., dim] in x's dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):

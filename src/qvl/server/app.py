@@ -15,7 +15,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 
 from qvl.engine import Engine
-from qvl.server import embeddings, errors
+from qvl.retrieval.store import Store
+from qvl.server import embeddings, errors, search
 from qvl.server.catalog import Catalog
 from qvl.server.errors import APIError
 from qvl.server.guard import BrowserGuard, matching_key
@@ -33,14 +34,16 @@ from qvl.tasks import TASKS
 STATIC = Path(__file__).parent / "static"
 
 
-def web_page(max_body_bytes: int) -> str:
-    """index.html with the task presets (so the page and the CLI share one prompt text) and the
-    body limit (so the page refuses a file too large to send before sending it) filled in."""
+def web_page(max_body_bytes: int, has_index: bool) -> str:
+    """index.html with the task presets (so the page and the CLI share one prompt text), the
+    body limit (so the page refuses a file too large to send before sending it) and whether
+    there is an index to search (its search box) filled in."""
     tasks = [{"name": t.name, "prompt": t.prompt, "greedy": t.greedy, "description": t.description,
               "max_image_tokens": t.max_image_tokens, "subject": t.subject, "grounding": t.grounding}
              for t in TASKS.values()]
     data = json.dumps(tasks, ensure_ascii=False).replace("</", "<\\/")
     page = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{QVL_TASKS}}", data)
+    page = page.replace("{{QVL_INDEX}}", json.dumps(has_index))
     return page.replace("{{QVL_MAX_BODY_BYTES}}", str(int(max_body_bytes)))
 
 
@@ -57,9 +60,11 @@ def bearer_auth(keys: tuple[str, ...]) -> Callable:
     return check
 
 
-def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence[ModelSource]) -> FastAPI:
+def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence[ModelSource],
+               index: Store | None = None) -> FastAPI:
     """models: what to serve (registry.py), or one function that builds the only engine. Loads
-    run in a background thread so /health answers at once."""
+    run in a background thread so /health answers at once. `index`: an index to search with
+    its (embedding) model, one of them (/v1/search)."""
     state = ServerState(settings, models)
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
@@ -67,7 +72,7 @@ def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence
     ollama = Ollama(state, submit)
     catalog = Catalog(state)
     pulls = Pulls(state)
-    page = web_page(settings.max_body_bytes)
+    page = web_page(settings.max_body_bytes, index is not None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -98,6 +103,8 @@ def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence
     api.add_api_route("/v1/models", catalog.models, methods=["GET"])
     api.add_api_route("/api/version", version, methods=["GET"])
     embeddings.register(api, state, submit)
+    if index is not None:
+        search.register(api, state, submit, index)
     api.add_api_route("/api/pull", pulls.pull, methods=["POST"])
     api.add_api_route("/api/delete", pulls.delete, methods=["DELETE"])
 

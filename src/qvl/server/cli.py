@@ -75,6 +75,10 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
     g.add_argument("--write-timeout", type=float, default=cl.write_timeout_s,
                    help="seconds a client may take none of its answer (the server's send buffer full) before "
                         "it is cut off and its request cancelled (default: %(default)g)")
+    p.add_argument("--index", type=Path, metavar="DB",
+                   help="search this index (made by qvl index add) at POST /v1/search and on the web page; the "
+                        "model is the index's unless --model names the same one (of several --model, one must be "
+                        "the index's)")
     g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
@@ -189,6 +193,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray and len(models) > 1:
         raise ValueError("--ray serves one model per replica: give one --model")
     options = engine_options(args)
+    index = None
+    if args.index is not None:
+        if args.ray:
+            raise ValueError("--index is served by one process: leave out --ray")
+        index = opened_index(args.index)
+        models = with_index_model(index, models)
     if args.max_images is not None:
         options = replace(options, max_images=args.max_images)
     if args.max_videos is not None:
@@ -201,8 +211,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         (name, model), = models
         return serve_on_ray(args, config, replace(options, model=model, name=name))
-    app = create_app(config, [ModelSource.of(replace(options, model=model), name) for name, model in models])
+    app = create_app(config, [ModelSource.of(replace(options, model=model), name) for name, model in models], index)
     return run(app, args.host, args.port, args.log_level)
+
+
+def with_index_model(index, models: list[tuple[str | None, str | None]]) -> list[tuple[str | None, str | None]]:
+    """The models served beside an index: its own model when --model is not given; one
+    --model must be it (its vectors would not compare otherwise); of several, one must be."""
+    from qvl.options import UsageError
+    from qvl.retrieval.index_cli import index_model, model_key
+
+    if len(models) == 1:
+        (name, model), = models
+        return [(name, index_model(index, model))]
+    if not any(model and model_key(model) == index.meta["model"] for _, model in models):
+        raise UsageError(f"the index {index.folder} holds vectors of {index.meta['model']}, which none of the "
+                         "--model is: serve it too")
+    return models
+
+
+def opened_index(folder: Path):
+    """The index at `folder`, its search graph loading in the background (FAISS checked first)."""
+    import threading
+
+    from qvl.retrieval.store import Store, faiss_module
+
+    faiss_module()
+    store = Store.open(folder)
+    threading.Thread(target=store.graph, name="qvl-index-load", daemon=True).start()
+    return store
 
 
 def serve_on_ray(args: argparse.Namespace, config: ServerSettings, options) -> int:

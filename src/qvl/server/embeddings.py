@@ -88,7 +88,7 @@ class Retrieval:
         lease = None
         try:
             req = await asyncio.to_thread(schema.model_validate_json, body)
-            lease = await self.state.acquire(req.model, keep_alive_of(req))
+            lease = await self.state.acquire(self.model_for(req), keep_alive_of(req))
             salt, engine = cache_salt(key, req.cache_salt), lease.engine
             spec, parsed = await self.submit.in_lane(http, has_media(req),
                                                       lambda deadline: prepare(req, engine, deadline, salt))
@@ -98,6 +98,10 @@ class Retrieval:
         finally:
             if lease is not None:
                 lease.release()
+
+    def model_for(self, req: Any) -> str | None:
+        """The name of the model that answers `req`."""
+        return req.model
 
     def _parts(self, value: Any, param: str, engine: Engine) -> Parts:
         """An input, query or document as content parts: a string, a list of chat content

@@ -615,7 +615,76 @@ function wireForm() {
   $("new-chat").addEventListener("click", newConversation);
 }
 
+// -- search over the server's index (qvl serve --index) ----------------------------------------
+
+const SEARCH_RESULTS = 12;
+let thumbnails = [];  // blob: URLs of the shown results' thumbnails (revoked by the next search)
+
+async function wireSearch() {
+  if (!JSON.parse($("qvl-index").textContent)) return;  // filled in by qvl serve: no index, no search box
+  $("search-pane").hidden = false;
+  $("search-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    search($("search-query").value.trim());
+  });
+  try {
+    const res = await fetch("v1/index", {headers: headers()});
+    if (!res.ok) return;  // an API key not given yet: the counts stay unsaid
+    const info = await res.json();
+    $("search-info").textContent = `${counted(info.entries, "entry", "entries")} from ${counted(info.files, "file", "files")}`;
+  } catch (e) { /* the counts are a nicety */ }
+}
+
+async function search(text) {
+  if (!text) return;
+  showError("");
+  thumbnails.forEach((url) => URL.revokeObjectURL(url));
+  thumbnails = [];
+  $("search-results").replaceChildren();
+  $("search-button").disabled = true;
+  try {
+    const res = await fetch("v1/search", {method: "POST", headers: headers(), body: JSON.stringify({query: text, k: SEARCH_RESULTS})});
+    if (!res.ok) { showError(await errorMessage(res)); return; }
+    const body = await res.json();
+    if (!body.results.length) $("search-results").textContent = "nothing indexed yet";
+    body.results.forEach((hit) => $("search-results").appendChild(resultCard(hit)));
+  } catch (e) {
+    showError(`search failed: ${e.message}`);
+  } finally {
+    $("search-button").disabled = false;
+  }
+}
+
+function resultCard(hit) {
+  const name = hit.path.split(/[\\/]/).pop();
+  const where = hit.page ? `${name}, page ${hit.page}` : name;
+  const card = document.createElement("figure");
+  card.className = "hit";
+  const img = document.createElement("img");
+  img.alt = where;
+  const caption = document.createElement("figcaption");
+  caption.textContent = `${hit.score.toFixed(3)} · ${where}`;
+  caption.title = hit.path;
+  card.append(img, caption);
+  showThumbnail(img, hit.thumbnail);
+  return card;
+}
+
+// Fetched with the API key (an <img src> could not send it) and shown from a blob: URL.
+async function showThumbnail(img, url) {
+  try {
+    const res = await fetch(url.replace(/^\//, ""), {headers: headers()});
+    if (!res.ok) { img.alt += ` (no thumbnail: ${await errorMessage(res)})`; return; }
+    const blob = URL.createObjectURL(await res.blob());
+    thumbnails.push(blob);
+    img.src = blob;
+  } catch (e) {
+    img.alt += " (no thumbnail)";
+  }
+}
+
 wireMediaInputs();
 wirePresets();
 wireForm();
+wireSearch();
 pollHealth();
