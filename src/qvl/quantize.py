@@ -306,23 +306,17 @@ def quantized_linear_names(model: nn.Module, spec: QuantSpec) -> list[str]:
             and (_is_text(name) or (spec.vision and name.startswith("visual.")))]
 
 
-# Text linears kept in the float dtype: a mixture's router, whose top-k choice must stay the
-# reference's, and the Gated DeltaNet's one-value-per-head projections of beta and the decay
-# (16-48 output rows: float products of so few rows cost less than the integer kernels' pass over
-# the activations, and these gates compound over every later token)
-FLOAT_TEXT_LINEARS = (".mlp.gate", ".linear_attn.in_proj_b", ".linear_attn.in_proj_a")
-
-
 def _is_text(name: str) -> bool:
-    """The text decoder's quantised linears and the head (not FLOAT_TEXT_LINEARS)."""
-    return (name.startswith("language_model.") and not name.endswith(FLOAT_TEXT_LINEARS)) or name == "lm_head"
+    """The text decoder's linears and the head; not a mixture-of-experts router (`mlp.gate`),
+    whose top-k choice must stay the reference's."""
+    return (name.startswith("language_model.") and not name.endswith(".mlp.gate")) or name == "lm_head"
 
 
 def use_decode_kernels(model: nn.Module) -> None:
-    """The text decoder's float linears (those not quantised, and FLOAT_TEXT_LINEARS) become
+    """The text decoder's float linears (those not quantised, and a mixture's router) become
     Bf16Linear, whose plan decodes them with the native GEMV, as the one-call decode step does."""
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and (_is_text(name) or name.endswith(FLOAT_TEXT_LINEARS)):
+        if type(module) is nn.Linear and (_is_text(name) or name.endswith(".mlp.gate")):
             module.__class__ = Bf16Linear
 
 

@@ -49,7 +49,7 @@ NAME_PREFIXES = (
 )
 
 
-QUANT_LAYOUT_VERSION = "3"  # bump when the portable quantised layout changes
+QUANT_LAYOUT_VERSION = "2"  # bump when the portable quantised layout changes
 
 
 class CheckpointError(ValueError):
