@@ -548,3 +548,25 @@ def test_prequantised_int8_checkpoint_decodes(tiny_checkpoint, tmp_path):
     assert all(b.data_ptr() % 64 == 0 for n, b in loaded.model.named_buffers() if b.dtype == torch.int8)
     request = Request([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_new_tokens=8))
     assert loaded.generate(request).token_ids == fresh.generate(request).token_ids
+
+
+def test_prequantised_int8_checkpoint_runs_as_float_and_int4(tiny_checkpoint, tmp_path):
+    """An int8 file asked for another format loads its int8 values as float weights (the demo
+    model ships as int8 only): float32 holds exactly scale x code, and int4 quantises those."""
+    from qvl.engine import Engine, EngineOptions
+
+    cfg = ModelConfig.from_file(tiny_checkpoint / "config.json")
+    out = save_quantized(tiny_checkpoint, tmp_path / "int8", QuantSpec("int8"))
+    int8 = load_model(out, cfg, torch.float32)
+    as_float = load_model(out, cfg, torch.float32, dequantise=True)
+    layer = "language_model.layers.0.mlp.down_proj"
+    codes = int8.get_submodule(layer)
+    expected = codes.weight.float() * codes.scales.float()[:, None]
+    assert torch.equal(as_float.get_submodule(layer).weight, expected)
+    assert torch.equal(as_float.language_model.embed_tokens.weight,
+                       int8.lm_head.weight.float() * int8.lm_head.scales.float()[:, None])
+    engine = Engine.load(EngineOptions(model=str(out), weights="int4", threads=1, quant_cache=False))
+    assert engine.weights.startswith("int4")
+    with pytest.raises(ValueError, match="pre-quantised int4"):
+        Engine.load(EngineOptions(model=str(save_quantized(tiny_checkpoint, tmp_path / "int4", QuantSpec("int4"))),
+                                  weights="bf16", threads=1))

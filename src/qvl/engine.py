@@ -80,11 +80,12 @@ class EngineOptions:
 
 
 def _load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, prequantised: bool,
-                  use_cache: bool):
+                  use_cache: bool, dequantise: bool = False):
     """Load the checkpoint. Quantising a bf16 checkpoint takes tens of seconds, so the result
-    is kept (see weights.quantized_cache_dir) and later starts load it directly."""
-    if quant is None or prequantised or not use_cache:
-        return load_model(path, cfg, dtype, quant)
+    is kept (see weights.quantized_cache_dir) and later starts load it directly. `dequantise`:
+    a pre-quantised int8 checkpoint loads as float values (see weights.load_model), uncached."""
+    if quant is None or prequantised or not use_cache or dequantise:
+        return load_model(path, cfg, dtype, quant, dequantise)
     cached = quantized_cache_dir(path, quant, dtype)
     with ExitStack() as stack:
         try:
@@ -160,9 +161,12 @@ class Engine:
         path = resolve_model(options.model)
         cfg = ModelConfig.from_file(path / "config.json")
         stored = checkpoint_quantization(path)
-        if stored and options.weights not in ("auto", stored.weights):
+        dequantise = stored is not None and options.weights not in ("auto", stored.weights)
+        if dequantise and stored.weights != "int8":
             raise ValueError(f"{path} holds pre-quantised {stored.weights} weights; run it with --weights "
                              f"{stored.weights} (or auto), or use the original bf16 checkpoint for {options.weights}")
+        if dequantise:  # an int8 checkpoint's values, as float weights (then quantised as asked)
+            stored = None
         weights = chosen_weights(options.weights, stored)
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weights format '{weights}' (choose from auto, {', '.join(WEIGHT_FORMATS)})")
@@ -175,7 +179,7 @@ class Engine:
             else None
         gen_path = path / "generation_config.json"
         defaults = GenerationDefaults.from_file(gen_path) if gen_path.exists() else GenerationDefaults((151645,))
-        model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache)
+        model = _load_weights(path, cfg, runtime.dtype, quant, stored is not None, options.quant_cache, dequantise)
         plan.apply(model)
         tokenizer = Tokenizer.from_dir(path)
         image_cfg = ImageProcessorConfig.from_file(path / "preprocessor_config.json")

@@ -155,13 +155,21 @@ def skipped_init():
             setattr(torch.nn.init, name, fn)
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None = None) -> Qwen3VL:
+def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None = None,
+               dequantise: bool = False) -> Qwen3VL:
     """Build the model without initialising weights and fill it tensor by tensor from
     the checkpoint, converting (or quantising) each on the way: never a second full copy.
     A pre-quantised checkpoint loads as it is; its layers get the dtype's default kernel plan.
-    Missing or unexpected tensors raise CheckpointError listing them."""
+    With `dequantise`, a pre-quantised int8 checkpoint's values load as float weights instead
+    (then as `quant` asks). Missing or unexpected tensors raise CheckpointError listing them."""
     files = checkpoint_files(model_dir)
     stored = QuantSpec.from_metadata(read_metadata(files))
+    tensors = iter_tensors(files, cfg)
+    if dequantise and stored is not None:
+        if stored.weights != "int8":
+            raise CheckpointError(f"{model_dir} holds pre-quantised {stored.weights} weights: only int8 ones "
+                                  "can load as another format")
+        tensors, stored = dequantised(tensors, cfg.tie_word_embeddings), None
     if stored is not None and quant is not None and quant != stored:
         raise CheckpointError(
             f"{model_dir} holds pre-quantised {stored.weights} weights; load it with --weights {stored.weights} "
@@ -183,7 +191,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
         if tied_quant:
             model.language_model.embed_tokens = TiedQuantEmbedding(model.lm_head)
     source = _TensorSource(model, quantized, tied_quant, dtype, from_portable=stored is not None, kept_bf16=kept_bf16)
-    for name, tensor in iter_tensors(files, cfg):
+    for name, tensor in tensors:
         source.add(name, tensor)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings and not tied_quant:
@@ -202,6 +210,26 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, quant: Qua
         model.tie_weights()
     default_plan(dtype).apply(model)  # Engine.load gives its options' plan after
     return model.eval()
+
+
+def dequantised(tensors: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pre-quantised int8 checkpoint's tensors as a float one's: each int8 `X.weight` times its
+    `X.weight_scale` (one per output row), in float32; a tied head is named as the embedding it
+    shares. Other tensors pass as they are."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        base, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", "weight_scale") or (leaf == "weight" and tensor.dtype != torch.int8):
+            yield name, tensor
+            continue
+        parts = pending.setdefault(base, {})
+        parts[leaf] = tensor
+        if len(parts) == 2:
+            del pending[base]
+            weight = parts["weight"].float() * parts["weight_scale"].float().unsqueeze(-1)
+            yield ("model.language_model.embed_tokens" if tied and base == "lm_head" else base) + ".weight", weight
+    if pending:
+        raise CheckpointError(f"int8 weights without their scales (or scales alone): {', '.join(sorted(pending))}")
 
 
 class _TensorSource:

@@ -24,6 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qvl.demo.train import TrainConfig, train
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
+                         vision_lr=args.vision_lr, probe_weight=args.probe_weight, turns=args.turns,
                          eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
                          log_every=args.log_every, threads=args.threads, minutes=args.minutes)
     out = train(Path(args.out), config)
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW; cosine to a tenth)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="steps of linear warm-up")
+    p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
+    p.add_argument("--probe-weight", type=float, default=d.probe_weight,
+                   help="weight of the vision probe's loss (0: the answers' loss alone)")
+    p.add_argument("--turns", type=int, default=d.turns, help="questions per scene in one training conversation")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out exact-match checks")
     p.add_argument("--eval-items", type=int, default=d.eval_items, help="held-out items per check")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between resumable states")

@@ -46,7 +46,7 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), 
            "orange": (245, 130, 20), "purple": (140, 40, 170), "black": (20, 20, 20)}
 SHAPES = ("circle", "square", "triangle")
 TASK_NAMES = ("read", "detect", "point", "ask")
-MIX = {"read": 0.4, "detect": 0.25, "point": 0.1, "ask": 0.25}  # the tasks of a set drawn without --task
+MIX = {"read": 0.55, "detect": 0.2, "point": 0.1, "ask": 0.15}  # the tasks of a set drawn without --task
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Sample:
     answer: str
     kind: str  # how `qvl eval` scores it: text, boxes or points
     task: str
+    marks: tuple = ()  # where the answer is drawn: (character, x centre) per character, or the Shapes
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,9 @@ def read_item(rng: random.Random) -> Sample:
     x = rng.uniform(4, max(4, width - 4 - (right - left))) - left
     y = (height - (bottom - top)) / 2 - top + rng.uniform(-4, 4)
     pen.text((x, y), text, fill=ink, font=face)
+    marks = tuple((c, x + (face.getlength(text[:i]) + face.getlength(text[: i + 1])) / 2) for i, c in enumerate(text))
     image = image.rotate(rng.uniform(-3, 3), resample=Image.Resampling.BICUBIC, fillcolor=paper)
-    return Sample(_noisy(image, rng), TASKS["ocr"].prompt, text, "text", "read")
+    return Sample(_noisy(image, rng), TASKS["ocr"].prompt, text, "text", "read", marks)
 
 
 def _ink_and_paper(rng: random.Random) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -209,22 +211,44 @@ def _query(rng: random.Random, shapes: list[Shape]) -> tuple[str, list[Shape]]:
     return name, sorted(found, key=lambda s: (s.box[1], s.box[0]))
 
 
-def detect_item(rng: random.Random) -> Sample:
-    image, shapes = scene(rng, rng.randint(1, 4))
+def detect_question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str]:
     name, found = _query(rng, shapes)
     width, height = SCENE_SIZE
     answer = [{"bbox_2d": [_relative(s.box[0], width), _relative(s.box[1], height), _relative(s.box[2], width),
                            _relative(s.box[3], height)], "label": name} for s in found]
-    return Sample(image, TASKS["detect"].prompt_for(name), json.dumps(answer), "boxes", "detect")
+    return TASKS["detect"].prompt_for(name), json.dumps(answer)
 
 
-def point_item(rng: random.Random) -> Sample:
-    image, shapes = scene(rng, rng.randint(1, 4))
+def point_question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str]:
     name, found = _query(rng, shapes)
     width, height = SCENE_SIZE
     answer = [{"point_2d": [_relative((s.box[0] + s.box[2]) / 2, width), _relative((s.box[1] + s.box[3]) / 2, height)],
                "label": name} for s in found]
-    return Sample(image, TASKS["point"].prompt_for(name), json.dumps(answer), "points", "point")
+    return TASKS["point"].prompt_for(name), json.dumps(answer)
+
+
+def colour_question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str] | None:
+    """About a shape that is the only one of its kind (None when there is none)."""
+    only = [s for s in shapes if sum(t.kind == s.kind for t in shapes) == 1]
+    if not only:
+        return None
+    target = rng.choice(only)
+    return f"What colour is the {target.kind}? Answer with one word.", target.colour
+
+
+def count_question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str]:
+    kind = rng.choice(SHAPES)
+    return f"How many {kind}s are there? Answer with a number.", str(sum(s.kind == kind for s in shapes))
+
+
+def detect_item(rng: random.Random) -> Sample:
+    image, shapes = scene(rng, rng.randint(1, 4))
+    return Sample(image, *detect_question(rng, shapes), "boxes", "detect", tuple(shapes))
+
+
+def point_item(rng: random.Random) -> Sample:
+    image, shapes = scene(rng, rng.randint(1, 4))
+    return Sample(image, *point_question(rng, shapes), "points", "point", tuple(shapes))
 
 
 def ask_item(rng: random.Random) -> Sample:
@@ -232,15 +256,22 @@ def ask_item(rng: random.Random) -> Sample:
     there?" (1-6), answered with one word or digit."""
     if rng.random() < 0.5:
         image, shapes = scene(rng, rng.randint(1, 4))
-        only = [s for s in shapes if sum(t.kind == s.kind for t in shapes) == 1]
-        if only:
-            target = rng.choice(only)
-            return Sample(image, f"What colour is the {target.kind}? Answer with one word.", target.colour, "text",
-                          "ask")
+        if question := colour_question(rng, shapes):
+            return Sample(image, *question, "text", "ask", tuple(shapes))
     image, shapes = scene(rng, rng.randint(1, 6))
-    kind = rng.choice(SHAPES)
-    count = sum(s.kind == kind for s in shapes)
-    return Sample(image, f"How many {kind}s are there? Answer with a number.", str(count), "text", "ask")
+    return Sample(image, *count_question(rng, shapes), "text", "ask", tuple(shapes))
+
+
+def follow_ups(seed: int, index: int, item: Sample, count: int) -> list[tuple[str, str]]:
+    """Up to `count` more (question, answer) turns about item `index`'s picture (a scene; a text
+    strip has none), drawn from their own stream: more answers per picture for training."""
+    if item.task == "read":
+        return []
+    rng = random.Random(f"qvl-demo-more:{seed}:{index}")
+    shapes = list(item.marks)
+    asked = [rng.choice((detect_question, point_question, colour_question, count_question))(rng, shapes)
+             for _ in range(count)]
+    return [q for q in asked if q is not None and q[0] != item.question]
 
 
 MAKERS: dict[str, Callable[[random.Random], Sample]] = {

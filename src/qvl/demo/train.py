@@ -15,14 +15,15 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import fmean
 
 import torch
 import torch.nn.functional as F
 
-from qvl.demo.data import TASK_NAMES, Sample, sample
+from qvl.demo import probe
+from qvl.demo.data import COLOURS, TASK_NAMES, Sample, follow_ups, sample
 from qvl.eval.metrics import score
 from qvl.processing.image import ImageProcessorConfig, preprocess
 from qvl.processing.prompt import load_chat_template, tokenize_chat
@@ -50,6 +51,8 @@ class TrainConfig:
     seed: int = 0
     lr: float = 2e-3
     vision_lr: float = 1.0  # the vision tower's (mergers included) learning rate, times `lr`
+    probe_weight: float = 1.0  # the vision probe's loss (see qvl.demo.probe), added to the answers' loss
+    turns: int = 3  # questions asked about each scene in training (one conversation)
     weight_decay: float = 0.01
     warmup: int = 200
     negatives: int = 2048  # random vocabulary rows in each step's softmax (see answer_loss)
@@ -63,10 +66,12 @@ class TrainConfig:
 
 @dataclass
 class Encoded:
-    ids: list[int]  # the prompt, then the answer and <|im_end|>
-    prompt_length: int
+    ids: list[int]  # the prompt, then the answer and <|im_end|> (and more turns, each likewise)
+    prompt_length: int  # of the first turn's prompt
     pixel_values: torch.Tensor  # [patches, 3*2*16*16]
     grid_thw: tuple[int, int, int]
+    probe: dict | None = None  # the vision probe's targets for this picture (see qvl.demo.probe)
+    answers: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each answer and its <|im_end|>
 
 
 class Encoder:
@@ -78,33 +83,56 @@ class Encoder:
         self.template = load_chat_template(model_dir)
         self.image_cfg = ImageProcessorConfig.from_file(model_dir / "preprocessor_config.json")
         self.end = self.tokenizer.token_id("<|im_end|>")
+        self.colour_ids = {name: self.tokenizer.encode(name, special_tokens=False)[0] for name in COLOURS}
 
-    def prompt(self, item: Sample) -> Encoded:
+    def prompt(self, item: Sample, history: list[tuple[str, str]] = ()) -> Encoded:
+        """The item's prompt; with `history` (the previous answer, the next question) pairs, the
+        conversation's prompt up to its last question."""
         image = preprocess(item.image, self.image_cfg)
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": item.question}]}]
+        for answer, question in history:
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
         ids = tokenize_chat(self.tokenizer, self.template, messages, [image.num_tokens]).ids
         return Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
 
-    def __call__(self, item: Sample) -> Encoded:
+    def __call__(self, item: Sample, more: list[tuple[str, str]] = ()) -> Encoded:
+        """The item's question and answer, then the `more` (question, answer) turns about the
+        same picture: the ids, where each answer is, and the probe's targets."""
         encoded = self.prompt(item)
-        encoded.ids = encoded.ids + self.tokenizer.encode(item.answer, special_tokens=False) + [self.end]
+        answer = self.tokenizer.encode(item.answer, special_tokens=False)
+        encoded.probe = probe.targets(item, encoded.grid_thw, answer, [self.tokenizer.token_bytes(t) for t in answer],
+                                      encoded.ids[-1], self.end, self.colour_ids)
+        encoded.ids = encoded.ids + answer + [self.end]
+        encoded.answers = [(encoded.prompt_length, len(encoded.ids))]
+        history, last = [], item.answer
+        for question, reply in more:
+            history.append((last, question))
+            ids = self.prompt(item, history).ids
+            if ids[: len(encoded.ids)] != encoded.ids:
+                raise ValueError("the chat template renders an earlier turn differently in a longer conversation")
+            encoded.ids = ids + self.tokenizer.encode(reply, special_tokens=False) + [self.end]
+            encoded.answers.append((len(ids), len(encoded.ids)))
+            last = reply
         return encoded
 
 
-def collate(items: list[Encoded], image_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded model inputs and `labels` (-100 on the prompt and the padding)."""
+def collate(items: list[Encoded], image_token_id: int) -> dict:
+    """Right-padded model inputs, `labels` (-100 on the prompt and the padding) and the vision
+    probe's targets (`probe`)."""
     length = max(len(e.ids) for e in items)
     ids = torch.full((len(items), length), PAD_ID)
     labels = torch.full((len(items), length), -100)
     mask = torch.zeros((len(items), length), dtype=torch.long)
     for row, e in enumerate(items):
         ids[row, : len(e.ids)] = torch.tensor(e.ids)
-        labels[row, e.prompt_length : len(e.ids)] = torch.tensor(e.ids[e.prompt_length :])
+        for start, end in e.answers:
+            labels[row, start:end] = torch.tensor(e.ids[start:end])
         mask[row, : len(e.ids)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels,
             "mm_token_type_ids": (ids == image_token_id).int(),
             "pixel_values": torch.cat([e.pixel_values for e in items]),
-            "image_grid_thw": torch.tensor([e.grid_thw for e in items])}
+            "image_grid_thw": torch.tensor([e.grid_thw for e in items]),
+            "probe": probe.collate([e.probe for e in items]) if all(e.probe for e in items) else {}}
 
 
 def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives: torch.Tensor) -> tuple:
@@ -114,7 +142,7 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
     product over the whole vocabulary dominates a step of this small model. Returns (loss,
     answer tokens)."""
     labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "probe")}
     hidden = model.model(**inputs).last_hidden_state[:, :-1]  # [B, T-1, H]
     targets = labels[:, 1:]
     keep = targets != -100
@@ -126,10 +154,37 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
 
 
 def build_model(config: dict, seed: int):
+    """The trainable model from the seed, with the vision probe's heads as `model.probe` (not part
+    of the checkpoint) fed by a hook on the merger."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).float().train()
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).float().train()
+    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"])
+    model.model.visual.merger.register_forward_hook(_keep_image_tokens)
+    model.model.visual.patch_embed.forward = _patch_embed_as_linear(model.model.visual.patch_embed)
+    return model
+
+
+def _keep_image_tokens(merger, args, output) -> None:
+    merger.image_tokens = output  # [merged tokens, hidden]: the last pictures' tokens
+
+
+def _patch_embed_as_linear(embed):
+    """The patch embedding's Conv3d (kernel = stride = the patch) as the matrix product it is:
+    the same function, several times faster to train on a CPU."""
+    def forward(pixels: torch.Tensor) -> torch.Tensor:  # [patches, C*T*P*P] -> [patches, hidden]
+        weight = embed.proj.weight
+        return F.linear(pixels.reshape(-1, weight[0].numel()).to(weight.dtype), weight.flatten(1), embed.proj.bias)
+    return forward
+
+
+def probe_loss(model, batch: dict, negatives: torch.Tensor) -> torch.Tensor:
+    """The vision probe's loss on the image tokens of the last forward pass, token ids scored over
+    the batch's target tokens and `negatives`."""
+    vocabulary = torch.unique(torch.cat([model.probe.token_ids(batch["probe"]), negatives]))
+    return model.probe.loss(model.model.visual.merger.image_tokens, batch["probe"],
+                            model.model.language_model.embed_tokens.weight, vocabulary)
 
 
 def param_groups(model, config: TrainConfig) -> list[dict]:
@@ -137,7 +192,7 @@ def param_groups(model, config: TrainConfig) -> list[dict]:
     rate, the rest at the learning rate; `lr_scale` is each group's factor."""
     vision, text = [], []
     for name, p in model.named_parameters():
-        (vision if name.startswith("model.visual.") else text).append(p)
+        (vision if name.startswith(("model.visual.", "probe.")) else text).append(p)
     return [{"params": text, "lr_scale": 1.0, "weight_decay": config.weight_decay},
             {"params": vision, "lr_scale": config.vision_lr, "weight_decay": config.weight_decay}]
 
@@ -153,14 +208,16 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
     for step in range(start, config.steps):
         first = step * config.batch_size
-        yield collate([encode(sample(config.seed, first + j)) for j in range(config.batch_size)], image_token_id)
+        items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
+        yield collate([encode(item, follow_ups(config.seed, index, item, config.turns - 1)) for index, item in items],
+                      image_token_id)
 
 
 @torch.no_grad()
 def held_out(model, encode: Encoder, config: TrainConfig, image_token_id: int) -> dict[str, dict[str, float]]:
     """Per task, the means of qvl eval's scores (exact; CER, box IoU or point hits) on held-out
-    items answered greedily over the whole vocabulary, and `image_gain`: their answer loss with
-    the pictures blanked minus with them (about 0 while the model ignores the pictures)."""
+    items answered greedily over the whole vocabulary, and `image_gain` (about 0 while the model
+    ignores the pictures)."""
     model.eval()
     items = [sample(HELD_OUT_SEED + config.seed, i, TASK_NAMES[i % len(TASK_NAMES)]) for i in range(config.eval_items)]
     scored: dict[str, list[dict]] = {task: [] for task in TASK_NAMES}
@@ -182,14 +239,19 @@ def held_out(model, encode: Encoder, config: TrainConfig, image_token_id: int) -
     return result
 
 
-def image_gain(model, batch: dict[str, torch.Tensor]) -> float:
-    """The answer loss of `batch` with its pixels zeroed minus with them, over a fixed sampled
-    vocabulary (the answers' tokens and 2,048 rows of seed 0)."""
+def image_gain(model, batch: dict) -> float:
+    """The answer loss of `batch` (pictures of one size) with each item given the next one's
+    picture minus with its own, over a fixed sampled vocabulary (the answers' tokens and 2,048
+    rows of seed 0): what the pictures' content is worth, in nats per answer token."""
+    grid = batch["image_grid_thw"]
+    if not (grid == grid[0]).all():
+        raise ValueError("image_gain needs pictures of one size")
     negatives = torch.randint(0, model.lm_head.weight.shape[0], (2048,), generator=torch.Generator().manual_seed(0))
     seen = set(batch["labels"][batch["labels"] != -100].tolist())
-    real, _ = answer_loss(model, batch, seen, negatives)
-    blank, _ = answer_loss(model, {**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}, seen, negatives)
-    return round((blank - real).item(), 4)
+    own, _ = answer_loss(model, batch, seen, negatives)
+    shifted = batch["pixel_values"].roll(-int(grid[0].prod()), dims=0)  # [patches, C]: item i gets i+1's
+    other, _ = answer_loss(model, {**batch, "pixel_values": shifted}, seen, negatives)
+    return round((other - own).item(), 4)
 
 
 def save_state(path: Path, model, optimizer, step: int, seen: set[int]) -> None:
@@ -202,7 +264,7 @@ def save_state(path: Path, model, optimizer, step: int, seen: set[int]) -> None:
 def write_weights(model, out: Path, tied: bool) -> None:
     """The weights under the official checkpoint names, in bf16 (as published)."""
     tensors = ((name, t.detach().to(torch.bfloat16).contiguous()) for name, t in model.state_dict().items()
-               if not (tied and name == "lm_head.weight"))
+               if not (tied and name == "lm_head.weight") and not name.startswith("probe."))
     write_shards(tensors, out, {"format": "pt"})
 
 
@@ -218,7 +280,7 @@ def train(out: Path, config: TrainConfig) -> Path:
     encode = Encoder(out)
     image_token_id = checkpoint["image_token_id"]
     model = build_model(checkpoint, config.seed)
-    optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr, betas=(0.9, 0.98), fused=True)
     state_file, step, seen = work / "state.pt", 0, {encode.end}
     if state_file.exists():
         state = torch.load(state_file, weights_only=True)
@@ -227,19 +289,21 @@ def train(out: Path, config: TrainConfig) -> Path:
         step, seen = state["step"], set(state["seen"])
         print(f"resuming at step {step} of {config.steps}", flush=True)
     log = open(work / "log.jsonl", "a", encoding="utf-8")
-    window = {"loss": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
+    window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
     for batch in batches(encode, config, step, image_token_id):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step) * group["lr_scale"]
         negatives = torch.randint(0, checkpoint["text_config"]["vocab_size"], (config.negatives,),
                                   generator=torch.Generator().manual_seed(config.seed * 7_919 + step))
         loss, answer_tokens = answer_loss(model, batch, seen, negatives)
+        probed = probe_loss(model, batch, negatives[:256])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + config.probe_weight * probed).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         window["loss"] += loss.item()
+        window["probe"] += probed.item()
         window["steps"] += 1
         window["answer_tokens"] += answer_tokens
         window["tokens"] += int(batch["attention_mask"].sum())
@@ -247,7 +311,7 @@ def train(out: Path, config: TrainConfig) -> Path:
             record = report(window, step, config, time.perf_counter() - started)
             log.write(json.dumps(record) + "\n")
             log.flush()
-            window = {"loss": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
+            window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
         if step % config.eval_every == 0 or step == config.steps:
             record = {"step": step, "held_out": held_out(model, encode, config, image_token_id)}
             print(json.dumps(record), flush=True)
@@ -266,7 +330,8 @@ def train(out: Path, config: TrainConfig) -> Path:
 
 def report(window: dict, step: int, config: TrainConfig, elapsed: float) -> dict:
     seconds = time.perf_counter() - window["started"]
-    record = {"step": step, "loss": round(window["loss"] / window["steps"], 4), "lr": learning_rate(config, step - 1),
+    record = {"step": step, "loss": round(window["loss"] / window["steps"], 4),
+              "probe_loss": round(window["probe"] / window["steps"], 4), "lr": learning_rate(config, step - 1),
               "tokens_per_s": round(window["tokens"] / seconds, 1),
               "answer_tokens_per_s": round(window["answer_tokens"] / seconds, 1),
               "s_per_step": round(seconds / window["steps"], 3), "elapsed_s": round(elapsed, 1)}

@@ -1,0 +1,144 @@
+"""The vision probe: a training-only signal for the demo model's vision tower. Small heads read
+what the merger hands the language model, one image token at a time, and are trained to say
+what is drawn there, in the language model's own terms:
+- on a text strip, for each answer token drawn in the image token's column (up to SLOTS, left to
+  right): that token and the one before it in the answer, as vectors scored against the tied
+  token embeddings. An image token then carries "after <previous> comes <this>", which the
+  language model can copy with one attention hop keyed on the token it has just written;
+- on a scene, the shape covering the image token (or background), its box, whether its centre is
+  there, and its colour's word (again against the embeddings).
+From scratch, the answer loss alone hardly reaches the vision tower (the language model first
+learns the answers' prior and ignores the pictures); this dense, local signal makes the image
+tokens informative, and readable, from the first steps. The heads are dropped when the
+checkpoint is written.
+
+Merged image tokens are in row-major order over the picture's (rows, columns) grid of merged
+patches, one picture after another, as the merger emits them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qvl.demo.data import COLOURS, SHAPES, Sample
+
+SLOTS = 3  # answer tokens drawn in one image token's column, left to right
+SHAPE_CLASSES = 1 + len(SHAPES) * len(COLOURS)  # 0 = background
+NONE = -1  # an empty slot
+
+
+def token_centres(text: str, marks: tuple, pieces: list[bytes]) -> list[float]:
+    """The x centre of each token (`pieces`: the tokens' bytes, which spell `text`): the mean of
+    the centres of the characters it covers (a character split over tokens counts for each)."""
+    ends = []  # the byte offset where each character ends
+    for char in text:
+        ends.append((ends[-1] if ends else 0) + len(char.encode("utf-8")))
+    centres, offset = [], 0
+    for piece in pieces:
+        first = next(i for i, e in enumerate(ends) if e > offset)
+        offset += len(piece)
+        last = next(i for i, e in enumerate(ends) if e >= offset)
+        centres.append(sum(x for _, x in marks[first:last + 1]) / (last - first + 1))
+    return centres
+
+
+def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pieces: list[bytes], start: int,
+            end: int, colour_ids: dict[str, int]) -> dict:
+    """The probe's targets for one picture whose merged-token grid is grid_thw's rows and columns
+    halved. A text strip: "current" and "previous" [tokens, SLOTS] token ids (NONE where empty)
+    for the answer tokens `answer` (their bytes `pieces`; `start` is the token before the first,
+    `end` follows the last, drawn one column right of it). A scene: "shape" [tokens], "box"
+    [tokens, 4] (x1 y1 x2 y2 as fractions of the picture), "centre" [tokens] and "colour"
+    [tokens] (the colour word's token id, NONE on the background)."""
+    rows, cols = grid_thw[1] // 2, grid_thw[2] // 2
+    width, height = item.image.size
+    if item.task == "read":
+        current = torch.full((cols, SLOTS), NONE)
+        previous = torch.full((cols, SLOTS), NONE)
+        columns = [min(cols - 1, max(0, int(x * cols / width))) for x in token_centres(item.answer, item.marks, pieces)]
+        columns.append(min(cols - 1, columns[-1] + 1))
+        filled = [0] * cols
+        for token, before, col in zip([*answer, end], [start, *answer], columns):
+            if filled[col] < SLOTS:
+                current[col, filled[col]], previous[col, filled[col]] = token, before
+                filled[col] += 1
+        return {"current": current.repeat(rows, 1), "previous": previous.repeat(rows, 1)}
+    shape = torch.zeros(rows, cols, dtype=torch.long)
+    colour = torch.full((rows, cols), NONE)
+    box = torch.zeros(rows, cols, 4)
+    centre = torch.zeros(rows, cols)
+    cell_w, cell_h = width / cols, height / rows
+    for r in range(rows):
+        for c in range(cols):
+            cell = (c * cell_w, r * cell_h, (c + 1) * cell_w, (r + 1) * cell_h)
+            covering = max(item.marks, key=lambda s: _overlap(cell, s.box))
+            if _overlap(cell, covering.box) > 0:
+                shape[r, c] = 1 + SHAPES.index(covering.kind) * len(COLOURS) + list(COLOURS).index(covering.colour)
+                colour[r, c] = colour_ids[covering.colour]
+                x1, y1, x2, y2 = covering.box
+                box[r, c] = torch.tensor([x1 / width, y1 / height, x2 / width, y2 / height])
+    for s in item.marks:
+        cx, cy = (s.box[0] + s.box[2]) / 2, (s.box[1] + s.box[3]) / 2
+        centre[min(rows - 1, int(cy / cell_h)), min(cols - 1, int(cx / cell_w))] = 1.0
+    return {"shape": shape.flatten(), "colour": colour.flatten(), "box": box.reshape(-1, 4), "centre": centre.flatten()}
+
+
+def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+
+
+def collate(probes: list[dict]) -> dict[str, torch.Tensor]:
+    """One batch's targets, with the merged-token indices they apply to (pictures in order)."""
+    read, scene = {"index": []}, {"index": []}
+    start = 0
+    for p in probes:
+        tokens = len(next(iter(p.values())))
+        group = read if "current" in p else scene
+        group["index"].append(torch.arange(start, start + tokens))
+        for name, value in p.items():
+            group.setdefault(name, []).append(value)
+        start += tokens
+    return {f"{prefix}_{name}": torch.cat(values) for prefix, group in (("read", read), ("scene", scene))
+            for name, values in group.items() if values}
+
+
+class VisionProbe(torch.nn.Module):
+    """Linear heads on the merged image tokens [N, hidden]; token predictions are vectors scored
+    against the (tied) token embeddings."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.read = torch.nn.Linear(hidden, 2 * SLOTS * hidden)
+        self.scene = torch.nn.Linear(hidden, SHAPE_CLASSES + 4 + 1 + hidden)
+
+    def loss(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor], embeddings: torch.Tensor,
+             vocabulary: torch.Tensor) -> torch.Tensor:
+        """The probe's loss for the merged image tokens [N, hidden] of the batch's pictures; token
+        ids are scored over `vocabulary` (sorted ids that include every target) of `embeddings`."""
+        loss = tokens.new_zeros(())
+        table = embeddings[vocabulary]  # [V', hidden]
+        if "read_index" in batch:
+            out = self.read(tokens[batch["read_index"]]).view(-1, 2, SLOTS, tokens.shape[-1])
+            for which, name in enumerate(("current", "previous")):
+                target = batch[f"read_{name}"]  # [n, SLOTS]
+                used = target != NONE
+                logits = out[:, which][used] @ table.T
+                loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, target[used]))
+        if "scene_index" in batch:
+            out = self.scene(tokens[batch["scene_index"]])  # [n, classes + 5 + hidden]
+            loss = loss + F.cross_entropy(out[:, :SHAPE_CLASSES], batch["scene_shape"])
+            on = batch["scene_shape"] > 0
+            if on.any():
+                box = out[on, SHAPE_CLASSES:SHAPE_CLASSES + 4]
+                loss = loss + 10 * F.l1_loss(box, batch["scene_box"][on])
+                logits = out[on, SHAPE_CLASSES + 5:] @ table.T
+                loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, batch["scene_colour"][on]))
+            loss = loss + F.binary_cross_entropy_with_logits(out[:, SHAPE_CLASSES + 4], batch["scene_centre"])
+        return loss
+
+    @staticmethod
+    def token_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every token id the batch's targets name."""
+        ids = [batch[k].flatten() for k in ("read_current", "read_previous", "scene_colour") if k in batch]
+        ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+        return ids[ids != NONE]
