@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up qvl in .venv and serve the model (API + web page). Extra arguments go to `qvl serve`.
 # The model is $QVL_MODEL (default Qwen/Qwen3-VL-2B-Instruct): local folder -> HF cache -> download.
-# Where it cannot be had, serve an offline demo checkpoint (random weights, official layout).
+# Where it cannot be had, serve the small trained demo model that ships with qvl (it reads short
+# text and finds shapes: docs/demo-models.md); QVL_DEMO_PRESET=2b serves random weights in the
+# real 2B shape instead (real speed, gibberish answers).
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/venv.sh
@@ -9,10 +11,15 @@ cd "$(dirname "$0")"
 model="${QVL_MODEL:-Qwen/Qwen3-VL-2B-Instruct}"
 if ! .venv/bin/python -c "import sys; from qvl.hub import resolve_model; resolve_model(sys.argv[1])" "$model" 2>/tmp/qvl-resolve.err; then
   echo "qvl: $(cat /tmp/qvl-resolve.err | tail -1)" >&2
-  demo="checkpoints/demo-${QVL_DEMO_PRESET:-tiny}"
-  echo "qvl: serving the offline demo checkpoint $demo instead (random weights: the answers are gibberish," >&2
-  echo "     everything else is real). QVL_DEMO_PRESET=2b gives the real 2B shape and speed." >&2
-  [ -f "$demo/model.safetensors" ] || .venv/bin/qvl synth "$demo" --preset "${QVL_DEMO_PRESET:-tiny}"
+  if [ -n "${QVL_DEMO_PRESET:-}" ]; then
+    demo="checkpoints/demo-$QVL_DEMO_PRESET"
+    echo "qvl: serving $demo instead (random weights in the $QVL_DEMO_PRESET shape: gibberish answers)." >&2
+    [ -f "$demo/model.safetensors" ] || .venv/bin/qvl synth "$demo" --preset "$QVL_DEMO_PRESET"
+  else
+    demo="$(.venv/bin/python -m qvl.demo path)"
+    echo "qvl: serving the small trained demo model instead: it reads short text and finds coloured shapes" >&2
+    echo "     (try the web page's examples); it is not the real model. QVL_DEMO_PRESET=2b: the real 2B shape." >&2
+  fi
   model="$demo"
 fi
 exec .venv/bin/qvl serve --model "$model" "$@"

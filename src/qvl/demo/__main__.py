@@ -9,7 +9,6 @@ from pathlib import Path
 
 from qvl.demo import data
 
-SHIPPED = Path(__file__).resolve().parent / "checkpoints" / "qwen3-vl-demo"  # the trained demo model, int8
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -24,7 +23,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qvl.demo.train import TrainConfig, train
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
-                         vision_lr=args.vision_lr, probe_weight=args.probe_weight, turns=args.turns,
+                         vision_lr=args.vision_lr, probe_weight=args.probe_weight, turns=args.turns, arch=args.arch,
                          eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
                          log_every=args.log_every, threads=args.threads, minutes=args.minutes)
     out = train(Path(args.out), config)
@@ -33,12 +32,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_path(args: argparse.Namespace) -> int:
-    print(SHIPPED)
+    from qvl.demo import shipped
+
+    print(shipped.folder())
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qvl.demo.train import TrainConfig
+    from qvl.demo.train import ARCHITECTURES, TrainConfig
 
     parser = argparse.ArgumentParser(prog="python -m qvl.demo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
-    p.add_argument("--turns", type=int, default=d.turns, help="questions per scene in one training conversation")
+    p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "
+                                          "qwen3.5, whose template re-renders earlier turns without their reasoning)")
+    p.add_argument("--arch", choices=list(ARCHITECTURES), default=d.arch,
+                   help="the checkpoint's architecture: Qwen3-VL, or Qwen3.5's hybrid Gated DeltaNet one")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out exact-match checks")
     p.add_argument("--eval-items", type=int, default=d.eval_items, help="held-out items per check")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between resumable states")
@@ -69,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, help="stop (saving) after this much wall time; run again to go on")
     p.set_defaults(run=cmd_train)
 
-    p = sub.add_parser("path", help="print the folder of the shipped demo checkpoint")
+    p = sub.add_parser("path", help="print the folder of the shipped demo checkpoint, ready to load (its tokenizer "
+                                    "files written to qvl's cache the first time)")
     p.set_defaults(run=cmd_path)
     return parser
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # FileNotFoundError too
         print(f"python -m qvl.demo {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -46,7 +46,7 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), 
            "orange": (245, 130, 20), "purple": (140, 40, 170), "black": (20, 20, 20)}
 SHAPES = ("circle", "square", "triangle")
 TASK_NAMES = ("read", "detect", "point", "ask")
-MIX = {"read": 0.55, "detect": 0.2, "point": 0.1, "ask": 0.15}  # the tasks of a set drawn without --task
+MIX = {"read": 0.65, "detect": 0.15, "point": 0.05, "ask": 0.15}  # the tasks of a set drawn without --task
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The vision probe: a training-only signal for the demo model's vision tower. Small heads read
 what the merger hands the language model, one image token at a time, and are trained to say
 what is drawn there, in the language model's own terms:
-- on a text strip, for each answer token drawn in the image token's column (up to SLOTS, left to
-  right): that token and the one before it in the answer, as vectors scored against the tied
-  token embeddings. An image token then carries "after <previous> comes <this>", which the
-  language model can copy with one attention hop keyed on the token it has just written;
+- on a text strip, the characters whose centres fall in the image token's column (up to SLOTS,
+  left to right; an easy, dense target that teaches the tower to read), and for each answer
+  token drawn there: that token and the one before it in the answer, as vectors scored against
+  the tied token embeddings. An image token then carries "after <previous> comes <this>", which
+  the language model can copy with one attention hop keyed on the token it has just written;
 - on a scene, the shape covering the image token (or background), its box, whether its centre is
   there, and its colour's word (again against the embeddings).
 From scratch, the answer loss alone hardly reaches the vision tower (the language model first
@@ -17,12 +18,17 @@ patches, one picture after another, as the merger emits them."""
 
 from __future__ import annotations
 
+import string
+
 import torch
 import torch.nn.functional as F
 
-from qvl.demo.data import COLOURS, SHAPES, Sample
+from qvl.demo.data import COLOURS, HANZI, SHAPES, Sample
 
-SLOTS = 3  # answer tokens drawn in one image token's column, left to right
+SLOTS = 3  # characters (or answer tokens) drawn in one image token's column, left to right
+CHARACTERS = string.ascii_letters + string.digits + " ,.-/:$€£¥" + HANZI  # class k+1; 0 = none, last = other
+CHARACTER_INDEX = {c: i + 1 for i, c in enumerate(CHARACTERS)}
+OTHER = len(CHARACTERS) + 1
 SHAPE_CLASSES = 1 + len(SHAPES) * len(COLOURS)  # 0 = background
 NONE = -1  # an empty slot
 
@@ -45,7 +51,8 @@ def token_centres(text: str, marks: tuple, pieces: list[bytes]) -> list[float]:
 def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pieces: list[bytes], start: int,
             end: int, colour_ids: dict[str, int]) -> dict:
     """The probe's targets for one picture whose merged-token grid is grid_thw's rows and columns
-    halved. A text strip: "current" and "previous" [tokens, SLOTS] token ids (NONE where empty)
+    halved. A text strip: "characters" [tokens, SLOTS] (classes, 0 where empty), "current" and
+    "previous" [tokens, SLOTS] token ids (NONE where empty)
     for the answer tokens `answer` (their bytes `pieces`; `start` is the token before the first,
     `end` follows the last, drawn one column right of it). A scene: "shape" [tokens], "box"
     [tokens, 4] (x1 y1 x2 y2 as fractions of the picture), "centre" [tokens] and "colour"
@@ -53,6 +60,12 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
     rows, cols = grid_thw[1] // 2, grid_thw[2] // 2
     width, height = item.image.size
     if item.task == "read":
+        characters = torch.zeros(cols, SLOTS, dtype=torch.long)
+        for char, x in item.marks:
+            col = min(cols - 1, max(0, int(x * cols / width)))
+            free = (characters[col] == 0).nonzero()
+            if len(free):
+                characters[col, free[0, 0]] = CHARACTER_INDEX.get(char, OTHER)
         current = torch.full((cols, SLOTS), NONE)
         previous = torch.full((cols, SLOTS), NONE)
         columns = [min(cols - 1, max(0, int(x * cols / width))) for x in token_centres(item.answer, item.marks, pieces)]
@@ -62,7 +75,8 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
             if filled[col] < SLOTS:
                 current[col, filled[col]], previous[col, filled[col]] = token, before
                 filled[col] += 1
-        return {"current": current.repeat(rows, 1), "previous": previous.repeat(rows, 1)}
+        return {"characters": characters.repeat(rows, 1), "current": current.repeat(rows, 1),
+                "previous": previous.repeat(rows, 1)}
     shape = torch.zeros(rows, cols, dtype=torch.long)
     colour = torch.full((rows, cols), NONE)
     box = torch.zeros(rows, cols, 4)
@@ -108,6 +122,7 @@ class VisionProbe(torch.nn.Module):
 
     def __init__(self, hidden: int):
         super().__init__()
+        self.characters = torch.nn.Linear(hidden, SLOTS * (OTHER + 1))
         self.read = torch.nn.Linear(hidden, 2 * SLOTS * hidden)
         self.scene = torch.nn.Linear(hidden, SHAPE_CLASSES + 4 + 1 + hidden)
 
@@ -118,7 +133,9 @@ class VisionProbe(torch.nn.Module):
         loss = tokens.new_zeros(())
         table = embeddings[vocabulary]  # [V', hidden]
         if "read_index" in batch:
-            out = self.read(tokens[batch["read_index"]]).view(-1, 2, SLOTS, tokens.shape[-1])
+            strip = tokens[batch["read_index"]]
+            loss = loss + F.cross_entropy(self.characters(strip).view(-1, OTHER + 1), batch["read_characters"].flatten())
+            out = self.read(strip).view(-1, 2, SLOTS, tokens.shape[-1])
             for which, name in enumerate(("current", "previous")):
                 target = batch[f"read_{name}"]  # [n, SLOTS]
                 used = target != NONE

@@ -41,7 +41,30 @@ DEMO_CHANGES = {
 PREPROCESSOR = {"size": {"shortest_edge": 4096}}  # pictures down to 4 image tokens are not enlarged
 GENERATION = {"do_sample": False, "max_new_tokens": 256}  # a reader and a finder: greedy answers
 HELD_OUT_SEED = 1_000_003  # held-out items: this seed plus the training seed
-PAD_ID = 151643  # <|endoftext|>
+# The Qwen3.5 (hybrid Gated DeltaNet) layout of the same size: two groups of three linear-attention
+# layers and one full-attention layer; its 248,320-token embedding is 31.8 M parameters.
+QWEN3_5_CHANGES = {
+    "text_config": {"num_hidden_layers": 8, "intermediate_size": 512},
+    "vision_config": {"hidden_size": 128, "intermediate_size": 512, "num_heads": 4, "depth": 4},
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    preset: str  # qvl synth's
+    changes: dict
+    model_class: str  # transformers' trainable class
+    config_class: str
+    thinks: bool  # its template opens a reasoning block: answers start by closing it empty
+    turns: int  # questions per scene in one training conversation (1 where the template re-renders
+    # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
+
+
+ARCHITECTURES = {
+    "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3),
+    "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True, 1),
+}
+EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
 
 @dataclass(frozen=True)
@@ -62,6 +85,7 @@ class TrainConfig:
     log_every: int = 10
     threads: int = 2
     minutes: float | None = None  # stop after this much wall time (state saved: run again to go on)
+    arch: str = "qwen3-vl"  # qwen3-vl | qwen3.5 (ARCHITECTURES)
 
 
 @dataclass
@@ -78,8 +102,10 @@ class Encoder:
     """A sample as the engine would see it: the checkpoint's image processor, chat template and
     tokenizer (answer tokens as the tokenizer encodes the answer, then <|im_end|>)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, thinks: bool = False):
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.pad = self.tokenizer.token_id("<|endoftext|>")
+        self.thought = self.tokenizer.encode(EMPTY_THOUGHT, special_tokens=True) if thinks else []
         self.template = load_chat_template(model_dir)
         self.image_cfg = ImageProcessorConfig.from_file(model_dir / "preprocessor_config.json")
         self.end = self.tokenizer.token_id("<|im_end|>")
@@ -100,9 +126,10 @@ class Encoder:
         same picture: the ids, where each answer is, and the probe's targets."""
         encoded = self.prompt(item)
         answer = self.tokenizer.encode(item.answer, special_tokens=False)
+        before = [*encoded.ids, *self.thought][-1]
         encoded.probe = probe.targets(item, encoded.grid_thw, answer, [self.tokenizer.token_bytes(t) for t in answer],
-                                      encoded.ids[-1], self.end, self.colour_ids)
-        encoded.ids = encoded.ids + answer + [self.end]
+                                      before, self.end, self.colour_ids)
+        encoded.ids = encoded.ids + self.thought + answer + [self.end]
         encoded.answers = [(encoded.prompt_length, len(encoded.ids))]
         history, last = [], item.answer
         for question, reply in more:
@@ -116,11 +143,11 @@ class Encoder:
         return encoded
 
 
-def collate(items: list[Encoded], image_token_id: int) -> dict:
+def collate(items: list[Encoded], image_token_id: int, pad: int) -> dict:
     """Right-padded model inputs, `labels` (-100 on the prompt and the padding) and the vision
     probe's targets (`probe`)."""
     length = max(len(e.ids) for e in items)
-    ids = torch.full((len(items), length), PAD_ID)
+    ids = torch.full((len(items), length), pad)
     labels = torch.full((len(items), length), -100)
     mask = torch.zeros((len(items), length), dtype=torch.long)
     for row, e in enumerate(items):
@@ -153,13 +180,14 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
     return F.cross_entropy(logits, torch.searchsorted(vocabulary, targets)), len(targets)
 
 
-def build_model(config: dict, seed: int):
+def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwen3-vl"]):
     """The trainable model from the seed, with the vision probe's heads as `model.probe` (not part
     of the checkpoint) fed by a hook on the merger."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**config)).float().train()
+    model_config = getattr(transformers, arch.config_class)(**config)
+    model = getattr(transformers, arch.model_class)(model_config).float().train()
     model.probe = probe.VisionProbe(config["text_config"]["hidden_size"])
     model.model.visual.merger.register_forward_hook(_keep_image_tokens)
     model.model.visual.patch_embed.forward = _patch_embed_as_linear(model.model.visual.patch_embed)
@@ -206,11 +234,12 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
+    turns = config.turns or ARCHITECTURES[config.arch].turns
     for step in range(start, config.steps):
         first = step * config.batch_size
         items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
-        yield collate([encode(item, follow_ups(config.seed, index, item, config.turns - 1)) for index, item in items],
-                      image_token_id)
+        yield collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
+                      image_token_id, encode.pad)
 
 
 @torch.no_grad()
@@ -226,13 +255,13 @@ def held_out(model, encode: Encoder, config: TrainConfig, image_token_id: int) -
         ids = torch.tensor([e.ids])
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=e.pixel_values,
                              image_grid_thw=torch.tensor([e.grid_thw]), mm_token_type_ids=(ids == image_token_id).int(),
-                             max_new_tokens=96, do_sample=False, eos_token_id=encode.end, pad_token_id=PAD_ID)
-        answer = encode.tokenizer.decode(out[0, ids.shape[1]:].tolist())
+                             max_new_tokens=96, do_sample=False, eos_token_id=encode.end, pad_token_id=encode.pad)
+        answer = encode.tokenizer.decode(out[0, ids.shape[1]:].tolist()).split("</think>")[-1].strip()
         scored[item.task].append(score(answer, item.answer, item.kind))
     result = {}
     for task, rows in scored.items():
         if rows:
-            batch = collate([encode(item) for item in items if item.task == task], image_token_id)
+            batch = collate([encode(item) for item in items if item.task == task], image_token_id, encode.pad)
             result[task] = {**{metric: round(fmean(s[metric] for s in rows), 3) for metric in rows[0]},
                             "image_gain": image_gain(model, batch)}
     model.train()
@@ -272,14 +301,15 @@ def train(out: Path, config: TrainConfig) -> Path:
     """Train (or go on training) into `out`; writes the checkpoint there when the run ends."""
     torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    checkpoint = preset_config("tiny", DEMO_CHANGES)
+    arch = ARCHITECTURES[config.arch]
+    checkpoint = preset_config(arch.preset, arch.changes)
     write_side_files(out, checkpoint, generation=GENERATION, preprocessor=PREPROCESSOR)
     work = out / "train"
     work.mkdir(exist_ok=True)
     (work / "config.json").write_text(json.dumps(asdict(config), indent=2))
-    encode = Encoder(out)
+    encode = Encoder(out, arch.thinks)
     image_token_id = checkpoint["image_token_id"]
-    model = build_model(checkpoint, config.seed)
+    model = build_model(checkpoint, config.seed, arch)
     optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr, betas=(0.9, 0.98), fused=True)
     state_file, step, seen = work / "state.pt", 0, {encode.end}
     if state_file.exists():

@@ -107,7 +107,7 @@ function addFiles(files) {
   if (video) setVideo(video);
 }
 
-function setImage(file) {
+function setImage(file, then) {
   readFile(file, (url) => {
     state.image = url;
     $("preview").src = state.image;
@@ -116,6 +116,7 @@ function setImage(file) {
     $("clear-image").disabled = false;
     $("image-info").textContent = `${file.name || "pasted image"}, ${sizeText(file.size)}`;
     newConversation();
+    if (then) then();
   });
 }
 
@@ -598,6 +599,39 @@ function wirePresets() {
   $("presets").appendChild(free);
 }
 
+// Example pictures (drawn by the demo tasks' generator, served from static/examples) and what to
+// ask about them: a preset task (with its subject) or a free question. The small demo model that
+// ./run.sh serves offline answers these right; so does the real model.
+const EXAMPLES = [
+  {image: "examples/text.png", task: "ocr", label: "read this text"},
+  {image: "examples/shapes.png", task: "detect", subject: "red square", label: "find the red square"},
+  {image: "examples/shapes.png", question: "How many circles are there? Answer with a number.", label: "count the circles"},
+];
+
+function wireExamples() {
+  for (const example of EXAMPLES) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = example.label;
+    button.addEventListener("click", async () => {
+      const res = await fetch(`static/${example.image}`).catch(() => null);
+      if (!res || !res.ok) { showError(`Could not load the example picture ${example.image}.`); return; }
+      const blob = await res.blob();
+      setImage(new File([blob], example.image.split("/").pop(), {type: blob.type}), () => {
+        if (!example.task) {
+          $("question").value = example.question;
+          $("ask-form").requestSubmit();
+          return;
+        }
+        const task = TASKS.find((t) => t.name === example.task);
+        if (task.subject) $(`subject-${task.subject}`).value = example.subject;
+        $("presets").querySelector(`[data-task="${task.name}"]`).click();
+      });
+    });
+    $("examples").appendChild(button);
+  }
+}
+
 function wireForm() {
   $("ask-form").addEventListener("submit", (e) => {
     e.preventDefault();
@@ -685,6 +719,7 @@ async function showThumbnail(img, url) {
 
 wireMediaInputs();
 wirePresets();
+wireExamples();
 wireForm();
 wireSearch();
 pollHealth();
