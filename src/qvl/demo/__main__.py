@@ -23,7 +23,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qvl.demo.train import TrainConfig, train
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
-                         vision_lr=args.vision_lr, probe_weight=args.probe_weight, turns=args.turns, arch=args.arch,
+                         vision_lr=args.vision_lr, vision_steps=args.vision_steps, probe_weight=args.probe_weight, turns=args.turns, arch=args.arch,
                          eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
                          log_every=args.log_every, threads=args.threads, minutes=args.minutes)
     out = train(Path(args.out), config)
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW; cosine to a tenth)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="steps of linear warm-up")
     p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
+    p.add_argument("--vision-steps", type=int, default=d.vision_steps,
+                   help="first steps that train the vision tower alone, from the vision probe (~4x cheaper each)")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
     p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "

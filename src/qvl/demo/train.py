@@ -69,13 +69,14 @@ EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoni
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 4000
     batch_size: int = 16
     seed: int = 0
     lr: float = 2e-3
     vision_lr: float = 1.0  # the vision tower's (mergers included) learning rate, times `lr`
     probe_weight: float = 1.0  # the vision probe's loss (see qvl.demo.probe), added to the answers' loss
-    turns: int = 3  # questions asked about each scene in training (one conversation)
+    vision_steps: int = 1500  # first steps: the vision tower learns from the probe alone (see train)
+    turns: int | None = None  # questions per scene in one training conversation (None: the architecture's)
     weight_decay: float = 0.01
     warmup: int = 200
     negatives: int = 2048  # random vocabulary rows in each step's softmax (see answer_loss)
@@ -216,20 +217,24 @@ def probe_loss(model, batch: dict, negatives: torch.Tensor) -> torch.Tensor:
 
 
 def param_groups(model, config: TrainConfig) -> list[dict]:
-    """AdamW's groups: the vision tower (its mergers included) at `vision_lr` times the learning
-    rate, the rest at the learning rate; `lr_scale` is each group's factor."""
+    """AdamW's groups: the vision tower (its mergers and the probe included) at `vision_lr` times
+    the learning rate, from the first step; the rest at the learning rate, from `vision_steps` on
+    (`lr_scale`, `start`)."""
     vision, text = [], []
     for name, p in model.named_parameters():
         (vision if name.startswith(("model.visual.", "probe.")) else text).append(p)
-    return [{"params": text, "lr_scale": 1.0, "weight_decay": config.weight_decay},
-            {"params": vision, "lr_scale": config.vision_lr, "weight_decay": config.weight_decay}]
+    return [{"params": text, "lr_scale": 1.0, "start": config.vision_steps, "weight_decay": config.weight_decay},
+            {"params": vision, "lr_scale": config.vision_lr, "start": 0, "weight_decay": config.weight_decay}]
 
 
-def learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warm-up, then a cosine down to a tenth."""
+def learning_rate(config: TrainConfig, step: int, start: int = 0) -> float:
+    """0 before `start`, then a linear warm-up and a cosine down to a tenth at the last step."""
+    if step < start:
+        return 0.0
+    step, steps = step - start, config.steps - start
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
-    done = (step - config.warmup) / max(1, config.steps - config.warmup)
+    done = (step - config.warmup) / max(1, steps - config.warmup)
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
@@ -322,10 +327,14 @@ def train(out: Path, config: TrainConfig) -> Path:
     window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
     for batch in batches(encode, config, step, image_token_id):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step) * group["lr_scale"]
+            group["lr"] = learning_rate(config, step, group["start"]) * group["lr_scale"]
         negatives = torch.randint(0, checkpoint["text_config"]["vocab_size"], (config.negatives,),
                                   generator=torch.Generator().manual_seed(config.seed * 7_919 + step))
-        loss, answer_tokens = answer_loss(model, batch, seen, negatives)
+        if step < config.vision_steps:  # the vision tower alone: ~4x cheaper a step
+            model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+            loss, answer_tokens = torch.zeros(()), 0
+        else:
+            loss, answer_tokens = answer_loss(model, batch, seen, negatives)
         probed = probe_loss(model, batch, negatives[:256])
         optimizer.zero_grad(set_to_none=True)
         (loss + config.probe_weight * probed).backward()
@@ -361,7 +370,8 @@ def train(out: Path, config: TrainConfig) -> Path:
 def report(window: dict, step: int, config: TrainConfig, elapsed: float) -> dict:
     seconds = time.perf_counter() - window["started"]
     record = {"step": step, "loss": round(window["loss"] / window["steps"], 4),
-              "probe_loss": round(window["probe"] / window["steps"], 4), "lr": learning_rate(config, step - 1),
+              "probe_loss": round(window["probe"] / window["steps"], 4),
+              "lr": learning_rate(config, step - 1, config.vision_steps),
               "tokens_per_s": round(window["tokens"] / seconds, 1),
               "answer_tokens_per_s": round(window["answer_tokens"] / seconds, 1),
               "s_per_step": round(seconds / window["steps"], 3), "elapsed_s": round(elapsed, 1)}
