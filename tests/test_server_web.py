@@ -606,3 +606,24 @@ def test_search_box_shows_the_results_thumbnails(tiny_embedding_checkpoint, page
         expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(6)  # every entry
         captions = page.locator("#search-results figcaption").all_inner_texts()
         assert any("doc.pdf, page 2" in c for c in captions) and any("img0.png" in c for c in captions)
+
+
+def test_the_demo_models_examples_are_answered_right(page):
+    """./run.sh offline: the shipped demo model behind the page; each example button loads its
+    picture, asks, and the answer shown is the right one."""
+    from qvl.demo import shipped
+
+    examples = Path(__file__).resolve().parents[1] / "src" / "qvl" / "server" / "static" / "examples"
+    answers = json.loads((examples / "answers.json").read_text())
+    with live_server(shipped.folder()) as demo:
+        page.goto(f"{demo.url}/")
+        page.wait_for_selector("#status:has-text('ready')")
+        shown = None
+        for label, expected in (("read this text", answers["text.png"]),
+                                ("the triangle's colour", answers["shapes.png"]["answer"])):
+            page.locator("#examples button", has_text=label).click()
+            done = "(() => { const m = document.querySelector('.msg.assistant'); return m && " \
+                   "!m.classList.contains('streaming') ? m.textContent.trim() : null; })()"
+            wait_until(lambda: page.evaluate(done) not in (None, shown), 60)  # a new conversation's answer
+            shown = page.evaluate(done)
+            assert shown == expected, label

@@ -69,13 +69,13 @@ EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoni
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 4000
+    steps: int = 5000
     batch_size: int = 16
     seed: int = 0
     lr: float = 2e-3
     vision_lr: float = 1.0  # the vision tower's (mergers included) learning rate, times `lr`
     probe_weight: float = 1.0  # the vision probe's loss (see qvl.demo.probe), added to the answers' loss
-    vision_steps: int = 1500  # first steps: the vision tower learns from the probe alone (see train)
+    vision_steps: int = 3000  # first steps: the vision tower learns from the probe alone (see train)
     turns: int | None = None  # questions per scene in one training conversation (None: the architecture's)
     weight_decay: float = 0.01
     warmup: int = 200

@@ -604,8 +604,7 @@ function wirePresets() {
 // ./run.sh serves offline answers these right; so does the real model.
 const EXAMPLES = [
   {image: "examples/text.png", task: "ocr", label: "read this text"},
-  {image: "examples/shapes.png", task: "detect", subject: "red square", label: "find the red square"},
-  {image: "examples/shapes.png", question: "How many circles are there? Answer with a number.", label: "count the circles"},
+  {image: "examples/shapes.png", question: "What colour is the triangle? Answer with one word.", label: "the triangle's colour"},
 ];
 
 function wireExamples() {
