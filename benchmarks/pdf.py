@@ -25,18 +25,21 @@ import common
 from qvl.processing.pdf import render_pages
 
 
+def scanned_page(number: int, rng: random.Random) -> Image.Image:
+    """An A4 page scanned at 300 dpi (2480 x 3508): 70 lines of random words, numbered."""
+    font = ImageFont.load_default(size=38)
+    page = Image.new("RGB", (2480, 3508), (250, 248, 240))
+    pen = ImageDraw.Draw(page)
+    for line in range(70):
+        words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+                         for _ in range(rng.randint(6, 12)))
+        pen.text((200, 200 + line * 44), f"{number}.{line + 1} {words}", fill=(20, 20, 20), font=font)
+    return page
+
+
 def scanned_pdf(pages: int, seed: int = 0) -> bytes:
     rng = random.Random(seed)
-    font = ImageFont.load_default(size=38)
-    images = []
-    for k in range(pages):
-        page = Image.new("RGB", (2480, 3508), (250, 248, 240))
-        pen = ImageDraw.Draw(page)
-        for line in range(70):
-            words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-                             for _ in range(rng.randint(6, 12)))
-            pen.text((200, 200 + line * 44), f"{k + 1}.{line + 1} {words}", fill=(20, 20, 20), font=font)
-        images.append(page)
+    images = [scanned_page(k + 1, rng) for k in range(pages)]
     buf = io.BytesIO()
     images[0].save(buf, "PDF", save_all=True, append_images=images[1:], resolution=300, quality=85)
     return buf.getvalue()

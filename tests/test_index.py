@@ -2,8 +2,8 @@
 by the tiny embedding checkpoint, searched by image (random weights: a picture finds itself,
 and the stored vectors are the engine's own), resumed without embedding anything twice (after
 a SIGKILL too), unreadable inputs skipped with their reasons; the CLI's JSON; the server's
-/v1/search and its thumbnails, confined to the indexed folders (the web page's search box:
-tests/test_server_web.py)."""
+/v1/search (reranked by a served reranker when asked) and its thumbnails, confined to the
+indexed folders (the web page's search box: tests/test_server_web.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ from fastapi.testclient import TestClient
 
 from qvl.bench import synthetic_clip
 from qvl.cli import main
+from qvl.engine import EngineOptions
+from qvl.options import UsageError
 from qvl.retrieval.encode import embed
-from qvl.retrieval.index import add, search
+from qvl.retrieval.index import add, reranked, search
 from qvl.retrieval.store import DATABASE, Store
 from qvl.server.app import create_app
+from qvl.server.cli import with_reranker
+from qvl.server.registry import ModelSource
 from qvl.server.settings import MB, ImagePolicy, ServerSettings
 from tests.test_documents import pdf_bytes
 from tests.test_retrieval import fp32_engine, noise_image
@@ -252,3 +256,42 @@ def test_thumbnails_are_confined_to_the_indexed_files(indexed, client):
     assert_error(client.get("/v1/index/thumbnail", params={"path": f"{root}/sub/doc.pdf", "page": 3}), 400, "page")
     assert client.get("/v1/index/thumbnail", params={"path": f"{root}/sub/../img1.png"}).status_code == 200
 
+
+
+def test_server_search_reranks_its_candidates_when_asked(indexed, tiny_embedding_checkpoint, tiny_reranker_checkpoint):
+    """`qvl serve --index --reranker`: a search with rerank scores the nearest `candidates`
+    with the reranker and answers the best k by that score, as `qvl index search --rerank` does."""
+    _, store, _ = indexed
+    embedder, reranker = fp32_engine(tiny_embedding_checkpoint), fp32_engine(tiny_reranker_checkpoint)
+    sources = [ModelSource(lambda: embedder, "emb", EngineOptions(model=str(tiny_embedding_checkpoint))),
+               ModelSource(lambda: reranker, "rr", EngineOptions(model=str(tiny_reranker_checkpoint)))]
+    settings = ServerSettings(max_body_bytes=2 * MB, images=ImagePolicy(max_bytes=MB, max_pixels=1_000_000))
+    query = [{"type": "text", "text": "a grey page"}]
+    nearest = search(embedder, Store.open(store.folder), query, k=6)  # before the server's worker drives them
+    expected = reranked(reranker, query, nearest)  # the CLI's order
+    with TestClient(create_app(settings, sources, Store.open(store.folder), "rr")) as c:
+        assert c.get("/v1/index").json()["reranker"] == "rr"
+        r = c.post("/v1/search", json={"query": "a grey page", "k": 2, "rerank": True, "candidates": 6})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [(h["path"], h["page"]) for h in results] == [(h.path, h.page) for h, _ in expected[:2]]
+        np.testing.assert_allclose([h["rerank_score"] for h in results], [s for _, s in expected[:2]], atol=1e-5)
+        plain = c.post("/v1/search", json={"query": "a grey page", "k": 2}).json()["results"]
+        assert [(h["path"], h["page"]) for h in plain] == [(h.path, h.page) for h in nearest[:2]]
+        assert all("rerank_score" not in h for h in plain)
+
+
+def test_rerank_on_a_server_without_a_reranker_is_refused(client):
+    assert client.get("/v1/index").json()["reranker"] is None
+    error = assert_error(client.post("/v1/search", json={"query": "x", "rerank": True}), 400, "rerank")
+    assert "--reranker" in error["message"]
+
+
+def test_serve_reranker_is_added_once_and_must_be_a_reranker(tiny_embedding_checkpoint, tiny_reranker_checkpoint):
+    emb, rr = str(tiny_embedding_checkpoint), str(tiny_reranker_checkpoint)
+    assert with_reranker([(None, emb)], rr) == ([(None, emb), (None, rr)], Path(rr).resolve().name)
+    assert with_reranker([(None, emb)], f"judge={rr}") == ([(None, emb), ("judge", rr)], "judge")
+    assert with_reranker([(None, emb), ("judge", rr)], rr) == ([(None, emb), ("judge", rr)], "judge")  # served already
+    with pytest.raises(UsageError, match="not a reranker"):
+        with_reranker([(None, emb)], emb)
+    assert main(["serve", "--reranker", rr, "--model", emb]) == 2  # nothing to rerank without --index

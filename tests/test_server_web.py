@@ -603,7 +603,7 @@ def test_search_box_shows_the_results_thumbnails(tiny_embedding_checkpoint, page
         page.goto(server.url)
         page.fill("#search-query", "a grey page")
         page.click("#search-button")
-        expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(6)  # every entry
+        expect(page.locator('#search-results .hit img[src^="blob:"]')).to_have_count(6, timeout=60_000)  # every entry
         captions = page.locator("#search-results figcaption").all_inner_texts()
         assert any("doc.pdf, page 2" in c for c in captions) and any("img0.png" in c for c in captions)
 
@@ -627,3 +627,26 @@ def test_the_demo_models_examples_are_answered_right(page):
             wait_until(lambda: page.evaluate(done) not in (None, shown), 60)  # a new conversation's answer
             shown = page.evaluate(done)
             assert shown == expected, label
+
+
+def test_search_box_reranks_with_the_servers_reranker(tiny_embedding_checkpoint, tiny_reranker_checkpoint, page,
+                                                     tmp_path):
+    """`qvl serve --index --reranker`: the search box offers to rerank; checked, the search asks
+    for it and each result shows its rerank score beside its score."""
+    from playwright.sync_api import expect
+
+    from tests.test_index import make_index
+    from tests.test_retrieval import fp32_engine
+
+    _, store, _ = make_index(fp32_engine(tiny_embedding_checkpoint), tmp_path)
+    with live_server(tiny_embedding_checkpoint, "--index", str(store.folder), "--reranker",
+                     str(tiny_reranker_checkpoint)) as server:
+        page.goto(server.url)
+        page.check("#search-rerank")  # shown once GET /v1/index names the reranker
+        page.fill("#search-query", "a grey page")
+        with page.expect_request("**/v1/search") as request:
+            page.click("#search-button")
+        assert json.loads(request.value.post_data)["rerank"] is True
+        captions = page.locator("#search-results figcaption")
+        expect(captions).to_have_count(6, timeout=60_000)  # every entry, the reranker's best first
+        assert all(c.startswith("rerank ") for c in captions.all_inner_texts())

@@ -61,10 +61,11 @@ def bearer_auth(keys: tuple[str, ...]) -> Callable:
 
 
 def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence[ModelSource],
-               index: Store | None = None) -> FastAPI:
+               index: Store | None = None, reranker: str | None = None) -> FastAPI:
     """models: what to serve (registry.py), or one function that builds the only engine. Loads
     run in a background thread so /health answers at once. `index`: an index to search with
-    its (embedding) model, one of them (/v1/search)."""
+    its (embedding) model, one of them (/v1/search); `reranker`: the name of one of them, a
+    reranker, that orders a search's results when it asks to be reranked."""
     state = ServerState(settings, models)
     submit = Submitter(state)
     chat = ChatCompletions(state, submit)
@@ -104,7 +105,7 @@ def create_app(settings: ServerSettings, models: Callable[[], Engine] | Sequence
     api.add_api_route("/api/version", version, methods=["GET"])
     embeddings.register(api, state, submit)
     if index is not None:
-        search.register(api, state, submit, index)
+        search.register(api, state, submit, index, reranker)
     api.add_api_route("/api/pull", pulls.pull, methods=["POST"])
     api.add_api_route("/api/delete", pulls.delete, methods=["DELETE"])
 

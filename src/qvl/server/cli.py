@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from qvl.options import add_engine_args, engine_options
+from qvl.options import UsageError, add_engine_args, engine_options
 from qvl.server.settings import (MB, ConnectionLimits, ImagePolicy, ModelLimits, ServerSettings, byte_size,
                                  keep_alive_s)
 
@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction, commands: dict) -> None:
                    help="search this index (made by qvl index add) at POST /v1/search and on the web page; the "
                         "model is the index's unless --model names the same one (of several --model, one must be "
                         "the index's)")
+    p.add_argument("--reranker", metavar="[NAME=]MODEL",
+                   help="with --index: serve this reranker (Qwen3-VL-Reranker) too, so that a search may ask "
+                        "for its results to be reranked (POST /v1/search with rerank, the web page's checkbox)")
     g = p.add_argument_group("image sources (base64 data: URIs always work)")
     g.add_argument("--image-url-hosts", default="",
                    help="comma-separated hosts whose http(s) image URLs may be fetched: example.com, "
@@ -193,12 +196,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray and len(models) > 1:
         raise ValueError("--ray serves one model per replica: give one --model")
     options = engine_options(args)
-    index = None
+    index = reranker = None
+    if args.reranker is not None and args.index is None:
+        raise UsageError("--reranker orders the results of --index: give both")
     if args.index is not None:
         if args.ray:
             raise ValueError("--index is served by one process: leave out --ray")
         index = opened_index(args.index)
         models = with_index_model(index, models)
+    if args.reranker is not None:
+        models, reranker = with_reranker(models, args.reranker)
     if args.max_images is not None:
         options = replace(options, max_images=args.max_images)
     if args.max_videos is not None:
@@ -211,14 +218,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         (name, model), = models
         return serve_on_ray(args, config, replace(options, model=model, name=name))
-    app = create_app(config, [ModelSource.of(replace(options, model=model), name) for name, model in models], index)
+    app = create_app(config, [ModelSource.of(replace(options, model=model), name) for name, model in models], index,
+                     reranker)
     return run(app, args.host, args.port, args.log_level)
 
 
 def with_index_model(index, models: list[tuple[str | None, str | None]]) -> list[tuple[str | None, str | None]]:
     """The models served beside an index: its own model when --model is not given; one
     --model must be it (its vectors would not compare otherwise); of several, one must be."""
-    from qvl.options import UsageError
     from qvl.retrieval.index_cli import index_model, model_key
 
     if len(models) == 1:
@@ -228,6 +235,24 @@ def with_index_model(index, models: list[tuple[str | None, str | None]]) -> list
         raise UsageError(f"the index {index.folder} holds vectors of {index.meta['model']}, which none of the "
                          "--model is: serve it too")
     return models
+
+
+def with_reranker(models: list[tuple[str | None, str | None]],
+                  text: str) -> tuple[list[tuple[str | None, str | None]], str]:
+    """The models served with the reranker --reranker [NAME=]MODEL among them (added last, unless
+    a --model is it already), and the name it is served as. A local folder that is not a
+    reranker is refused."""
+    from qvl.retrieval.index_cli import model_key
+    from qvl.retrieval.task import RERANK, model_task
+    from qvl.server.registry import served_name
+
+    name, model = named(text)
+    if Path(model).expanduser().is_dir() and model_task(Path(model).expanduser(), model) != RERANK:
+        raise UsageError(f"--reranker {model} is not a reranker (a Qwen3-VL-Reranker checkpoint)")
+    for given_name, given in models:
+        if given and model_key(given) == model_key(model):
+            return models, given_name or served_name(given)
+    return [*models, (name, model)], name or served_name(model)
 
 
 def opened_index(folder: Path):

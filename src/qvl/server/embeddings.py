@@ -81,16 +81,29 @@ class Retrieval:
     # -- reading and preparing ---------------------------------------------------------------
 
     async def _run(self, http: HTTPRequest, schema, prepare: Callable, json_only: bool = True):
-        """The body read and checked, every input prepared in a thread of the preparing lanes
-        (400 before anything is queued), then answered on the named model's worker: (what
-        `prepare` returned beside the requests, their Done events in order, the engine)."""
+        """The body read and checked, then answered on the model it names (`_answer`)."""
+        req, key = await self._read(http, schema, json_only)
+        return await self._answer(http, req, self.model_for(req), key, prepare)
+
+    async def _read(self, http: HTTPRequest, schema, json_only: bool = True) -> tuple[Any, str | None]:
+        """The body checked against `schema`, and the API key the caller presented."""
         body, key = await self.submit.receive(http, json_only)
+        try:
+            return await asyncio.to_thread(schema.model_validate_json, body), key
+        except Exception as exc:
+            raise from_exception(exc) from None
+
+    async def _answer(self, http: HTTPRequest, req: Any, model: str | None, key: str | None, prepare: Callable,
+                      media: bool | None = None):
+        """Every input of `req` prepared by `prepare(req, engine, deadline, salt)` in a thread of
+        the preparing lanes (of images and videos when `media`, by default when the request
+        holds any; 400 before anything is queued), then answered on the named model's worker:
+        (what `prepare` returned beside the requests, their Done events in order, the engine)."""
         lease = None
         try:
-            req = await asyncio.to_thread(schema.model_validate_json, body)
-            lease = await self.state.acquire(self.model_for(req), keep_alive_of(req))
+            lease = await self.state.acquire(model, keep_alive_of(req))
             salt, engine = cache_salt(key, req.cache_salt), lease.engine
-            spec, parsed = await self.submit.in_lane(http, has_media(req),
+            spec, parsed = await self.submit.in_lane(http, has_media(req) if media is None else media,
                                                       lambda deadline: prepare(req, engine, deadline, salt))
             return spec, await answers(lease.worker, parsed, self.state.settings.time_limit_s, http), engine
         except Exception as exc:

@@ -1,14 +1,17 @@
 """Search over an index (`qvl serve --index my.index`): POST /v1/search embeds the query on
-the worker as /v1/embeddings does and answers the nearest entries; GET /v1/index says what the
-index holds; GET /v1/index/thumbnail draws an indexed image, PDF page or clip's first frame,
-small. Thumbnails are drawn only from files the index holds, inside the folders it was made
-from (a path that leaves them, by `..` or a symbolic link, is refused)."""
+the worker as /v1/embeddings does and answers the nearest entries, or, with `rerank` on a
+server with a reranker (`--reranker`), the nearest candidates scored against the query by the
+reranker's worker, most relevant first; GET /v1/index says what the index holds; GET
+/v1/index/thumbnail draws an indexed image, PDF page or clip's first frame, small. Thumbnails
+are drawn only from files the index holds, inside the folders it was made from (a path that
+leaves them, by `..` or a symbolic link, is refused)."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import os
+from functools import partial
 from typing import Any
 from urllib.parse import urlencode
 
@@ -20,11 +23,12 @@ from pydantic import Field
 
 from qvl.deadline import Deadline
 from qvl.engine import Engine
-from qvl.retrieval.encode import embedding, parse_embedding
-from qvl.retrieval.index import dimensions_of
+from qvl.requests import RequestError
+from qvl.retrieval.encode import embedding, parse_embedding, parse_pair, relevance, score_vector
+from qvl.retrieval.index import dimensions_of, parts_of
 from qvl.retrieval.index_cli import model_key
-from qvl.retrieval.store import Store
-from qvl.retrieval.task import EMBED
+from qvl.retrieval.store import Hit, Store
+from qvl.retrieval.task import EMBED, RERANK
 from qvl.server.embeddings import Retrieval, parsed_as, prompt_tokens, require_task
 from qvl.server.errors import APIError
 from qvl.server.schemas import CacheSalt, _Strict
@@ -32,6 +36,7 @@ from qvl.server.state import ServerState
 from qvl.server.submit import Submitter
 
 MAX_K = 100
+CANDIDATES_PER_RESULT = 3  # rerank: the nearest k x this are scored, unless `candidates` says
 THUMBNAIL_SIDE = 256  # pixels of a thumbnail's longer side (at most)
 
 
@@ -39,13 +44,15 @@ class SearchRequest(_Strict):
     query: Any  # a string, content parts, or {"text", "image"} as /v1/embeddings takes an input
     k: int = Field(10, ge=1, le=MAX_K)
     instruction: str | None = Field(None, max_length=4096)  # default: the index's query instruction
+    rerank: bool = False  # score the nearest candidates with the server's reranker, best first
+    candidates: int | None = Field(None, ge=1, le=CANDIDATES_PER_RESULT * MAX_K)  # with rerank; default 3 x k
     cache_salt: CacheSalt = None
 
 
 class Search(Retrieval):
-    def __init__(self, state: ServerState, submit: Submitter, store: Store):
+    def __init__(self, state: ServerState, submit: Submitter, store: Store, reranker: str | None = None):
         super().__init__(state, submit)
-        self.store = store
+        self.store, self.reranker = store, reranker  # the served reranker's name, if any
         # the served model that made the index's vectors (a server of one serves only it)
         self.model = next((m.name for m in state.models.models if m.source.options and m.source.options.model
                            and model_key(m.source.options.model) == store.meta["model"]), None)
@@ -54,22 +61,42 @@ class Search(Retrieval):
         return self.model
 
     async def search(self, http: HTTPRequest) -> JSONResponse:
-        req, dones, engine = await self._run(http, SearchRequest, self._prepare_search)
+        req, key = await self._read(http, SearchRequest)
+        req, dones, engine = await self._answer(http, req, self.model, key, self._prepare_search)
         vector = embedding(dones[0].hidden, dimensions_of(self.store, engine)).numpy()
-        hits = await asyncio.to_thread(self.store.search, vector, req.k)
+        wanted = max(req.k, req.candidates or CANDIDATES_PER_RESULT * req.k) if req.rerank else req.k
+        hits = await asyncio.to_thread(self.store.search, vector, wanted)
         results = [{**h.to_dict(), "thumbnail": thumbnail_url(h.path, h.page)} for h in hits]
-        return JSONResponse({"object": "list", "model": engine.model_name, "results": results,
-                             "usage": {"prompt_tokens": prompt_tokens(dones)}})
+        tokens = prompt_tokens(dones)
+        if req.rerank and hits:
+            _, scored, reranker = await self._answer(http, req, self.reranker, key,
+                                                     partial(self._prepare_pairs, hits), media=True)
+            vector = score_vector(reranker)
+            results = sorted(({**r, "rerank_score": relevance(d.hidden, vector)} for r, d in zip(results, scored)),
+                             key=lambda r: -r["rerank_score"])
+            tokens += prompt_tokens(scored)
+        return JSONResponse({"object": "list", "model": engine.model_name, "results": results[: req.k],
+                             "usage": {"prompt_tokens": tokens}})
 
     def _prepare_search(self, req: SearchRequest, engine: Engine, deadline: Deadline, salt: str):
+        if req.rerank and self.reranker is None:
+            raise RequestError("this server has no reranker: start it with --reranker MODEL (a Qwen3-VL-Reranker) "
+                               "beside --index", "rerank")
         require_task(engine, EMBED)
         parts = self._parts(req.query, "query", engine)
         instruction = req.instruction or self.store.meta.get("query_instruction")
         return req, [parsed_as("query", lambda: parse_embedding(engine, parts, instruction, deadline, salt))]
 
+    def _prepare_pairs(self, hits: list[Hit], req: SearchRequest, engine: Engine, deadline: Deadline, salt: str):
+        """The (query, entry) pairs of the hits for the reranker (the entries read from their files)."""
+        require_task(engine, RERANK)
+        query = self._parts(req.query, "query", engine)
+        return None, [parse_pair(engine, query, parts_of(h.path, h.kind, h.page), None, deadline, salt) for h in hits]
+
     async def info(self) -> dict:
         counts = await asyncio.to_thread(self.store.counts)
-        return {"model": self.store.meta["model"], "dimensions": self.store.dims, **counts}
+        return {"model": self.store.meta["model"], "dimensions": self.store.dims, "reranker": self.reranker,
+                **counts}
 
     async def thumbnail(self, path: str = Query(...), page: int | None = Query(None, ge=1)) -> Response:
         row = await asyncio.to_thread(self.indexed, path)
@@ -122,9 +149,10 @@ def drawn(path: str, kind: str, page: int | None) -> bytes:
     return out.getvalue()
 
 
-def register(api: APIRouter, state: ServerState, submit: Submitter, store: Store) -> None:
-    """The search routes on the API router."""
-    routes = Search(state, submit, store)
+def register(api: APIRouter, state: ServerState, submit: Submitter, store: Store, reranker: str | None = None) -> None:
+    """The search routes on the API router; `reranker`: the name of a served reranker that
+    searches may ask to order the results."""
+    routes = Search(state, submit, store, reranker)
     api.add_api_route("/v1/search", routes.search, methods=["POST"])
     api.add_api_route("/v1/index", routes.info, methods=["GET"])
     api.add_api_route("/v1/index/thumbnail", routes.thumbnail, methods=["GET"])

@@ -665,6 +665,10 @@ async function wireSearch() {
     if (!res.ok) return;  // an API key not given yet: the counts stay unsaid
     const info = await res.json();
     $("search-info").textContent = `${counted(info.entries, "entry", "entries")} from ${counted(info.files, "file", "files")}`;
+    if (info.reranker) {  // qvl serve --reranker: the results may be ordered by it
+      $("search-rerank-label").hidden = false;
+      $("search-rerank-label").title = `score the nearest entries with ${info.reranker} and order them by it`;
+    }
   } catch (e) { /* the counts are a nicety */ }
 }
 
@@ -676,7 +680,7 @@ async function search(text) {
   $("search-results").replaceChildren();
   $("search-button").disabled = true;
   try {
-    const res = await fetch("v1/search", {method: "POST", headers: headers(), body: JSON.stringify({query: text, k: SEARCH_RESULTS})});
+    const res = await fetch("v1/search", {method: "POST", headers: headers(), body: JSON.stringify({query: text, k: SEARCH_RESULTS, rerank: $("search-rerank").checked})});
     if (!res.ok) { showError(await errorMessage(res)); return; }
     const body = await res.json();
     if (!body.results.length) $("search-results").textContent = "nothing indexed yet";
@@ -696,7 +700,8 @@ function resultCard(hit) {
   const img = document.createElement("img");
   img.alt = where;
   const caption = document.createElement("figcaption");
-  caption.textContent = `${hit.score.toFixed(3)} · ${where}`;
+  const rerank = hit.rerank_score === undefined ? "" : `rerank ${hit.rerank_score.toFixed(3)} · `;
+  caption.textContent = `${rerank}${hit.score.toFixed(3)} · ${where}`;
   caption.title = hit.path;
   card.append(img, caption);
   showThumbnail(img, hit.thumbnail);
