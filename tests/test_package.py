@@ -67,8 +67,11 @@ def test_version_is_written_in_one_place(capsys):
 @pytest.mark.slow
 def test_wheel_and_sdist_install_and_run_from_site_packages(tmp_path):
     source = tmp_path / "checkout"  # a copy: building writes egg-info and build/ beside the sources
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
-                                                                "checkpoints", ".pytest_cache", ".hypothesis"))
+    skipped = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", ".pytest_cache",
+                                     ".hypothesis")
+    # ./run.sh's own checkpoints/ folder stays out; the package's demo checkpoint goes in
+    shutil.copytree(ROOT, source, ignore=lambda folder, names: skipped(folder, names) |
+                    ({"checkpoints"} if Path(folder) == ROOT else set()))
     run(sys.executable, "-m", "venv", tmp_path / "builder", cwd=tmp_path)
     run(tmp_path / "builder/bin/pip", "install", "--quiet", "build", cwd=tmp_path)
     run(tmp_path / "builder/bin/python", "-m", "build", "--outdir", tmp_path / "dist", source, cwd=tmp_path)
@@ -95,7 +98,9 @@ def test_wheel_and_sdist_install_and_run_from_site_packages(tmp_path):
     answer = json.loads(run(venv / "bin/qvl", "ask", "--model", home / "ckpt", "Hi", "--max-new-tokens", "2",
                             "--json", cwd=home, env=env))
     assert answer["usage"]["completion_tokens"] == 2
-    assert files_of(site) == before  # the kernels and quantised weights went to the cache, not site-packages
+    demo = Path(run(venv / "bin/python", "-m", "qvl.demo", "path", cwd=home, env=env).strip())
+    assert (demo / "tokenizer.json").is_file() and not demo.is_relative_to(site)  # the shipped demo model, ready
+    assert files_of(site) == before  # the kernels, quantised weights and demo folder went to the cache
 
     writable(site, True)
     run(venv / "bin/pip", "uninstall", "--yes", "--quiet", "qvl", cwd=home, env=env)
