@@ -16,6 +16,7 @@ ratios.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -63,10 +64,10 @@ def main() -> None:
     common_flags = ["--model", args.model, "--threads", str(args.threads), "--batch-size", str(args.batch_size),
                     "--max-new-tokens", str(args.max_new_tokens)]
     qvl = [sys.executable, "-m", "qvl.cli"]
-    counter = iter(range(1_000_000))
+    runs = itertools.count()
     sides = {
         "qvl eval": lambda: timed([*qvl, "eval", str(work / "set"), *common_flags]),
-        "qvl batch": lambda: timed([*qvl, "batch", str(jobs), "--out", str(work / f"rows-{next(counter)}.jsonl"),
+        "qvl batch": lambda: timed([*qvl, "batch", str(jobs), "--out", str(work / f"rows-{next(runs)}.jsonl"),
                                     "--temperature", "0", *common_flags]),
     }
     sides["qvl batch"]()  # not timed: kernels built, files in the page cache

@@ -162,10 +162,11 @@ class Engine:
         cfg = ModelConfig.from_file(path / "config.json")
         stored = checkpoint_quantization(path)
         dequantise = stored is not None and options.weights not in ("auto", stored.weights)
-        if dequantise and stored.weights != "int8":
-            raise ValueError(f"{path} holds pre-quantised {stored.weights} weights; run it with --weights "
-                             f"{stored.weights} (or auto), or use the original bf16 checkpoint for {options.weights}")
         if dequantise:  # an int8 checkpoint's values, as float weights (then quantised as asked)
+            if stored.weights != "int8":
+                raise ValueError(f"{path} holds pre-quantised {stored.weights} weights; run it with --weights "
+                                 f"{stored.weights} (or auto), or use the original bf16 checkpoint for "
+                                 f"{options.weights}")
             stored = None
         weights = chosen_weights(options.weights, stored)
         if weights not in WEIGHT_FORMATS:
