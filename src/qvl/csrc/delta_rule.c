@@ -6,7 +6,7 @@
  * types of the tier's width (AVX-512: 16 floats, AVX2: 8, NEON and portable: 4), so one source
  * serves every build. Threads split the value heads (prefill), the (row, head) pairs (decode
  * step) or the channels (convolution); each head's arithmetic is the same whatever the split. */
-#include "common.h"
+#include "team.h"
 
 #if defined(QVL_AVX512)
 #define VW 16
@@ -243,44 +243,63 @@ int qvl_gated_delta_rule(const void* q, const void* k, const void* v, int dt, in
     return failed ? -1 : 0;
 }
 
+/* Item (b, h) = b * Hv + h of the delta rule's decode step (QvlDeltaStep in common.h): row b's
+ * value head h, its state read once from memory: per block of columns (in L1), S^T k and S^T q
+ * of the old state, then u = beta (v - e^g S^T k), o = e^g S^T q + (k.q) u (= the new state's
+ * S^T q) and S = e^g S + k u^T, in place. */
+static int delta_step_item(const void* ctx, const TeamItem* it) {
+    const QvlDeltaStep* a = (const QvlDeltaStep*)ctx;
+    const int dt = a->dt;
+    const int64_t item = it->index, Hv = a->Hv, Dk = a->Dk, Dv = a->Dv;
+    const int64_t b = item / Hv, h = item % Hv, kh = h / (Hv / a->Hk);
+    const size_t es = dt == BF16 ? 2 : 4;
+    float qn[MAX_HEAD], kn[MAX_HEAD], o[MAX_HEAD];
+    l2norm_row((const char*)a->k + (b * a->k_tok + kh * a->k_head) * es, dt, Dk, 1.f, kn);
+    l2norm_row((const char*)a->q + (b * a->q_tok + kh * a->q_head) * es, dt, Dk, 1.f / sqrtf((float)Dk), qn);
+    float kq = 0.f;
+    for (int64_t d = 0; d < Dk; d++) kq += kn[d] * qn[d];
+    const float decay = expf(a->g[item]), bt = a->beta[item];
+    const char* vr = (const char*)a->v + (b * a->v_tok + h * a->v_head) * es;
+    float* S = a->states + (a->slots[b] * Hv + h) * Dk * Dv;
+    for (int64_t c = 0; c < Dv; c += VW) {
+        vf sk = {0}, sq = {0}, vv;
+        for (int64_t d = 0; d < Dk; d++) {
+            const vf s = vload(S + d * Dv + c);
+            sk += kn[d] * s;
+            sq += qn[d] * s;
+        }
+        for (int i = 0; i < VW; i++) vv[i] = get(vr, dt, c + i);
+        const vf u = bt * (vv - decay * sk);
+        vstore(o + c, decay * sq + kq * u);
+        for (int64_t d = 0; d < Dk; d++) vstore(S + d * Dv + c, decay * vload(S + d * Dv + c) + kn[d] * u);
+    }
+    for (int64_t c = 0; c < Dv; c++) put(a->out, dt, item * Dv + c, o[c]);
+    return 0;
+}
+
+int qvl_delta_step_fits(const QvlDeltaStep* a) {
+    return !(a->Dk % 16 || a->Dv % 16 || a->Dk > MAX_HEAD || a->Dv > MAX_HEAD || a->Hk < 1 || a->Hv % a->Hk);
+}
+
+/* The decode step's (row, value head) items, in turn, each state updated in place (not taken over). */
+TeamJob qvl_delta_step_job(const QvlDeltaStep* a) { return (TeamJob){a->B * a->Hv, 0, delta_step_item, NULL, a}; }
+
+static int one_job(Walker* w, const void* ctx) { return team_run(w, (const TeamJob*)ctx); }
+
 /* One token per row for B rows: row b's q, k, v at b*q_tok + h*q_head (and likewise; D
  * contiguous, dtype dt), g, beta [B][Hv] float32, its state states[slots[b]] ([Hv][Dk][Dv]
- * float32 each) updated in place, out [B][Hv][Dv] of dtype dt. Each state is read once from
- * memory: per block of columns (in L1), S^T k and S^T q of the old state, then u = beta (v -
- * e^g S^T k), o = e^g S^T q + (k.q) u (= the new state's S^T q) and S = e^g S + k u^T. Each row
- * computed alike whatever the other rows. Returns 0, or -2 for shapes it does not take. */
+ * float32 each) updated in place, out [B][Hv][Dv] of dtype dt (delta_step_item). Each row
+ * computed alike whatever the other rows. Returns 0, -1 out of memory, or -2 for shapes it does
+ * not take. */
 int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, int64_t B, int64_t Hk, int64_t Hv,
                          int64_t Dk, int64_t Dv, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
                          int64_t v_tok, int64_t v_head, const float* g, const float* beta, float* states,
                          const int64_t* slots, void* out, int threads) {
-    if (Dk % 16 || Dv % 16 || Dk > MAX_HEAD || Dv > MAX_HEAD || Hk < 1 || Hv % Hk) return -2;
-    const size_t es = dt == BF16 ? 2 : 4;
-#pragma omp parallel for num_threads(B * Hv > 1 ? threads : 1) schedule(static)
-    for (int64_t item = 0; item < B * Hv; item++) {
-        const int64_t b = item / Hv, h = item % Hv, kh = h / (Hv / Hk);
-        float qn[MAX_HEAD], kn[MAX_HEAD], o[MAX_HEAD];
-        l2norm_row((const char*)k + (b * k_tok + kh * k_head) * es, dt, Dk, 1.f, kn);
-        l2norm_row((const char*)q + (b * q_tok + kh * q_head) * es, dt, Dk, 1.f / sqrtf((float)Dk), qn);
-        float kq = 0.f;
-        for (int64_t d = 0; d < Dk; d++) kq += kn[d] * qn[d];
-        const float decay = expf(g[item]), bt = beta[item];
-        const char* vr = (const char*)v + (b * v_tok + h * v_head) * es;
-        float* S = states + (slots[b] * Hv + h) * Dk * Dv;
-        for (int64_t c = 0; c < Dv; c += VW) {
-            vf sk = {0}, sq = {0}, vv;
-            for (int64_t d = 0; d < Dk; d++) {
-                const vf s = vload(S + d * Dv + c);
-                sk += kn[d] * s;
-                sq += qn[d] * s;
-            }
-            for (int i = 0; i < VW; i++) vv[i] = get(vr, dt, c + i);
-            const vf u = bt * (vv - decay * sk);
-            vstore(o + c, decay * sq + kq * u);
-            for (int64_t d = 0; d < Dk; d++) vstore(S + d * Dv + c, decay * vload(S + d * Dv + c) + kn[d] * u);
-        }
-        for (int64_t c = 0; c < Dv; c++) put(out, dt, item * Dv + c, o[c]);
-    }
-    return 0;
+    const QvlDeltaStep a = {q, k, v, dt, B, Hk, Hv, Dk, Dv, q_tok, q_head, k_tok, k_head, v_tok, v_head, g, beta,
+                            states, slots, out};
+    if (!qvl_delta_step_fits(&a)) return -2;
+    const TeamJob job = qvl_delta_step_job(&a);
+    return team_region(B * Hv > 1 ? threads : 1, 0, 0, one_job, &job, NULL) ? -1 : 0;
 }
 
 /* silu(s) after rounding s to dt (the reference's conv runs in the weight's dtype). */

@@ -14,7 +14,7 @@ static inline float chunk_step(const float* x, float levels) {
     return amax > 0.f ? amax / levels : 1.f;
 }
 
-/* Decode GEMV, int8 weights (gemv.c; amx_gemm.c's qvl_int8_amx reads the same codes): x / step
+/* Decode GEMV, int8 weights (gemv.c; amx_gemm.c's qvl_amx_codes splits the same codes): x / step
  * rounded to int16 per 128-column chunk, step max|chunk| / 32767 (chunk_step). */
 typedef struct {
     int16_t* q;    /* [M][K] */
