@@ -1,5 +1,6 @@
 """Threads on a shared machine: the kernels' team hands every piece of work out once and takes
-over a stopped thread's, and decoding gives the same bits on 1, 2 or 3 threads on every tier."""
+over a stopped thread's, and decoding and the prompt's kernels give the same bits on 1, 2 or 3
+threads on every tier."""
 
 from __future__ import annotations
 
@@ -107,3 +108,77 @@ def test_decoding_gives_the_same_bits_on_any_number_of_threads(checkpoints, pres
         torch.set_num_threads(count)
         for got, want in zip(decoded(engine), alone):
             assert torch.equal(got, want), (tier.name, preset, weights, count)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=() if name == RUNS else pytest.mark.slow)
+                                        for name in TIERS])
+def tier_lib(request):
+    """Each tier's kernels (built once into qvl's own folder)."""
+    tier = TIERS[request.param]
+    return tier, build.load(tier, paths.cache_root() / "native")
+
+
+def same_bits_on_1_2_3_threads(name: str, op) -> None:
+    torch.set_num_threads(1)
+    alone = op()
+    if alone is None:
+        return  # not built for this tier
+    alone = [alone] if isinstance(alone, torch.Tensor) else list(alone)
+    for count in (2, 3):
+        torch.set_num_threads(count)
+        got = op()
+        got = [got] if isinstance(got, torch.Tensor) else list(got)
+        assert all(torch.equal(a, b) for a, b in zip(got, alone)), (name, count)
+
+
+def test_prompt_kernels_give_the_same_bits_on_any_number_of_threads(tier_lib, threads):
+    """The prompt's and the vision tower's kernels whose rows, heads and channels the threads take
+    in turn: RMSNorm (plain, zero-centred, gated), SiLU.mul, the text and vision RoPE, flash,
+    byte-code and 16-bit attention (keys and values packed head by head), the delta rule in runs
+    of heads and its convolution in runs of channels, the dequantisation, oneDNN's int8 passes and
+    the GEMV's activation codes at 40 rows: the same bits on 1, 2 and 3 threads."""
+    from qvl.kernels import attention, delta_rule, elementwise, linear
+    from qvl.quantize import pack_nibbles, quantize_int4
+
+    tier, lib = tier_lib
+    torch.manual_seed(8)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, z = torch.randn(300, 256).to(dtype), torch.randn(256).to(dtype), torch.randn(300, 256).to(dtype)
+        same_bits_on_1_2_3_threads("rmsnorm", lambda: elementwise.rms_norm(lib, x, w, 1e-6))
+        same_bits_on_1_2_3_threads("zero-centred", lambda: elementwise.rms_norm(lib, x, w, 1e-6, zero_centred=True))
+        same_bits_on_1_2_3_threads("gated", lambda: elementwise.gated_rms_norm(lib, x, z, w, 1e-6))
+        same_bits_on_1_2_3_threads("silu_mul", lambda: elementwise.silu_mul(lib, x.clone(), z))
+        q, cos, sin = torch.randn(1, 4, 100, 64).to(dtype), torch.randn(1, 1, 100, 64).to(dtype), \
+            torch.randn(1, 1, 100, 64).to(dtype)
+        same_bits_on_1_2_3_threads("text rope", lambda: elementwise.text_rope(lib, q, cos, sin))
+        g, beta = -torch.rand(70, 4), torch.rand(70, 4)
+        qk, v = torch.randn(70, 2, 32).to(dtype), torch.randn(70, 4, 32).to(dtype)
+        state = torch.randn(4, 32, 32)
+        same_bits_on_1_2_3_threads("delta rule", lambda: (lambda s: (delta_rule.native_gated_delta_rule(
+            lib, qk, qk, v, g, beta, s, 5), s))(state.clone()))
+        conv_x, conv_w, conv_s = torch.randn(70, 600).to(dtype), torch.randn(600, 4).to(dtype), torch.randn(600, 3)
+        same_bits_on_1_2_3_threads("causal conv", lambda: (lambda s: (delta_rule.native_causal_conv(
+            lib, conv_x, conv_w, s), s))(conv_s.to(dtype).clone()))
+        q8, s8 = torch.randint(-127, 128, (300, 256), dtype=torch.int8), torch.rand(300).to(dtype)
+        same_bits_on_1_2_3_threads("dequantize int8", lambda: linear.dequantize(lib, build.W_INT8, q8, s8, None, 0,
+                                                                               (300, 256)))
+        q4, s4, z4 = quantize_int4(torch.randn(300, 256), 64)
+        same_bits_on_1_2_3_threads("dequantize int4", lambda: linear.dequantize(
+            lib, build.W_INT4, pack_nibbles(q4), s4.to(dtype), z4.to(dtype), 64, (300, 256)))
+        same_bits_on_1_2_3_threads("gemv of 40 rows", lambda: linear.gemv(lib, build.W_INT8, x[:40], q8, 300,
+                                                                          s8, bias=s8))
+    xb = torch.randn(200, 8, 64).bfloat16()
+    vc, vs = torch.randn(200, 1, 64), torch.randn(200, 1, 64)
+    same_bits_on_1_2_3_threads("vision rope", lambda: elementwise.vision_rope(lib, xb, vc, vs))
+    kv = torch.randn(200, 2, 64).bfloat16()
+    same_bits_on_1_2_3_threads("flash attention", lambda: attention.attention(lib, xb, kv, kv, causal_from=0))
+    same_bits_on_1_2_3_threads("byte attention", lambda: attention.attention_q8(lib, xb, xb, xb))
+    xf = torch.randn(200, 4, 64)
+    same_bits_on_1_2_3_threads("16-bit attention", lambda: attention.attention_i16(lib, xf, xf, xf))
+    if not library().int8_levels:
+        return  # no exact int8 GEMM in this torch
+    packed = linear.pack_int8(q8)
+    colsums = q8.float().sum(1)
+    for levels in (127, 255):
+        same_bits_on_1_2_3_threads("int8 passes", lambda: linear.int8_matmul(lib, x.float(), packed, colsums,
+                                                                             s8.float(), None, levels))

@@ -217,8 +217,10 @@ int qvl_gated_delta_rule(const void* q, const void* k, const void* v, int dt, in
     const int64_t LP = round_up(chunk, VW);
     const size_t floats = (size_t)(2 * chunk * Dk + Dk * LP + 2 * chunk * LP + 3 * chunk * Dv + chunk + Dv);
     int failed = 0;
-    const int64_t parts = threads < 1 ? 1 : threads < Hv ? threads : Hv;
-#pragma omp parallel for num_threads(parts) schedule(static)
+    /* runs of heads taken in turn, two per thread (a thread on a core another program shares takes fewer) */
+    const int team = threads < 1 ? 1 : threads;
+    const int64_t parts = 2 * team < Hv ? 2 * team : Hv;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
     for (int64_t part = 0; part < parts; part++) {
         const int64_t h0 = Hv * part / parts, h1 = Hv * (part + 1) / parts;
         float* buf = malloc(floats * sizeof(float));
@@ -312,15 +314,17 @@ static inline float conv_silu(float s, int dt) {
 /* The short causal convolution of one row: out[t][c] = silu(sum_j w[c][j] in[t - K + 1 + j][c])
  * with in[-K+1..-1] the row's K-1 earlier inputs, state [C][K-1] (oldest first), updated in
  * place to the last K-1 inputs. x: token t at t*x_tok (C contiguous); w [C][K]; state, out
- * [T][C]: all dtype dt. Threads split the channels. Returns 0, -1 out of memory, -2 for K
+ * [T][C]: all dtype dt. Threads take runs of channels in turn. Returns 0, -1 out of memory, -2 for K
  * outside 2..8. */
 int qvl_causal_conv(const void* x, int dt, int64_t T, int64_t C, int64_t x_tok, const void* w, int64_t K, void* state,
                     void* out, int threads) {
     if (K < 2 || K > 8) return -2;
     const size_t es = dt == BF16 ? 2 : 4;
-    const int64_t parts = threads < 1 ? 1 : threads, share = round_up((C + parts - 1) / parts, 64);
+    /* runs of channels taken in turn, four per thread */
+    const int team = threads < 1 ? 1 : threads;
+    const int64_t share = round_up((C + 4 * team - 1) / (4 * team), 64), parts = (C + share - 1) / share;
     int failed = 0;
-#pragma omp parallel for num_threads(parts) schedule(static)
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
     for (int64_t part = 0; part < parts; part++) {
         const int64_t c0 = part * share, n = C - c0 < share ? C - c0 : share;
         if (n <= 0) continue;
@@ -386,7 +390,7 @@ int qvl_causal_conv(const void* x, int dt, int64_t T, int64_t C, int64_t x_tok, 
 int qvl_causal_conv_step(const void* x, int dt, int64_t B, int64_t C, int64_t x_tok, const void* w, int64_t K,
                          void* states, const int64_t* slots, void* out, int threads) {
     if (K < 2 || K > 8) return -2;
-#pragma omp parallel for num_threads(B * C >= 4096 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(B * C >= 4096 ? threads : 1) schedule(dynamic, 256)
     for (int64_t item = 0; item < B * C; item++) {
         const int64_t b = item / C, c = item % C, at = (slots[b] * C + c) * (K - 1);
         const float xi = get(x, dt, b * x_tok + c);

@@ -812,7 +812,7 @@ void qvl_gemv_prepare(GemvInput* in, int forms, const void* x, int dt, int64_t M
     const int64_t K = in->K;
     in->M = M, in->gs = gs;
     if (dt == BF16) {
-#pragma omp parallel for simd num_threads(M >= 32 ? threads : 1) schedule(static)
+#pragma omp parallel for simd num_threads(M >= 32 ? threads : 1) schedule(dynamic, 4096)
         for (int64_t i = 0; i < M * K; i++) in->xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
     } else {
         memcpy(in->xf, x, (size_t)(M * K) * sizeof(float));
@@ -991,7 +991,7 @@ static void dequantize_int8_row(const int8_t* row, float s, int dt, void* o, int
 /* out[N][K] (dtype dt) = the int8 or int4 weight, dequantised in one pass. */
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n++) {
         if (kind == W_INT8) {
             dequantize_int8_row((const int8_t*)w + n * K, get(scale, dt, n), dt,

@@ -23,7 +23,7 @@ typedef struct {
 
 static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx, int threads) {
     const int64_t C = K / CHUNK;
-#pragma omp parallel for num_threads(M >= 32 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(M >= 32 ? threads : 1) schedule(dynamic, 4)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < C; c++) {
             const float* xc = x + m * K + c * CHUNK;
