@@ -1,8 +1,10 @@
 """Threads on a shared machine: the kernels' team hands every piece of work out once and takes
-over a stopped thread's, and decoding and the prompt's kernels give the same bits on 1, 2 or 3
-threads on every tier."""
+over a stopped thread's, decoding gives the same bits on 1, 2 or 3 threads on every tier, and
+torch's own ops follow the cores other programs leave free."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from qvl import paths
 from qvl.kernels import build
 from qvl.kernels import library as library_module
 from qvl.kernels.library import Library, library
+from qvl.threads import CpuTimes, Load, Threads, kernel_threads, read_cpu_times, torch_threads
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
 RUNS = build.select_tier().name if TIERS else None
@@ -108,6 +111,46 @@ def test_decoding_gives_the_same_bits_on_any_number_of_threads(checkpoints, pres
         torch.set_num_threads(count)
         for got, want in zip(decoded(engine), alone):
             assert torch.equal(got, want), (tier.name, preset, weights, count)
+
+
+def test_torch_gets_the_cores_other_programs_leave(threads):
+    """One thread fewer for each core other programs keep busy (from 0.3 of one), at least one,
+    measured over the last second of readings; the kernels keep the engine's count inside a step
+    while torch's own ops run on fewer; --threads fixes both."""
+    assert [torch_threads(2, busy) for busy in (0.0, 0.2, 0.5, 1.0, 1.9)] == [2, 2, 1, 1, 1]
+    assert [torch_threads(8, busy) for busy in (0.25, 0.6, 2.2, 9.0)] == [8, 7, 6, 1]
+    readings = iter([CpuTimes(0.0, 0.0), CpuTimes(0.25, 0.0), CpuTimes(0.5, 0.0), CpuTimes(1.25, 0.6),
+                     CpuTimes(2.5, 0.7), CpuTimes(2.75, 0.7)])
+    load = Load(read=lambda: next(readings))
+    count = Threads(2, load)
+    for _ in range(3):  # 0.6 s of other programs' CPU over the last second (from 0.25 s to 1.25 s)
+        load.sample()
+    assert load.busy == pytest.approx(0.6)
+    with count.step():
+        assert (count.torch, torch.get_num_threads(), kernel_threads()) == (1, 1, 2)
+    assert kernel_threads() == 1  # outside a step the kernels follow torch's count (a test's, a tool's)
+    load.sample(), load.sample()  # 0.1 s over the last 1.5 s: quiet again
+    assert load.busy == pytest.approx(0.1 / 1.5)
+    with count.step():
+        assert (count.torch, torch.get_num_threads(), kernel_threads()) == (2, 2, 2)
+    fixed = Threads(2, None)
+    with fixed.step():
+        assert (fixed.torch, fixed.stats()["qvl_cpu_cores_busy_elsewhere"]) == (2, 0.0)
+
+
+def test_other_programs_cpu_time_leaves_out_niced_ones(tmp_path):
+    """/proc/stat's user, system, irq, softirq and steal time of this process's CPUs count as
+    other programs' (less this process's own); the nice column, processes that give way, does not."""
+    stat = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+    line = "cpu{} {user} {nice} 0 500 0 0 0 {steal} 0 0"
+    stat.write_text("\n".join(["cpu  0 0 0 0 0 0 0 0 0 0", line.format(0, user=2 * hz, nice=0, steal=0),
+                               line.format(1, user=0, nice=50 * hz, steal=hz), line.format(7, user=90 * hz, nice=0,
+                                                                                            steal=0), "intr 5"]))
+    ours = sum(os.times()[:2])
+    times = read_cpu_times(stat, cpus=[0, 1])
+    assert 3.0 - ours - 0.05 <= times.others <= 3.0  # cpu7 is not ours; the nice column does not count
+    assert read_cpu_times(tmp_path / "missing") is None
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=() if name == RUNS else pytest.mark.slow)
