@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import time
-import urllib.error
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,21 +63,6 @@ def missing(args, engine: str) -> str | None:
         if not path or not os.path.exists(path):
             return f"{path or 'a GGUF (--gguf, --mmproj)'} not found"
     return None
-
-
-def wait_healthy(server: common.Child, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise RuntimeError(f"the server exited while loading:\n{server.finish(5).tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"not ready after {timeout:.0f} s")
 
 
 def image_uri(width: int, seed: int) -> str:
@@ -135,7 +119,10 @@ def measure_server(args, engine: str, order: list[str], seed: int) -> dict[str, 
     server = common.Child(cmd, env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")}, cwd=REPO)
     out = {}
     try:
-        wait_healthy(server, port, args.timeout)
+        try:
+            common.wait_healthy(server, port, args.timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{engine}: {e}\n{server.finish(5).tail()}") from None
         ask(engine, port, image_uri(args.image_size, seed), min(args.tokens, 8), args.timeout)
         for i, kind in enumerate(order):
             load = start_load(kind, args.load_cpu)

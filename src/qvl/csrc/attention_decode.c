@@ -193,8 +193,6 @@ TeamJob qvl_decode_attention_job(const QvlAttention* a) {
     return (TeamJob){a->B * a->Hkv, 1, attention_run, attention_commit, a};
 }
 
-static int one_job(Walker* w, const void* ctx) { return team_run(w, (const TeamJob*)ctx); }
-
 /* One new query per row against the paged KV cache (decoding), grouped-query: the G = H/Hkv
  * query heads of a key/value head read its keys and values once. q: [B][H][D]; batch row b's
  * position j, head h at table[b*table_stride + j/block]*block_stride + h*head_stride +
@@ -208,5 +206,5 @@ int qvl_decode_attention(const void* q, const void* keys, const void* values, in
                             lengths, D, out};
     if (!qvl_decode_attention_fits(&a)) return -2;
     const TeamJob job = qvl_decode_attention_job(&a);
-    return team_region(threads, job.items, (H / Hkv) * D, one_job, &job, NULL) ? -1 : 0;
+    return team_region(threads, job.items, (H / Hkv) * D, team_one_job, &job, NULL) ? -1 : 0;
 }

@@ -81,7 +81,7 @@ typedef struct {
     int64_t layer_stride, table_stride, block, block_stride, head_stride;
     const int64_t *table, *slots, *lengths;
     const QvlStates* states;
-    Buffers b;
+    Buffers* b;
 } Step;
 
 /* Where a thread's program is: the layer, and its index among the attention or DeltaNet layers. */
@@ -130,6 +130,12 @@ static void prepare(const Step* t, GemvInput* in, const QvlLinear* const* ls, in
     int64_t gs;
     const int forms = forms_of(ls, n, M, &gs);
     qvl_gemv_prepare(in, forms, x, t->dt, M, gs, 1);
+}
+
+/* x [B][K] as the input `in` of the one linear l. */
+static int prepare_one(const Step* t, GemvInput* in, const QvlLinear* l, const void* x) {
+    prepare(t, in, &l, 1, x, t->B);
+    return 0;
 }
 
 /* The products ls[i] . ins[i] -> ys[i] for i < n as one job, run by w; without w, counted:
@@ -192,11 +198,11 @@ static int mlp_linears(const QvlLayer* L, const QvlLinear** ls) {
 static int mixer_in(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     if (h->layer > 0) add_into(t->x, b->a, t->dt, t->B * t->s->D);
     norm_rows(t, t->x, h->L->input_norm, b->xn, t->B, t->s->D);
     const QvlLinear* ls[4];
-    prepare(t, (GemvInput*)&b->in_x, ls, mixer_linears(h->L, ls), b->xn, t->B);
+    prepare(t, &b->in_x, ls, mixer_linears(h->L, ls), b->xn, t->B);
     return 0;
 }
 
@@ -206,7 +212,7 @@ static int attention_in(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
     const QvlShape* s = t->s;
-    const Buffers* bf = &t->b;
+    Buffers* bf = t->b;
     const int dt = t->dt;
     const size_t es = t->es;
     const int64_t B = t->B, H = s->H, Hkv = s->Hkv, hd = s->hd, rd = s->rotary_dim;
@@ -234,7 +240,7 @@ static int attention_in(const void* ctx) {
 static int attention_out(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     const int dt = t->dt;
     const int64_t hd = t->s->hd, rows = t->B * t->s->H;
     if (t->s->gated)
@@ -243,9 +249,7 @@ static int attention_out(const void* ctx) {
                 const float gate = in_dt(sigmoid(get(b->qg, dt, (2 * r + 1) * hd + i)), dt);
                 put(b->att, dt, r * hd + i, get(b->att, dt, r * hd + i) * gate);
             }
-    const QvlLinear* o = &h->L->o;
-    prepare(t, (GemvInput*)&b->in_att, &o, 1, b->att, t->B);
-    return 0;
+    return prepare_one(t, &b->in_att, &h->L->o, b->att);
 }
 
 /* The DeltaNet between its products: beta = sigmoid(b) (rounded), g = -e^A_log softplus(a +
@@ -254,7 +258,7 @@ static int delta_mid(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
     const QvlDelta* L = &h->L->delta;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     const QvlShape* s = t->s;
     const int dt = t->dt;
     const int64_t Hv = s->Hv, C = 2 * s->Hk * s->Dk + Hv * s->Dv;
@@ -274,22 +278,20 @@ static int delta_mid(const void* ctx) {
 static int delta_out(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     qvl_gated_rmsnorm(b->o, b->z, h->L->delta.norm, b->o, t->dt, t->B * t->s->Hv, t->s->Dv, t->s->eps, 1);
-    const QvlLinear* out = &h->L->delta.out;
-    prepare(t, (GemvInput*)&b->in_delta, &out, 1, b->o, t->B);
-    return 0;
+    return prepare_one(t, &b->in_delta, &h->L->delta.out, b->o);
 }
 
 /* The mixer's output added to the hidden rows; the post-attention norm; the MLP's input. */
 static int mlp_in(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     add_into(t->x, b->a, t->dt, t->B * t->s->D);
     norm_rows(t, t->x, h->L->post_norm, b->xn, t->B, t->s->D);
     const QvlLinear* ls[4];
-    prepare(t, (GemvInput*)&b->in_x, ls, mlp_linears(h->L, ls), b->xn, t->B);
+    prepare(t, &b->in_x, ls, mlp_linears(h->L, ls), b->xn, t->B);
     return 0;
 }
 
@@ -297,11 +299,9 @@ static int mlp_in(const void* ctx) {
 static int dense_down_in(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     qvl_silu_mul(b->g, b->u, t->dt, t->B * h->L->gate.n, 1);
-    const QvlLinear* down = &h->L->down;
-    prepare(t, (GemvInput*)&b->in_h, &down, 1, b->g, t->B);
-    return 0;
+    return prepare_one(t, &b->in_h, &h->L->down, b->g);
 }
 
 /* A mixture's routing, as qvl.model.text.SparseMoE computes it: router logits in dt, softmax in
@@ -312,7 +312,7 @@ static int moe_route(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
     const QvlMoe* m = &h->L->moe;
-    const Buffers* bf = &t->b;
+    Buffers* bf = t->b;
     Routing* r = &bf->routing[h->layer];
     const int dt = t->dt;
     const int64_t B = t->B, E = m->experts, K = m->top_k, D = t->s->D;
@@ -360,7 +360,7 @@ static int moe_down_in(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
     const QvlMoe* m = &h->L->moe;
-    const Buffers* bf = &t->b;
+    Buffers* bf = t->b;
     const Routing* r = &bf->routing[h->layer];
     const int64_t B = t->B, I = m->inter;
     const size_t es = t->es;
@@ -382,7 +382,7 @@ static int moe_down_in(const void* ctx) {
 static int moe_combine(const void* ctx) {
     const Here* h = (const Here*)ctx;
     const Step* t = h->t;
-    const Buffers* bf = &t->b;
+    Buffers* bf = t->b;
     const Routing* r = &bf->routing[h->layer];
     const int dt = t->dt;
     const int64_t B = t->B, D = t->s->D, K = h->L->moe.top_k;
@@ -409,7 +409,7 @@ static int moe_combine(const void* ctx) {
 /* The last layer's MLP output added to the hidden rows. */
 static int finish(const void* ctx) {
     const Step* t = ((const Here*)ctx)->t;
-    add_into(t->x, t->b.a, t->dt, t->B * t->s->D);
+    add_into(t->x, t->b->a, t->dt, t->B * t->s->D);
     return 0;
 }
 
@@ -420,7 +420,7 @@ static int finish(const void* ctx) {
  * jobs' items and own results counted (*items the most of any, *own likewise). */
 static int attention(Walker* w, const Here* h, int64_t* items, int64_t* own) {
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     const QvlShape* s = t->s;
     const QvlLayer* L = h->L;
     const QvlLinear* ls[3] = {&L->q, &L->k, &L->v};
@@ -450,7 +450,7 @@ static int attention(Walker* w, const Here* h, int64_t* items, int64_t* own) {
  * in place), delta_out, out_proj. Without w: counted, as attention. */
 static int delta_layer(Walker* w, const Here* h, int64_t* items, int64_t* own) {
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     const QvlShape* s = t->s;
     const QvlDelta* L = &h->L->delta;
     const QvlLinear* ls[4] = {&L->qkv, &L->z, &L->b, &L->a};
@@ -478,7 +478,7 @@ static int delta_layer(Walker* w, const Here* h, int64_t* items, int64_t* own) {
  * the S first ones) on its rows, plus the shared expert's down when `shared`. */
 static int experts(Walker* w, const Here* h, int down, int64_t* items, int64_t* own) {
     const Step* t = h->t;
-    const Buffers* bf = &t->b;
+    Buffers* bf = t->b;
     const QvlMoe* m = &h->L->moe;
     const Routing* r = &bf->routing[h->layer];
     const int64_t n = w ? r->experts : t->S, shared = down && m->shared_gate.n, B = t->B;
@@ -500,7 +500,7 @@ static int experts(Walker* w, const Here* h, int down, int64_t* items, int64_t* 
  * moe_down_in; their down with the shared expert's; moe_combine). Without w: counted, as attention. */
 static int mlp(Walker* w, const Here* h, int64_t* items, int64_t* own) {
     const Step* t = h->t;
-    const Buffers* b = &t->b;
+    Buffers* b = t->b;
     const QvlLayer* L = h->L;
     const QvlLinear* ls[4];
     const int n = mlp_linears(L, ls);
@@ -568,7 +568,7 @@ static int64_t lay_out(Step* t, char* base) {
         attention |= !t->layers[l].delta.out.n;
     }
 #define CARVE(bytes) carve(base, &at, bytes)
-    Buffers* b = &t->b;
+    Buffers* b = t->b;
     b->xn = CARVE(B * D * es), b->a = CARVE(B * D * es);
     b->q = CARVE(qn * es), b->att = CARVE(qn * es), b->k = CARVE(kn * es), b->v = CARVE(kn * es);
     b->qg = CARVE(s->gated ? 2 * qn * es : 0);
@@ -655,9 +655,10 @@ int qvl_decode_layers(const QvlLayer* layers, int64_t n_layers, const QvlShape* 
     int64_t* lengths = malloc((size_t)B * sizeof(int64_t));
     if (!lengths) return -1;
     for (int64_t b = 0; b < B; b++) lengths[b] = slots[b] + 1;
+    Buffers buffers;
     Step t = {layers, n_layers, s, dt, threads < 1 ? 1 : threads, B, S, I, dt == BF16 ? 2 : 4, (char*)x, cos, sin,
               keys, values, layer_stride, table_stride, block, block_stride, head_stride, table, slots, lengths,
-              states};
+              states, &buffers};
     char* base = aligned_alloc(64, (size_t)lay_out(&t, NULL));
     if (!base) {
         free(lengths);

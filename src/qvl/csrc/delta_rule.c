@@ -286,8 +286,6 @@ int qvl_delta_step_fits(const QvlDeltaStep* a) {
 /* The decode step's (row, value head) items, in turn, each state updated in place (not taken over). */
 TeamJob qvl_delta_step_job(const QvlDeltaStep* a) { return (TeamJob){a->B * a->Hv, 0, delta_step_item, NULL, a}; }
 
-static int one_job(Walker* w, const void* ctx) { return team_run(w, (const TeamJob*)ctx); }
-
 /* One token per row for B rows: row b's q, k, v at b*q_tok + h*q_head (and likewise; D
  * contiguous, dtype dt), g, beta [B][Hv] float32, its state states[slots[b]] ([Hv][Dk][Dv]
  * float32 each) updated in place, out [B][Hv][Dv] of dtype dt (delta_step_item). Each row
@@ -301,7 +299,7 @@ int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, in
                             states, slots, out};
     if (!qvl_delta_step_fits(&a)) return -2;
     const TeamJob job = qvl_delta_step_job(&a);
-    return team_region(B * Hv > 1 ? threads : 1, 0, 0, one_job, &job, NULL) ? -1 : 0;
+    return team_region(B * Hv > 1 ? threads : 1, 0, 0, team_one_job, &job, NULL) ? -1 : 0;
 }
 
 /* silu(s) after rounding s to dt (the reference's conv runs in the weight's dtype). */

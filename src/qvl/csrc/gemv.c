@@ -660,8 +660,8 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
 #define GEMV_BLOCK 32 /* weight rows of one item of the float products, for every tile of activation rows in turn */
 
 /* out[m] = row n of W . x[m0 + m] for the rows of one tile. */
-static void row_products(int kind, const GemvInput* a, int forms, int64_t m0, int64_t mt, int64_t K, int64_t gs, const void* w,
-                         const void* sc, const void* zr, int dt, int64_t n, float* out) {
+static void row_products(int kind, const GemvInput* a, int forms, int64_t m0, int64_t mt, int64_t K, int64_t gs,
+                         const void* w, const void* sc, const void* zr, int dt, int64_t n, float* out) {
     const int64_t G = kind == W_INT4 ? K / gs : 0;
     const size_t esize = dt == BF16 ? 2 : 4;
     const void* wrow = kind == W_INT4   ? (const void*)((const uint8_t*)w + n * (K / 2))
@@ -706,7 +706,8 @@ static void rows_block(const GemvProduct* p, int64_t first, int64_t last, float*
         const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
         for (int64_t n = first; n < last; n++) {
             if (team_item_dropped(it)) return;
-            row_products((int)l->kind, p->in, p->forms, m0, mt, l->k, l->group_size, l->w, l->scale, l->zero, p->dt, n, out);
+            row_products((int)l->kind, p->in, p->forms, m0, mt, l->k, l->group_size, l->w, l->scale, l->zero, p->dt, n,
+                         out);
             for (int64_t m = 0; m < mt; m++) own[(n - first) * M + m0 + m] = out[m];
         }
     }
@@ -876,7 +877,8 @@ static void gemv_item(const GemvProduct* p, int64_t i, int64_t next, const TeamI
 #endif
 #ifdef INT8_SEGMENTS
     if (p->path == PATH_INT8) {
-        const int64_t nf = next >= 0 && next >= p->amx_blocks ? p->first_row + (next - p->amx_blocks) * p->block_rows : -1;
+        const int64_t nf = next >= 0 && next >= p->amx_blocks ? p->first_row + (next - p->amx_blocks) * p->block_rows
+                                                              : -1;
         int8_rows(p, first, last, nf, nf + p->block_rows < p->l.n ? nf + p->block_rows : p->l.n, it->own, it);
         return;
     }
@@ -934,8 +936,6 @@ static void gemv_write(const void* ctx, const TeamItem* it) {
 
 TeamJob qvl_gemv_job(const GemvJob* job) { return (TeamJob){job->first[job->n], 1, gemv_run, gemv_write, job}; }
 
-static int one_job(Walker* w, const void* ctx) { return team_run(w, (const TeamJob*)ctx); }
-
 /* y[M][N] = x[M][K] . W^T (+ bias), W in one of the layouts above. Returns 0, or -1 when
  * out of memory. */
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
@@ -952,7 +952,7 @@ int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N,
     const int64_t first[2] = {0, p.items};
     const GemvJob products = {1, &p, first};
     const TeamJob job = qvl_gemv_job(&products);
-    const int status = team_region(threads, p.items, qvl_gemv_own_floats(&p), one_job, &job, NULL);
+    const int status = team_region(threads, p.items, qvl_gemv_own_floats(&p), team_one_job, &job, NULL);
     free(mem);
     return status ? -1 : 0;
 }

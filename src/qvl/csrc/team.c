@@ -151,6 +151,8 @@ int team_serial(Walker* w, int (*fn)(const void* ctx), const void* ctx) {
     return team_run(w, &job);
 }
 
+int team_one_job(Walker* w, const void* job) { return team_run(w, (const TeamJob*)job); }
+
 int team_region(int threads, int64_t capacity, int64_t own_floats, int (*program)(Walker* w, const void* ctx),
                 const void* ctx, int64_t* taken_over) {
 #ifdef _OPENMP
@@ -203,7 +205,8 @@ static int check_run(const void* ctx, const TeamItem* it) {
         /* a thread whose core was taken in the middle of an item: back after stall_ms, or once
          * another thread has committed the item */
         const struct timespec ms = {0, 1000000};
-        for (int i = 0; i < c->stall_ms && !__atomic_load_n(&c->commits[0], __ATOMIC_RELAXED); i++) nanosleep(&ms, NULL);
+        for (int i = 0; i < c->stall_ms && !__atomic_load_n(&c->commits[0], __ATOMIC_RELAXED); i++)
+            nanosleep(&ms, NULL);
     }
     if (c->takeover)
         it->own[0] = (float)(it->index + 1);
@@ -231,8 +234,9 @@ static int check_program(Walker* w, const void* ctx) {
 }
 
 /* `jobs` jobs of `items` items on `threads` threads, the first thread to reach item 0 stopping
- * there for stall_ms (less once another thread has committed it): commits[i] counts the times item i was committed (run, for in-place jobs),
- * results[i] its last result (i + 1). Returns the items taken over, or -1. */
+ * there for stall_ms (less once another thread has committed it): commits[i] counts the times
+ * item i was committed (run, for in-place jobs), results[i] its last result (i + 1). Returns
+ * the items taken over, or -1. */
 int64_t qvl_team_check(int threads, int64_t items, int jobs, int takeover, int stall_ms, int64_t* commits,
                        int64_t* results) {
     Check c = {commits, results, stall_ms, takeover, 0};

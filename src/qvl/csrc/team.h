@@ -82,6 +82,9 @@ int team_run(Walker* w, const TeamJob* job);
 /* fn(ctx) run by one thread of the team (the first to get there) while the others wait. */
 int team_serial(Walker* w, int (*fn)(const void* ctx), const void* ctx);
 
+/* A program of one job (ctx: the TeamJob), for team_region. */
+int team_one_job(Walker* w, const void* job);
+
 /* Run program(w, ctx) on `threads` threads as one team (on one without OpenMP) whose takeover
  * jobs have at most `capacity` items and results of up to `own_floats` floats; returns the first
  * nonzero status (-1 when out of memory). *taken_over (or NULL) adds the items taken over. */
