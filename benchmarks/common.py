@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -173,6 +175,23 @@ def stop_on_sigterm() -> None:
 def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: str | None = None) -> Finished:
     """Run cmd to its end (killed after timeout seconds); its output and peak RSS."""
     return Child(cmd, env=env, cwd=cwd).finish(timeout)
+
+
+def wait_healthy(server: Child, port: int, timeout: float) -> None:
+    """Wait until the server's /health on the loopback port answers 200 (RuntimeError when it
+    exits first or is not ready after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError("exited while loading")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready after {timeout:.0f} s")
 
 
 def free_port() -> int:

@@ -57,7 +57,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Callable
@@ -186,7 +185,7 @@ def llama_measure(args, model: str, images: dict) -> dict:
            "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
     server = common.Child(cmd)
     try:
-        wait_healthy(server, port, args.timeout)
+        common.wait_healthy(server, port, args.timeout)
         chat(port, images["warm"], 4, args.timeout)
         started = time.perf_counter()
         reply = chat(port, images["measured"], args.new_tokens, args.timeout)
@@ -199,21 +198,6 @@ def llama_measure(args, model: str, images: dict) -> dict:
     return {"ttft_s": wall - t["predicted_ms"] / 1000, "decode_ms": t["predicted_per_token_ms"],
             "rss": done.peak_rss_bytes, "prompt_tokens": t["prompt_n"], "generated": t["predicted_n"],
             "version": llama_version(args)}
-
-
-def wait_healthy(server: common.Child, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise RuntimeError("exited while loading")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"not ready after {timeout:.0f} s")
 
 
 def chat(port: int, image: str, tokens: int, timeout: float) -> dict:

@@ -272,8 +272,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     from qvl.kernels.library import library
     from qvl.kernels.plan import Plan
     from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
+    from qvl.threads import busy_over, read_cpu_times, torch_threads
     from qvl.weights import checkpoint_quantization
 
+    busy = busy_over(read_cpu_times, 0.25)
     flags = cpu_flags()
     wanted = ["asimd", "asimddp", "i8mm", "bf16"] if platform.machine().lower() in ("arm64", "aarch64") else [
         "avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
@@ -291,6 +293,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "tiers_available": ", ".join(t.name for t in tiers()),
         "dtype_auto": str(plan.dtype).replace("torch.", ""),
         "threads_default": physical_cores(),
+        # what an engine with the default threads would give torch's own ops now (qvl's kernels keep all)
+        "threads_torch_now": torch_threads(physical_cores(), busy or 0.0),
+        "cores_busy_elsewhere": None if busy is None else round(busy, 2),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "kernels": lib.describe(),
         "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "dtype": str(k.dtype).replace("torch.", "")}

@@ -49,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "(VNNI, ARM dot products) and for int4 weights, the vision tower only where it codes in "
                         "7 bits (plain AVX2), else off (`qvl info` prints the choice); all (the bare flag): both "
                         "everywhere, a faster first token, slightly less exact; off: float activations")
-    g.add_argument("--threads", type=int, help="torch threads (default: physical cores)")
+    g.add_argument("--threads", type=int, help="threads of qvl's kernels and torch's (default: physical cores, torch's "
+                   "own ops then on the cores other programs leave free)")
     g.add_argument("--cpus", help="pin to these CPUs, e.g. 0-3,6 (sched_setaffinity, no root needed)")
     g.add_argument("--vision-cache-mb", type=float, default=256, help="image-feature cache budget (0 disables)")
     g.add_argument("--prefix-cache-mb", type=float, default=512, help="of the KV pool, what finished requests' blocks may keep for reuse by prompts "

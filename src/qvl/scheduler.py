@@ -191,10 +191,11 @@ class Scheduler:
         Sequences finish inside, through their `emit`."""
         started = time.perf_counter()
         self.steps += 1
-        self._drop_stopped()
-        self._admit()
-        self._prepare_and_prefill()
-        self._decode([s for s in self.running if not s.prefilling])
+        with self.engine.threads.step():
+            self._drop_stopped()
+            self._admit()
+            self._prepare_and_prefill()
+            self._decode([s for s in self.running if not s.prefilling])
         self.last_step_s = time.perf_counter() - started
 
     # -- admission and prefill -------------------------------------------------------------

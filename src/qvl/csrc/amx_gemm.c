@@ -139,44 +139,53 @@ static void write_rows(const float* out, int mt, const void* scale, const void* 
     }
 }
 
-/* y[m][n] = (x[m] . w[n]) * scale[n] (+ bias[n]) for the first N16 = N - N % 16 weight rows,
- * x given as 16-bit codes q [M][K] with per-chunk scales xs [M][K/CHUNK]. Each thread takes
- * blocks of 16 weight rows and runs every block of 16 activation rows over them while they
- * are in its cache. Returns the rows it covered (N16), 0 when AMX is not available, -1 when
- * out of memory. */
-int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
-                     const void* scale, const void* bias, int dt, void* y, int threads) {
-    if (!amx_granted || K % CHUNK || N < 16) return 0;
-    const int64_t C = K / CHUNK, N16 = N - N % 16, MB = (M + 15) / 16;
-    int8_t* hi = malloc((size_t)(M * K));
-    uint8_t* lo = malloc((size_t)(M * K));
-    float* rep = malloc((size_t)(MB * C * 16 * 16) * sizeof(float));
-    if (!hi || !lo || !rep) {
-        free(hi), free(lo), free(rep);
-        return -1;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
+/* The decode GEMV's int8 products on AMX tiles, for team.h's items: the activation rows' codes
+ * split once (qvl_amx_codes), then blocks of 16 weight rows, each thread's tiles configured for
+ * the row count it last used (qvl_amx_block), the results written (qvl_amx_write) by whichever
+ * thread commits the block; qvl_thread_done releases a thread's tiles at the end of its region. */
+static __thread int amx_rows; /* the activation rows this thread's tiles are configured for (0: none) */
+
+int64_t qvl_amx_codes_bytes(int64_t M, int64_t K) {
+    if (!amx_granted || K % CHUNK) return 0;
+    return 2 * M * K + (M + 15) / 16 * (K / CHUNK) * 256 * (int64_t)sizeof(float) + 128;
+}
+
+void qvl_amx_codes(const int16_t* q, const float* xs, int64_t M, int64_t K, char* mem, AmxCodes* a) {
+    const int64_t C = K / CHUNK, MB = (M + 15) / 16;
+    a->M = M, a->K = K;
+    a->rep = (float*)mem;
+    a->hi = (int8_t*)(a->rep + MB * C * 256);
+    a->lo = (uint8_t*)(a->hi + M * K);
     for (int64_t mb = 0; mb < MB; mb++) {
         const int mt = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
-        split_codes(q, xs, mb * 16, mt, K, hi + mb * 16 * K, lo + mb * 16 * K, rep + mb * C * 256);
+        split_codes(q, xs, mb * 16, mt, K, a->hi + mb * 16 * K, a->lo + mb * 16 * K, a->rep + mb * C * 256);
     }
-#pragma omp parallel num_threads(threads)
-    {
-        int configured = 0;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < N16 / 16; b++) {
-            for (int64_t mb = 0; mb < MB; mb++) {
-                const int mt = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
-                if (mt != configured) configure(mt), configured = mt;
-                float out[256];
-                tile_rows(w + b * 16 * K, K, hi + mb * 16 * K, lo + mb * 16 * K, rep + mb * C * 256, mt, out);
-                write_rows(out, mt, scale, bias, dt, b * 16, mb * 16, N, y);
-            }
-        }
-        if (configured) _tile_release();
+}
+
+/* own[mb * 256 ..] = the [16][mt] float32 sums of weight rows 16b..16b+15 (w [N][K]) and
+ * activation rows 16mb.., for every block mb of 16 activation rows. */
+void qvl_amx_block(const AmxCodes* a, const int8_t* w, int64_t b, float* own) {
+    const int64_t M = a->M, K = a->K, C = K / CHUNK;
+    for (int64_t mb = 0; mb * 16 < M; mb++) {
+        const int mt = M - mb * 16 < 16 ? (int)(M - mb * 16) : 16;
+        if (mt != amx_rows) configure(mt), amx_rows = mt;
+        tile_rows(w + b * 16 * K, K, a->hi + mb * 16 * K, a->lo + mb * 16 * K, a->rep + mb * C * 256, mt,
+                  own + mb * 256);
     }
-    free(hi), free(lo), free(rep);
-    return N16;
+}
+
+/* y[m][16b..16b+15] from qvl_amx_block's sums: times scale (+ bias), in dt (y [M][N]). */
+void qvl_amx_write(const AmxCodes* a, const float* own, const void* scale, const void* bias, int dt, int64_t b,
+                   int64_t N, void* y) {
+    for (int64_t mb = 0; mb * 16 < a->M; mb++) {
+        const int mt = a->M - mb * 16 < 16 ? (int)(a->M - mb * 16) : 16;
+        write_rows(own + mb * 256, mt, scale, bias, dt, b * 16, mb * 16, N, y);
+    }
+}
+
+void qvl_thread_done(void) {
+    if (amx_rows) _tile_release();
+    amx_rows = 0;
 }
 
 /* ---- many-row int8 x int8 products (the vision tower, int8-activation prefill) ----
@@ -662,11 +671,19 @@ int qvl_amx_int8_matmul(const uint8_t* codes, const int8_t* wp, int64_t M, int64
     return -2;
 }
 
-int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
-                     const void* scale, const void* bias, int dt, void* y, int threads) {
-    (void)q, (void)xs, (void)M, (void)K, (void)N, (void)w, (void)scale, (void)bias, (void)dt, (void)y, (void)threads;
+int64_t qvl_amx_codes_bytes(int64_t M, int64_t K) {
+    (void)M, (void)K;
     return 0;
 }
+void qvl_amx_codes(const int16_t* q, const float* xs, int64_t M, int64_t K, char* mem, AmxCodes* a) {
+    (void)q, (void)xs, (void)M, (void)K, (void)mem, (void)a;
+}
+void qvl_amx_block(const AmxCodes* a, const int8_t* w, int64_t b, float* own) { (void)a, (void)w, (void)b, (void)own; }
+void qvl_amx_write(const AmxCodes* a, const float* own, const void* scale, const void* bias, int dt, int64_t b,
+                   int64_t N, void* y) {
+    (void)a, (void)own, (void)scale, (void)bias, (void)dt, (void)b, (void)N, (void)y;
+}
+void qvl_thread_done(void) {}
 #endif
 
 #ifndef QVL_AMX_BF16 /* no AMX-BF16 tiles in this build: the callers take their other paths */

@@ -388,7 +388,7 @@ int qvl_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
         free(kp), free(vp);
         return -1;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t h = 0; h < Hkv; h++) {
         pack_head(k + h * k_head, k_tok, v + h * v_head, v_tok, S, S_pad, D, DP, DV, kv_blocks, block, block_stride,
                   kp + h * (DP / 2) * S_pad, 1, S_pad, vp + h * (S_pad / 2) * DV);
@@ -529,7 +529,7 @@ int qvl_attention_q8(const uint16_t* q, const uint16_t* k, const uint16_t* v, ui
     float* vsteps = aligned_alloc(64, (size_t)(H * (S_pad / ABK) * DV) * sizeof(float));
     int status = !kq || !corr || !steps || !vq || !vsteps ? -1 : 0;
     if (!status) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (int64_t h = 0; h < H; h++) {
             if (pack_key_codes(k + h * k_head, k_tok, S, S_pad, D, kq + h * (D / 4) * S_pad, corr + h * S_pad,
                                steps + h * (S_pad / ABK)) != 0 ||

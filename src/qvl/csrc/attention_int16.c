@@ -400,7 +400,7 @@ int qvl_attention_i16(const float* q, const float* k, const float* v, float* out
         return -1;
     }
     int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(| : bad)
     for (int64_t h = 0; h < H; h++)
         bad |= pack_i16(k + h * k_head, k_tok, v + h * v_head, v_tok, cos, sin, cs_tok, S, S_pad, D,
                         kp + h * (D / 2) * S_pad, ks + h * (S_pad / IBK), vp + h * (S_pad / 2) * D, vs + h * D);

@@ -347,6 +347,28 @@ typedef struct {
     const int64_t* rows;
 } QvlStates;
 
+/* One query per row against the paged KV cache (qvl_decode_attention's arguments). */
+typedef struct {
+    const void *q, *keys, *values;
+    int dt;
+    const int64_t* table;
+    int64_t table_stride, block, block_stride, head_stride, B, H, Hkv;
+    const int64_t* lengths;
+    int64_t D;
+    void* out;
+} QvlAttention;
+
+/* The Gated DeltaNet's decode step (qvl_gated_delta_step's arguments). */
+typedef struct {
+    const void *q, *k, *v;
+    int dt;
+    int64_t B, Hk, Hv, Dk, Dv, q_tok, q_head, k_tok, k_head, v_tok, v_head;
+    const float *g, *beta;
+    float* states;
+    const int64_t* slots;
+    void* out;
+} QvlDeltaStep;
+
 /* Entry points shared between the files (each defined once). */
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                const void* zero, int64_t gs, const void* bias, void* y, int threads);
@@ -366,8 +388,20 @@ int qvl_amx_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, u
                       int64_t H, int64_t Hkv, int64_t D, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
                       int64_t v_tok, int64_t v_head, int64_t o_tok, int64_t o_head, int64_t causal,
                       const int64_t* kv_blocks, int64_t block, int64_t block_stride, int threads);
-int64_t qvl_int8_amx(const int16_t* q, const float* xs, int64_t M, int64_t K, int64_t N, const int8_t* w,
-                     const void* scale, const void* bias, int dt, void* y, int threads);
+/* The decode GEMV's activation codes split for AMX tiles (amx_gemm.c): high bytes, low bytes and
+ * the chunks' scales laid out as the tiles' sums are. */
+typedef struct {
+    int8_t* hi;
+    uint8_t* lo;
+    float* rep;
+    int64_t M, K;
+} AmxCodes;
+int64_t qvl_amx_codes_bytes(int64_t M, int64_t K); /* 0: no AMX tiles here, or K not whole chunks */
+void qvl_amx_codes(const int16_t* q, const float* xs, int64_t M, int64_t K, char* mem, AmxCodes* a);
+void qvl_amx_block(const AmxCodes* a, const int8_t* w, int64_t b, float* own);
+void qvl_amx_write(const AmxCodes* a, const float* own, const void* scale, const void* bias, int dt, int64_t b,
+                   int64_t N, void* y);
+void qvl_thread_done(void); /* at the end of a thread's part in a team region (team.c): its AMX tiles released */
 void qvl_rescale_row(const float* a, float rs, float lo, const float* colsum, const float* cs, const float* b, int dt,
                      int64_t N, int gelu, const void* res, void* y, float* tmp);
 int qvl_rescale_columns(const void* col_scale, const void* bias, int dt, int64_t N, float** cs, float** b);

@@ -6,7 +6,7 @@
  * types of the tier's width (AVX-512: 16 floats, AVX2: 8, NEON and portable: 4), so one source
  * serves every build. Threads split the value heads (prefill), the (row, head) pairs (decode
  * step) or the channels (convolution); each head's arithmetic is the same whatever the split. */
-#include "common.h"
+#include "team.h"
 
 #if defined(QVL_AVX512)
 #define VW 16
@@ -217,8 +217,10 @@ int qvl_gated_delta_rule(const void* q, const void* k, const void* v, int dt, in
     const int64_t LP = round_up(chunk, VW);
     const size_t floats = (size_t)(2 * chunk * Dk + Dk * LP + 2 * chunk * LP + 3 * chunk * Dv + chunk + Dv);
     int failed = 0;
-    const int64_t parts = threads < 1 ? 1 : threads < Hv ? threads : Hv;
-#pragma omp parallel for num_threads(parts) schedule(static)
+    /* runs of heads taken in turn, two per thread (a thread on a core another program shares takes fewer) */
+    const int team = threads < 1 ? 1 : threads;
+    const int64_t parts = 2 * team < Hv ? 2 * team : Hv;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
     for (int64_t part = 0; part < parts; part++) {
         const int64_t h0 = Hv * part / parts, h1 = Hv * (part + 1) / parts;
         float* buf = malloc(floats * sizeof(float));
@@ -243,44 +245,61 @@ int qvl_gated_delta_rule(const void* q, const void* k, const void* v, int dt, in
     return failed ? -1 : 0;
 }
 
+/* Item (b, h) = b * Hv + h of the delta rule's decode step (QvlDeltaStep in common.h): row b's
+ * value head h, its state read once from memory: per block of columns (in L1), S^T k and S^T q
+ * of the old state, then u = beta (v - e^g S^T k), o = e^g S^T q + (k.q) u (= the new state's
+ * S^T q) and S = e^g S + k u^T, in place. */
+static int delta_step_item(const void* ctx, const TeamItem* it) {
+    const QvlDeltaStep* a = (const QvlDeltaStep*)ctx;
+    const int dt = a->dt;
+    const int64_t item = it->index, Hv = a->Hv, Dk = a->Dk, Dv = a->Dv;
+    const int64_t b = item / Hv, h = item % Hv, kh = h / (Hv / a->Hk);
+    const size_t es = dt == BF16 ? 2 : 4;
+    float qn[MAX_HEAD], kn[MAX_HEAD], o[MAX_HEAD];
+    l2norm_row((const char*)a->k + (b * a->k_tok + kh * a->k_head) * es, dt, Dk, 1.f, kn);
+    l2norm_row((const char*)a->q + (b * a->q_tok + kh * a->q_head) * es, dt, Dk, 1.f / sqrtf((float)Dk), qn);
+    float kq = 0.f;
+    for (int64_t d = 0; d < Dk; d++) kq += kn[d] * qn[d];
+    const float decay = expf(a->g[item]), bt = a->beta[item];
+    const char* vr = (const char*)a->v + (b * a->v_tok + h * a->v_head) * es;
+    float* S = a->states + (a->slots[b] * Hv + h) * Dk * Dv;
+    for (int64_t c = 0; c < Dv; c += VW) {
+        vf sk = {0}, sq = {0}, vv;
+        for (int64_t d = 0; d < Dk; d++) {
+            const vf s = vload(S + d * Dv + c);
+            sk += kn[d] * s;
+            sq += qn[d] * s;
+        }
+        for (int i = 0; i < VW; i++) vv[i] = get(vr, dt, c + i);
+        const vf u = bt * (vv - decay * sk);
+        vstore(o + c, decay * sq + kq * u);
+        for (int64_t d = 0; d < Dk; d++) vstore(S + d * Dv + c, decay * vload(S + d * Dv + c) + kn[d] * u);
+    }
+    for (int64_t c = 0; c < Dv; c++) put(a->out, dt, item * Dv + c, o[c]);
+    return 0;
+}
+
+int qvl_delta_step_fits(const QvlDeltaStep* a) {
+    return !(a->Dk % 16 || a->Dv % 16 || a->Dk > MAX_HEAD || a->Dv > MAX_HEAD || a->Hk < 1 || a->Hv % a->Hk);
+}
+
+/* The decode step's (row, value head) items, in turn, each state updated in place (not taken over). */
+TeamJob qvl_delta_step_job(const QvlDeltaStep* a) { return (TeamJob){a->B * a->Hv, 0, delta_step_item, NULL, a}; }
+
 /* One token per row for B rows: row b's q, k, v at b*q_tok + h*q_head (and likewise; D
  * contiguous, dtype dt), g, beta [B][Hv] float32, its state states[slots[b]] ([Hv][Dk][Dv]
- * float32 each) updated in place, out [B][Hv][Dv] of dtype dt. Each state is read once from
- * memory: per block of columns (in L1), S^T k and S^T q of the old state, then u = beta (v -
- * e^g S^T k), o = e^g S^T q + (k.q) u (= the new state's S^T q) and S = e^g S + k u^T. Each row
- * computed alike whatever the other rows. Returns 0, or -2 for shapes it does not take. */
+ * float32 each) updated in place, out [B][Hv][Dv] of dtype dt (delta_step_item). Each row
+ * computed alike whatever the other rows. Returns 0, -1 out of memory, or -2 for shapes it does
+ * not take. */
 int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, int64_t B, int64_t Hk, int64_t Hv,
                          int64_t Dk, int64_t Dv, int64_t q_tok, int64_t q_head, int64_t k_tok, int64_t k_head,
                          int64_t v_tok, int64_t v_head, const float* g, const float* beta, float* states,
                          const int64_t* slots, void* out, int threads) {
-    if (Dk % 16 || Dv % 16 || Dk > MAX_HEAD || Dv > MAX_HEAD || Hk < 1 || Hv % Hk) return -2;
-    const size_t es = dt == BF16 ? 2 : 4;
-#pragma omp parallel for num_threads(B * Hv > 1 ? threads : 1) schedule(static)
-    for (int64_t item = 0; item < B * Hv; item++) {
-        const int64_t b = item / Hv, h = item % Hv, kh = h / (Hv / Hk);
-        float qn[MAX_HEAD], kn[MAX_HEAD], o[MAX_HEAD];
-        l2norm_row((const char*)k + (b * k_tok + kh * k_head) * es, dt, Dk, 1.f, kn);
-        l2norm_row((const char*)q + (b * q_tok + kh * q_head) * es, dt, Dk, 1.f / sqrtf((float)Dk), qn);
-        float kq = 0.f;
-        for (int64_t d = 0; d < Dk; d++) kq += kn[d] * qn[d];
-        const float decay = expf(g[item]), bt = beta[item];
-        const char* vr = (const char*)v + (b * v_tok + h * v_head) * es;
-        float* S = states + (slots[b] * Hv + h) * Dk * Dv;
-        for (int64_t c = 0; c < Dv; c += VW) {
-            vf sk = {0}, sq = {0}, vv;
-            for (int64_t d = 0; d < Dk; d++) {
-                const vf s = vload(S + d * Dv + c);
-                sk += kn[d] * s;
-                sq += qn[d] * s;
-            }
-            for (int i = 0; i < VW; i++) vv[i] = get(vr, dt, c + i);
-            const vf u = bt * (vv - decay * sk);
-            vstore(o + c, decay * sq + kq * u);
-            for (int64_t d = 0; d < Dk; d++) vstore(S + d * Dv + c, decay * vload(S + d * Dv + c) + kn[d] * u);
-        }
-        for (int64_t c = 0; c < Dv; c++) put(out, dt, item * Dv + c, o[c]);
-    }
-    return 0;
+    const QvlDeltaStep a = {q, k, v, dt, B, Hk, Hv, Dk, Dv, q_tok, q_head, k_tok, k_head, v_tok, v_head, g, beta,
+                            states, slots, out};
+    if (!qvl_delta_step_fits(&a)) return -2;
+    const TeamJob job = qvl_delta_step_job(&a);
+    return team_region(B * Hv > 1 ? threads : 1, 0, 0, team_one_job, &job, NULL) ? -1 : 0;
 }
 
 /* silu(s) after rounding s to dt (the reference's conv runs in the weight's dtype). */
@@ -293,15 +312,17 @@ static inline float conv_silu(float s, int dt) {
 /* The short causal convolution of one row: out[t][c] = silu(sum_j w[c][j] in[t - K + 1 + j][c])
  * with in[-K+1..-1] the row's K-1 earlier inputs, state [C][K-1] (oldest first), updated in
  * place to the last K-1 inputs. x: token t at t*x_tok (C contiguous); w [C][K]; state, out
- * [T][C]: all dtype dt. Threads split the channels. Returns 0, -1 out of memory, -2 for K
+ * [T][C]: all dtype dt. Threads take runs of channels in turn. Returns 0, -1 out of memory, -2 for K
  * outside 2..8. */
 int qvl_causal_conv(const void* x, int dt, int64_t T, int64_t C, int64_t x_tok, const void* w, int64_t K, void* state,
                     void* out, int threads) {
     if (K < 2 || K > 8) return -2;
     const size_t es = dt == BF16 ? 2 : 4;
-    const int64_t parts = threads < 1 ? 1 : threads, share = round_up((C + parts - 1) / parts, 64);
+    /* runs of channels taken in turn, four per thread */
+    const int team = threads < 1 ? 1 : threads;
+    const int64_t share = round_up((C + 4 * team - 1) / (4 * team), 64), parts = (C + share - 1) / share;
     int failed = 0;
-#pragma omp parallel for num_threads(parts) schedule(static)
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
     for (int64_t part = 0; part < parts; part++) {
         const int64_t c0 = part * share, n = C - c0 < share ? C - c0 : share;
         if (n <= 0) continue;
@@ -367,7 +388,7 @@ int qvl_causal_conv(const void* x, int dt, int64_t T, int64_t C, int64_t x_tok, 
 int qvl_causal_conv_step(const void* x, int dt, int64_t B, int64_t C, int64_t x_tok, const void* w, int64_t K,
                          void* states, const int64_t* slots, void* out, int threads) {
     if (K < 2 || K > 8) return -2;
-#pragma omp parallel for num_threads(B * C >= 4096 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(B * C >= 4096 ? threads : 1) schedule(dynamic, 256)
     for (int64_t item = 0; item < B * C; item++) {
         const int64_t b = item / C, c = item % C, at = (slots[b] * C + c) * (K - 1);
         const float xi = get(x, dt, b * x_tok + c);

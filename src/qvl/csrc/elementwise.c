@@ -6,7 +6,7 @@
  * eps) rounded to dt, times the weight, rounded again. x, w, out: dtype dt; x [rows][dim]. */
 void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
                  int threads) {
-#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; r++) {
         float ss = 0.f;
         if (dt == BF16) {
@@ -35,7 +35,7 @@ void qvl_rmsnorm(const void* x, const void* w, void* out, int dt, int64_t rows, 
  * once (out may be x). */
 void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, int64_t rows, int64_t dim, float eps,
                               int threads) {
-#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; r++) {
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -50,7 +50,7 @@ void qvl_rmsnorm_zero_centred(const void* x, const void* w, void* out, int dt, i
  * module rounds (out may be x). x, z, out: [rows][dim]; w: [dim]; all of dtype dt. */
 void qvl_gated_rmsnorm(const void* x, const void* z, const void* w, void* out, int dt, int64_t rows, int64_t dim,
                        float eps, int threads) {
-#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(rows >= 64 ? threads : 1) schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; r++) {
 #if defined(QVL_AVX512) && defined(__AVX512BF16__)
         if (dt == BF16 && dim % 16 == 0) {
@@ -101,7 +101,7 @@ void qvl_text_rope_rows(void* x, int dt, int64_t heads, int64_t D, const void* c
 /* g <- silu(g) * u, rounded (in bf16) after silu and after the product: the decode step's
  * SwiGLU, and prefill's in bf16 (the plan's silu_mul, qvl/kernels/plan.py). */
 void qvl_silu_mul(void* g, const void* u, int dt, int64_t n, int threads) {
-#pragma omp parallel for num_threads(n >= 4096 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(n >= 4096 ? threads : 1) schedule(dynamic, 16)
     for (int64_t i0 = 0; i0 < n; i0 += 256) {
         const int64_t end = i0 + 256 < n ? i0 + 256 : n;
         int64_t i = i0;
@@ -133,7 +133,7 @@ int qvl_text_rope(const void* x, int dt, int64_t T, int64_t H, int64_t D, int64_
                   const void* cos, const void* sin, void* out, int threads) {
     if (D % 2 || D > 256) return -2; /* qvl_text_rope_rows' row buffer */
     const size_t es = dt == BF16 ? 2 : 4;
-#pragma omp parallel for num_threads(T * H >= 64 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(T * H >= 64 ? threads : 1) schedule(dynamic, 4)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {
             char* o = (char*)out + ((t * H + h) * D) * es;
@@ -179,7 +179,7 @@ int qvl_vision_rope(const uint16_t* x, int64_t tok, int64_t head, int64_t N, int
     if (D % 2 != 0) return -2;
     const int64_t half = D / 2; /* rotate_half pairs column j with j + half; 16 lanes at a time, the last masked */
 #define rn (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* a constant expression, as clang requires */
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
     for (int64_t n = 0; n < N; n++) {
         const float *c = cos + n * D, *s = sin + n * D;
         for (int64_t h = 0; h < H; h++) {

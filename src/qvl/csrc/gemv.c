@@ -17,7 +17,7 @@
  *   int4: activations rounded to int8 per 128 columns, as llama.cpp does for its 4-bit
  *         formats (VNNI / vpmaddubsw / NEON sdot / portable int32 sums).
  * bf16 weights, and shapes the integer paths do not take, accumulate exact float products. */
-#include "quantise.h"
+#include "gemv.h"
 
 /* ---- portable row products ----------------------------------------------------------------- */
 
@@ -646,64 +646,6 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
 }
 #endif
 
-/* A thread's share of a product's weight rows, taken in blocks: [front, back) packed in one word.
- * The thread takes its blocks from the front, in order (its weights stream from memory as with
- * an equal share), and a thread done with its own takes the last ones of another's (a slower
- * core, an E-core or a busy vCPU, takes fewer instead of keeping the others waiting). Which
- * thread computes a row does not change its bits. */
-typedef struct __attribute__((aligned(64))) { /* one cache line each */
-    int64_t span;          /* front << 32 | back, in blocks from row lo */
-    int64_t lo, hi, block; /* its weight rows; rows per block */
-} Share;
-
-/* The threads a product's shares are for: one where the build has no OpenMP (it runs them all). */
-static inline int share_threads(int threads) {
-#ifdef _OPENMP
-    return threads < 1 ? 1 : threads;
-#else
-    (void)threads;
-    return 1;
-#endif
-}
-
-/* T equal shares of rows n0..N-1 (each a multiple of `unit` rows but the last), in blocks of `block`. */
-static void split_shares(Share* shares, int T, int64_t n0, int64_t N, int64_t unit, int64_t block) {
-    const int64_t share = ((N - n0 + T - 1) / T + unit - 1) / unit * unit;
-    for (int t = 0; t < T; t++) {
-        Share* s = &shares[t];
-        s->lo = n0 + t * share < N ? n0 + t * share : N;
-        s->hi = s->lo + share < N ? s->lo + share : N;
-        s->block = block;
-        s->span = (s->hi - s->lo + block - 1) / block;
-    }
-}
-
-/* The front block of *s (or its back one), or -1 when it is empty. */
-static inline int64_t share_take(Share* s, int back) {
-    int64_t v = __atomic_load_n(&s->span, __ATOMIC_RELAXED);
-    for (;;) {
-        const int64_t front = v >> 32, end = v & 0xffffffff;
-        if (front >= end) return -1;
-        const int64_t taken = back ? front << 32 | (end - 1) : (front + 1) << 32 | end;
-        if (__atomic_compare_exchange_n(&s->span, &v, taken, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            return back ? end - 1 : front;
-    }
-}
-
-/* Thread t's next block, its first row (-1 when none is left; its rows end at *last): the
- * front of its own share, else (when `steal`) the back of the next share that has any. */
-static inline int64_t next_block(Share* shares, int T, int t, int steal, int64_t* last) {
-    for (int i = 0; i < (steal ? T : 1); i++) {
-        Share* s = &shares[(t + i) % T];
-        const int64_t b = share_take(s, i > 0);
-        if (b < 0) continue;
-        const int64_t first = s->lo + b * s->block;
-        *last = first + s->block < s->hi ? first + s->block : s->hi;
-        return first;
-    }
-    return -1;
-}
-
 /* ---- choosing the row product ----------------------------------------------------------------- */
 
 /* Call F(..., mt) with mt a compile-time constant, so the always-inline tiles unroll. */
@@ -715,17 +657,11 @@ static inline int64_t next_block(Share* shares, int T, int t, int steal, int64_t
         default: F(__VA_ARGS__, 1); return;    \
     }
 
-typedef struct { /* the activations of one qvl_linear call, in the forms its tier's products read */
-    const float* xf;  /* [M][K] float32 */
-    const Q16* q16;   /* int8 weights, where the integer path applies */
-    const QuantX* q8; /* int4 weights, where the integer path applies */
-} Acts;
-
-#define GEMV_BLOCK 32 /* weight rows a thread takes for every tile of activation rows in turn */
+#define GEMV_BLOCK 32 /* weight rows of one item of the float products, for every tile of activation rows in turn */
 
 /* out[m] = row n of W . x[m0 + m] for the rows of one tile. */
-static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_t K, int64_t gs, const void* w,
-                         const void* sc, const void* zr, int dt, int64_t n, float* out) {
+static void row_products(int kind, const GemvInput* a, int forms, int64_t m0, int64_t mt, int64_t K, int64_t gs,
+                         const void* w, const void* sc, const void* zr, int dt, int64_t n, float* out) {
     const int64_t G = kind == W_INT4 ? K / gs : 0;
     const size_t esize = dt == BF16 ? 2 : 4;
     const void* wrow = kind == W_INT4   ? (const void*)((const uint8_t*)w + n * (K / 2))
@@ -733,19 +669,19 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
                                         : (const void*)((const uint16_t*)w + n * K);
     const void* srow = kind == W_INT4 ? (const char*)sc + n * G * esize : NULL;
     const void* zrow = kind == W_INT4 ? (const char*)zr + n * G * esize : NULL;
-    if (kind == W_INT4 && a->q8) { /* x86 takes int4_rows instead */
+    if (kind == W_INT4 && (forms & FORM_Q8)) { /* x86 takes int4_rows instead */
 #if defined(QVL_NEON_INT4)
-        TILED(mt, dot_int4_tile, a->q8, m0, K, gs, wrow, srow, zrow, dt, out)
+        TILED(mt, dot_int4_tile, &a->q8, m0, K, gs, wrow, srow, zrow, dt, out)
 #else
-        for (int64_t m = 0; m < mt; m++) out[m] = dot_int4_q8(a->q8, m0 + m, K, gs, wrow, srow, zrow, dt);
+        for (int64_t m = 0; m < mt; m++) out[m] = dot_int4_q8(&a->q8, m0 + m, K, gs, wrow, srow, zrow, dt);
         return;
 #endif
     }
-    if (kind == W_INT8 && a->q16) {
-#if defined(QVL_NEON) /* x86 with integer pair products takes int8_segmented instead */
-        TILED(mt, dot_int8_tile, a->q16, m0, K, wrow, out)
+    if (kind == W_INT8 && (forms & FORM_Q16)) {
+#if defined(QVL_NEON) /* x86 with integer pair products takes int8_rows instead */
+        TILED(mt, dot_int8_tile, &a->q16, m0, K, wrow, out)
 #else
-        for (int64_t m = 0; m < mt; m++) out[m] = dot_int8_q16(a->q16, m0 + m, K, wrow);
+        for (int64_t m = 0; m < mt; m++) out[m] = dot_int8_q16(&a->q16, m0 + m, K, wrow);
         return;
 #endif
     }
@@ -758,6 +694,22 @@ static void row_products(int kind, const Acts* a, int64_t m0, int64_t mt, int64_
         out[m] = kind == W_INT4   ? dot_int4_float(xr, wrow, srow, zrow, dt, K, gs)
                  : kind == W_INT8 ? dot_int8_float(xr, wrow, K)
                                   : dot_bf16(xr, wrow, K);
+    }
+}
+
+/* own[(n - first) * M + m] = row n of W . x[m] for the weight rows of one block. */
+static void rows_block(const GemvProduct* p, int64_t first, int64_t last, float* own, const TeamItem* it) {
+    const QvlLinear* l = &p->l;
+    const int64_t M = p->in->M;
+    float out[TILE];
+    for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+        const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+        for (int64_t n = first; n < last; n++) {
+            if (team_item_dropped(it)) return;
+            row_products((int)l->kind, p->in, p->forms, m0, mt, l->k, l->group_size, l->w, l->scale, l->zero, p->dt, n,
+                         out);
+            for (int64_t m = 0; m < mt; m++) own[(n - first) * M + m0 + m] = out[m];
+        }
     }
 }
 
@@ -774,173 +726,235 @@ static void int8_segment_tile(const Q16* qx, int64_t m0, int64_t mt, int64_t K, 
     TILED(mt, dot_int8_tile, qx, m0, K, w, out, c0, c1, state, pf, pf_every, pf_phase, 1)
 }
 
-/* The int8 products of weight rows n0..N-1 (x86): weight rows in blocks of INT8_BLOCK, and for
- * each tile of activation rows the columns in ranges whose codes fit L1, every weight row of
+/* The int8 products of one block of weight rows first..last-1 (x86) into own[(n - first) * M + m]:
+ * for each tile of activation rows, the columns in ranges whose codes fit L1, every weight row of
  * the block taking the range before the next one. A product's running sums carry over between
  * ranges in `state`, so it is computed exactly as in one pass (the same sums in the same order,
- * whatever M, K, the tile or the thread). From 2 activation rows on, weight rows go up to
- * INT8_PAIR at a time (each activation load serves them all; on AVX-512, three rows to a tile of
- * 3-4 activation rows: 8 rows 0.84x the time of pairs, the loads per product being the limit).
- * Each thread takes the blocks of its share in order (next_block), claiming its share's next
- * block when it starts one, so that as a block's chunks are multiplied the same chunks of the
- * next block's rows are asked from memory, each tile of activation rows asking for every
- * tiles-th chunk: the next block streams in under the products rather than after them (4 rows:
- * the decode step from 1.6x to 1.2x one row's; asked in a burst per row, it did not overlap;
- * one row: 0.97x without the prefetch). A thread done with its share takes blocks from the end
- * of another's. One row alone streams its weights faster without pairs. */
-static void int8_segmented(const Q16* qx, int64_t M, int64_t K, int64_t n0, int64_t N, const int8_t* w,
-                           const void* scale, const void* bias, int dt, void* y, int threads) {
-    const int64_t C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
-    const int T = share_threads(threads);
-    Share shares[T]; /* whole groups of INT8_PAIR rows each */
-    split_shares(shares, T, n0, N, INT8_PAIR, INT8_BLOCK);
-#pragma omp parallel for num_threads(T) schedule(static)
-    for (int t = 0; t < T; t++) {
-        float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
-        int64_t last = 0, next_last = 0, first = next_block(shares, T, t, 1, &last);
-        while (first >= 0) {
-            /* the next block of its own share is claimed now, to be asked from memory under this one's
-             * products; another's only once this one is done (claimed early, it could be the last
-             * block that share's own thread was about to take) */
-            const int64_t next = next_block(shares, T, t, 0, &next_last);
-            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-                const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
-                /* one row streams its weights faster alone; a tile of 1-2 rows takes pairs (Zen 5,
-                 * 2 rows: triples 1.2x slower in the fast memory mode) */
-                const int64_t pair = M == 1 ? 1 : mt <= 2 && INT8_PAIR > 2 ? 2 : INT8_PAIR;
-                /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them
-                 * (measured on this Zen 5: whole rows stream from memory faster; split, 8 rows at K =
-                 * 6144 took 23 ms instead of 33) */
-                const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
-                for (int64_t c0 = 0; c0 < C; c0 += range) {
-                    const int64_t c1 = c0 + range < C ? c0 + range : C;
-                    for (int64_t n = first; n < last; n += pair) {
-                        const int nr = last - n < pair ? (int)(last - n) : (int)pair;
-                        const int64_t pn = next + (n - first); /* the same rows of the next block */
-                        const int8_t* pf = next >= 0 && pn + nr <= next_last ? w + pn * K : NULL;
-                        int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf,
-                                          tiles, m0 / TILE, nr);
-                        if (c1 < C) continue;
-                        for (int r = 0; r < nr; r++)
-                            for (int64_t m = 0; m < mt; m++) {
-                                float v = out[r * TILE + m] * get(scale, dt, n + r);
-                                if (bias) v += get(bias, dt, n + r);
-                                put(y, dt, (m0 + m) * N + n + r, v);
-                            }
-                    }
-                }
+ * whatever M, K, the tile, the block or the thread). From 2 activation rows on, weight rows go up
+ * to INT8_PAIR at a time (each activation load serves them all; on AVX-512, three rows to a tile
+ * of 3-4 activation rows: 8 rows 0.84x the time of pairs, the loads per product being the limit).
+ * As a block's chunks are multiplied, the same chunks of the thread's next block (next_first..
+ * next_last-1, claimed already: TeamItem.next) are asked from memory, each tile of activation rows
+ * asking for every tiles-th chunk: the next block streams in under the products rather than after
+ * them (4 rows: the decode step from 1.6x to 1.2x one row's; asked in a burst per row, it did not
+ * overlap; one row: 0.97x without the prefetch). One row alone streams its weights faster without
+ * pairs. */
+static void int8_rows(const GemvProduct* p, int64_t first, int64_t last, int64_t next_first, int64_t next_last,
+                      float* own, const TeamItem* it) {
+    const Q16* qx = &p->in->q16;
+    const int8_t* w = (const int8_t*)p->l.w;
+    const int64_t M = p->in->M, K = p->l.k, C = K / CHUNK, tiles = (M + TILE - 1) / TILE;
+    float state[INT8_BLOCK * INT8_STATE], out[INT8_PAIR * TILE];
+    for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+        const int64_t mt = M - m0 < TILE ? M - m0 : TILE;
+        /* one row streams its weights faster alone; a tile of 1-2 rows takes pairs (Zen 5, 2 rows:
+         * triples 1.2x slower in the fast memory mode) */
+        const int64_t pair = M == 1 ? 1 : mt <= 2 && INT8_PAIR > 2 ? 2 : INT8_PAIR;
+        /* all columns while the tile's codes take up to 24 KB, else ranges of 16 KB of them (measured
+         * on a Zen 5: whole rows stream from memory faster; split, 8 rows at K = 6144 took 23 ms
+         * instead of 33) */
+        const int64_t range = mt * K * 2 <= 24576 ? C : 16384 / (mt * CHUNK * 2);
+        for (int64_t c0 = 0; c0 < C; c0 += range) {
+            const int64_t c1 = c0 + range < C ? c0 + range : C;
+            for (int64_t n = first; n < last; n += pair) {
+                if (team_item_dropped(it)) return;
+                const int nr = last - n < pair ? (int)(last - n) : (int)pair;
+                const int64_t pn = next_first + (n - first); /* the same rows of the next block */
+                const int8_t* pf = next_first >= 0 && pn + nr <= next_last ? w + pn * K : NULL;
+                int8_segment_tile(qx, m0, mt, K, w + n * K, out, c0, c1, state + (n - first) * INT8_STATE, pf, tiles,
+                                  m0 / TILE, nr);
+                if (c1 < C) continue;
+                for (int r = 0; r < nr; r++)
+                    for (int64_t m = 0; m < mt; m++) own[(n - first + r) * M + m0 + m] = out[r * TILE + m];
             }
-            if (next >= 0)
-                first = next, last = next_last;
-            else
-                first = next_block(shares, T, t, 1, &last);
         }
     }
 }
 #endif
 
+/* ---- the products as team items ------------------------------------------------------------------ */
+
+enum { PATH_ROWS, PATH_INT8, PATH_INT4 }; /* row_products, int8_rows, int4_rows (beside AMX blocks) */
+
+/* The activation forms the linear l's products read for M rows: FORM_Q16 for int8 weights over
+ * whole chunks (FORM_AMX too where the tiles take them), FORM_Q8 for int4 weights whose groups
+ * the integer path takes. */
+int qvl_gemv_forms(const QvlLinear* l, int64_t M) {
+    if (l->k % CHUNK) return 0;
+    if (l->kind == W_INT8) return FORM_Q16 | (l->n >= 16 && qvl_amx_codes_bytes(M, l->k) > 0 ? FORM_AMX : 0);
+    const int64_t gs = l->group_size;
+    return l->kind == W_INT4 && (gs == 32 || gs == 64 || gs % CHUNK == 0) ? FORM_Q8 : 0;
+}
+
+static inline int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* Bytes of an input of up to M rows of K columns in every form (int4 groups of 32 columns or more). */
+int64_t qvl_gemv_input_bytes(int64_t M, int64_t K) {
+    const int64_t C = K / CHUNK, G = K / 32;
+    return 64 + aligned64(M * K * 4) + aligned64(M * K * 2) + aligned64(M * C * 4) +
+           aligned64(qvl_amx_codes_bytes(M, K)) + aligned64(M * K) + aligned64(M * C * 4) + 2 * aligned64(M * G * 4);
+}
+
+/* The buffers of an input of up to M rows of K columns, laid out in mem (qvl_gemv_input_bytes). */
+void qvl_gemv_input(GemvInput* in, int64_t M, int64_t K, char* mem) {
+    const int64_t C = K / CHUNK, G = K / 32;
+    char* at = (char*)aligned64((int64_t)(uintptr_t)mem);
+#define CARVE(type, bytes) (type)(at += aligned64(bytes), at - aligned64(bytes))
+    *in = (GemvInput){M, K, 0, CARVE(float*, M * K * 4)};
+    in->q16 = (Q16){CARVE(int16_t*, M * K * 2), CARVE(float*, M * C * 4)};
+    in->amx.rep = CARVE(float*, qvl_amx_codes_bytes(M, K)); /* qvl_amx_codes lays it out */
+    in->q8 = (QuantX){CARVE(int8_t*, M * K), CARVE(float*, M * C * 4), CARVE(float*, M * G * 4),
+                      CARVE(float*, M * G * 4)};
+#undef CARVE
+}
+
+/* x [M][K] (dt; M up to the rows it was laid out for) in the given forms. */
+void qvl_gemv_prepare(GemvInput* in, int forms, const void* x, int dt, int64_t M, int64_t gs, int threads) {
+    const int64_t K = in->K;
+    in->M = M, in->gs = gs;
+    if (dt == BF16) {
+#pragma omp parallel for simd num_threads(M >= 32 ? threads : 1) schedule(dynamic, 4096)
+        for (int64_t i = 0; i < M * K; i++) in->xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
+    } else {
+        memcpy(in->xf, x, (size_t)(M * K) * sizeof(float));
+    }
+    if (forms & FORM_Q16) quantize16(in->xf, M, K, &in->q16, threads);
+    if (forms & FORM_AMX) qvl_amx_codes(in->q16.q, in->q16.scale, M, K, (char*)in->amx.rep, &in->amx);
+    if (forms & FORM_Q8) quantize_activations(in->xf, M, K, gs, &in->q8);
+}
+
+/* Rows per block for `rows` rows split among `threads`: an equal share rounded up to `unit`
+ * rows, at most `most`. */
+static int64_t block_rows(int64_t rows, int threads, int64_t unit, int64_t most) {
+    const int64_t share = ((rows + threads - 1) / threads + unit - 1) / unit * unit;
+    return share < most ? share : most;
+}
+
+void qvl_gemv_product(GemvProduct* p, const QvlLinear* l, const GemvInput* in, int forms, int dt, void* y,
+                      int threads) {
+    const int T = threads < 1 ? 1 : threads;
+    forms &= qvl_gemv_forms(l, in->M); /* what the input has and this product reads */
+    *p = (GemvProduct){*l, in, dt, forms, PATH_ROWS, y};
+    int64_t unit = 1, most = GEMV_BLOCK;
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
+    if (forms & FORM_Q8) p->path = PATH_INT4, unit = INT4_ROWS, most = 12 * INT4_ROWS;
+#endif
+    if (forms & FORM_Q16) {
+        if (forms & FORM_AMX) p->amx_blocks = l->n / 16, p->first_row = l->n - l->n % 16;
+#ifdef INT8_SEGMENTS
+        p->path = PATH_INT8, unit = INT8_PAIR, most = INT8_BLOCK;
+#endif
+    }
+    const int64_t rows = l->n - p->first_row;
+    p->block_rows = rows > 0 ? block_rows(rows, T, unit, most) : 1;
+    p->items = p->amx_blocks + (rows + p->block_rows - 1) / p->block_rows;
+}
+
+int64_t qvl_gemv_own_floats(const GemvProduct* p) {
+    const int64_t rows = p->block_rows * p->in->M, amx = p->amx_blocks ? (p->in->M + 15) / 16 * 256 : 0;
+    return rows > amx ? rows : amx;
+}
+
+/* Item i of product p (its weight rows' products into it->own); next: the thread's next item of
+ * the same product (-1: none), whose weights are asked from memory meanwhile. */
+static void gemv_item(const GemvProduct* p, int64_t i, int64_t next, const TeamItem* it) {
+    if (i < p->amx_blocks) {
+        qvl_amx_block(&p->in->amx, (const int8_t*)p->l.w, i, it->own);
+        return;
+    }
+    const int64_t first = p->first_row + (i - p->amx_blocks) * p->block_rows;
+    const int64_t last = first + p->block_rows < p->l.n ? first + p->block_rows : p->l.n;
+#if defined(QVL_AVX512) || defined(QVL_AVX2)
+    if (p->path == PATH_INT4) {
+        for (int64_t n0 = first; n0 < last; n0 += INT4_ROWS) {
+            if (team_item_dropped(it)) return;
+            const int nr = last - n0 < INT4_ROWS ? (int)(last - n0) : INT4_ROWS;
+            int4_rows(&p->in->q8, p->in->M, p->l.k, p->l.group_size, (const uint8_t*)p->l.w, p->l.scale, p->l.zero,
+                      p->dt, n0, nr, it->own + (n0 - first) * p->in->M);
+        }
+        return;
+    }
+#endif
+#ifdef INT8_SEGMENTS
+    if (p->path == PATH_INT8) {
+        const int64_t nf = next >= 0 && next >= p->amx_blocks ? p->first_row + (next - p->amx_blocks) * p->block_rows
+                                                              : -1;
+        int8_rows(p, first, last, nf, nf + p->block_rows < p->l.n ? nf + p->block_rows : p->l.n, it->own, it);
+        return;
+    }
+#endif
+    (void)next;
+    rows_block(p, first, last, it->own, it);
+}
+
+/* Item i's results from it->own into y: times the int8 weights' row scales, plus the bias. */
+static void gemv_commit(const GemvProduct* p, int64_t i, const TeamItem* it) {
+    const QvlLinear* l = &p->l;
+    if (i < p->amx_blocks) {
+        qvl_amx_write(&p->in->amx, it->own, l->scale, l->bias, p->dt, i, l->n, p->y);
+        return;
+    }
+    const int64_t M = p->in->M, N = l->n, first = p->first_row + (i - p->amx_blocks) * p->block_rows;
+    const int64_t last = first + p->block_rows < N ? first + p->block_rows : N;
+    for (int64_t n = first; n < last; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float v = it->own[(n - first) * M + m];
+            if (l->kind == W_INT8) v *= get(l->scale, p->dt, n);
+            if (l->bias) v += get(l->bias, p->dt, n);
+            put(p->y, p->dt, m * N + n, v);
+        }
+}
+
+/* The product holding job item `index` (its index within that product in *local). */
+static const GemvProduct* locate(const GemvJob* j, int64_t index, int64_t* local) {
+    int64_t lo = 0, hi = j->n - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (j->first[mid] <= index)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    *local = index - j->first[lo];
+    return &j->p[lo];
+}
+
+static int gemv_run(const void* ctx, const TeamItem* it) {
+    const GemvJob* j = (const GemvJob*)ctx;
+    int64_t i, next = -1;
+    const GemvProduct* p = locate(j, it->index, &i);
+    if (it->next >= 0 && it->next - it->index == 1 && i + 1 < p->items) next = i + 1;
+    gemv_item(p, i, next, it);
+    return 0;
+}
+
+static void gemv_write(const void* ctx, const TeamItem* it) {
+    int64_t i;
+    const GemvProduct* p = locate((const GemvJob*)ctx, it->index, &i);
+    gemv_commit(p, i, it);
+}
+
+TeamJob qvl_gemv_job(const GemvJob* job) { return (TeamJob){job->first[job->n], 1, gemv_run, gemv_write, job}; }
+
 /* y[M][N] = x[M][K] . W^T (+ bias), W in one of the layouts above. Returns 0, or -1 when
  * out of memory. */
 int qvl_linear(int kind, const void* x, int dt, int64_t M, int64_t K, int64_t N, const void* w, const void* scale,
                const void* zero, int64_t gs, const void* bias, void* y, int threads) {
-    float* xf = malloc((size_t)(M * K) * sizeof(float));
-    int16_t* q16 = NULL;
-    int8_t* q8 = NULL;
-    float *scales = NULL, *sums = NULL, *units = NULL;
-    QuantX x8;
-    Acts a = {xf, NULL, NULL};
-    int failed = !xf, done = 0;
-    if (!failed && dt == BF16) {
-#pragma omp parallel for simd num_threads(M >= 32 ? threads : 1) schedule(static)
-        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
-    } else if (!failed) {
-        memcpy(xf, x, (size_t)(M * K) * sizeof(float));
-    }
-    const int integer = K % CHUNK == 0 && !failed;
-    Q16 x16;
-    if (integer && kind == W_INT8) {
-        q16 = malloc((size_t)(M * K) * sizeof(int16_t));
-        scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
-        failed = !q16 || !scales;
-        if (!failed) {
-            x16 = (Q16){q16, scales};
-            quantize16(xf, M, K, &x16, threads);
-            a.q16 = &x16;
-        }
-    }
-    if (integer && kind == W_INT4 && (gs == 32 || gs == 64 || gs % CHUNK == 0)) {
-        q8 = malloc((size_t)(M * K));
-        scales = malloc((size_t)(M * (K / CHUNK)) * sizeof(float));
-        sums = malloc((size_t)(M * (K / gs)) * sizeof(float));
-        units = gs < CHUNK ? malloc((size_t)(M * (K / gs)) * sizeof(float)) : NULL;
-        failed = !q8 || !scales || !sums || (gs < CHUNK && !units);
-        if (!failed) {
-            x8 = (QuantX){q8, scales, sums, units};
-            quantize_activations(xf, M, K, gs, &x8);
-            a.q8 = &x8;
-        }
-    }
-#if defined(QVL_AVX512) || defined(QVL_AVX2)
-    if (!failed && a.q8) {
-        const int T = share_threads(threads);
-        Share shares[T]; /* blocks of 12 x INT4_ROWS rows, groups of INT4_ROWS from row 0 as in one share */
-        split_shares(shares, T, 0, N, INT4_ROWS, 12 * INT4_ROWS);
-#pragma omp parallel for num_threads(T) schedule(static)
-        for (int t = 0; t < T; t++) {
-            float out[INT4_ROWS * M];
-            int64_t last = 0;
-            for (int64_t first; (first = next_block(shares, T, t, 1, &last)) >= 0;)
-                for (int64_t n0 = first; n0 < last; n0 += INT4_ROWS) {
-                    const int nr = last - n0 < INT4_ROWS ? (int)(last - n0) : INT4_ROWS;
-                    int4_rows(a.q8, M, K, gs, w, scale, zero, dt, n0, nr, out);
-                    for (int r = 0; r < nr; r++)
-                        for (int64_t m = 0; m < M; m++)
-                            put(y, dt, m * N + n0 + r, bias ? out[r * M + m] + get(bias, dt, n0 + r) : out[r * M + m]);
-                }
-        }
-        done = 1;
-    }
-#endif
-    int64_t covered = 0; /* weight rows AMX tiles took (int8, where the CPU has them) */
-    if (!failed && !done && a.q16) {
-        covered = qvl_int8_amx(q16, scales, M, K, N, (const int8_t*)w, scale, bias, dt, y, threads);
-        failed = covered < 0;
-    }
-#ifdef INT8_SEGMENTS
-    if (!failed && !done && a.q16) {
-        int8_segmented(&x16, M, K, covered, N, (const int8_t*)w, scale, bias, dt, y, threads);
-        done = 1;
-    }
-#endif
-    if (!failed && !done) {
-        /* weight rows in blocks that stay in L2, each block taken once per tile of activation
-         * rows: a tile's activations stay in L1 (8 rows at K = 2048 would not: 32 KB of codes),
-         * and every product is computed as with one tile; each thread its share of the blocks */
-        const int T = share_threads(threads);
-        Share shares[T];
-        split_shares(shares, T, covered, N, 1, GEMV_BLOCK);
-#pragma omp parallel for num_threads(T) schedule(static)
-        for (int t = 0; t < T; t++) {
-            int64_t n1 = 0;
-            for (int64_t n0; (n0 = next_block(shares, T, t, 1, &n1)) >= 0;) {
-                float out[TILE];
-                for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-                    int64_t mt = M - m0 < TILE ? M - m0 : TILE;
-                    for (int64_t n = n0; n < n1; n++) {
-                        row_products(kind, &a, m0, mt, K, gs, w, scale, zero, dt, n, out);
-                        for (int64_t m = 0; m < mt; m++) {
-                            float v = out[m];
-                            if (kind == W_INT8) v *= get(scale, dt, n);
-                            if (bias) v += get(bias, dt, n);
-                            put(y, dt, (m0 + m) * N + n, v);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    free(xf), free(q16), free(q8), free(scales), free(sums), free(units);
-    return failed ? -1 : 0;
+    const QvlLinear l = {kind, N, K, gs, w, scale, zero, bias};
+    const int forms = qvl_gemv_forms(&l, M);
+    char* mem = malloc((size_t)qvl_gemv_input_bytes(M, K));
+    if (!mem) return -1;
+    GemvInput in;
+    qvl_gemv_input(&in, M, K, mem);
+    qvl_gemv_prepare(&in, forms, x, dt, M, gs, threads);
+    GemvProduct p;
+    qvl_gemv_product(&p, &l, &in, forms, dt, y, threads);
+    const int64_t first[2] = {0, p.items};
+    const GemvJob products = {1, &p, first};
+    const TeamJob job = qvl_gemv_job(&products);
+    const int status = team_region(threads, p.items, qvl_gemv_own_floats(&p), team_one_job, &job, NULL);
+    free(mem);
+    return status ? -1 : 0;
 }
 
 /* o[K] (dtype dt) = row[K] * s: one int8 weight row dequantised (bf16 rounded to nearest even,
@@ -977,7 +991,7 @@ static void dequantize_int8_row(const int8_t* row, float s, int dt, void* o, int
 /* out[N][K] (dtype dt) = the int8 or int4 weight, dequantised in one pass. */
 void qvl_dequantize(int kind, const void* w, const void* scale, const void* zero, int64_t gs, int64_t N, int64_t K,
                     int dt, void* out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n++) {
         if (kind == W_INT8) {
             dequantize_int8_row((const int8_t*)w + n * K, get(scale, dt, n), dt,

@@ -37,7 +37,7 @@ int qvl_quantize_rows(const void* x, int dt, int64_t M, int64_t K, int levels, c
     {
         float* row = malloc((size_t)K * sizeof(float));
         if (!row) failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t m = 0; m < M; m++) {
             if (!row) continue;
             if (dt == BF16) {
@@ -148,7 +148,7 @@ int qvl_rescale(const float* acc, const float* row_scale, const float* row_lo, c
     {
         float* row = malloc((size_t)N * sizeof(float));
         if (!row) failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t m = 0; m < M; m++) {
             if (!row) continue;
             qvl_rescale_row(acc + m * N, row_scale[m], row_lo[m], colsum, cs, b, dt, N, gelu,

@@ -14,7 +14,7 @@ static inline float chunk_step(const float* x, float levels) {
     return amax > 0.f ? amax / levels : 1.f;
 }
 
-/* Decode GEMV, int8 weights (gemv.c; amx_gemm.c's qvl_int8_amx reads the same codes): x / step
+/* Decode GEMV, int8 weights (gemv.c; amx_gemm.c's qvl_amx_codes splits the same codes): x / step
  * rounded to int16 per 128-column chunk, step max|chunk| / 32767 (chunk_step). */
 typedef struct {
     int16_t* q;    /* [M][K] */
@@ -23,7 +23,7 @@ typedef struct {
 
 static inline void quantize16(const float* x, int64_t M, int64_t K, Q16* qx, int threads) {
     const int64_t C = K / CHUNK;
-#pragma omp parallel for num_threads(M >= 32 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(M >= 32 ? threads : 1) schedule(dynamic, 4)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < C; c++) {
             const float* xc = x + m * K + c * CHUNK;

@@ -9,6 +9,7 @@ import ctypes
 import torch
 
 from qvl.kernels.build import DTYPES
+from qvl.threads import kernel_threads
 
 
 def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -27,7 +28,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     status = lib.qvl_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                out.stride(0), out.stride(1), -1 if causal_from is None else causal_from, None, 0, 0,
-                               torch.get_num_threads())
+                               kernel_threads())
     if status == -1:
         raise MemoryError("qvl_attention could not allocate its packed keys and values")
     return out if status == 0 else None
@@ -47,7 +48,7 @@ def attention_q8(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     out = torch.empty(t, h, d, dtype=torch.bfloat16)
     status = lib.qvl_attention_q8(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), t, s, h, d,
                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                  out.stride(0), out.stride(1), torch.get_num_threads())
+                                  out.stride(0), out.stride(1), kernel_threads())
     if status == -1:
         raise MemoryError("qvl_attention_q8 could not allocate its packed keys and values")
     return out if status == 0 else None
@@ -76,7 +77,7 @@ def attention_i16(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.T
                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                    out.stride(0), out.stride(1), *((x.data_ptr() for x in tables) if tables else
                                                                    (None, None)),
-                                   tables[0].stride(0) if tables else 0, torch.get_num_threads())
+                                   tables[0].stride(0) if tables else 0, kernel_threads())
     if status == -1:
         raise MemoryError("qvl_attention_i16 could not allocate its packed keys and values")
     return out if status == 0 else None
@@ -112,7 +113,7 @@ def paged_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, value
     status = lib.qvl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), t, s, h, hkv, d,
                                q.stride(0), q.stride(1), d, keys.stride(1), d, values.stride(1), out.stride(0),
                                out.stride(1), causal_from, used.data_ptr(), block, keys.stride(0),
-                               torch.get_num_threads())
+                               kernel_threads())
     if status == -1:
         raise MemoryError("qvl_attention could not allocate its packed keys and values")
     return out if status == 0 else None
@@ -136,7 +137,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, valu
     out = torch.empty(b, h, 1, d, dtype=q.dtype)
     status = lib.qvl_decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), DTYPES[q.dtype],
                                       table.data_ptr(), table.shape[1], block, keys.stride(0), keys.stride(1), b, h,
-                                      hkv, lengths.data_ptr(), d, out.data_ptr(), torch.get_num_threads())
+                                      hkv, lengths.data_ptr(), d, out.data_ptr(), kernel_threads())
     if status == -1:
         raise MemoryError("qvl_decode_attention could not allocate its scores")
     return out if status == 0 else None

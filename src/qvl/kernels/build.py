@@ -220,6 +220,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_causal_conv_step.restype = c_int
     lib.qvl_amx_pack_int8.argtypes = [ptr, i64, i64, ptr]
     lib.qvl_amx_pack_int8.restype = None
+    lib.qvl_team_counts.argtypes = [ptr]
+    lib.qvl_team_counts.restype = None
+    lib.qvl_team_check.argtypes = [c_int, i64, c_int, c_int, c_int, ptr, ptr]
+    lib.qvl_team_check.restype = i64
     lib.qvl_q8_levels.argtypes = []
     lib.qvl_q8_levels.restype = c_int
     lib.qvl_features.argtypes = []

@@ -14,6 +14,7 @@ from qvl.kernels.build import DTYPES, W_BF16, W_INT4, W_INT8, address
 from qvl.kernels.library import library
 from qvl.kernels.plan import GEMV_MAX_ROWS, LinearPlan, default_plan
 from qvl.kv_cache import BLOCK, KVCache
+from qvl.threads import kernel_threads
 
 
 class LinearArgs(ctypes.Structure):
@@ -114,7 +115,7 @@ def decode_layers(lib: ctypes.CDLL, layers: ctypes.Array, h: torch.Tensor, cos: 
         ctypes.byref(layers), len(layers), ctypes.byref(layers.shape), x.data_ptr(), DTYPES[h.dtype], b,
         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(0), table.data_ptr(),
         table.shape[1], keys.shape[3], keys.stride(1), keys.stride(2), slots.data_ptr(), ctypes.byref(states),
-        torch.get_num_threads())
+        kernel_threads())
     if status == -1:
         raise MemoryError("qvl_decode_layers could not allocate its buffers")
     return x if status == 0 else None

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.kernels.build import DTYPES
+from qvl.threads import kernel_threads
 
 CHUNK = 32  # tokens per chunk of the prefill delta rule (chunks start at absolute multiples of it)
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
@@ -168,7 +169,7 @@ def native_gated_delta_rule(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, 
     status = lib.qvl_gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPES[v.dtype], t, hk, hv, dk, dv,
                                       *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.data_ptr(),
                                       beta.data_ptr(), state.data_ptr(), out.data_ptr(), offset, chunk,
-                                      torch.get_num_threads())
+                                      kernel_threads())
     if status == -1:
         raise MemoryError("qvl_gated_delta_rule could not allocate its chunk buffers")
     return out if status == 0 else None
@@ -187,7 +188,7 @@ def native_gated_delta_step(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, 
     status = lib.qvl_gated_delta_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), DTYPES[v.dtype], b, hk, hv, dk, dv,
                                       *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.data_ptr(),
                                       beta.data_ptr(), states.data_ptr(), slots.data_ptr(), out.data_ptr(),
-                                      torch.get_num_threads())
+                                      kernel_threads())
     return out if status == 0 else None
 
 
@@ -201,7 +202,7 @@ def native_causal_conv(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
         return None
     out = torch.empty(t, c, dtype=x.dtype)
     status = lib.qvl_causal_conv(x.data_ptr(), DTYPES[x.dtype], t, c, x.stride(0), weight.data_ptr(), weight.shape[1],
-                                 conv_state.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                 conv_state.data_ptr(), out.data_ptr(), kernel_threads())
     if status == -1:
         raise MemoryError("qvl_causal_conv could not allocate its weights")
     return out if status == 0 else None
@@ -219,5 +220,5 @@ def native_causal_conv_step(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Ten
     out = torch.empty(b, c, dtype=x.dtype)
     status = lib.qvl_causal_conv_step(x.data_ptr(), DTYPES[x.dtype], b, c, x.stride(0), weight.data_ptr(),
                                       weight.shape[1], conv_states.data_ptr(), slots.data_ptr(), out.data_ptr(),
-                                      torch.get_num_threads())
+                                      kernel_threads())
     return out if status == 0 else None

@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from qvl.kernels.build import DTYPES
+from qvl.threads import kernel_threads
 
 
 def vision_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -23,7 +24,7 @@ def vision_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch
     cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
     out = torch.empty(n, h, d, dtype=torch.bfloat16)
     status = lib.qvl_vision_rope(x.data_ptr(), x.stride(0), x.stride(1), n, h, d, cos.data_ptr(), sin.data_ptr(),
-                                 out.data_ptr(), torch.get_num_threads())
+                                 out.data_ptr(), kernel_threads())
     return out if status == 0 else None
 
 
@@ -35,7 +36,7 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     out = torch.empty_like(rows)
     kernel = lib.qvl_rmsnorm_zero_centred if zero_centred else lib.qvl_rmsnorm
     kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype], rows.numel() // rows.shape[-1],
-           rows.shape[-1], eps, torch.get_num_threads())
+           rows.shape[-1], eps, kernel_threads())
     return out
 
 
@@ -46,7 +47,7 @@ def gated_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, weight
     rows, gate = x.contiguous(), gate.contiguous()
     out = torch.empty_like(rows)
     lib.qvl_gated_rmsnorm(rows.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr(), DTYPES[x.dtype],
-                          rows.numel() // rows.shape[-1], rows.shape[-1], eps, torch.get_num_threads())
+                          rows.numel() // rows.shape[-1], rows.shape[-1], eps, kernel_threads())
     return out
 
 
@@ -58,7 +59,7 @@ def silu_mul(lib: ctypes.CDLL, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor
         raise ValueError(f"silu_mul takes two tensors of one shape and dtype, not {tuple(g.shape)} {g.dtype} and "
                          f"{tuple(u.shape)} {u.dtype}")
     g, u = g.contiguous(), u.contiguous()
-    lib.qvl_silu_mul(g.data_ptr(), u.data_ptr(), DTYPES[g.dtype], g.numel(), torch.get_num_threads())
+    lib.qvl_silu_mul(g.data_ptr(), u.data_ptr(), DTYPES[g.dtype], g.numel(), kernel_threads())
     return g
 
 
@@ -75,7 +76,7 @@ def text_rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
     out = torch.empty(t, h, d, dtype=x.dtype)
     if lib.qvl_text_rope(x.data_ptr(), DTYPES[x.dtype], t, h, d, x.stride(2), x.stride(1), cos.data_ptr(),
-                         sin.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
+                         sin.data_ptr(), out.data_ptr(), kernel_threads()) != 0:
         return None
     return out.transpose(0, 1)[None]
 

@@ -47,6 +47,15 @@ class Library:
         """The byte kernel's activation codes in bits, sign included: 8, 7 on plain AVX2, 0 (no kernel)."""
         return (self.q8_levels + 1).bit_length() if self.q8_levels else 0
 
+    def team_counts(self) -> tuple[int, int]:
+        """The pieces of work qvl's kernels have done since the process started, and how many of
+        them a waiting thread took over from one that had stopped (a core another program took)."""
+        if self.lib is None:
+            return 0, 0
+        counts = (ctypes.c_int64 * 2)()
+        self.lib.qvl_team_counts(counts)
+        return counts[0], counts[1]
+
     def describe(self) -> str:
         """The tier, the build's extra features and how it was built (for `qvl info`)."""
         if self.lib is None:

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from qvl.kernels.build import DTYPES, W_INT4, W_INT8, address
+from qvl.threads import kernel_threads
 
 ACTIVATION_GROUP = 64  # columns per scale of the byte kernel's activation codes
 AMX_BF16_MAX_VALUES = 1 << 21  # amx_gemm.c's MAX_ACTIVATIONS
@@ -51,7 +52,7 @@ def gemv(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.Tensor, out
     y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     status = lib.qvl_linear(kind, rows.data_ptr(), DTYPES[x.dtype], rows.shape[0], k, out_features,
                             weight.data_ptr(), address(scale), address(zero), group_size, address(bias), y.data_ptr(),
-                            torch.get_num_threads())
+                            kernel_threads())
     if status != 0:
         raise MemoryError("qvl_linear could not allocate its activation buffers")
     return y.view(*x.shape[:-1], out_features)
@@ -78,7 +79,7 @@ def amx_bf16_linear(lib: ctypes.CDLL, kind: int, x: torch.Tensor, weight: torch.
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     status = lib.qvl_amx_bf16_linear(kind, rows.data_ptr(), rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
                                      address(zero), group_size, address(bias), DTYPES[scale.dtype], y.data_ptr(),
-                                     torch.get_num_threads())
+                                     kernel_threads())
     return y.view(*x.shape[:-1], n) if status == 1 else None
 
 
@@ -155,7 +156,7 @@ def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scale: to
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)
     status = lib.qvl_q4_linear(rows.data_ptr(), DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(),
                                scale.data_ptr(), zero.data_ptr(), group_size, address(bias), y.data_ptr(),
-                               torch.get_num_threads(), ACTIVATION_GROUP)
+                               kernel_threads(), ACTIVATION_GROUP)
     if status == -1:
         raise MemoryError("qvl_q4_linear could not allocate its activation codes")
     return y.view(*x.shape[:-1], n) if status == 0 else None
@@ -175,7 +176,7 @@ def _int8_rows(lib: ctypes.CDLL, name: str, x: torch.Tensor, weight: torch.Tenso
     y = torch.empty(rows.shape[0], n, dtype=x.dtype)
     kernel = getattr(lib, f"qvl_{name}")
     status = kernel(rows.data_ptr(), DTYPES[x.dtype], rows.shape[0], k, n, weight.data_ptr(), scale.data_ptr(),
-                    address(bias), y.data_ptr(), torch.get_num_threads(), *extra)
+                    address(bias), y.data_ptr(), kernel_threads(), *extra)
     if status == -1:
         raise MemoryError(f"qvl_{name} could not allocate its activation codes")
     return y.view(*x.shape[:-1], n) if status == 0 else None
@@ -188,7 +189,7 @@ def dequantize(lib: ctypes.CDLL, kind: int, weight: torch.Tensor, scale: torch.T
     if out is None:
         out = torch.empty(shape, dtype=scale.dtype)
     lib.qvl_dequantize(kind, weight.data_ptr(), scale.data_ptr(), address(zero), group_size, shape[0], shape[1],
-                       DTYPES[scale.dtype], out.data_ptr(), torch.get_num_threads())
+                       DTYPES[scale.dtype], out.data_ptr(), kernel_threads())
     return out
 
 
@@ -245,7 +246,7 @@ def int8_matmul(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, colsums
     k, n = x.shape[-1], scale.shape[0]
     rows = x.reshape(-1, k).contiguous()
     norm_w, norm_b, eps, residual = _fusions(x, n, residual, layer_norm)
-    m, threads, dt = rows.shape[0], torch.get_num_threads(), DTYPES[x.dtype]
+    m, threads, dt = rows.shape[0], kernel_threads(), DTYPES[x.dtype]
     # the AMX kernel reads whole tiles: rows padded to 32 and columns to 64 with zero codes
     kp = packed.shape[1] if amx else k
     codes = torch.empty(-(-m // 32) * 32 if amx else m, kp, dtype=torch.uint8)

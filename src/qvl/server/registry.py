@@ -34,6 +34,7 @@ from qvl.cache import CacheStats
 from qvl.config import ModelConfig
 from qvl.engine import Engine, EngineOptions, chosen_weights
 from qvl.hub import default_model, local_model
+from qvl.kernels.library import library
 from qvl.models import SHORT_NAMES, short_name
 from qvl.server.errors import APIError
 from qvl.server.memory import release
@@ -382,7 +383,9 @@ class Registry:
             return gauges
         stats = [engine.scheduler.stats() for engine, _ in loaded]
         total = {key: sum(s[key] for s in stats) for key in stats[0]}
-        return gauges | {
+        done, taken = library().team_counts()
+        return gauges | loaded[0][0].threads.stats() | {
+            "qvl_kernel_items": done, "qvl_kernel_items_taken_over": taken,
             "qvl_running_requests": total["running"],
             "qvl_max_batch": sum(engine.scheduler.max_batch for engine, _ in loaded),
             "qvl_last_step_rows": total["last_step_rows"],
