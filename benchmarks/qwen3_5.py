@@ -60,7 +60,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-from performance import checked, last_json, wait_healthy  # noqa: E402
+from performance import checked, last_json  # noqa: E402
 
 PROMPT = "Describe this image in detail."
 SYSTEM = "Answer from the document below and the user's image.\n\n"
@@ -130,7 +130,7 @@ def serve(cmd: list[str], port: int, timeout: float, work):
     output and peak RSS) after stopping it; a failure carries the server's last lines."""
     server = common.Child(cmd)
     try:
-        wait_healthy(server, port, timeout)
+        common.wait_healthy(server, port, timeout)
         result = work(f"http://127.0.0.1:{port}")
     except Exception as e:
         done = server.finish(30, stop=True)
