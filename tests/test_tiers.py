@@ -612,6 +612,10 @@ def test_plan_follows_the_options(tier_lib):
     assert _codes(Plan.choose(k, torch.float32, "fp32").entries())["text linears, decode"] == ("torch", 0)
     on_float32 = _codes(Plan.choose(k, torch.float32, "int8").entries())
     assert on_float32["text attention, prefill"] == ("sdpa", 0) and on_float32["rms_norm"] == ("torch", 0)
+    default = Plan.choose(k, dtype, "int8")
+    narrow = default.linear("text", "int8", 16, 2048)  # Gated DeltaNet's in_proj_b: a column per value head
+    assert narrow.prefill.name == "dequantize" and narrow.decode == default.linear("text", "int8", 2048, 2048).decode
+    assert default.linear("text", "int8", 64, 64).prefill == default.linear("text", "int8", 2048, 2048).prefill
     for plan in (Plan(k, torch.bfloat16), Plan(k, torch.float32)):  # every build decodes natively
         assert plan.decode_step == "qvl_decode_layers" and plan.decode_attention == "qvl_decode_attention"
     off_lib = Plan.choose(Library(tier, None, "QVL_NATIVE=0"), torch.float32, "int8")

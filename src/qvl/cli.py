@@ -271,7 +271,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from qvl.kernels.build import tiers
     from qvl.kernels.library import library
     from qvl.kernels.plan import Plan
-    from qvl.runtime import choose_dtype, cpu_flags, cpu_model, physical_cores
+    from qvl.runtime import choose_dtype, cpu_flags, cpu_model, huge_pages, physical_cores
     from qvl.threads import busy_over, read_cpu_times, torch_threads
     from qvl.weights import checkpoint_quantization
 
@@ -297,6 +297,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "threads_torch_now": torch_threads(physical_cores(), busy or 0.0),
         "cores_busy_elsewhere": None if busy is None else round(busy, 2),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
+        "huge_pages": huge_pages(),
         "kernels": lib.describe(),
         "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "dtype": str(k.dtype).replace("torch.", "")}
                  for kind, k in entries.items()},

@@ -127,3 +127,15 @@ def configure(dtype: str = "auto", threads: int | None = None, cpus: list[int] |
         raise ValueError("threads must be >= 1")
     torch.set_num_threads(n)
     return RuntimeInfo(dtype=choose_dtype(dtype), threads=n, cpus=tuple(allowed_cpus()))
+
+
+def huge_pages(sysfs: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str:
+    """Whether torch's tensors of 2 MB or more sit on transparent huge pages (qvl/__init__.py
+    asks torch for them), and why not where they do not."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") in ("0", ""):
+        return "off (THP_MEM_ALLOC_ENABLE=0)"
+    try:
+        mode = sysfs.read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "off (no transparent huge pages on this system)"
+    return f"off (the kernel's transparent huge pages: {mode})" if mode == "never" else f"tensors of 2 MB or more ({mode})"

@@ -306,80 +306,81 @@ int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, in
 static inline float conv_silu(float s, int dt) {
     if (dt == BF16) s = bf16_to_f32(to_bf16(s));
     const float e = exp_neg(-fabsf(s)); /* e^-|s|: s / (1 + e^-s) without overflow */
-    return s >= 0.f ? s / (1.f + e) : s * e / (1.f + e);
+    return (s >= 0.f ? s : s * e) / (1.f + e);
 }
 
 /* The short causal convolution of one row: out[t][c] = silu(sum_j w[c][j] in[t - K + 1 + j][c])
  * with in[-K+1..-1] the row's K-1 earlier inputs, state [C][K-1] (oldest first), updated in
  * place to the last K-1 inputs. x: token t at t*x_tok (C contiguous); w [C][K]; state, out
- * [T][C]: all dtype dt. Threads take runs of channels in turn. Returns 0, -1 out of memory, -2 for K
- * outside 2..8. */
+ * [T][C]: all dtype dt. Threads take items of CONV_TOKENS tokens x CONV_CHANNELS channels in
+ * turn (an item's inputs and weights stay in the first-level cache); each output is summed in
+ * the same order whatever the split. Returns 0, or -2 for K outside 2..8. */
+enum { CONV_TOKENS = 64, CONV_CHANNELS = 256 };
+
+/* in[at][c] of the convolution's input: x at at >= 0, else the state's entry (K-1+at). */
+static inline float conv_input(const void* x, int dt, int64_t x_tok, const void* state, int64_t K, int64_t at,
+                               int64_t c) {
+    return at >= 0 ? get(x, dt, at * x_tok + c) : get(state, dt, c * (K - 1) + K - 1 + at);
+}
+
+/* Tokens t0..t1 (all at t >= K - 1, so their windows lie inside x) of channels c0..c0+n: each
+ * output summed over the window in ascending j and written through SiLU, in one pass over the
+ * channels (K a compile-time constant where the caller gives one: the sums stay in registers). */
+static inline __attribute__((always_inline)) void conv_window(const void* x, int dt, int64_t C, int64_t x_tok,
+                                                               const float* wt, int64_t K, int64_t t0, int64_t t1,
+                                                               int64_t c0, int64_t n, void* out) {
+    const size_t es = dt == BF16 ? 2 : 4;
+    for (int64_t t = t0; t < t1; t++) {
+        const char* base = (const char*)x + ((t - K + 1) * x_tok + c0) * es;
+        if (dt == BF16) {
+            uint16_t* o = (uint16_t*)out + t * C + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < K; j++) s += wt[j * n + c] * bf16_to_f32(((const uint16_t*)(base + j * x_tok * es))[c]);
+                o[c] = to_bf16(conv_silu(s, BF16));
+            }
+        } else {
+            float* o = (float*)out + t * C + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < K; j++) s += wt[j * n + c] * ((const float*)(base + j * x_tok * es))[c];
+                o[c] = conv_silu(s, F32);
+            }
+        }
+    }
+}
+
 int qvl_causal_conv(const void* x, int dt, int64_t T, int64_t C, int64_t x_tok, const void* w, int64_t K, void* state,
                     void* out, int threads) {
     if (K < 2 || K > 8) return -2;
-    const size_t es = dt == BF16 ? 2 : 4;
-    /* runs of channels taken in turn, four per thread */
-    const int team = threads < 1 ? 1 : threads;
-    const int64_t share = round_up((C + 4 * team - 1) / (4 * team), 64), parts = (C + share - 1) / share;
-    int failed = 0;
-#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
-    for (int64_t part = 0; part < parts; part++) {
-        const int64_t c0 = part * share, n = C - c0 < share ? C - c0 : share;
-        if (n <= 0) continue;
-        float* wt = malloc((size_t)(K * n + n) * sizeof(float)); /* weights [K][n], then one output row */
-        if (!wt) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        float* row = wt + K * n;
+    const int64_t blocks = (T + CONV_TOKENS - 1) / CONV_TOKENS, chunks = (C + CONV_CHANNELS - 1) / CONV_CHANNELS;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < blocks * chunks; item++) {
+        const int64_t t0 = item / chunks * CONV_TOKENS, c0 = item % chunks * CONV_CHANNELS;
+        const int64_t t1 = t0 + CONV_TOKENS < T ? t0 + CONV_TOKENS : T, n = C - c0 < CONV_CHANNELS ? C - c0 : CONV_CHANNELS;
+        float wt[8 * CONV_CHANNELS]; /* weights [K][n] */
         for (int64_t c = 0; c < n; c++)
             for (int64_t j = 0; j < K; j++) wt[j * n + c] = get(w, dt, (c0 + c) * K + j);
-        for (int64_t t = 0; t < T; t++) {
-            if (t >= K - 1) { /* the window inside x: vectorised over the channels */
-                const char* base = (const char*)x + ((t - K + 1) * x_tok + c0) * es;
-                for (int64_t c = 0; c < n; c++) row[c] = 0.f;
-                for (int64_t j = 0; j < K; j++) {
-                    const char* xr = base + j * x_tok * es;
-                    const float* wj = wt + j * n;
-                    if (dt == BF16) {
-#pragma omp simd
-                        for (int64_t c = 0; c < n; c++) row[c] += wj[c] * bf16_to_f32(((const uint16_t*)xr)[c]);
-                    } else {
-#pragma omp simd
-                        for (int64_t c = 0; c < n; c++) row[c] += wj[c] * ((const float*)xr)[c];
-                    }
-                }
-            } else {
-                for (int64_t c = 0; c < n; c++) {
-                    float s = 0.f;
-                    for (int64_t j = 0; j < K; j++) {
-                        const int64_t at = t - K + 1 + j;
-                        s += wt[j * n + c] * (at >= 0 ? get(x, dt, at * x_tok + c0 + c)
-                                                      : get(state, dt, (c0 + c) * (K - 1) + K - 1 + at));
-                    }
-                    row[c] = s;
-                }
-            }
-            if (dt == BF16) {
-                uint16_t* o = (uint16_t*)out + t * C + c0;
-#pragma omp simd
-                for (int64_t c = 0; c < n; c++) o[c] = to_bf16(conv_silu(row[c], BF16));
-            } else {
-                float* o = (float*)out + t * C + c0;
-#pragma omp simd
-                for (int64_t c = 0; c < n; c++) o[c] = conv_silu(row[c], F32);
+        int64_t t = t0;
+        for (; t < t1 && t < K - 1; t++) { /* windows reaching into the state */
+            for (int64_t c = 0; c < n; c++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < K; j++) s += wt[j * n + c] * conv_input(x, dt, x_tok, state, K, t - K + 1 + j, c0 + c);
+                put(out, dt, t * C + c0 + c, conv_silu(s, dt));
             }
         }
-        for (int64_t c = c0; c < c0 + n; c++) /* ascending j reads old entries not yet overwritten */
-            for (int64_t j = 0; j < K - 1; j++) {
-                const int64_t at = T - (K - 1) + j;
-                put(state, dt, c * (K - 1) + j,
-                    at >= 0 ? get(x, dt, at * x_tok + c) : get(state, dt, c * (K - 1) + K - 1 + at));
-            }
-        free(wt);
+        if (K == 4)
+            conv_window(x, dt, C, x_tok, wt, 4, t, t1, c0, n, out);
+        else
+            conv_window(x, dt, C, x_tok, wt, K, t, t1, c0, n, out);
     }
-    return failed ? -1 : 0;
+    /* the state moves on once every item has read it: the last K-1 inputs, oldest first
+       (ascending j reads old entries not yet overwritten) */
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < K - 1; j++) put(state, dt, c * (K - 1) + j, conv_input(x, dt, x_tok, state, K, T - (K - 1) + j, c));
+    return 0;
 }
 
 /* The convolution's decode step: row b's input x[b*x_tok ..] (C values) after its K-1 earlier

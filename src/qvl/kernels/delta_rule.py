@@ -203,8 +203,6 @@ def native_causal_conv(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(t, c, dtype=x.dtype)
     status = lib.qvl_causal_conv(x.data_ptr(), DTYPES[x.dtype], t, c, x.stride(0), weight.data_ptr(), weight.shape[1],
                                  conv_state.data_ptr(), out.data_ptr(), kernel_threads())
-    if status == -1:
-        raise MemoryError("qvl_causal_conv could not allocate its weights")
     return out if status == 0 else None
 
 

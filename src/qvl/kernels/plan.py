@@ -21,6 +21,12 @@ from qvl.kernels.linear import amx_bf16_takes, amx_tiles_take, int4_kernel_takes
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 AMX_GEMV_MAX_ROWS = 64  # int8 on AMX tiles: the GEMV up to this many rows
 INT8_ACTIVATIONS = ("auto", "off", "vision", "all")
+# an int8 weight of at most this many output columns, and at most 1/16 of its inputs, runs many
+# rows by dequantise + GEMM: its product is then cheaper than the integer kernels' pass that
+# codes the activations (Gated DeltaNet's in_proj_b and in_proj_a, one column per value head:
+# 16 of 2,048 inputs over 4,000 rows take 1.6 ms in bfloat16 against 4 ms through oneDNN's int8
+# GEMM)
+NARROW_COLUMNS = 64
 PACKED = ("onednn_int8", "amx_int8")  # int8 x int8 kernels that read a packed copy of the weight
 _FLOAT = (torch.float32, torch.bfloat16)
 
@@ -211,6 +217,8 @@ class Plan:
         rows = AMX_GEMV_MAX_ROWS if self.library.has(AMX_INT8) else GEMV_MAX_ROWS
         decode = Kernel("gemv", 16, self.dtype) if self._gemv else Kernel("torch_int8", 0, self.dtype)
         mode = self.int8_mode(kind)
+        if kind == "text" and n <= NARROW_COLUMNS and 16 * n <= k:
+            return LinearPlan(decode, Kernel("dequantize", 0, self.dtype), rows, 0)
         if mode == "packed" and packable:
             amx = self.library.has(AMX_INT8) and amx_tiles_take(n, k)
             many = Kernel("amx_int8" if amx else "onednn_int8", self.int8_code_bits, self.dtype)
