@@ -49,6 +49,13 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* f32_to_bf16 without its branch (the same bits), so that loops over it vectorise. */
+static inline uint16_t f32_to_bf16_v(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 static inline float round_bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 static inline float get(const void* p, int dt, int64_t i) {

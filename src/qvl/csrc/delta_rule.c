@@ -33,13 +33,6 @@ static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
 static inline float exp_neg(float x) { return exp2_poly(x * LOG2E); } /* e^x for x <= 0 */
 
-/* common.h's f32_to_bf16 without its branch, so that loops over it vectorise. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* dst[0..n) = src (dtype dt) as float32. */
 static inline void load_row(const void* src, int dt, int64_t n, float* dst) {
     if (dt == BF16) {
@@ -56,7 +49,7 @@ static inline void store_row(void* dst, int dt, const float* src, int64_t n) {
     if (dt == BF16) {
         uint16_t* d = (uint16_t*)dst;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16_v(src[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
@@ -304,7 +297,7 @@ int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, in
 
 /* silu(s) after rounding s to dt (the reference's conv runs in the weight's dtype). */
 static inline float conv_silu(float s, int dt) {
-    if (dt == BF16) s = bf16_to_f32(to_bf16(s));
+    if (dt == BF16) s = bf16_to_f32(f32_to_bf16_v(s));
     const float e = exp_neg(-fabsf(s)); /* e^-|s|: s / (1 + e^-s) without overflow */
     return (s >= 0.f ? s : s * e) / (1.f + e);
 }
@@ -338,7 +331,7 @@ static inline __attribute__((always_inline)) void conv_window(const void* x, int
             for (int64_t c = 0; c < n; c++) {
                 float s = 0.f;
                 for (int64_t j = 0; j < K; j++) s += wt[j * n + c] * bf16_to_f32(((const uint16_t*)(base + j * x_tok * es))[c]);
-                o[c] = to_bf16(conv_silu(s, BF16));
+                o[c] = f32_to_bf16_v(conv_silu(s, BF16));
             }
         } else {
             float* o = (float*)out + t * C + c0;
@@ -383,22 +376,58 @@ int qvl_causal_conv(const void* x, int dt, int64_t T, int64_t C, int64_t x_tok, 
     return 0;
 }
 
+/* Channels c0..c1 of one row's convolution step: x (C values) after the K-1 earlier ones in
+ * state ([C][K-1], oldest first; shifted in place), w [C][K], out: all dtype dt, summed in
+ * prefill's order. K and dt are constants where the caller gives them (the loops unroll and
+ * the channels vectorise). */
+static inline __attribute__((always_inline)) void conv_step_channels(const void* x, const int dt, const void* w,
+                                                                      const int64_t K, void* state, void* out,
+                                                                      int64_t c0, int64_t c1) {
+#pragma omp simd
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t at = c * (K - 1);
+        const float xi = get(x, dt, c);
+        float s = 0.f;
+        for (int64_t j = 0; j < K - 1; j++) s += get(w, dt, c * K + j) * get(state, dt, at + j);
+        s += get(w, dt, c * K + K - 1) * xi;
+        for (int64_t j = 0; j < K - 2; j++) {
+            if (dt == BF16)
+                ((uint16_t*)state)[at + j] = ((const uint16_t*)state)[at + j + 1];
+            else
+                ((float*)state)[at + j] = ((const float*)state)[at + j + 1];
+        }
+        if (dt == BF16) {
+            ((uint16_t*)state)[at + K - 2] = f32_to_bf16_v(xi);
+            ((uint16_t*)out)[c] = f32_to_bf16_v(conv_silu(s, BF16));
+        } else {
+            ((float*)state)[at + K - 2] = xi;
+            ((float*)out)[c] = conv_silu(s, F32);
+        }
+    }
+}
+
 /* The convolution's decode step: row b's input x[b*x_tok ..] (C values) after its K-1 earlier
  * ones in states[slots[b]] ([C][K-1] each, oldest first; shifted in place), w [C][K], out
  * [B][C]: all dtype dt. Returns 0, or -2 for K outside 2..8. */
 int qvl_causal_conv_step(const void* x, int dt, int64_t B, int64_t C, int64_t x_tok, const void* w, int64_t K,
                          void* states, const int64_t* slots, void* out, int threads) {
     if (K < 2 || K > 8) return -2;
-#pragma omp parallel for num_threads(B * C >= 4096 ? threads : 1) schedule(dynamic, 256)
-    for (int64_t item = 0; item < B * C; item++) {
-        const int64_t b = item / C, c = item % C, at = (slots[b] * C + c) * (K - 1);
-        const float xi = get(x, dt, b * x_tok + c);
-        float s = 0.f; /* summed in prefill's order */
-        for (int64_t j = 0; j < K - 1; j++) s += get(w, dt, c * K + j) * get(states, dt, at + j);
-        s += get(w, dt, c * K + K - 1) * xi;
-        for (int64_t j = 0; j < K - 2; j++) put(states, dt, at + j, get(states, dt, at + j + 1));
-        put(states, dt, at + K - 2, xi);
-        put(out, dt, item, conv_silu(s, dt));
+    const size_t es = dt == BF16 ? 2 : 4;
+    const int64_t run = 1024, runs = (C + run - 1) / run; /* channels per item */
+#pragma omp parallel for num_threads(B * C >= 4 * run ? threads : 1) schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * runs; item++) {
+        const int64_t b = item / runs, c0 = item % runs * run, c1 = c0 + run < C ? c0 + run : C;
+        const char* xb = (const char*)x + b * x_tok * es;
+        char* st = (char*)states + slots[b] * C * (K - 1) * es;
+        char* ob = (char*)out + b * C * es;
+        if (dt == BF16 && K == 4)
+            conv_step_channels(xb, BF16, w, 4, st, ob, c0, c1);
+        else if (dt == BF16)
+            conv_step_channels(xb, BF16, w, K, st, ob, c0, c1);
+        else if (K == 4)
+            conv_step_channels(xb, F32, w, 4, st, ob, c0, c1);
+        else
+            conv_step_channels(xb, F32, w, K, st, ob, c0, c1);
     }
     return 0;
 }

@@ -888,6 +888,26 @@ static void gemv_item(const GemvProduct* p, int64_t i, int64_t next, const TeamI
 }
 
 /* Item i's results from it->own into y: times the int8 weights' row scales, plus the bias. */
+/* y[m][n] = own[(n - first) * M + m] (x scale[n] where given, + bias[n] where given), rounded to
+ * dt, for rows first..last of every activation row m; dt a constant where inlined, the rows
+ * vectorise. */
+static inline __attribute__((always_inline)) void commit_rows(const float* own, int64_t M, int64_t N, int64_t first,
+                                                               int64_t last, const void* scale, const void* bias,
+                                                               void* y, const int dt) {
+    for (int64_t m = 0; m < M; m++) {
+#pragma omp simd
+        for (int64_t n = first; n < last; n++) {
+            float v = own[(n - first) * M + m];
+            if (scale) v *= get(scale, dt, n);
+            if (bias) v += get(bias, dt, n);
+            if (dt == BF16)
+                ((uint16_t*)y)[m * N + n] = f32_to_bf16_v(v);
+            else
+                ((float*)y)[m * N + n] = v;
+        }
+    }
+}
+
 static void gemv_commit(const GemvProduct* p, int64_t i, const TeamItem* it) {
     const QvlLinear* l = &p->l;
     if (i < p->amx_blocks) {
@@ -896,13 +916,10 @@ static void gemv_commit(const GemvProduct* p, int64_t i, const TeamItem* it) {
     }
     const int64_t M = p->in->M, N = l->n, first = p->first_row + (i - p->amx_blocks) * p->block_rows;
     const int64_t last = first + p->block_rows < N ? first + p->block_rows : N;
-    for (int64_t n = first; n < last; n++)
-        for (int64_t m = 0; m < M; m++) {
-            float v = it->own[(n - first) * M + m];
-            if (l->kind == W_INT8) v *= get(l->scale, p->dt, n);
-            if (l->bias) v += get(l->bias, p->dt, n);
-            put(p->y, p->dt, m * N + n, v);
-        }
+    if (p->dt == BF16)
+        commit_rows(it->own, M, N, first, last, l->kind == W_INT8 ? l->scale : NULL, l->bias, p->y, BF16);
+    else
+        commit_rows(it->own, M, N, first, last, l->kind == W_INT8 ? l->scale : NULL, l->bias, p->y, F32);
 }
 
 /* The product holding job item `index` (its index within that product in *local). */
