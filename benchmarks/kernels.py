@@ -225,10 +225,18 @@ def int8_sides(libs: dict, w: torch.Tensor, x: torch.Tensor, bias, dtype: torch.
 
 
 def int4_sides(libs: dict, w: torch.Tensor, x: torch.Tensor, bias, dtype: torch.dtype) -> dict:
-    """x @ int4(w).T (+ bias): dequantise + GEMM, and AMX bf16 tiles where the build has them."""
+    """x @ int4(w).T (+ bias): dequantise + GEMM, the byte kernel in 8-bit codes (and, for the
+    ratio int4's prefill rests on, the same kernel on int8(w)), and AMX bf16 tiles where the build
+    has them."""
     codes, s, z = quantize_int4(w, GROUP)
     q, s, z = pack_nibbles(codes), s.to(dtype), z.to(dtype)
     sides = {"dequantise + GEMM": lambda: F.linear(x, dequantize_int4(q, s, z, GROUP, transient=True), bias)}
+    if default_plan(dtype).group_codes:
+        q8, s8 = quantize_int8(w)
+        s8 = s8.to(dtype)
+        for tag, lib in libs.items():
+            sides["byte kernel" + tag] = lambda lib=lib: linear.q4_linear(lib, x, q, s, z, GROUP, bias)
+            sides["byte kernel, int8 weights" + tag] = lambda lib=lib: linear.q8_linear(lib, x, q8, s8, bias)
     if library().has(build.AMX_INT8) and dtype == torch.bfloat16:
         for tag, lib in libs.items():
             sides["AMX bf16 tiles" + tag] = lambda lib=lib: linear.amx_bf16_linear(lib, build.W_INT4, x, q, s, z,
