@@ -179,8 +179,9 @@ def test_prompt_kernels_give_the_same_bits_on_any_number_of_threads(tier_lib, th
     """The prompt's and the vision tower's kernels whose rows, heads and channels the threads take
     in turn: RMSNorm (plain, zero-centred, gated), SiLU.mul, the text and vision RoPE, flash,
     byte-code and 16-bit attention (keys and values packed head by head), the delta rule in runs
-    of heads and its convolution in runs of channels, the dequantisation, oneDNN's int8 passes and
-    the GEMV's activation codes at 40 rows: the same bits on 1, 2 and 3 threads."""
+    of heads and its convolution in runs of channels, the dequantisation, the byte kernel's int8
+    and int4 products (with the vision tower's fusions), oneDNN's int8 passes and the GEMV's
+    activation codes at 40 rows: the same bits on 1, 2 and 3 threads."""
     from qvl.kernels import attention, delta_rule, elementwise, linear
     from qvl.quantize import pack_nibbles, quantize_int4
 
@@ -211,6 +212,15 @@ def test_prompt_kernels_give_the_same_bits_on_any_number_of_threads(tier_lib, th
             lib, build.W_INT4, pack_nibbles(q4), s4.to(dtype), z4.to(dtype), 64, (300, 256)))
         same_bits_on_1_2_3_threads("gemv of 40 rows", lambda: linear.gemv(lib, build.W_INT8, x[:40], q8, 300,
                                                                           s8, bias=s8))
+        if lib.qvl_q8_levels():  # the byte kernel: its row blocks' codes, then (rows, column tile) items
+            qb, sb, res = q8[:272].contiguous(), s8[:272].contiguous(), z[:, :1].expand(300, 272).contiguous()
+            n4, s4b, z4b = pack_nibbles(q4[:272]), s4[:272].to(dtype).contiguous(), z4[:272].to(dtype).contiguous()
+            products = {"byte products": lambda: linear.q8_linear(lib, x, qb, sb, sb, gelu_tanh=True, residual=res,
+                                                                  layer_norm=(w, z[0].contiguous(), 1e-6)),
+                        "int4 byte products": lambda: linear.q4_linear(lib, x, n4, s4b, z4b, 64)}
+            for name, op in products.items():
+                assert op() is not None, name
+                same_bits_on_1_2_3_threads(name, op)
     xb = torch.randn(200, 8, 64).bfloat16()
     vc, vs = torch.randn(200, 1, 64), torch.randn(200, 1, 64)
     same_bits_on_1_2_3_threads("vision rope", lambda: elementwise.vision_rope(lib, xb, vc, vs))
