@@ -41,16 +41,9 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* f32_to_bf16 without its branch (the same bits), so that loops over it vectorise. */
-static inline uint16_t f32_to_bf16_v(float f) {
+/* Round to nearest even, as torch does (NaN kept quiet); one expression without a branch, so
+ * that loops over it vectorise. */
+static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);

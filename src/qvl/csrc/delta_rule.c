@@ -49,7 +49,7 @@ static inline void store_row(void* dst, int dt, const float* src, int64_t n) {
     if (dt == BF16) {
         uint16_t* d = (uint16_t*)dst;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16_v(src[i]);
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
@@ -297,7 +297,7 @@ int qvl_gated_delta_step(const void* q, const void* k, const void* v, int dt, in
 
 /* silu(s) after rounding s to dt (the reference's conv runs in the weight's dtype). */
 static inline float conv_silu(float s, int dt) {
-    if (dt == BF16) s = bf16_to_f32(f32_to_bf16_v(s));
+    if (dt == BF16) s = bf16_to_f32(f32_to_bf16(s));
     const float e = exp_neg(-fabsf(s)); /* e^-|s|: s / (1 + e^-s) without overflow */
     return (s >= 0.f ? s : s * e) / (1.f + e);
 }
@@ -331,7 +331,7 @@ static inline __attribute__((always_inline)) void conv_window(const void* x, int
             for (int64_t c = 0; c < n; c++) {
                 float s = 0.f;
                 for (int64_t j = 0; j < K; j++) s += wt[j * n + c] * bf16_to_f32(((const uint16_t*)(base + j * x_tok * es))[c]);
-                o[c] = f32_to_bf16_v(conv_silu(s, BF16));
+                o[c] = f32_to_bf16(conv_silu(s, BF16));
             }
         } else {
             float* o = (float*)out + t * C + c0;
@@ -397,8 +397,8 @@ static inline __attribute__((always_inline)) void conv_step_channels(const void*
                 ((float*)state)[at + j] = ((const float*)state)[at + j + 1];
         }
         if (dt == BF16) {
-            ((uint16_t*)state)[at + K - 2] = f32_to_bf16_v(xi);
-            ((uint16_t*)out)[c] = f32_to_bf16_v(conv_silu(s, BF16));
+            ((uint16_t*)state)[at + K - 2] = f32_to_bf16(xi);
+            ((uint16_t*)out)[c] = f32_to_bf16(conv_silu(s, BF16));
         } else {
             ((float*)state)[at + K - 2] = xi;
             ((float*)out)[c] = conv_silu(s, F32);

@@ -887,7 +887,6 @@ static void gemv_item(const GemvProduct* p, int64_t i, int64_t next, const TeamI
     rows_block(p, first, last, it->own, it);
 }
 
-/* Item i's results from it->own into y: times the int8 weights' row scales, plus the bias. */
 /* y[m][n] = own[(n - first) * M + m] (x scale[n] where given, + bias[n] where given), rounded to
  * dt, for rows first..last of every activation row m; dt a constant where inlined, the rows
  * vectorise. */
@@ -901,13 +900,14 @@ static inline __attribute__((always_inline)) void commit_rows(const float* own, 
             if (scale) v *= get(scale, dt, n);
             if (bias) v += get(bias, dt, n);
             if (dt == BF16)
-                ((uint16_t*)y)[m * N + n] = f32_to_bf16_v(v);
+                ((uint16_t*)y)[m * N + n] = f32_to_bf16(v);
             else
                 ((float*)y)[m * N + n] = v;
         }
     }
 }
 
+/* Item i's results from it->own into y: times the int8 weights' row scales, plus the bias. */
 static void gemv_commit(const GemvProduct* p, int64_t i, const TeamItem* it) {
     const QvlLinear* l = &p->l;
     if (i < p->amx_blocks) {
