@@ -31,6 +31,17 @@ UNTIED_CHANGES = {
 }
 
 
+def hold_tier(monkeypatch, tier) -> None:
+    """Run the rest of the test on `tier` (a qvl.kernels.build.Tier this CPU runs): QVL_ISA set
+    and the tier's own kernel build chosen (the compute dtype follows it)."""
+    from qvl.kernels import build
+    from qvl.kernels import library as library_module
+    from qvl.kernels.library import Library
+
+    monkeypatch.setenv("QVL_ISA", tier.name)
+    monkeypatch.setattr(library_module, "_chosen", [Library(tier, build.load(tier, paths.cache_root() / "native"))])
+
+
 _EXIT_STATUS = 0
 
 

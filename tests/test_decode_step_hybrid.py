@@ -8,10 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qvl import paths
 from qvl.kernels import build
-from qvl.kernels import library as library_module
-from qvl.kernels.library import Library
+from tests.conftest import hold_tier
 from tests.test_native import _count_one_calls
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
@@ -140,10 +138,8 @@ def test_a_row_decodes_alone_as_among_other_rows(checkpoints, preset):
 @pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in TIERS])  # this one's: the tests above
 def tier(request, monkeypatch):
     """Each tier this CPU runs, its own build chosen (the compute dtype follows it)."""
-    t = TIERS[request.param]
-    monkeypatch.setenv("QVL_ISA", t.name)
-    monkeypatch.setattr(library_module, "_chosen", [Library(t, build.load(t, paths.cache_root() / "native"))])
-    return t
+    hold_tier(monkeypatch, TIERS[request.param])
+    return TIERS[request.param]
 
 
 def test_every_tier_decodes_hybrid_rows_as_the_per_layer_path(checkpoints, tier, monkeypatch):

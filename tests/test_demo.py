@@ -49,9 +49,22 @@ def test_data_command_writes_a_set_qvl_eval_reads(tmp_path, capsys):
     assert all((tmp_path / row["image"]).is_file() for row in rows)
     assert main(["data", "--out", str(tmp_path), "--count", "0"]) == 1
     capsys.readouterr()
-    assert main(["path"]) == 0
-    ready = Path(capsys.readouterr().out.strip())
-    assert (ready / "model.safetensors").is_file() and (ready / "tokenizer.json").is_file()
+    for arch in ([], ["--arch", "qwen3.5"]):  # the Qwen3.5 one ships compressed: unpacked into the cache
+        assert main(["path", *arch]) == 0
+        ready = Path(capsys.readouterr().out.strip())
+        assert (ready / "model.safetensors").is_file() and (ready / "tokenizer.json").is_file()
+
+
+def test_packing_sets_the_rows_training_never_read_to_their_mean():
+    import torch
+
+    from qvl.demo.pack import collapse_unused_rows
+
+    embedding = torch.randn(10, 4)
+    packed = collapse_unused_rows(embedding, [1, 3])
+    assert torch.equal(packed[[1, 3]], embedding[[1, 3]])
+    others = [0, 2, 4, 5, 6, 7, 8, 9]
+    assert torch.allclose(packed[others], embedding[others].mean(0).expand(8, 4))
 
 
 @pytest.mark.slow  # builds and trains the 23.5 M-parameter model for a few steps, three times

@@ -59,14 +59,10 @@ def _tiers() -> list:
 @pytest.mark.slow  # a kernel build per tier the first time
 @pytest.mark.parametrize("tier", _tiers())
 def test_every_tier_default_path_answers_right(demo, tier, monkeypatch):
-    from qvl import paths
     from qvl.kernels import build
-    from qvl.kernels import library as library_module
-    from qvl.kernels.library import Library
+    from tests.conftest import hold_tier
 
-    t = next(t for t in build.tiers() if t.name == tier)
-    monkeypatch.setenv("QVL_ISA", t.name)
-    monkeypatch.setattr(library_module, "_chosen", [Library(t, build.load(t, paths.cache_root() / "native"))])
+    hold_tier(monkeypatch, next(t for t in build.tiers() if t.name == tier))
     assert_right(Engine.load(EngineOptions(model=str(demo), threads=2)))
 
 

@@ -11,9 +11,9 @@ import torch
 
 from qvl import paths
 from qvl.kernels import build
-from qvl.kernels import library as library_module
-from qvl.kernels.library import Library, library
+from qvl.kernels.library import library
 from qvl.threads import CpuTimes, Load, Threads, kernel_threads, read_cpu_times, torch_threads
+from tests.conftest import hold_tier
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
 RUNS = build.select_tier().name if TIERS else None
@@ -68,10 +68,8 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(params=[pytest.param(name, marks=() if name == RUNS else pytest.mark.slow) for name in TIERS])
 def tier(request, monkeypatch):
     """Each tier this CPU runs, its own build chosen (the compute dtype follows it)."""
-    t = TIERS[request.param]
-    monkeypatch.setenv("QVL_ISA", t.name)
-    monkeypatch.setattr(library_module, "_chosen", [Library(t, build.load(t, paths.cache_root() / "native"))])
-    return t
+    hold_tier(monkeypatch, TIERS[request.param])
+    return TIERS[request.param]
 
 
 def decoded(engine, steps: int = 4) -> list[torch.Tensor]:

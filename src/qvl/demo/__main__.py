@@ -1,5 +1,5 @@
-"""`python -m qvl.demo data|train|path`: draw a labelled set, train a small model, or print
-where the shipped one is."""
+"""`python -m qvl.demo data|train|pack|path`: draw a labelled set, train a small model, pack a
+trained one for the package, or print where a shipped one is."""
 
 from __future__ import annotations
 
@@ -31,10 +31,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from qvl.demo.pack import pack
+
+    print(f"wrote the packed checkpoint to {pack(Path(args.trained), Path(args.dest))}")
+    return 0
+
+
 def cmd_path(args: argparse.Namespace) -> int:
     from qvl.demo import shipped
 
-    print(shipped.folder())
+    print(shipped.folder(args.arch))
     return 0
 
 
@@ -75,8 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, help="stop (saving) after this much wall time; run again to go on")
     p.set_defaults(run=cmd_train)
 
-    p = sub.add_parser("path", help="print the folder of the shipped demo checkpoint, ready to load (its tokenizer "
+    p = sub.add_parser("pack", help="the trained checkpoint as the package ships it: int8 (vision tower too), the "
+                                    "embedding rows its training never read set to their mean, xz-compressed")
+    p.add_argument("trained", help="the folder `train` wrote")
+    p.add_argument("dest", help="folder for its side files and model.safetensors.xz")
+    p.set_defaults(run=cmd_pack)
+
+    p = sub.add_parser("path", help="print the folder of a shipped demo checkpoint, ready to load (its tokenizer "
                                     "files written to qvl's cache the first time)")
+    p.add_argument("--arch", choices=list(ARCHITECTURES), default="qwen3-vl", help="which one")
     p.set_defaults(run=cmd_path)
     return parser
 

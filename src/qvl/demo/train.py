@@ -288,10 +288,10 @@ def image_gain(model, batch: dict) -> float:
     return round((other - own).item(), 4)
 
 
-def save_state(path: Path, model, optimizer, step: int, seen: set[int]) -> None:
+def save_state(path: Path, model, optimizer, step: int, seen: set[int], used: set[int]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "seen": sorted(seen)}, tmp)
+                "seen": sorted(seen), "used": sorted(used)}, tmp)
     tmp.replace(path)
 
 
@@ -316,12 +316,12 @@ def train(out: Path, config: TrainConfig) -> Path:
     image_token_id = checkpoint["image_token_id"]
     model = build_model(checkpoint, config.seed, arch)
     optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr, betas=(0.9, 0.98), fused=True)
-    state_file, step, seen = work / "state.pt", 0, {encode.end}
+    state_file, step, seen, used = work / "state.pt", 0, {encode.end}, set()
     if state_file.exists():
         state = torch.load(state_file, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step, seen = state["step"], set(state["seen"])
+        step, seen, used = state["step"], set(state["seen"]), set(state.get("used", ()))
         print(f"resuming at step {step} of {config.steps}", flush=True)
     log = open(work / "log.jsonl", "a", encoding="utf-8")
     window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
@@ -335,6 +335,7 @@ def train(out: Path, config: TrainConfig) -> Path:
             loss, answer_tokens = torch.zeros(()), 0
         else:
             loss, answer_tokens = answer_loss(model, batch, seen, negatives)
+        used.update(batch["input_ids"].unique().tolist())
         probed = probe_loss(model, batch, negatives[:256])
         optimizer.zero_grad(set_to_none=True)
         (loss + config.probe_weight * probed).backward()
@@ -358,12 +359,13 @@ def train(out: Path, config: TrainConfig) -> Path:
             log.flush()
         out_of_time = config.minutes is not None and time.perf_counter() - started > 60 * config.minutes
         if step % config.save_every == 0 or step == config.steps or out_of_time:
-            save_state(state_file, model, optimizer, step, seen)
+            save_state(state_file, model, optimizer, step, seen, used)
         if out_of_time:
             print(f"stopped after {config.minutes} minutes at step {step}: run the same command to go on", flush=True)
             break
     log.close()
     write_weights(model, out, checkpoint["tie_word_embeddings"])
+    (work / "used_tokens.json").write_text(json.dumps(sorted(used)))
     return out
 
 
