@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 
@@ -58,24 +58,29 @@ class Architecture:
     thinks: bool  # its template opens a reasoning block: answers start by closing it empty
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
+    steps: int  # the run's steps, and of them the first that train the vision tower alone: within
+    vision_steps: int  # 45 minutes on 2 cores (Zen 4: 48 and 47 minutes)
 
 
 ARCHITECTURES = {
-    "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3),
-    "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True, 1),
+    "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
+                             5000, 3000),
+    "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
+                            1, 4500, 2700),
 }
 EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 5000
+    steps: int | None = None  # None: the architecture's (ARCHITECTURES)
     batch_size: int = 16
     seed: int = 0
     lr: float = 2e-3
     vision_lr: float = 1.0  # the vision tower's (mergers included) learning rate, times `lr`
     probe_weight: float = 1.0  # the vision probe's loss (see qvl.demo.probe), added to the answers' loss
-    vision_steps: int = 3000  # first steps: the vision tower learns from the probe alone (see train)
+    vision_steps: int | None = None  # first steps: the vision tower learns from the probe alone (see train;
+    # None: the architecture's)
     turns: int | None = None  # questions per scene in one training conversation (None: the architecture's)
     weight_decay: float = 0.01
     warmup: int = 200
@@ -307,6 +312,8 @@ def train(out: Path, config: TrainConfig) -> Path:
     torch.set_num_threads(config.threads)
     started = time.perf_counter()
     arch = ARCHITECTURES[config.arch]
+    config = replace(config, steps=arch.steps if config.steps is None else config.steps,
+                     vision_steps=arch.vision_steps if config.vision_steps is None else config.vision_steps)
     checkpoint = preset_config(arch.preset, arch.changes)
     write_side_files(out, checkpoint, generation=GENERATION, preprocessor=PREPROCESSOR)
     work = out / "train"
