@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
     p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
-    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 5000, qwen3.5 4500: 45 minutes "
+    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 5000, qwen3.5 4500: about 45 minutes "
                                             "on 2 cores)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")

@@ -58,8 +58,8 @@ class Architecture:
     thinks: bool  # its template opens a reasoning block: answers start by closing it empty
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
-    steps: int  # the run's steps, and of them the first that train the vision tower alone: within
-    vision_steps: int  # 45 minutes on 2 cores (Zen 4: 48 and 47 minutes)
+    steps: int  # the run's steps, and of them the first that train the vision tower alone: in
+    vision_steps: int  # about 45 minutes on 2 cores (Zen 4: 48 and 47 minutes, held-out checks included)
 
 
 ARCHITECTURES = {
