@@ -608,14 +608,16 @@ def test_search_box_shows_the_results_thumbnails(tiny_embedding_checkpoint, page
         assert any("doc.pdf, page 2" in c for c in captions) and any("img0.png" in c for c in captions)
 
 
-def test_the_demo_models_examples_are_answered_right(page):
-    """./run.sh offline: the shipped demo model behind the page; each example button loads its
-    picture, asks, and the answer shown is the right one."""
+@pytest.mark.parametrize("arch", ["qwen3-vl", "qwen3.5"])
+def test_the_demo_models_examples_are_answered_right(page, arch):
+    """./run.sh offline: a shipped demo model behind the page (the Qwen3.5 one thinking, as it
+    does by default); each example button loads its picture, asks, and the answer shown is the
+    right one."""
     from qvl.demo import shipped
 
     examples = Path(__file__).resolve().parents[1] / "src" / "qvl" / "server" / "static" / "examples"
     answers = json.loads((examples / "answers.json").read_text())
-    with live_server(shipped.folder()) as demo:
+    with live_server(shipped.folder(arch)) as demo:
         page.goto(f"{demo.url}/")
         page.wait_for_selector("#status:has-text('ready')")
         shown = None
