@@ -21,7 +21,6 @@ from qvl.engine import Engine, EngineOptions, Request
 from qvl.sampling import SamplingParams
 
 SEED = 20_261_206  # held-out: not the training seed's stream
-ITEMS = [sample(SEED, i, "read" if i % 3 else "ask") for i in range(30)]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=48)
 MIN_RIGHT = 8  # float32 answers 11 of the 30 right (Zen 4); a broken layer answers none
 # answers that may differ from float32's, per path (on Zen 4: the default 0, bf16 2, int4 5, all
@@ -34,33 +33,42 @@ def demo() -> Path:
     return shipped.folder("qwen3.5")
 
 
+@pytest.fixture(scope="module")
+def items() -> list:
+    return [sample(SEED, i, "read" if i % 3 else "ask") for i in range(30)]
+
+
 def messages(item, image=None) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "image": image or item.image},
                                          {"type": "text", "text": item.question}]}]
 
 
-def answers(engine: Engine) -> list[str]:
-    return [engine.generate(Request(messages(item), GREEDY)).text.strip() for item in ITEMS]
+def answers(engine: Engine, items: list) -> list[str]:
+    return [engine.generate(Request(messages(item), GREEDY)).text.strip() for item in items]
 
 
 @pytest.fixture(scope="module")
-def float32(demo) -> list[str]:
-    return answers(Engine.load(EngineOptions(model=str(demo), weights="fp32", threads=2)))
+def float32(demo, items) -> list[str]:
+    return answers(Engine.load(EngineOptions(model=str(demo), weights="fp32", threads=2)), items)
 
 
-def right(got: list[str]) -> int:
-    return sum(a == item.answer for a, item in zip(got, ITEMS))
+def right(got: list[str], items: list) -> int:
+    return sum(a == item.answer for a, item in zip(got, items))
 
 
-def test_it_reads_and_answers(float32):
-    assert right(float32) >= MIN_RIGHT, list(zip(float32, (i.answer for i in ITEMS)))
+def assert_as_float32(got: list[str], float32: list[str], items: list, differ_at_most: int) -> None:
+    differ = [(g, f, i.answer) for g, f, i in zip(got, float32, items) if g != f]
+    assert len(differ) <= differ_at_most and right(got, items) >= right(float32, items) - 2, differ
+
+
+def test_it_reads_and_answers(float32, items):
+    assert right(float32, items) >= MIN_RIGHT, list(zip(float32, (i.answer for i in items)))
 
 
 @pytest.mark.parametrize("weights", ["auto", "bf16", pytest.param("int4", marks=pytest.mark.slow)])
-def test_every_path_answers_as_float32(demo, float32, weights):
-    got = answers(Engine.load(EngineOptions(model=str(demo), weights=weights, threads=2)))
-    differ = [(g, f, i.answer) for g, f, i in zip(got, float32, ITEMS) if g != f]
-    assert len(differ) <= MAX_DIFFER[weights] and right(got) >= right(float32) - 2, differ
+def test_every_path_answers_as_float32(demo, items, float32, weights):
+    got = answers(Engine.load(EngineOptions(model=str(demo), weights=weights, threads=2)), items)
+    assert_as_float32(got, float32, items, MAX_DIFFER[weights])
 
 
 def _tiers() -> list:
@@ -70,18 +78,17 @@ def _tiers() -> list:
 
 
 @pytest.mark.parametrize("tier", _tiers())  # a kernel build per tier the first time
-def test_every_tier_default_path_answers_as_float32(demo, float32, tier, monkeypatch):
+def test_every_tier_default_path_answers_as_float32(demo, items, float32, tier, monkeypatch):
     """Each tier's kernels (its delta rule and convolution, its products and attention) on the
     default path."""
     from tests.conftest import hold_tier
 
     hold_tier(monkeypatch, tier)
-    got = answers(Engine.load(EngineOptions(model=str(demo), threads=2)))
-    differ = [(g, f, i.answer) for g, f, i in zip(got, float32, ITEMS) if g != f]
-    assert len(differ) <= MAX_DIFFER["auto"] and right(got) >= right(float32) - 2, differ
+    got = answers(Engine.load(EngineOptions(model=str(demo), threads=2)), items)
+    assert_as_float32(got, float32, items, MAX_DIFFER["auto"])
 
 
-def test_openai_route_and_a_follow_up_turn(demo, float32):
+def test_openai_route_and_a_follow_up_turn(demo, items, float32):
     """The answer through the OpenAI route (thinking on by default: the empty thought goes to
     reasoning, the answer to content), then a second question about the same picture in the same
     conversation: its prompt's state restored from the first turn's snapshot, the answer the
@@ -89,8 +96,7 @@ def test_openai_route_and_a_follow_up_turn(demo, float32):
     from fastapi.testclient import TestClient
     from tests.test_server_api import make_app, wait_ready
 
-    first = next(i for i, (a, item) in enumerate(zip(float32, ITEMS)) if a == item.answer and item.task == "read")
-    item = ITEMS[first]
+    item = next(item for a, item in zip(float32, items) if a == item.answer and item.task == "read")
     png = io.BytesIO()
     item.image.save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
