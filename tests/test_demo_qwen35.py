@@ -1,11 +1,10 @@
 """Right answers on the hybrid architecture: the shipped Qwen3.5-shaped demo model (Gated
 DeltaNet layers and gated attention, trained on the demo tasks, docs/demo-models.md) reads
 held-out strips and answers colour and count questions, and every path gives the answers
-float32 gives: the default path of this CPU (int8 weights, 8-bit activation codes where the
-CPU has them, the native delta rule) of every CPU tier this machine emulates, bf16, int4;
-through the engine, the OpenAI route (its
-answer after the template's empty thought) and a follow-up turn that restores the recurrent
-state from a snapshot."""
+float32 gives: the default path (int8 weights, 8-bit activation codes where the CPU has them,
+the native delta rule) of every CPU tier this machine emulates, bf16, int4; through the engine,
+the OpenAI route (its answer after the template's empty thought) and a follow-up turn that
+restores the recurrent state from a snapshot."""
 
 from __future__ import annotations
 
@@ -38,8 +37,8 @@ def items() -> list:
     return [sample(SEED, i, "read" if i % 3 else "ask") for i in range(30)]
 
 
-def messages(item, image=None) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image or item.image},
+def messages(item) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": item.image},
                                          {"type": "text", "text": item.question}]}]
 
 
