@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from qvl.quantize import QuantSpec
-from qvl.weights import checkpoint_files, save_quantized, write_shards
+from qvl.weights import checkpoint_files, copy_side_files, save_quantized, write_shards
 
 EMBEDDING = "model.language_model.embed_tokens.weight"
 SIDE_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "chat_template.jinja")
@@ -45,14 +45,11 @@ def pack(trained: Path, dest: Path) -> Path:
     with tempfile.TemporaryDirectory() as work:
         collapsed, quantised = Path(work) / "collapsed", Path(work) / "int8"
         collapsed.mkdir()
-        for name in SIDE_FILES + ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
-            if (trained / name).is_file():
-                shutil.copy(trained / name, collapsed / name)
+        for name in SIDE_FILES:  # not the tokenizer: the package rebuilds it (qvl.demo.shipped)
+            shutil.copy(trained / name, collapsed / name)
         write_shards(_collapsed_tensors(trained, used), collapsed, {"format": "pt"})
         save_quantized(collapsed, quantised, QuantSpec("int8", 128, True))
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in SIDE_FILES:
-            shutil.copy(quantised / name, dest / name)
+        copy_side_files(quantised, dest)
         (weights,) = checkpoint_files(quantised)
         with open(weights, "rb") as src, lzma.open(dest / "model.safetensors.xz", "wb", preset=9) as out:
             shutil.copyfileobj(src, out)
