@@ -299,7 +299,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "huge_pages": huge_pages(),
         "kernels": lib.describe(),
-        "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "dtype": str(k.dtype).replace("torch.", "")}
+        "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "group": k.group, "dtype": str(k.dtype).replace("torch.", "")}
                  for kind, k in entries.items()},
     }
     if args.model:
@@ -313,10 +313,10 @@ def cmd_info(args: argparse.Namespace) -> int:
             if isinstance(value, dict):
                 value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items())
             print(f"{key:22} {value}")
-        print(f"plan ({plan.weights} weights, int8 x int8: {plan.activations}; kernel, activation codes, dtype):")
+        print(f"plan ({plan.weights} weights, int8 x int8: {plan.activations}; kernel, activation codes[/columns per step], dtype):")
         for kind, k in info["plan"].items():
-            codes = f"{k['code_bits']}-bit" if k["code_bits"] else "float"
-            print(f"  {kind:24} {k['kernel']:21} {codes:7} {k['dtype']}")
+            codes = (f"{k['code_bits']}-bit" + (f"/{k['group']}" if k["group"] else "")) if k["code_bits"] else "float"
+            print(f"  {kind:24} {k['kernel']:21} {codes:10} {k['dtype']}")
         if args.model:
             needs = info["model"]
             print(f"\n{args.model}: reads {needs['read_gb_per_s']} GB/s here, {needs['available_gb']} GB available; "

@@ -16,7 +16,8 @@ import torch
 
 from qvl.kernels.build import AMX_INT8, AVX2, BF16, VNNI
 from qvl.kernels.library import Library, library
-from qvl.kernels.linear import amx_bf16_takes, amx_tiles_take, int4_kernel_takes, int8_kernel_takes
+from qvl.kernels.linear import (ACTIVATION_GROUP, VISION_ACTIVATION_GROUP, amx_bf16_takes, amx_tiles_take,
+                                int4_kernel_takes, int8_kernel_takes)
 
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels beat dequantise + GEMM
 AMX_GEMV_MAX_ROWS = 64  # int8 on AMX tiles: the GEMV up to this many rows
@@ -34,11 +35,13 @@ _FLOAT = (torch.float32, torch.bfloat16)
 @dataclass(frozen=True)
 class Kernel:
     """One choice: the kernel's name, its activations' integer codes in bits (sign included; 0:
-    float products) and the dtype it computes in."""
+    float products), the dtype it computes in and, for the byte kernels, the input columns that
+    share one code step (0: a step per row, or no codes)."""
 
     name: str
     code_bits: int
     dtype: torch.dtype
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -223,22 +226,24 @@ class Plan:
             amx = self.library.has(AMX_INT8) and amx_tiles_take(n, k)
             many = Kernel("amx_int8" if amx else "onednn_int8", self.int8_code_bits, self.dtype)
             return LinearPlan(many if kind == "vision" else decode, many, rows, 0)  # the tower keeps no plain weight
-        return LinearPlan(decode, self._int8_many(n, k, mode == "codes"), rows, 0)
+        return LinearPlan(decode, self._int8_many(kind, n, k, mode == "codes"), rows, 0)
 
     @property
     def _gemv(self) -> bool:
         return self.native and self.dtype in _FLOAT
 
-    def _int8_many(self, n: int, k: int, codes: bool) -> Kernel:
-        """Many rows of an int8 weight [n, k]: 16-bit codes per row on AMX int8 tiles (bf16 on
-        AMX; bf16 tiles for the shapes those do not take), 8-bit codes per group (`codes`) in the
-        byte kernel, 16-bit codes per row in the pair kernel (x86), else dequantise + GEMM."""
+    def _int8_many(self, kind: str, n: int, k: int, codes: bool) -> Kernel:
+        """Many rows of an int8 weight [n, k] in a layer of `kind`: 16-bit codes per row on AMX
+        int8 tiles (bf16 on AMX; bf16 tiles for the shapes those do not take), 8-bit codes per
+        group (`codes`) in the byte kernel (per ACTIVATION_GROUP columns, the vision tower's per
+        VISION_ACTIVATION_GROUP), 16-bit codes per row in the pair kernel (x86), else dequantise + GEMM."""
         if self.amx_bf16:
             if int8_kernel_takes("amx_i16_linear", n, k):
                 return Kernel("amx_i16_linear", 16, self.dtype)
             return Kernel("amx_bf16_linear" if amx_bf16_takes(n, k) else "dequantize", 0, self.dtype)
         if codes and self.group_codes and int8_kernel_takes("q8_linear", n, k):
-            return Kernel("q8_linear", self.library.q8_code_bits, self.dtype)
+            group = VISION_ACTIVATION_GROUP if kind == "vision" else ACTIVATION_GROUP
+            return Kernel("q8_linear", self.library.q8_code_bits, self.dtype, group)
         if self.pair_products and int8_kernel_takes("i16_linear", n, k):
             return Kernel("i16_linear", 16, self.dtype)
         return Kernel("dequantize", 0, self.dtype)
@@ -251,7 +256,7 @@ class Plan:
             amx = amx_bf16_takes(n, k, group_size, int4=True)
             return Kernel("amx_bf16_linear" if amx else "dequantize", 0, self.dtype)
         if self.int8_mode(kind) == "codes" and int4_kernel_takes(n, k, group_size):
-            return Kernel("q4_linear", 8, self.dtype)
+            return Kernel("q4_linear", 8, self.dtype, ACTIVATION_GROUP)
         return Kernel("dequantize", 0, self.dtype)
 
     def entries(self) -> dict[str, Kernel]:
