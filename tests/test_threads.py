@@ -12,7 +12,7 @@ import torch
 from qvl import paths
 from qvl.kernels import build
 from qvl.kernels.library import library
-from qvl.threads import CpuTimes, Load, Threads, kernel_threads, read_cpu_times, torch_threads
+from qvl.threads import CpuTimes, Load, Threads, kernel_threads, prompt_threads, read_cpu_times, torch_threads
 from tests.conftest import hold_tier
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
@@ -115,9 +115,11 @@ def test_decoding_gives_the_same_bits_on_any_number_of_threads(checkpoints, pres
 def test_torch_gets_the_cores_other_programs_leave(threads):
     """One thread fewer for each core other programs keep busy (from 0.3 of one), at least one,
     measured over the last second of readings; the kernels keep the engine's count inside a step
-    while torch's own ops run on fewer; --threads fixes both."""
+    while torch's own ops run on fewer, and a prompt's kernels run on one more for each such core;
+    --threads fixes all three."""
     assert [torch_threads(2, busy) for busy in (0.0, 0.2, 0.5, 1.0, 1.9)] == [2, 2, 1, 1, 1]
     assert [torch_threads(8, busy) for busy in (0.25, 0.6, 2.2, 9.0)] == [8, 7, 6, 1]
+    assert [prompt_threads(2, busy) for busy in (0.0, 0.2, 0.5, 1.0, 1.9)] == [2, 2, 3, 3, 4]
     readings = iter([CpuTimes(0.0, 0.0), CpuTimes(0.25, 0.0), CpuTimes(0.5, 0.0), CpuTimes(1.25, 0.6),
                      CpuTimes(2.5, 0.7), CpuTimes(2.75, 0.7)])
     load = Load(read=lambda: next(readings))
@@ -127,14 +129,17 @@ def test_torch_gets_the_cores_other_programs_leave(threads):
     assert load.busy == pytest.approx(0.6)
     with count.step():
         assert (count.torch, torch.get_num_threads(), kernel_threads()) == (1, 1, 2)
+        with count.prompt():
+            assert (kernel_threads(), count.stats()["qvl_threads_prompt"]) == (3, 3)
+        assert kernel_threads() == 2
     assert kernel_threads() == 1  # outside a step the kernels follow torch's count (a test's, a tool's)
     load.sample(), load.sample()  # 0.1 s over the last 1.5 s: quiet again
     assert load.busy == pytest.approx(0.1 / 1.5)
-    with count.step():
+    with count.step(), count.prompt():
         assert (count.torch, torch.get_num_threads(), kernel_threads()) == (2, 2, 2)
     fixed = Threads(2, None)
-    with fixed.step():
-        assert (fixed.torch, fixed.stats()["qvl_cpu_cores_busy_elsewhere"]) == (2, 0.0)
+    with fixed.step(), fixed.prompt():
+        assert (fixed.torch, kernel_threads(), fixed.stats()["qvl_cpu_cores_busy_elsewhere"]) == (2, 2, 0.0)
 
 
 def test_other_programs_cpu_time_leaves_out_niced_ones(tmp_path):

@@ -272,7 +272,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from qvl.kernels.library import library
     from qvl.kernels.plan import Plan
     from qvl.runtime import choose_dtype, cpu_flags, cpu_model, huge_pages, physical_cores
-    from qvl.threads import busy_over, read_cpu_times, torch_threads
+    from qvl.threads import busy_over, prompt_threads, read_cpu_times, torch_threads
     from qvl.weights import checkpoint_quantization
 
     busy = busy_over(read_cpu_times, 0.25)
@@ -293,8 +293,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "tiers_available": ", ".join(t.name for t in tiers()),
         "dtype_auto": str(plan.dtype).replace("torch.", ""),
         "threads_default": physical_cores(),
-        # what an engine with the default threads would give torch's own ops now (qvl's kernels keep all)
+        # what an engine with the default threads would give torch's own ops and a prompt's kernels now (decoding keeps all)
         "threads_torch_now": torch_threads(physical_cores(), busy or 0.0),
+        "threads_prompt_now": prompt_threads(physical_cores(), busy or 0.0),
         "cores_busy_elsewhere": None if busy is None else round(busy, 2),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "huge_pages": huge_pages(),

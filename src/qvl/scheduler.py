@@ -194,7 +194,8 @@ class Scheduler:
         with self.engine.threads.step():
             self._drop_stopped()
             self._admit()
-            self._prepare_and_prefill()
+            with self.engine.threads.prompt():
+                self._prepare_and_prefill()
             self._decode([s for s in self.running if not s.prefilling])
         self.last_step_s = time.perf_counter() - started
 

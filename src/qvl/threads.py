@@ -6,7 +6,10 @@ only the time that program takes. torch's own ops split their work into equal sh
 for the slowest, so they run on the cores other programs leave free: the engine measures, as it
 runs, how many cores other processes keep busy (their CPU time on this process's CPUs in
 /proc/stat, less this process's own, plus the time a hypervisor takes; processes at a lower
-priority, `nice`, do not count: they give way) and lowers torch's count by one for each."""
+priority, `nice`, do not count: they give way) and lowers torch's count by one for each.
+A prompt's kernels (the vision tower and prefill: compute-bound, their work handed out in turn)
+run on one thread more for each such core: a shared core gives each thread on it an equal turn,
+so the extra thread wins the prompt part of the shared core's time instead of a third of it."""
 
 from __future__ import annotations
 
@@ -83,6 +86,12 @@ def torch_threads(threads: int, busy: float) -> int:
     return max(1, min(threads, threads - math.ceil(busy - BUSY_SLACK)))
 
 
+def prompt_threads(threads: int, busy: float) -> int:
+    """The prompt kernels' threads beside other programs keeping `busy` cores busy: one more for
+    each core they take (from BUSY_SLACK of one on)."""
+    return threads + max(0, math.ceil(busy - BUSY_SLACK))
+
+
 class Load:
     """Cores other programs keep busy on this process's CPUs over the last MEASURE_S, from
     readings taken every SAMPLE_S by a daemon thread (`watch`), so that the engine's next step
@@ -126,17 +135,19 @@ def machine_load() -> Load:
 
 class Threads:
     """An engine's threads: `kernels` for qvl's kernels, and torch's own ops on as many, or on
-    the cores other programs leave free when `load` is watched (not with --threads, which fixes
-    both)."""
+    the cores other programs leave free when `load` is watched; a prompt's kernels on `kernels`,
+    or one more for each core other programs keep busy (`--threads` fixes all three)."""
 
     def __init__(self, kernels: int, load: Load | None):
         self.kernels, self.load = kernels, load
-        self.torch = kernels
+        self.torch = self.prompt_kernels = kernels
 
     def measure(self) -> None:
-        """torch's thread count from the last measured load (set in torch when it changes)."""
+        """torch's and the prompt kernels' thread counts from the last measured load (torch's set
+        in torch when it changes)."""
         if self.load is None:
             return
+        self.prompt_kernels = prompt_threads(self.kernels, self.load.busy)
         count = torch_threads(self.kernels, self.load.busy)
         if count != self.torch:
             self.torch = count
@@ -152,8 +163,18 @@ class Threads:
         finally:
             _kernels.reset(token)
 
+    @contextmanager
+    def prompt(self) -> Iterator[None]:
+        """Inside a step: the vision tower's and prefill's kernels on prompt_kernels threads."""
+        token = _kernels.set(self.prompt_kernels)
+        try:
+            yield
+        finally:
+            _kernels.reset(token)
+
     def stats(self) -> dict[str, float]:
         """What /metrics shows."""
         busy = self.load.busy if self.load is not None else 0.0
-        return {"qvl_threads_kernels": self.kernels, "qvl_threads_torch": self.torch,
+        return {"qvl_threads_kernels": self.kernels, "qvl_threads_prompt": self.prompt_kernels,
+                "qvl_threads_torch": self.torch,
                 "qvl_cpu_cores_busy_elsewhere": round(busy, 3)}
