@@ -1,6 +1,7 @@
 """qvl and llama.cpp on a machine another program shares: the time to the first token and decode
 ms per token quiet, beside one CPU-bound process ("busy": a spin loop at normal priority, a
-laptop's other program) and beside a CPU-bound process at nice 19 ("nice": a background job);
+laptop's other program), beside a CPU-bound process at nice 19 ("nice": a background job) and
+beside a build at nice 19 ("compile": qvl's C sources compiled over and over);
 each loaded figure over the quiet one of the same server in the same round.
 
     python benchmarks/busy.py --model /work/ckpt/qvl-2b --gguf /work/ckpt/gguf/qvl-2b-Q8_0.gguf \\
@@ -10,9 +11,9 @@ The workload: a photo-like image of --image-tokens tokens (a new one for every r
 cache answers it) and "Describe this image in detail.", greedy, --tokens tokens with EOS ignored,
 streamed over HTTP: first token from the request to the first streamed token, decode (last token
 - first) / (tokens - 1). Each round starts each server in turn (the order alternating), warms it
-with one request, then measures it quiet, busy and nice in an order rotated every round, the
-load started --settle seconds before the request and stopped after it. The load is one process
-(--load-cpu pins it to a CPU; by default the scheduler places it). qvl runs with its default
+with one request, then measures it quiet, busy, nice and compile in an order rotated every round,
+the load started --settle seconds before the request and stopped after it. The load is one process
+(the compile: one compiler at a time; --load-cpu pins it to a CPU; by default the scheduler places it). qvl runs with its default
 threads (torch's own ops then follow the load; --qvl-threads fixes them), llama.cpp with -t/-tb
 --threads. The table gives each figure's median over rounds with its min-max spread, and each
 ratio's (loaded / quiet, per round). Engines it does not find are skipped with a line saying so.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import glob
 import io
 import json
 import os
@@ -39,7 +41,7 @@ import common  # noqa: E402
 
 PROMPT = "Describe this image in detail."
 REPO = os.path.dirname(HERE)
-LOADS = ("quiet", "busy", "nice")
+LOADS = ("quiet", "busy", "nice", "compile")
 
 
 def qvl_command(args, port: int) -> list[str]:
@@ -103,9 +105,16 @@ def ask(engine: str, port: int, image: str, tokens: int, timeout: float) -> dict
 
 
 def start_load(kind: str, cpu: int | None) -> common.Child | None:
-    """The background load: one spin loop at normal priority (busy) or at nice 19 (nice)."""
+    """The background load: one spin loop at normal priority (busy) or at nice 19 (nice), or a
+    compile at nice 19 (compile: qvl's C sources compiled one after the other, over and over, as
+    a developer's build beside the model)."""
     if kind == "quiet":
         return None
+    if kind == "compile":
+        sources = " ".join(sorted(glob.glob(os.path.join(REPO, "src", "qvl", "csrc", "*.c"))))
+        script = f"while true; do for f in {sources}; do cc -O2 -march=native -fopenmp -c \"$f\" -o /dev/null || exit 1; done; done"
+        pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+        return common.Child([*pin, "nice", "-n", "19", "sh", "-c", script])
     code = "import os\n"
     code += f"os.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
     code += "os.nice(19)\n" if kind == "nice" else ""
@@ -151,7 +160,7 @@ def table(results: dict[str, list[dict]]) -> str:
             for kind in LOADS[1:]:
                 cells.append(common.spread([r[kind][key] / r["quiet"][key] for r in rounds], "{:.2f}") + "x")
             rows.append([engine, label, *cells])
-    return common.markdown_table(["engine", "figure", "quiet", "busy / quiet", "nice / quiet"], rows)
+    return common.markdown_table(["engine", "figure", "quiet", *(f"{kind} / quiet" for kind in LOADS[1:])], rows)
 
 
 def main() -> None:

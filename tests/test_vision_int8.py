@@ -386,8 +386,9 @@ def test_float32_compute_keeps_the_vision_weights_bf16(tiny_checkpoint):
 
 def test_vision_codes_per_group(tiny_checkpoint):
     """Where the byte kernel runs, the vision tower's products take 8-bit codes per
-    VISION_ACTIVATION_GROUP columns and prefill's per ACTIVATION_GROUP (the plan's group reaches
-    the kernel): a layer's output is the byte kernel's in exactly those codes."""
+    VISION_ACTIVATION_GROUP columns (plain AVX2's 7-bit codes per ACTIVATION_GROUP) and prefill's
+    per ACTIVATION_GROUP (the plan's group reaches the kernel): a layer's output is the byte
+    kernel's in exactly those codes."""
     from qvl.engine import Engine, EngineOptions
     from qvl.kernels import products
 
@@ -396,12 +397,14 @@ def test_vision_codes_per_group(tiny_checkpoint):
         pytest.skip("no byte kernel on this tier")
     wide = max(vision_layers(engine), key=lambda m: m.in_features)
     assert wide.in_features > linear.ACTIVATION_GROUP
-    assert {m.plan.prefill.group for m in vision_layers(engine)} == {linear.VISION_ACTIVATION_GROUP}
+    group = linear.VISION_ACTIVATION_GROUP if engine.plan.library.q8_code_bits == 8 else linear.ACTIVATION_GROUP
+    assert {m.plan.prefill.group for m in vision_layers(engine)} == {group}
     assert {m.plan.prefill.group for m in text_layers(engine) if byte_codes(m)} == {linear.ACTIVATION_GROUP}
     x = torch.randn(40, wide.in_features).to(wide.scales.dtype)
     x[:, 3] *= 40  # an outlier channel: it coarsens the step of its group only
     with torch.inference_mode():
         y = products.int8_linear(wide, x)
     lib = library().lib
-    assert torch.equal(y, linear.q8_linear(lib, x, wide.weight, wide.scales, wide.bias, linear.VISION_ACTIVATION_GROUP))
-    assert not torch.equal(y, linear.q8_linear(lib, x, wide.weight, wide.scales, wide.bias, linear.ACTIVATION_GROUP))
+    other = linear.ACTIVATION_GROUP if group != linear.ACTIVATION_GROUP else linear.VISION_ACTIVATION_GROUP
+    assert torch.equal(y, linear.q8_linear(lib, x, wide.weight, wide.scales, wide.bias, group))
+    assert not torch.equal(y, linear.q8_linear(lib, x, wide.weight, wide.scales, wide.bias, other))

@@ -14,7 +14,7 @@ from qvl.kernels.build import DTYPES, W_INT4, W_INT8, address
 from qvl.threads import kernel_threads
 
 ACTIVATION_GROUP = 64  # columns per scale of the byte kernel's activation codes (prefill, int4)
-VISION_ACTIVATION_GROUP = 256  # the vision tower's (smoothed: coarser groups cost it nothing measurable)
+VISION_ACTIVATION_GROUP = 256  # the vision tower's 8-bit codes (smoothed: coarser groups cost it nothing measurable)
 AMX_BF16_MAX_VALUES = 1 << 21  # amx_gemm.c's MAX_ACTIVATIONS
 INT8_SUM_MAX_COLUMNS = 65536  # the AMX int8 kernels' int32 sums stay exact up to this many columns
 _K_STEP = {"i16_linear": 2, "q8_linear": 4, "amx_i16_linear": 64}  # the many-row int8 kernels' column steps

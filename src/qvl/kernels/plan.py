@@ -235,14 +235,15 @@ class Plan:
     def _int8_many(self, kind: str, n: int, k: int, codes: bool) -> Kernel:
         """Many rows of an int8 weight [n, k] in a layer of `kind`: 16-bit codes per row on AMX
         int8 tiles (bf16 on AMX; bf16 tiles for the shapes those do not take), 8-bit codes per
-        group (`codes`) in the byte kernel (per ACTIVATION_GROUP columns, the vision tower's per
-        VISION_ACTIVATION_GROUP), 16-bit codes per row in the pair kernel (x86), else dequantise + GEMM."""
+        group (`codes`) in the byte kernel (per ACTIVATION_GROUP columns, the vision tower's 8-bit
+        codes per VISION_ACTIVATION_GROUP), 16-bit codes per row in the pair kernel (x86), else dequantise + GEMM."""
         if self.amx_bf16:
             if int8_kernel_takes("amx_i16_linear", n, k):
                 return Kernel("amx_i16_linear", 16, self.dtype)
             return Kernel("amx_bf16_linear" if amx_bf16_takes(n, k) else "dequantize", 0, self.dtype)
         if codes and self.group_codes and int8_kernel_takes("q8_linear", n, k):
-            group = VISION_ACTIVATION_GROUP if kind == "vision" else ACTIVATION_GROUP
+            wide = kind == "vision" and self.library.q8_code_bits == 8  # plain AVX2's 7-bit codes keep 64
+            group = VISION_ACTIVATION_GROUP if wide else ACTIVATION_GROUP
             return Kernel("q8_linear", self.library.q8_code_bits, self.dtype, group)
         if self.pair_products and int8_kernel_takes("i16_linear", n, k):
             return Kernel("i16_linear", 16, self.dtype)
