@@ -126,8 +126,11 @@ def test_a_killed_pull_resumes_where_it_stopped(hub, tmp_path):
                          hashlib.sha256(weights).hexdigest())
     hub.stall[WEIGHTS] = 20_000_000
     env = {**os.environ, "HF_HUB_CACHE": hub.cache, "HF_ENDPOINT": hub.url, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "0"}
+    # SIGINT at its default in the child, so Python turns it into KeyboardInterrupt even when the
+    # tests run in a background job (whose shell starts them with SIGINT ignored, inherited)
     first = subprocess.Popen([sys.executable, "-m", "qvl.cli", "pull", REPO], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size == 20_000_000):
         assert time.monotonic() < deadline and first.poll() is None, first.communicate()
