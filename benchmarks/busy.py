@@ -13,10 +13,11 @@ streamed over HTTP: first token from the request to the first streamed token, de
 - first) / (tokens - 1). Each round starts each server in turn (the order alternating), warms it
 with one request, then measures it quiet, busy, nice and compile in an order rotated every round,
 the load started --settle seconds before the request and stopped after it. The load is one process
-(the compile: one compiler at a time; --load-cpu pins it to a CPU; by default the scheduler places it). qvl runs with its default
-threads (torch's own ops then follow the load; --qvl-threads fixes them), llama.cpp with -t/-tb
---threads. The table gives each figure's median over rounds with its min-max spread, and each
-ratio's (loaded / quiet, per round). Engines it does not find are skipped with a line saying so.
+(the compile: one compiler at a time; --load-cpu pins it to a CPU; by default the scheduler
+places it). qvl runs with its default threads (torch's own ops then follow the load;
+--qvl-threads fixes them), llama.cpp with -t/-tb --threads. The table gives each figure's median
+over rounds with its min-max spread, and each ratio's (loaded / quiet, per round). Engines it does
+not find are skipped with a line saying so.
 
 Check it with a tiny checkpoint (`qvl synth /tmp/tiny --preset tiny`): `--model /tmp/tiny
 --engines qvl --rounds 1 --tokens 8 --settle 0.5`; time it only on a machine nothing else runs on.
@@ -112,7 +113,8 @@ def start_load(kind: str, cpu: int | None) -> common.Child | None:
         return None
     if kind == "compile":
         sources = " ".join(sorted(glob.glob(os.path.join(REPO, "src", "qvl", "csrc", "*.c"))))
-        script = f"while true; do for f in {sources}; do cc -O2 -march=native -fopenmp -c \"$f\" -o /dev/null || exit 1; done; done"
+        compile_one = 'cc -O2 -march=native -fopenmp -c "$f" -o /dev/null || exit 1'
+        script = f"while true; do for f in {sources}; do {compile_one}; done; done"
         pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
         return common.Child([*pin, "nice", "-n", "19", "sh", "-c", script])
     code = "import os\n"

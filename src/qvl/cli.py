@@ -293,15 +293,16 @@ def cmd_info(args: argparse.Namespace) -> int:
         "tiers_available": ", ".join(t.name for t in tiers()),
         "dtype_auto": str(plan.dtype).replace("torch.", ""),
         "threads_default": physical_cores(),
-        # what an engine with the default threads would give torch's own ops and a prompt's kernels now (decoding keeps all)
+        # what an engine with the default threads would give torch's own ops and a prompt's kernels
+        # now (decoding keeps all)
         "threads_torch_now": torch_threads(physical_cores(), busy or 0.0),
         "threads_prompt_now": prompt_threads(physical_cores(), busy or 0.0),
         "cores_busy_elsewhere": None if busy is None else round(busy, 2),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "huge_pages": huge_pages(),
         "kernels": lib.describe(),
-        "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "group": k.group, "dtype": str(k.dtype).replace("torch.", "")}
-                 for kind, k in entries.items()},
+        "plan": {kind: {"kernel": k.name, "code_bits": k.code_bits, "group": k.group,
+                        "dtype": str(k.dtype).replace("torch.", "")} for kind, k in entries.items()},
     }
     if args.model:
         info["model"] = model_needs(args.model)
@@ -314,7 +315,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             if isinstance(value, dict):
                 value = " ".join(f"{k}{'+' if v else '-'}" for k, v in value.items())
             print(f"{key:22} {value}")
-        print(f"plan ({plan.weights} weights, int8 x int8: {plan.activations}; kernel, activation codes[/columns per step], dtype):")
+        print(f"plan ({plan.weights} weights, int8 x int8: {plan.activations}; "
+              "kernel, activation codes[/columns per step], dtype):")
         for kind, k in info["plan"].items():
             codes = (f"{k['code_bits']}-bit" + (f"/{k['group']}" if k["group"] else "")) if k["code_bits"] else "float"
             print(f"  {kind:24} {k['kernel']:21} {codes:10} {k['dtype']}")

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +133,16 @@ def machine_load() -> Load:
     return Load().watch()
 
 
+@contextmanager
+def _kernels_on(count: int) -> Iterator[None]:
+    """Within it, kernel_threads() is `count`."""
+    token = _kernels.set(count)
+    try:
+        yield
+    finally:
+        _kernels.reset(token)
+
+
 class Threads:
     """An engine's threads: `kernels` for qvl's kernels, and torch's own ops on as many, or on
     the cores other programs leave free when `load` is watched; a prompt's kernels on `kernels`,
@@ -153,24 +163,14 @@ class Threads:
             self.torch = count
             torch.set_num_threads(count)
 
-    @contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> AbstractContextManager[None]:
         """One scheduler step: torch's threads measured; qvl's kernels on all of theirs meanwhile."""
         self.measure()
-        token = _kernels.set(self.kernels)
-        try:
-            yield
-        finally:
-            _kernels.reset(token)
+        return _kernels_on(self.kernels)
 
-    @contextmanager
-    def prompt(self) -> Iterator[None]:
+    def prompt(self) -> AbstractContextManager[None]:
         """Inside a step: the vision tower's and prefill's kernels on prompt_kernels threads."""
-        token = _kernels.set(self.prompt_kernels)
-        try:
-            yield
-        finally:
-            _kernels.reset(token)
+        return _kernels_on(self.prompt_kernels)
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows."""

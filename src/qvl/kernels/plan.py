@@ -236,7 +236,8 @@ class Plan:
         """Many rows of an int8 weight [n, k] in a layer of `kind`: 16-bit codes per row on AMX
         int8 tiles (bf16 on AMX; bf16 tiles for the shapes those do not take), 8-bit codes per
         group (`codes`) in the byte kernel (per ACTIVATION_GROUP columns, the vision tower's 8-bit
-        codes per VISION_ACTIVATION_GROUP), 16-bit codes per row in the pair kernel (x86), else dequantise + GEMM."""
+        codes per VISION_ACTIVATION_GROUP), 16-bit codes per row in the pair kernel (x86), else
+        dequantise + GEMM."""
         if self.amx_bf16:
             if int8_kernel_takes("amx_i16_linear", n, k):
                 return Kernel("amx_i16_linear", 16, self.dtype)

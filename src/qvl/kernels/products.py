@@ -87,8 +87,8 @@ def int8_linear(layer: nn.Module, x: torch.Tensor, gelu_tanh: bool = False, resi
             return linear.int8_matmul(library().lib, x, layer.packed, layer.colsums, layer.scales, layer.bias,
                                       (1 << kernel.code_bits) - 1, gelu_tanh, residual, layer_norm,
                                       kernel.name == "amx_int8")
-        y = linear.q8_linear(library().lib, x, layer.weight, layer.scales, layer.bias,
-                             kernel.group or linear.ACTIVATION_GROUP, gelu_tanh, residual, layer_norm)
+        y = linear.q8_linear(library().lib, x, layer.weight, layer.scales, layer.bias, kernel.group, gelu_tanh,
+                             residual, layer_norm)
         if y is not None:
             return y
     if norm is not None:
@@ -113,7 +113,7 @@ def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bi
     if name == "amx_bf16_linear":
         y = linear.amx_bf16_linear(lib, W_INT8, x, weight, scales, bias=bias)
     elif name == "q8_linear":
-        y = linear.q8_linear(lib, x, weight, scales, bias, kernel.group or linear.ACTIVATION_GROUP)
+        y = linear.q8_linear(lib, x, weight, scales, bias, kernel.group)
     elif name in ("i16_linear", "amx_i16_linear"):
         y = getattr(linear, name)(lib, x, weight, scales, bias)
     if y is not None:
