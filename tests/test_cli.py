@@ -77,6 +77,7 @@ def test_info_reports_features_dtype_threads():
     assert info["threads_default"] >= 1 and "avx512_bf16" in info["cpu_features"]
     # on a shared machine torch's own ops get the cores other programs leave (qvl's kernels keep all)
     assert 1 <= info["threads_torch_now"] <= info["threads_default"] and info["cores_busy_elsewhere"] >= 0
+    assert isinstance(info["threads_pinned_now"], bool)
     # the tier this CPU runs (of those it could run), and the kernel plan of the default options:
     # per kind of layer, its kernel, activation codes and dtype
     assert info["kernels"].split()[0] in info["tiers_available"].split(", ")

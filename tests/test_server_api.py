@@ -276,7 +276,8 @@ def test_metrics_in_prometheus_format(client):
     for name in ("qvl_queue_depth 0", "qvl_ready 1", "qvl_time_to_first_token_seconds_count", "qvl_queue_wait_seconds_sum",
                  "qvl_decode_tokens_per_second_bucket", "qvl_image_tokens_total", "qvl_completion_tokens_total",
                  "qvl_running_requests 0", "qvl_max_batch 8", "qvl_last_step_rows", "qvl_kv_cache_filled_bytes 0",
-                 "qvl_scheduler_steps", "qvl_threads_kernels", "qvl_threads_prompt", "qvl_threads_torch", "qvl_cpu_cores_busy_elsewhere",
+                 "qvl_scheduler_steps", "qvl_threads_kernels", "qvl_threads_prompt", "qvl_threads_torch", "qvl_threads_pinned",
+                 "qvl_cpu_cores_busy_elsewhere",
                  "qvl_kernel_items_taken_over"):
         assert name in text
     assert int(re.search(r"^qvl_scheduler_tokens (\d+)", text, re.M).group(1)) >= 2

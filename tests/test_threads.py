@@ -12,7 +12,8 @@ import torch
 from qvl import paths
 from qvl.kernels import build
 from qvl.kernels.library import library
-from qvl.threads import CpuTimes, Load, Threads, kernel_threads, prompt_threads, read_cpu_times, torch_threads
+from qvl.threads import (MEASURE_S, CpuTimes, Load, Placement, Threads, kernel_threads, placement, prompt_threads,
+                         read_cpu_times, torch_threads)
 from tests.conftest import hold_tier
 
 TIERS = {t.name: t for t in build.tiers()} if build.compiler() else {}
@@ -140,6 +141,69 @@ def test_torch_gets_the_cores_other_programs_leave(threads):
     fixed = Threads(2, None)
     with fixed.step(), fixed.prompt():
         assert (fixed.torch, kernel_threads(), fixed.stats()["qvl_cpu_cores_busy_elsewhere"]) == (2, 2, 0.0)
+
+
+def test_threads_get_cores_of_their_own_the_engines_away_from_other_programs():
+    """While a core is busy, each pool thread is pinned to a core of its own: the engine's thread
+    (0) on a core no other program uses, the prompt's extra threads on the shared cores; it moves
+    when the engine's core turns out to be the shared one, not when the other program is seen on
+    every core; once quiet, every thread may run anywhere again."""
+    a, b, c = (0,), (1,), (2, 3)  # three cores, the third with two hardware threads
+    assert placement([a, b], 2, {1}) == [a, b]
+    assert placement([a, b], 3, {1}) == [a, b, b]  # the extra thread takes a share of the shared core
+    assert placement([a, b], 3, {0}) == [b, a, a]
+    assert placement([a, b], 3, set()) == [a, b, a]
+    assert placement([a, b, c], 4, {0}) == [b, c, a, a]
+
+    placed, busy = [], {0: 0, 1: 0}
+    place = Placement([a, b], lambda wanted: placed.append(wanted) or [-1, -2, -3][:len(wanted)],
+                      read=lambda cpus: dict(busy))
+    place.update(0.1, 2)
+    assert placed == [] and place.pinned is None  # quiet: left to the OS
+    place.update(1.0, 3)
+    main = place.pinned[0]
+    assert placed[-1] == place.pinned and len(set(place.pinned[:2])) == 2 and place.pinned[2] != main
+
+    def a_second_later(on_main: float, on_other: float) -> None:
+        """Other programs' share of each core over the next measure (the pinned threads use none)."""
+        hz = os.sysconf("SC_CLK_TCK")
+        when, cpus, ticks = place.since
+        place.since = (when - MEASURE_S, cpus, ticks)
+        other = b if main == a else a
+        busy[main[0]] += round(on_main * MEASURE_S * hz)
+        busy[other[0]] += round(on_other * MEASURE_S * hz)
+
+    a_second_later(0.5, 0.5)  # a program the OS moves between both cores: no move
+    place.update(1.0, 3)
+    assert len(placed) == 1
+    a_second_later(0.0, 0.9)  # the other core is the busy one: where it should be
+    place.update(1.0, 3)
+    assert len(placed) == 1
+    a_second_later(0.9, 0.0)  # the engine's core is the busy one: the threads move
+    place.update(1.0, 3)
+    assert len(placed) == 2 and place.pinned[0] != main and place.pinned[2] == main
+    place.update(0.0, 3)
+    assert place.pinned is None and len(placed) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+@needs_native
+def test_the_pool_threads_are_pinned_and_released(threads):
+    """place_team pins thread t of this thread's pool (the one qvl's kernels and torch's ops run on)
+    to the CPUs asked; Placement.release lets them run anywhere again."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = allowed[:2]
+    torch.set_num_threads(2)
+    tids = library().place_team([(cpus[1],), (cpus[0],)])
+    try:
+        assert tids is not None and len(set(tids)) == 2
+        assert [os.sched_getaffinity(tid) for tid in tids] == [{cpus[1]}, {cpus[0]}]
+    finally:
+        place = Placement([(c,) for c in allowed], library().place_team)
+        place.tids = tids or []
+        place.release()
+    assert [os.sched_getaffinity(tid) for tid in tids] == [set(allowed)] * 2
 
 
 def test_other_programs_cpu_time_leaves_out_niced_ones(tmp_path):

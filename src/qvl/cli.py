@@ -271,8 +271,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from qvl.kernels.build import tiers
     from qvl.kernels.library import library
     from qvl.kernels.plan import Plan
-    from qvl.runtime import choose_dtype, cpu_flags, cpu_model, huge_pages, physical_cores
-    from qvl.threads import busy_over, prompt_threads, read_cpu_times, torch_threads
+    from qvl.runtime import choose_dtype, core_cpus, cpu_flags, cpu_model, huge_pages, physical_cores
+    from qvl.threads import BUSY_SLACK, busy_over, prompt_threads, read_cpu_times, torch_threads
     from qvl.weights import checkpoint_quantization
 
     busy = busy_over(read_cpu_times, 0.25)
@@ -297,6 +297,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         # now (decoding keeps all)
         "threads_torch_now": torch_threads(physical_cores(), busy or 0.0),
         "threads_prompt_now": prompt_threads(physical_cores(), busy or 0.0),
+        # ... and whether its threads would be pinned, one per core, the engine's on a free one
+        "threads_pinned_now": (busy or 0.0) >= BUSY_SLACK and len(core_cpus()) >= 2,
         "cores_busy_elsewhere": None if busy is None else round(busy, 2),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "huge_pages": huge_pages(),

@@ -37,7 +37,7 @@ from qvl.runtime import RuntimeInfo, configure
 from qvl.sampling import SamplingParams
 from qvl.scheduler import DEFAULT_MAX_BATCH, Scheduler, Sequence
 from qvl.stream import Delta, Done, Timings
-from qvl.threads import Threads, machine_load
+from qvl.threads import Threads, machine_load, team_placement
 from qvl.weights import (UNUSED_CACHE_DAYS, checkpoint_quantization, load_model, prune_quantized_cache,
                          quantized_cache_dir, write_streamed)
 
@@ -141,7 +141,9 @@ class Engine:
         self.plan = plan  # what runs each kind of layer (qvl.kernels.plan)
         self.image_cfg, self.defaults, self.options, self.runtime = image_cfg, defaults, options, runtime
         # qvl's kernels on all threads; torch's own ops on the cores other programs leave free (unless --threads)
-        self.threads = Threads(runtime.threads, None if options.threads else machine_load())
+        # (and while a core is busy, each thread on a core of its own: threads.Placement)
+        self.threads = (Threads(runtime.threads, None) if options.threads else
+                        Threads(runtime.threads, machine_load(), team_placement(runtime.threads)))
         self.path, self.load_s = path, load_s
         self.weights = _weights_name(model)
         self.limits = Limits(options.max_image_tokens, max(options.image_tokens_cap, options.max_image_tokens),

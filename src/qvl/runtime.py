@@ -65,23 +65,29 @@ def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def core_cpus(sysfs: Path = Path("/sys/devices/system/cpu")) -> list[tuple[int, ...]]:
+    """The CPUs this process may run on, grouped by physical core (a core's hardware threads
+    together), in CPU order; [] where the topology cannot be read (not Linux)."""
+    cores: dict[str, list[int]] = {}
+    for cpu in allowed_cpus():
+        try:
+            siblings = (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
+        except OSError:
+            return []
+        cores.setdefault(siblings, []).append(cpu)
+    return sorted(tuple(cpus) for cpus in cores.values())
+
+
 def physical_cores(sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
     """Physical cores this process may run on (a core's second hardware thread does not speed
     up matmuls): on Linux the distinct cores among the allowed CPUs (each CPU's thread
     siblings), elsewhere the allowed CPUs scaled by cores / logical CPUs. A hybrid CPU (P-cores
     with two threads, E-cores with one: 20 logical CPUs on 14 cores) counts 14, not 20."""
-    allowed = allowed_cpus()
-    cores = set()
-    for cpu in allowed:
-        try:
-            cores.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
-        except OSError:
-            cores = set()
-            break
-    if cores:
+    if cores := core_cpus(sysfs):
         return len(cores)
     import psutil
 
+    allowed = allowed_cpus()
     physical = psutil.cpu_count(logical=False) or len(allowed)
     logical = psutil.cpu_count(logical=True) or len(allowed)
     return max(1, round(len(allowed) * physical / logical))

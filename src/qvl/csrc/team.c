@@ -1,10 +1,16 @@
 /* The team of a parallel region (team.h): jobs shared out and taken over, waits that yield,
- * and the counts `qvl info`, /metrics and the thread count read (qvl_team_counts). */
+ * the counts `qvl info`, /metrics and the thread count read (qvl_team_counts), and the team's
+ * threads placed on chosen cores (qvl_team_place). */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET */
 #include "team.h"
 
 #include <sched.h>
 #include <stdio.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -19,6 +25,34 @@ static int64_t counts[2]; /* items done and items taken over, by every team of t
 void qvl_team_counts(int64_t* out) {
     out[0] = __atomic_load_n(&counts[0], __ATOMIC_RELAXED);
     out[1] = __atomic_load_n(&counts[1], __ATOMIC_RELAXED);
+}
+
+/* Each thread t of a `threads`-thread region (the pool qvl's kernels and torch's ops run on, for
+ * the calling thread) on the CPUs cpus[first[t] .. first[t + 1]): pinned to a core, or back on all
+ * of the process's. tids[t]: thread t's id (its /proc/self/task entry). 0; -1 where a thread's
+ * CPUs cannot be set (not Linux, or the system refused). */
+int qvl_team_place(int threads, const int32_t* cpus, const int32_t* first, int32_t* tids) {
+#if defined(__linux__) && defined(CPU_SET)
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (int32_t i = first[t]; i < first[t + 1]; i++)
+            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
+        failed |= sched_setaffinity(0, sizeof(set), &set) != 0;
+        tids[t] = (int32_t)syscall(SYS_gettid);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)threads, (void)cpus, (void)first, (void)tids;
+    return -1;
+#endif
 }
 
 static int64_t now_ns(void) {

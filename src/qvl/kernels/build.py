@@ -222,6 +222,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.qvl_amx_pack_int8.restype = None
     lib.qvl_team_counts.argtypes = [ptr]
     lib.qvl_team_counts.restype = None
+    lib.qvl_team_place.argtypes = [c_int, ptr, ptr, ptr]
+    lib.qvl_team_place.restype = c_int
     lib.qvl_team_check.argtypes = [c_int, i64, c_int, c_int, c_int, ptr, ptr]
     lib.qvl_team_check.restype = i64
     lib.qvl_q8_levels.argtypes = []

@@ -56,6 +56,21 @@ class Library:
         self.lib.qvl_team_counts(counts)
         return counts[0], counts[1]
 
+    def place_team(self, cpus: list[tuple[int, ...]]) -> list[int] | None:
+        """Thread t of the calling thread's pool (qvl's kernels and torch's ops: len(cpus) threads)
+        on the CPUs cpus[t] from now on; the threads' ids, or None where threads cannot be placed
+        (no library, not Linux)."""
+        if self.lib is None or not cpus:
+            return None
+        flat = [c for group in cpus for c in group]
+        first = [0]
+        for group in cpus:
+            first.append(first[-1] + len(group))
+        tids = (ctypes.c_int32 * len(cpus))()
+        status = self.lib.qvl_team_place(len(cpus), (ctypes.c_int32 * max(1, len(flat)))(*flat),
+                                         (ctypes.c_int32 * len(first))(*first), tids)
+        return list(tids) if status == 0 else None
+
     def describe(self) -> str:
         """The tier, the build's extra features and how it was built (for `qvl info`)."""
         if self.lib is None:
