@@ -41,6 +41,11 @@ SIZES = [(320, 240), (640, 480), (1024, 768), (1920, 1080), (800, 1200), (1280, 
 NO_CACHES = ["--answer-cache", "0", "--prefix-cache-mb", "0", "--vision-cache-mb", "0"]
 
 
+def thread_args(args) -> list[str]:
+    """--threads N for both sides; none at 0 (qvl's default, which follows the machine's load)."""
+    return ["--threads", str(args.threads)] if args.threads else []
+
+
 def qvl_in(checkout: Path, argv: list[str], env: dict | None = None, timeout: float = 3600) -> str:
     """`python -m qvl.cli ARGV` with the checkout's src/ first on the path; its stdout."""
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(checkout.resolve() / "src")}
@@ -55,7 +60,7 @@ def last_json(out: str) -> dict:
 
 
 def bench(checkout: Path, args, flags: list[str], warm: bool = False) -> dict:
-    argv = ["bench", "--model", args.model, "--threads", str(args.threads), "--image", args.image,
+    argv = ["bench", "--model", args.model, *thread_args(args), "--image", args.image,
             "--new-tokens", str(args.new_tokens), "--repeat", "2", "--json", *flags]
     if args.first_start:
         from qvl.paths import cache_root
@@ -75,8 +80,8 @@ def batch(checkout: Path, args, flags: list[str], warm: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.jsonl"
         started = time.perf_counter()
-        qvl_in(checkout, ["batch", str(folder), "--out", str(out), "--model", args.model, "--threads",
-                          str(args.threads), "--prompt", "Describe this image.", "--max-new-tokens",
+        qvl_in(checkout, ["batch", str(folder), "--out", str(out), "--model", args.model, *thread_args(args),
+                          "--prompt", "Describe this image.", "--max-new-tokens",
                           str(args.new_tokens), "--temperature", "0", *NO_CACHES, *flags])
         wall = time.perf_counter() - started
         rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -87,13 +92,13 @@ def batch(checkout: Path, args, flags: list[str], warm: bool = False) -> dict:
 def load_time(checkout: Path, args) -> float:
     """What starting qvl and loading the model costs that side (a 1-token `qvl bench` without an image)."""
     started = time.perf_counter()
-    qvl_in(checkout, ["bench", "--model", args.model, "--threads", str(args.threads), "--image", "none",
+    qvl_in(checkout, ["bench", "--model", args.model, *thread_args(args), "--image", "none",
                       "--new-tokens", "1", "--repeat", "1", "--json"])
     return time.perf_counter() - started
 
 
 def ask(checkout: Path, args, flags: list[str], warm: bool = False) -> dict:
-    out = qvl_in(checkout, ["ask", "--model", args.model, "--threads", str(args.threads), "--ignore-eos",
+    out = qvl_in(checkout, ["ask", "--model", args.model, *thread_args(args), "--ignore-eos",
                             "--max-new-tokens", str(args.new_tokens), *NO_CACHES, "--json", *flags,
                             "Tell me a long story about the sea."])
     return {"decode ms/token": last_json(out)["timings"]["decode_ms_per_token"]}
@@ -114,7 +119,7 @@ def write_images(folder: Path, count: int) -> None:
 
 def report(results: dict[str, list[dict]], args) -> None:
     keys = list(results["before"][0])
-    print(f"\n{args.workload}, {args.threads} threads, {args.rounds} alternating rounds; medians (min-max)\n")
+    print(f"\n{args.workload}, {args.threads or 'default'} threads, {args.rounds} alternating rounds; medians (min-max)\n")
     print(common.markdown_table(["side", *keys], [[side, *(common.spread([r[k] for r in rows], "{:.1f}")
                                                            for k in keys)] for side, rows in results.items()]))
     ratios = []
@@ -132,7 +137,7 @@ def main() -> None:
     p.add_argument("--after", type=Path, required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="0: qvl's default count, which follows the load")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--image", default="1920x1080", help="bench: the synthetic photo, WIDTHxHEIGHT or none")
     p.add_argument("--images", type=int, default=64, help="batch: how many test cards")
