@@ -29,24 +29,29 @@ void qvl_team_counts(int64_t* out) {
 
 /* Each thread t of a `threads`-thread region (the pool qvl's kernels and torch's ops run on, for
  * the calling thread) on the CPUs cpus[first[t] .. first[t + 1]): pinned to a core, or back on all
- * of the process's. tids[t]: thread t's id (its /proc/self/task entry). 0; -1 where a thread's
- * CPUs cannot be set (not Linux, or the system refused). */
+ * of the process's. tids[t]: thread t's id (its /proc/self/task entry). 0; -1 where the threads
+ * cannot be placed (not Linux, a region of fewer threads: none is moved then; or the system
+ * refused a thread's CPUs). */
 int qvl_team_place(int threads, const int32_t* cpus, const int32_t* first, int32_t* tids) {
 #if defined(__linux__) && defined(CPU_SET)
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
 #ifdef _OPENMP
-        const int t = omp_get_thread_num();
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
 #else
-        const int t = 0;
+        const int t = 0, team = 1;
 #endif
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        for (int32_t i = first[t]; i < first[t + 1]; i++)
-            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
-        failed |= sched_setaffinity(0, sizeof(set), &set) != 0;
-        tids[t] = (int32_t)syscall(SYS_gettid);
+        if (team != threads) {
+            failed = 1;
+        } else {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            for (int32_t i = first[t]; i < first[t + 1]; i++)
+                if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
+            failed |= sched_setaffinity(0, sizeof(set), &set) != 0;
+            tids[t] = (int32_t)syscall(SYS_gettid);
+        }
     }
     return failed ? -1 : 0;
 #else
