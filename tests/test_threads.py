@@ -147,7 +147,9 @@ def test_threads_get_cores_of_their_own_the_engines_away_from_other_programs():
     """While a core is busy, each pool thread is pinned to a core of its own: the engine's thread
     (0) on a core no other program uses, the prompt's extra threads on the shared cores; it moves
     when the engine's core turns out to be the shared one, not when the other program is seen on
-    every core; once quiet, every thread may run anywhere again."""
+    every core; once quiet, every thread may run anywhere again; never while torch's ops run on
+    more than one thread (libgomp would restart the threads its smaller regions leave out on the
+    engine's core)."""
     a, b, c = (0,), (1,), (2, 3)  # three cores, the third with two hardware threads
     assert placement([a, b], 2, {1}) == [a, b]
     assert placement([a, b], 3, {1}) == [a, b, b]  # the extra thread takes a share of the shared core
@@ -158,9 +160,9 @@ def test_threads_get_cores_of_their_own_the_engines_away_from_other_programs():
     placed, busy = [], {0: 0, 1: 0}
     place = Placement([a, b], lambda wanted: placed.append(wanted) or [-1, -2, -3][:len(wanted)],
                       read=lambda cpus: dict(busy))
-    place.update(0.1, 2)
+    place.update(0.1, 2, 1)
     assert placed == [] and place.pinned is None  # quiet: left to the OS
-    place.update(1.0, 3)
+    place.update(1.0, 3, 1)
     main = place.pinned[0]
     assert placed[-1] == place.pinned and len(set(place.pinned[:2])) == 2 and place.pinned[2] != main
 
@@ -174,15 +176,17 @@ def test_threads_get_cores_of_their_own_the_engines_away_from_other_programs():
         busy[other[0]] += round(on_other * MEASURE_S * hz)
 
     a_second_later(0.5, 0.5)  # a program the OS moves between both cores: no move
-    place.update(1.0, 3)
+    place.update(1.0, 3, 1)
     assert len(placed) == 1
     a_second_later(0.0, 0.9)  # the other core is the busy one: where it should be
-    place.update(1.0, 3)
+    place.update(1.0, 3, 1)
     assert len(placed) == 1
     a_second_later(0.9, 0.0)  # the engine's core is the busy one: the threads move
-    place.update(1.0, 3)
+    place.update(1.0, 3, 1)
     assert len(placed) == 2 and place.pinned[0] != main and place.pinned[2] == main
-    place.update(0.0, 3)
+    place.update(0.0, 3, 1)
+    assert place.pinned is None and len(placed) == 2
+    place.update(1.0, 4, 2)  # torch on two threads (more than one free core): not pinned
     assert place.pinned is None and len(placed) == 2
 
 

@@ -298,7 +298,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "threads_torch_now": torch_threads(physical_cores(), busy or 0.0),
         "threads_prompt_now": prompt_threads(physical_cores(), busy or 0.0),
         # ... and whether its threads would be pinned, one per core, the engine's on a free one
-        "threads_pinned_now": (busy or 0.0) >= BUSY_SLACK and len(core_cpus()) >= 2,
+        "threads_pinned_now": ((busy or 0.0) >= BUSY_SLACK and len(core_cpus()) == physical_cores() >= 2
+                               and torch_threads(physical_cores(), busy or 0.0) == 1),
         "cores_busy_elsewhere": None if busy is None else round(busy, 2),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda_visible": torch.cuda.is_available(),
         "huge_pages": huge_pages(),

@@ -160,8 +160,7 @@ def placement(cores: list[tuple[int, ...]], threads: int, shared: set[int]) -> l
     """The CPUs of each of `threads` pool threads, `shared` the indices of the cores other programs
     keep busy: thread t on a core of its own, the cores nothing else uses first (thread 0, the
     engine's, which also runs the step's Python and torch's ops on one thread, on one of those);
-    threads beyond the cores on the shared cores, where each thread's turn takes a share of the
-    other program's time (on every core when none is shared)."""
+    threads beyond the cores on the shared cores (on every core when none is shared)."""
     order = [c for i, c in enumerate(cores) if i not in shared] + [c for i, c in enumerate(cores) if i in shared]
     extra = [c for i, c in enumerate(cores) if i in shared] or cores
     return [order[t] if t < len(order) else extra[(t - len(order)) % len(extra)] for t in range(threads)]
@@ -171,11 +170,13 @@ class Placement:
     """Where the engine's threads run while other programs keep a core busy (docs/decisions/threads.md).
 
     Left to itself, the OS may put two of the engine's threads on one core and the other program
-    alone on the other: the engine then has one core, not one and a half. While `busy`, each
-    pool thread is pinned (`place`: thread t -> CPUs) as `placement` says, and every MEASURE_S the
-    cores' other load is measured (/proc/stat per CPU less the pinned threads' own time): when the
-    engine's thread turns out to share its core, the threads move. Once quiet, every thread may
-    run anywhere again. Threads the engine's thread starts while pinned inherit its core."""
+    alone on the other: the engine then has one core, not one and a half. While `busy` (and
+    torch's ops on one thread: `update`), each of the kernels' pool threads is pinned (`place`:
+    thread t -> CPUs) as `placement` says, and every MEASURE_S the cores' other load is measured
+    (/proc/stat per CPU less the pinned threads' own time): when the engine's thread turns out to
+    share its core, the threads move. Once quiet, every pinned thread may run anywhere again.
+    Threads the engine's thread starts while pinned inherit its core: among them a prompt's extra
+    thread once a decoding region of fewer threads has ended it (libgomp starts it again)."""
 
     def __init__(self, cores: list[tuple[int, ...]], place: Callable[[list[tuple[int, ...]]], list[int] | None],
                  read: Callable[[list[int]], dict[int, int] | None] = lambda cpus: read_cpu_busy(cpus=cpus)):
@@ -186,12 +187,16 @@ class Placement:
         self.since: tuple[float, dict[int, int], list[int]] | None = None  # the last measure's readings
         self.failed = len(cores) < 2
 
-    def update(self, busy: float, threads: int) -> None:
+    def update(self, busy: float, threads: int, torch_count: int) -> None:
         """On the engine's thread, before a step: `busy` cores other programs keep busy, `threads`
-        the most the step's kernels run on."""
+        the most the step's kernels run on, `torch_count` torch's. Pinned only while torch's ops run
+        on one thread:
+        libgomp ends the pool threads a smaller region leaves out and starts them again for the
+        next larger one, with the engine thread's CPUs, so torch's regions of 2 or more threads
+        (more than one free core) would leave the restarted threads on the engine's core."""
         if self.failed:
             return
-        if busy < BUSY_SLACK:
+        if busy < BUSY_SLACK or torch_count != 1:
             if self.pinned is not None:
                 self.release()
             return
@@ -223,7 +228,7 @@ class Placement:
 
     def _readings(self) -> tuple[float, dict[int, int], list[int]] | None:
         cpus = self.read([c for core in self.cores for c in core])  # (not this thread's CPUs: it is pinned)
-        ticks = [stat[0] if (stat := thread_stat(tid)) else 0 for tid in self.tids]
+        ticks = [stat[0] if (stat := thread_stat(tid)) else None for tid in self.tids]
         return None if cpus is None else (time.monotonic(), cpus, ticks)
 
     def _measure(self) -> list[float] | None:
@@ -235,7 +240,8 @@ class Placement:
         ticks = (now[0] - before[0]) * os.sysconf("SC_CLK_TCK")
         others = [float(sum(now[1].get(c, 0) - before[1].get(c, 0) for c in core)) for core in self.cores]
         for group, t1, t0 in zip(self.pinned, now[2], before[2]):
-            others[self.cores.index(group)] -= t1 - t0
+            if t1 is not None and t0 is not None:  # (a thread that ended is not counted)
+                others[self.cores.index(group)] -= t1 - t0
         return [max(0.0, o / ticks) for o in others]
 
     def release(self) -> None:
@@ -288,7 +294,7 @@ class Threads:
             self.torch = count
             torch.set_num_threads(count)
         if self.placement is not None:
-            self.placement.update(self.load.busy, max(self.kernels, self.prompt_kernels))
+            self.placement.update(self.load.busy, max(self.kernels, self.prompt_kernels), count)
 
     def step(self) -> AbstractContextManager[None]:
         """One scheduler step: torch's threads measured; qvl's kernels on all of theirs meanwhile."""
