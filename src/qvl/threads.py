@@ -161,8 +161,9 @@ def placement(cores: list[tuple[int, ...]], threads: int, shared: set[int]) -> l
     keep busy: thread t on a core of its own, the cores nothing else uses first (thread 0, the
     engine's, which also runs the step's Python and torch's ops on one thread, on one of those);
     threads beyond the cores on the shared cores (on every core when none is shared)."""
-    order = [c for i, c in enumerate(cores) if i not in shared] + [c for i, c in enumerate(cores) if i in shared]
-    extra = [c for i, c in enumerate(cores) if i in shared] or cores
+    busy = [c for i, c in enumerate(cores) if i in shared]
+    order = [c for i, c in enumerate(cores) if i not in shared] + busy
+    extra = busy or cores
     return [order[t] if t < len(order) else extra[(t - len(order)) % len(extra)] for t in range(threads)]
 
 
@@ -181,6 +182,7 @@ class Placement:
     def __init__(self, cores: list[tuple[int, ...]], place: Callable[[list[tuple[int, ...]]], list[int] | None],
                  read: Callable[[list[int]], dict[int, int] | None] = lambda cpus: read_cpu_busy(cpus=cpus)):
         self.cores, self.place, self.read = cores, place, read
+        self.cpus = tuple(c for core in cores for c in core)
         self.pinned: list[tuple[int, ...]] | None = None  # each pool thread's CPUs; None: anywhere
         self.tids: list[int] = []
         self.shared: set[int] = set()
@@ -227,7 +229,7 @@ class Placement:
         self.since = self._readings()
 
     def _readings(self) -> tuple[float, dict[int, int], list[int]] | None:
-        cpus = self.read([c for core in self.cores for c in core])  # (not this thread's CPUs: it is pinned)
+        cpus = self.read(list(self.cpus))  # (not this thread's CPUs: it is pinned)
         ticks = [stat[0] if (stat := thread_stat(tid)) else None for tid in self.tids]
         return None if cpus is None else (time.monotonic(), cpus, ticks)
 
@@ -246,10 +248,9 @@ class Placement:
 
     def release(self) -> None:
         """Every pool thread back on all the cores."""
-        every = tuple(c for core in self.cores for c in core)
         for tid in self.tids:
             try:
-                os.sched_setaffinity(tid, every)
+                os.sched_setaffinity(tid, self.cpus)
             except OSError:  # the thread has ended
                 pass
         self.pinned, self.tids, self.since = None, [], None
