@@ -3,9 +3,9 @@ checkpoint, every figure measured side by side in one run. Prints markdown table
 round's raw results to --json); writes nothing else.
 
     PYTHONPATH=src .venv/bin/python benchmarks/qwen3_5.py --model /work/ckpt/qwen35-2b \\
-        --gguf-dir /work/ckpt/gguf35 [--parts single,turns,streams,layers] [--rounds 3] [--json out.json]
+        --gguf-dir /work/ckpt/gguf35 [--parts single,turns,streams,layers,floor] [--rounds 3] [--json out.json]
 
-Parts (--parts, comma-separated; default all four):
+Parts (--parts, comma-separated; default all five):
 
 single   First token and decode ms/token of one streamed chat request: a --image WIDTHxHEIGHT
          image (512x512: 256 image tokens, the --image-tokens budget in every engine) and
@@ -34,9 +34,14 @@ streams  --streams requests at once, each with its own image and question, --new
 layers   qvl int8 in process: the prefill of a --prompt-tokens text prompt (one token answered,
          caches off), forward hooks on every decoder layer's token mixer summed over the prefill:
          ms per Gated DeltaNet layer against ms per full-attention layer, and the mixers' share.
+floor    qvl int8 and int4 in one process, their order rotated each round: the machine's read
+         rate as `qvl info --model` measures it (qvl.sizing.read_bandwidth), then that format's
+         decode of --new-tokens greedy tokens after a short text prompt. The memory-read floor
+         is the bytes a decode step reads (qvl.sizing.footprint) over the rate read just before;
+         decode / floor per round, and its median.
 
 In single, turns and streams the engines run in an order rotated by one each round (common.py);
-the layers part is one process measuring --rounds prompts. GGUF files are looked for as
+the layers and floor parts are one process each, measuring --rounds rounds. GGUF files are looked for as
 <dir>/<checkpoint folder>-Q8_0.gguf, -Q4_0.gguf and mmproj-<checkpoint folder>-f16.gguf;
 benchmarks/README.md says how they are made. Engines or files missing are skipped with a line
 saying so. Timings on a busy machine mean nothing: run it alone on a quiet one.
@@ -67,7 +72,8 @@ PROMPT = "Describe this image in detail."
 SYSTEM = "Answer from the document below and the user's image.\n\n"
 QUESTIONS = ("Which clauses of the document fit what the image shows?", "Which of those has the largest quantity?",
              "Summarise the delivery terms of the document and relate them to the image.")
-PARTS = ("single", "turns", "streams", "layers")
+PARTS = ("single", "turns", "streams", "layers", "floor")
+FLOOR_PROMPT = "Write a long story about a lighthouse keeper."
 
 
 @dataclass(frozen=True)
@@ -404,7 +410,36 @@ def layers_worker(args) -> dict:
     return {"counts": counts, "rounds": rounds, "model_id": engine.model_id}
 
 
-WORKERS = {"single": single_worker, "turns": turns_worker, "layers": layers_worker}
+def floor_worker(args) -> dict:
+    """qvl int8 and int4 in this process: per round and format (order rotated), the read rate
+    (bytes/s) measured just before that format's decode ms/token; the bytes a step reads."""
+    from qvl.config import ModelConfig
+    from qvl.engine import Engine, EngineOptions
+    from qvl.requests import Request
+    from qvl.sampling import SamplingParams
+    from qvl.sizing import footprint, read_bandwidth
+
+    cfg = ModelConfig.from_file(os.path.join(args.model, "config.json"))
+    engines = {w: Engine.load(EngineOptions(model=args.model, weights=w, threads=args.threads, prefix_cache_mb=0,
+                                            answer_cache_entries=0, vision_cache_mb=0)) for w in ("int8", "int4")}
+    switches = thinking_off(args.model).get("chat_template_kwargs", {})
+    request = Request([{"role": "user", "content": FLOOR_PROMPT}],
+                      SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True),
+                      template_kwargs=switches)
+    for engine in engines.values():
+        engine.generate(request)  # warm-up
+    rounds = []
+    for r, order in common.rotations(list(engines), args.rounds):
+        for w in order:
+            rate = read_bandwidth()
+            rounds.append({"round": r, "weights": w, "read_bytes_per_s": rate,
+                           "decode_ms": engines[w].generate(request).timings.decode_ms_per_token})
+            print(f"round {r + 1}, qvl {w}: read {rate / 1e9:.1f} GB/s, decode {rounds[-1]['decode_ms']:.1f} ms",
+                  file=sys.stderr, flush=True)
+    return {"step_bytes": {w: footprint(cfg, w).read_per_token for w in engines}, "rounds": rounds}
+
+
+WORKERS = {"single": single_worker, "turns": turns_worker, "layers": layers_worker, "floor": floor_worker}
 
 
 # -- the run and the tables ------------------------------------------------------------------------
@@ -523,6 +558,18 @@ def layers_table(result: dict) -> str:
     return f"{table}\n\n{ratio}; prompt {rounds[-1]['prompt_tokens']} tokens, first token {first} s."
 
 
+def floor_table(result: dict) -> str:
+    rows = []
+    for w, step in result["step_bytes"].items():
+        got = [r for r in result["rounds"] if r["weights"] == w]
+        floors = [step / r["read_bytes_per_s"] * 1000 for r in got]
+        rows.append([f"qvl {w}", f"{step / 1e9:.2f}", common.spread([r["read_bytes_per_s"] / 1e9 for r in got], "{:.1f}"),
+                     common.spread(floors, "{:.1f}"), common.spread([r["decode_ms"] for r in got], "{:.1f}"),
+                     common.spread([r["decode_ms"] / f for r, f in zip(got, floors)])])
+    return common.markdown_table(["weights", "a step reads (GB)", "read rate (GB/s)", "floor (ms)",
+                                  "decode (ms/token)", "decode / floor"], rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="/work/ckpt/qwen35-2b", help="a Qwen3.5 checkpoint folder")
@@ -601,6 +648,10 @@ def main() -> None:
             raw["layers"] = worker(args, sys.executable, "layers", ["--prompt-tokens", str(args.prompt_tokens)])
             out += [f"\n### qvl int8 prefill of a {args.prompt_tokens}-token text prompt, by token mixer\n",
                     layers_table(raw["layers"])]
+        if "floor" in parts:
+            raw["floor"] = worker(args, sys.executable, "floor", [])
+            out += [f"\n### qvl's decode against its memory-read floor, {args.new_tokens} tokens\n",
+                    floor_table(raw["floor"])]
     print("\n".join(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -204,6 +204,28 @@ static inline __attribute__((always_inline)) void dot_int8_tile(const Q16* qx, i
 }
 #endif
 
+/* A chunk's 64 weight bytes at wc as their low nibbles (*lo) and high ones (*hi); the bytes
+ * `ahead` on are asked from memory. */
+static inline __attribute__((always_inline)) void load_nibbles(const uint8_t* wc, int64_t ahead, __m512i* lo,
+                                                               __m512i* hi) {
+    _mm_prefetch((const char*)(wc + ahead), WEIGHT_PREFETCH);
+    const __m512i v = _mm512_loadu_si512(wc), nibble = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(v, nibble), *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+}
+
+/* A chunk's integer dot product, lane j: the nibbles lo (its first 64 columns) and hi (the
+ * next 64) . the codes x[0..64) and x[64..128), four byte products per lane. */
+static inline __attribute__((always_inline)) __m512i nibble_dot(__m512i lo, __m512i hi, const int8_t* x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x)), hi,
+                               _mm512_loadu_si512(x + CHUNK / 2));
+#else /* pair sums below 2 * 15 * 127: two of them fit in int16 */
+    const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(x)),
+                                       _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + CHUNK / 2)));
+    return _mm512_madd_epi16(p, _mm512_set1_epi16(1));
+#endif
+}
+
 /* Integer parts of the int4 products (see int4_rows): out[r * mt + m] = sum over units u of
  * comb[(r * mt + m) * stride + u] * (codes of weight row r . xq of activation row m over the
  * `unit` columns of u), for nr weight rows (K / 2 bytes apart) and mt activation rows. Lane j
@@ -214,31 +236,67 @@ static inline __attribute__((always_inline)) void int4_tile(const int8_t* xq, in
                                                             const int unit, const int mt, const int nr) {
     const int64_t C = K / CHUNK;
     const int per_chunk = CHUNK / unit;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     const __m512i spread = unit == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                       : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc[2 * TILE];
     for (int i = 0; i < mt * nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
         for (int r = 0; r < nr; r++) {
-            const uint8_t* wc = w + r * (K / 2) + c * (CHUNK / 2);
-            _mm_prefetch((const char*)(wc + 2 * nr * (K / 2)), WEIGHT_PREFETCH); /* two row blocks ahead */
-            __m512i v = _mm512_loadu_si512(wc);
-            __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            __m512i lo, hi; /* chunk c of row r, and the same of two row blocks on asked from memory */
+            load_nibbles(w + r * (K / 2) + c * (CHUNK / 2), 2 * nr * (K / 2), &lo, &hi);
             for (int m = 0; m < mt; m++) {
-                const int8_t* x = xq + m * K + c * CHUNK;
-#ifdef __AVX512VNNI__
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
-                d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x + CHUNK / 2));
-#else /* pair sums below 2 * 15 * 127: two of them fit in int16 */
-                __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(x)),
-                                             _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x + CHUNK / 2)));
-                __m512i d = _mm512_madd_epi16(p, _mm512_set1_epi16(1));
-#endif
+                const __m512i d = nibble_dot(lo, hi, xq + m * K + c * CHUNK);
                 const float* s = comb + (r * mt + m) * stride + c * per_chunk;
                 __m512 sv = unit == CHUNK ? _mm512_set1_ps(*s)
                                           : _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s)));
                 acc[r * mt + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[r * mt + m]);
+            }
+        }
+    }
+    for (int i = 0; i < mt * nr; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* The int4 products of int4_tile for weight groups of one chunk (gs = CHUNK), without comb:
+ * per 16 chunks, the nr weight rows' scales and zeros (sc, zr: dt, C apart) and the mt activation
+ * rows' steps and sums (qx, rows m0..) give each product's factors in a register (lane j: the
+ * weight scale x the activation step of chunk s0 + j, taken for its chunk by a permute) and add
+ * the zeros' part (zero - 8 scale) x sum lane by lane into the sums. A product's operations and
+ * their order depend on neither mt nor nr. dt, mt and nr are constants where it is inlined. */
+static inline __attribute__((always_inline)) void int4_tile_chunks(const QuantX* qx, int64_t m0, int64_t K,
+                                                                   const uint8_t* w, const void* sc, const void* zr,
+                                                                   float* out, const int dt, const int mt,
+                                                                   const int nr) {
+    const int64_t C = K / CHUNK;
+    const int8_t* xq = qx->q + m0 * K;
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512 acc[2 * TILE], f[2 * TILE];
+    for (int i = 0; i < mt * nr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < C; s0 += 16) {
+        const int64_t n = C - s0 < 16 ? C - s0 : 16;
+        const __mmask16 k = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+        for (int r = 0; r < nr; r++) {
+            const __m512 s = dt == BF16 ? bf16x16_to_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t*)sc + r * C + s0))
+                                        : _mm512_maskz_loadu_ps(k, (const float*)sc + r * C + s0);
+            const __m512 z = dt == BF16 ? bf16x16_to_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t*)zr + r * C + s0))
+                                        : _mm512_maskz_loadu_ps(k, (const float*)zr + r * C + s0);
+            const __m512 lo = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);
+            for (int m = 0; m < mt; m++) {
+                const float* xs = qx->scale + (m0 + m) * C + s0;
+                acc[r * mt + m] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(k, qx->sum + (m0 + m) * C + s0),
+                                                  acc[r * mt + m]);
+                f[r * mt + m] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, xs));
+            }
+        }
+        __m512i lane = _mm512_setzero_si512();
+        for (int64_t c = s0; c < s0 + n; c++, lane = _mm512_add_epi32(lane, one)) {
+            for (int r = 0; r < nr; r++) {
+                __m512i lo, hi; /* chunk c of row r, and the same of two row blocks on asked from memory */
+                load_nibbles(w + r * (K / 2) + c * (CHUNK / 2), 2 * nr * (K / 2), &lo, &hi);
+                for (int m = 0; m < mt; m++) {
+                    const __m512i d = nibble_dot(lo, hi, xq + m * K + c * CHUNK);
+                    acc[r * mt + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(lane, f[r * mt + m]),
+                                                      acc[r * mt + m]);
+                }
             }
         }
     }
@@ -580,37 +638,50 @@ static float int4_prep(const QuantX* qx, int64_t m, int64_t K, int64_t gs, const
     return dt == BF16 ? int4_prep_dt(qx, m, K, gs, sc, zr, comb, BF16) : int4_prep_dt(qx, m, K, gs, sc, zr, comb, F32);
 }
 
-/* Call int4_tile with unit, mt and nr compile-time constants (mt > 1 only with nr <= 2). */
-#define INT4_TILE(unit, ...)                                                             \
+/* Call F(..., c, mt, nr) with c, mt and nr compile-time constants (mt > 1 only with nr <= 2). */
+#define INT4_SHAPES(F, c, ...)                                                           \
     switch (mt * 8 + nr) {                                                               \
-        case 8 + 4: int4_tile(__VA_ARGS__, unit, 1, 4); break;                          \
-        case 8 + 3: int4_tile(__VA_ARGS__, unit, 1, 3); break;                          \
-        case 8 + 2: int4_tile(__VA_ARGS__, unit, 1, 2); break;                          \
-        case 16 + 2: int4_tile(__VA_ARGS__, unit, 2, 2); break;                         \
-        case 24 + 2: int4_tile(__VA_ARGS__, unit, 3, 2); break;                         \
-        case 32 + 2: int4_tile(__VA_ARGS__, unit, 4, 2); break;                         \
-        case 16 + 1: int4_tile(__VA_ARGS__, unit, 2, 1); break;                         \
-        case 24 + 1: int4_tile(__VA_ARGS__, unit, 3, 1); break;                         \
-        case 32 + 1: int4_tile(__VA_ARGS__, unit, 4, 1); break;                         \
-        default: int4_tile(__VA_ARGS__, unit, 1, 1); break;                             \
+        case 8 + 4: F(__VA_ARGS__, c, 1, 4); break;                                      \
+        case 8 + 3: F(__VA_ARGS__, c, 1, 3); break;                                      \
+        case 8 + 2: F(__VA_ARGS__, c, 1, 2); break;                                      \
+        case 16 + 2: F(__VA_ARGS__, c, 2, 2); break;                                     \
+        case 24 + 2: F(__VA_ARGS__, c, 3, 2); break;                                     \
+        case 32 + 2: F(__VA_ARGS__, c, 4, 2); break;                                     \
+        case 16 + 1: F(__VA_ARGS__, c, 2, 1); break;                                     \
+        case 24 + 1: F(__VA_ARGS__, c, 3, 1); break;                                     \
+        case 32 + 1: F(__VA_ARGS__, c, 4, 1); break;                                     \
+        default: F(__VA_ARGS__, c, 1, 1); break;                                         \
     }
 
 static void int4_tiles(const int8_t* xq, int64_t K, const uint8_t* w, const float* comb, int64_t stride, float* out,
                        int64_t unit, int mt, int nr) {
     if (unit == 32) {
-        INT4_TILE(32, xq, K, w, comb, stride, out)
+        INT4_SHAPES(int4_tile, 32, xq, K, w, comb, stride, out)
     } else if (unit == 64) {
-        INT4_TILE(64, xq, K, w, comb, stride, out)
+        INT4_SHAPES(int4_tile, 64, xq, K, w, comb, stride, out)
     } else {
-        INT4_TILE(CHUNK, xq, K, w, comb, stride, out)
+        INT4_SHAPES(int4_tile, CHUNK, xq, K, w, comb, stride, out)
     }
 }
+
+#ifdef QVL_AVX512
+static void int4_chunk_tiles(const QuantX* qx, int64_t m0, int64_t K, const uint8_t* w, const void* sc,
+                             const void* zr, float* out, int dt, int mt, int nr) {
+    if (dt == BF16) {
+        INT4_SHAPES(int4_tile_chunks, BF16, qx, m0, K, w, sc, zr, out)
+    } else {
+        INT4_SHAPES(int4_tile_chunks, F32, qx, m0, K, w, sc, zr, out)
+    }
+}
+#endif
 
 /* int4 weight rows n0..n0+nr-1 (nr <= INT4_ROWS) . every activation row: out[r * M + m]. One
  * activation row (decoding) takes the rows together; more take them one by one, in tiles of
  * TILE activation rows, or on AVX-512 from TILE + 1 rows on two at a time (each activation
  * load serving both: 8 rows 0.89x the time; with one tile pairs were slower, 4 rows 1.04x and
- * 2 rows 1.23x, the pass being memory-bound there). */
+ * 2 rows 1.23x, the pass being memory-bound there). On AVX-512, groups of one chunk (qvl's
+ * own int4) take int4_tile_chunks, the factors made in registers: 1, 4 and 8 rows 0.95x,
+ * 0.90x and 0.82x the time of int4_prep's pass through comb (kernels.py gemv, Zen 4). */
 static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const uint8_t* w, const void* sc,
                       const void* zr, int dt, int64_t n0, int nr, float* out) {
     const int64_t G = K / gs, unit = gs < CHUNK ? gs : CHUNK, stride = K / unit + 4; /* 4: _mm_loadu_ps past the end */
@@ -624,20 +695,32 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
     enum { MOST = INT4_ROWS > 2 * TILE ? INT4_ROWS : 2 * TILE }; /* products per int4_tile call */
     float comb[MOST * stride], off[MOST], part[MOST];
 #ifdef QVL_AVX512
+    const int in_registers = gs == CHUNK; /* int4_tile_chunks: no comb */
     const int rows = M == 1 ? nr : M > TILE && nr >= 2 ? 2 : 1;
-#else /* 16 vector registers: no room for pairs' sums */
+#else /* 16 vector registers: no room for pairs' sums, nor for the factors */
+    const int in_registers = 0;
     const int rows = M == 1 ? nr : 1;
 #endif
     for (int64_t r0 = 0; r0 < nr; r0 += rows) {
         const int rr = nr - r0 < rows ? (int)(nr - r0) : rows;
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
-            for (int r = 0; r < rr; r++)
+            for (int r = 0; r < rr && !in_registers; r++)
                 for (int m = 0; m < mt; m++) {
                     const int64_t n = n0 + r0 + r;
                     off[r * mt + m] = int4_prep(qx, m0 + m, K, gs, (const char*)sc + n * G * es,
                                                 (const char*)zr + n * G * es, dt, comb + (r * mt + m) * stride);
                 }
+#ifdef QVL_AVX512
+            if (in_registers) {
+                const int64_t n = n0 + r0;
+                int4_chunk_tiles(qx, m0, K, w + n * (K / 2), (const char*)sc + n * G * es, (const char*)zr + n * G * es,
+                                 part, dt, mt, rr);
+                for (int r = 0; r < rr; r++)
+                    for (int m = 0; m < mt; m++) out[(r0 + r) * M + m0 + m] = part[r * mt + m];
+                continue;
+            }
+#endif
             int4_tiles(qx->q + m0 * K, K, w + (n0 + r0) * (K / 2), comb, stride, part, unit, mt, rr);
             for (int r = 0; r < rr; r++)
                 for (int m = 0; m < mt; m++) out[(r0 + r) * M + m0 + m] = part[r * mt + m] + off[r * mt + m];
