@@ -160,15 +160,15 @@ int team_run(Walker* w, const TeamJob* job) {
         return -2;
     }
     if (__atomic_load_n(&tm->committed, __ATOMIC_ACQUIRE) >= target) return tm->status; /* done while behind */
-    int64_t cur = take(w, j, job->items, 1), spent = 0, computed = 0;
+    int64_t cur = take(w, j, job->items, 1), computed = 0;
+    const int64_t began = job->takeover && cur >= 0 ? now_ns() : 0; /* the items' time as one span: one clock read */
     while (cur >= 0) {
         const int64_t next = take(w, j, job->items, 0); /* its own share's next, asked from memory under this one */
-        const int64_t started = job->takeover ? now_ns() : 0;
         do_item(w, job, j, cur, next >= 0 ? next : -1, NULL);
-        if (job->takeover) spent += now_ns() - started, computed++;
+        computed++;
         cur = next >= 0 ? next : next == -1 ? take(w, j, job->items, 1) : -2;
     }
-    const int64_t typical = computed ? 2 * spent / computed : 0;
+    const int64_t typical = job->takeover && computed ? 2 * (now_ns() - began) / computed : 0;
     wait_job(w, job, j, target, typical > LEAST_GRACE_NS ? typical : LEAST_GRACE_NS);
     return __atomic_load_n(&tm->status, __ATOMIC_ACQUIRE);
 }
