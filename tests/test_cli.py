@@ -83,7 +83,7 @@ def test_info_reports_features_dtype_threads():
     assert info["kernels"].split()[0] in info["tiers_available"].split(", ")
     plan = info["plan"]
     assert {"text linears, decode", "text linears, prefill", "lm_head", "vision linears", "text attention, prefill",
-            "vision attention", "decode step", "int4 linears, prefill"} <= plan.keys()
+            "vision attention", "decode step", "int4 linears, decode", "int4 linears, prefill"} <= plan.keys()
     assert all(p["kernel"] and p["dtype"] == info["dtype_auto"] and p["code_bits"] in (0, 7, 8, 16)
                for p in plan.values())
 

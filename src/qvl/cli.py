@@ -285,8 +285,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     plan = Plan.choose(lib, choose_dtype("auto", lib.tier.bf16), stored.weights if stored else DEFAULT_WEIGHTS,
                        stored_vision=stored.vision if stored else None)
     entries = plan.entries()
-    if plan.weights != "int4":  # what int4 weights' prefill runs with the same defaults
-        entries["int4 linears, prefill"] = Plan.choose(lib, plan.dtype, "int4").entries()["text linears, prefill"]
+    if plan.weights != "int4":  # what int4 weights' products run with the same defaults
+        int4 = Plan.choose(lib, plan.dtype, "int4").entries()
+        entries["int4 linears, decode"] = int4["text linears, decode"]
+        entries["int4 linears, prefill"] = int4["text linears, prefill"]
     info = {
         "qvl": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cpu": cpu_model(), "cpu_features": {f: f in flags for f in wanted},
