@@ -698,19 +698,12 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
     const int in_registers = gs == CHUNK; /* int4_tile_chunks: no comb */
     const int rows = M == 1 ? nr : M > TILE && nr >= 2 ? 2 : 1;
 #else /* 16 vector registers: no room for pairs' sums, nor for the factors */
-    const int in_registers = 0;
     const int rows = M == 1 ? nr : 1;
 #endif
     for (int64_t r0 = 0; r0 < nr; r0 += rows) {
         const int rr = nr - r0 < rows ? (int)(nr - r0) : rows;
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
-            for (int r = 0; r < rr && !in_registers; r++)
-                for (int m = 0; m < mt; m++) {
-                    const int64_t n = n0 + r0 + r;
-                    off[r * mt + m] = int4_prep(qx, m0 + m, K, gs, (const char*)sc + n * G * es,
-                                                (const char*)zr + n * G * es, dt, comb + (r * mt + m) * stride);
-                }
 #ifdef QVL_AVX512
             if (in_registers) {
                 const int64_t n = n0 + r0;
@@ -721,6 +714,12 @@ static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const 
                 continue;
             }
 #endif
+            for (int r = 0; r < rr; r++)
+                for (int m = 0; m < mt; m++) {
+                    const int64_t n = n0 + r0 + r;
+                    off[r * mt + m] = int4_prep(qx, m0 + m, K, gs, (const char*)sc + n * G * es,
+                                                (const char*)zr + n * G * es, dt, comb + (r * mt + m) * stride);
+                }
             int4_tiles(qx->q + m0 * K, K, w + (n0 + r0) * (K / 2), comb, stride, part, unit, mt, rr);
             for (int r = 0; r < rr; r++)
                 for (int m = 0; m < mt; m++) out[(r0 + r) * M + m0 + m] = part[r * mt + m] + off[r * mt + m];
