@@ -680,8 +680,8 @@ static void int4_chunk_tiles(const QuantX* qx, int64_t m0, int64_t K, const uint
  * TILE activation rows, or on AVX-512 from TILE + 1 rows on two at a time (each activation
  * load serving both: 8 rows 0.89x the time; with one tile pairs were slower, 4 rows 1.04x and
  * 2 rows 1.23x, the pass being memory-bound there). On AVX-512, groups of one chunk (qvl's
- * own int4) take int4_tile_chunks, the factors made in registers: 1, 4 and 8 rows 0.95x,
- * 0.90x and 0.82x the time of int4_prep's pass through comb (kernels.py gemv, Zen 4). */
+ * own int4) take int4_tile_chunks, the factors made in registers instead of int4_prep's pass
+ * through comb (docs/decisions/decode-step.md). */
 static void int4_rows(const QuantX* qx, int64_t M, int64_t K, int64_t gs, const uint8_t* w, const void* sc,
                       const void* zr, int dt, int64_t n0, int nr, float* out) {
     const int64_t G = K / gs, unit = gs < CHUNK ? gs : CHUNK, stride = K / unit + 4; /* 4: _mm_loadu_ps past the end */
