@@ -67,6 +67,34 @@ def test_packing_sets_the_rows_training_never_read_to_their_mean():
     assert torch.allclose(packed[others], embedding[others].mean(0).expand(8, 4))
 
 
+def test_training_targets_spell_each_answer():
+    """A read answer is trained one token per character (decoding to the text); the probe's number
+    targets for a scene spell the numbers its grounding answers write, digit by digit."""
+    import re
+
+    from qvl.demo import probe, shipped
+    from qvl.demo.train import Encoder
+
+    encode = Encoder(shipped.folder())
+    for i in range(12):
+        item = sample(5, i, "read")
+        ids = encode.answer_ids(item)
+        assert encode.tokenizer.decode(ids) == item.answer
+        assert len(ids) == len(item.answer)  # every character here is one token
+        encoded = encode(item)
+        start, end = encoded.answers[0]
+        assert encoded.ids[start:end] == [*ids, encode.end]
+    item = sample(5, 0, "detect")
+    assert encode.answer_ids(item) == encode.tokenizer.encode(item.answer, special_tokens=False)
+    for task, written in (("detect", slice(0, 4)), ("point", slice(4, 6))):
+        item = sample(5, 1, task)
+        numbers = encode(item).probe["numbers"]  # [tokens, NUMBERS, DIGITS]
+        spelled = {tuple(encode.tokenizer.decode([t for t in row.tolist() if t != probe.NONE]) for row in cell)
+                   for cell in numbers if (cell != probe.NONE).any()}
+        first = [int(v) for v in re.findall(r"\d+", item.answer.split('"label"')[0])[1:]]  # after "_2d"
+        assert any([int(n.rstrip(",]")) for n in spelled_shape[written]] == first for spelled_shape in spelled)
+
+
 @pytest.mark.slow  # builds and trains the 23.5 M-parameter model for a few steps, three times
 def test_training_is_deterministic_resumes_exactly_and_loads_in_qvl(tmp_path):
     from qvl.cli import main as qvl
