@@ -140,12 +140,12 @@ class VisionProbe(torch.nn.Module):
     """Linear heads on the merged image tokens [N, hidden]; token predictions are vectors scored
     against the (tied) token embeddings."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, numbers: bool = True):
         super().__init__()
         self.characters = torch.nn.Linear(hidden, SLOTS * (OTHER + 1))
         self.read = torch.nn.Linear(hidden, 2 * SLOTS * hidden)
         self.scene = torch.nn.Linear(hidden, SHAPE_CLASSES + 4 + 1 + hidden)
-        self.numbers = torch.nn.Linear(hidden, NUMBERS * DIGITS * hidden)
+        self.numbers = torch.nn.Linear(hidden, NUMBERS * DIGITS * hidden) if numbers else None  # the digits' head
 
     def loss(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor], embeddings: torch.Tensor,
              vocabulary: torch.Tensor) -> torch.Tensor:
@@ -172,10 +172,11 @@ class VisionProbe(torch.nn.Module):
                 loss = loss + 10 * F.l1_loss(box, batch["scene_box"][on])
                 logits = out[on, SHAPE_CLASSES + 5:] @ table.T
                 loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, batch["scene_colour"][on]))
-                target = batch["scene_numbers"][on]  # [m, NUMBERS, DIGITS]
-                used = target != NONE
-                logits = self.numbers(scene[on]).view(*target.shape, -1)[used] @ table.T
-                loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, target[used]))
+                if self.numbers is not None:
+                    target = batch["scene_numbers"][on]  # [m, NUMBERS, DIGITS]
+                    used = target != NONE
+                    logits = self.numbers(scene[on]).view(*target.shape, -1)[used] @ table.T
+                    loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, target[used]))
             loss = loss + F.binary_cross_entropy_with_logits(out[:, SHAPE_CLASSES + 4], batch["scene_centre"])
         return loss
 

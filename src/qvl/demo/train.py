@@ -61,13 +61,16 @@ class Architecture:
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
     vision_steps: int  # 45-48 minutes on 2 cores (docs/demo-models.md: the aim is 45)
+    number_probe: bool  # the vision probe also learns the digits of each shape's numbers (qvl.demo.probe):
+    # no better boxes on either; Qwen3.5's language model, which sees the image tokens at its input
+    # only (no DeepStack), then learned no scene answer from the pictures (docs/demo-models.md)
 
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             7300, 5000),
+                             7300, 5000, True),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
-                            1, 6800, 5000),
+                            1, 6800, 5000, False),
 }
 EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
@@ -206,7 +209,7 @@ def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwe
     torch.manual_seed(seed)
     model_config = getattr(transformers, arch.config_class)(**config)
     model = getattr(transformers, arch.model_class)(model_config).float().train()
-    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"])
+    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"], arch.number_probe)
     model.model.visual.merger.register_forward_hook(_keep_image_tokens)
     model.model.visual.patch_embed.forward = _patch_embed_as_linear(model.model.visual.patch_embed)
     return model
