@@ -7,9 +7,11 @@ what is drawn there, in the language model's own terms:
   the tied token embeddings. An image token then carries "after <previous> comes <this>", which
   the language model can copy with one attention hop keyed on the token it has just written;
 - on a scene, the shape covering the image token (or background), its box, whether its centre is
-  there, its colour's word, and the tokens the answers write for its box and centre (each
-  number's digits and the token after them), again against the embeddings: the language model
-  copies a number digit by digit from any image token of the shape, as it copies characters.
+  there and its colour's word (again against the embeddings); with `numbers`, also the tokens
+  the answers write for its box and centre (each number's digits and the token after them),
+  meant to let the language model copy a number digit by digit as it copies characters. That
+  head found no better boxes, and on Qwen3.5 it kept the language model from using the scenes
+  (docs/demo-models.md): only the Qwen3-VL recipe has it.
 From scratch, the answer loss alone hardly reaches the vision tower (the language model first
 learns the answers' prior and ignores the pictures); this dense, local signal makes the image
 tokens informative, and readable, from the first steps. The heads are dropped when the
