@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from qvl.demo.__main__ import main
@@ -68,11 +69,9 @@ def test_packing_sets_the_rows_training_never_read_to_their_mean():
 
 
 def test_training_targets_spell_each_answer():
-    """A read answer is trained one token per character (decoding to the text); the probe's number
-    targets for a scene spell the numbers its grounding answers write, digit by digit."""
-    import re
-
-    from qvl.demo import probe, shipped
+    """A read answer is trained one token per character (decoding to the text); other answers
+    as the tokenizer spells them."""
+    from qvl.demo import shipped
     from qvl.demo.train import Encoder
 
     encode = Encoder(shipped.folder())
@@ -86,13 +85,37 @@ def test_training_targets_spell_each_answer():
         assert encoded.ids[start:end] == [*ids, encode.end]
     item = sample(5, 0, "detect")
     assert encode.answer_ids(item) == encode.tokenizer.encode(item.answer, special_tokens=False)
-    for task, written in (("detect", slice(0, 4)), ("point", slice(4, 6))):
-        item = sample(5, 1, task)
-        numbers = encode(item).probe["numbers"]  # [tokens, NUMBERS, DIGITS]
-        spelled = {tuple(encode.tokenizer.decode([t for t in row.tolist() if t != probe.NONE]) for row in cell)
-                   for cell in numbers if (cell != probe.NONE).any()}
-        first = [int(v) for v in re.findall(r"\d+", item.answer.split('"label"')[0])[1:]]  # after "_2d"
-        assert any([int(n.rstrip(",]")) for n in spelled_shape[written]] == first for spelled_shape in spelled)
+
+
+def test_a_batch_in_length_groups_trains_as_one():
+    """A training batch runs as padded groups of similar lengths: every item once, less padding,
+    and the same losses (answers and vision probe) as one padded batch."""
+    from qvl.demo import shipped
+    from qvl.demo.data import follow_ups
+    from qvl.demo.train import ARCHITECTURES, Encoder, answer_loss, build_model, collate, probe_loss
+    from qvl.synth import preset_config
+
+    arch = ARCHITECTURES["qwen3-vl"]
+    checkpoint = preset_config(arch.preset, arch.changes)
+    encode = Encoder(shipped.folder())
+    items = [(i, sample(3, i)) for i in range(8)]
+    encoded = [encode(item, follow_ups(3, i, item, 2)) for i, item in items]
+    assert len({len(e.ids) for e in encoded}) > 2  # strips and longer scene conversations
+    model = build_model(checkpoint, seed=0, arch=arch)
+    negatives = torch.arange(100, 2148)
+    losses, padded = {}, {}
+    for groups in (1, 3):
+        batch = collate(encoded, checkpoint["image_token_id"], encode.pad, groups)
+        assert sorted(len(ids[ids != encode.pad]) for g in batch["groups"] for ids in g["input_ids"]) == \
+            sorted(len(e.ids) for e in encoded)
+        padded[groups] = sum(g["input_ids"].numel() for g in batch["groups"])
+        with torch.no_grad():
+            answers, count = answer_loss(model, batch, set(), negatives)
+            losses[groups] = (answers.item(), count, probe_loss(model, batch, negatives[:256]).item())
+    assert padded[3] < padded[1]
+    assert losses[3][1] == losses[1][1]
+    assert losses[3][0] == pytest.approx(losses[1][0], rel=1e-5)
+    assert losses[3][2] == pytest.approx(losses[1][2], rel=1e-5)
 
 
 @pytest.mark.slow  # builds and trains the 23.5 M-parameter model for a few steps, three times

@@ -25,7 +25,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
                          vision_lr=args.vision_lr, vision_steps=args.vision_steps, probe_weight=args.probe_weight, turns=args.turns, arch=args.arch,
                          eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
-                         log_every=args.log_every, threads=args.threads, minutes=args.minutes)
+                         log_every=args.log_every, threads=args.threads, groups=args.groups, minutes=args.minutes)
     out = train(Path(args.out), config)
     print(f"wrote the trained checkpoint to {out}")
     return 0
@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between resumable states")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between loss and speed lines")
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--groups", type=int, default=d.groups,
+                   help="run each batch as up to this many padded batches of similar lengths (less padding)")
     p.add_argument("--minutes", type=float, help="stop (saving) after this much wall time; run again to go on")
     p.set_defaults(run=cmd_train)
 

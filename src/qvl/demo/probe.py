@@ -7,11 +7,7 @@ what is drawn there, in the language model's own terms:
   the tied token embeddings. An image token then carries "after <previous> comes <this>", which
   the language model can copy with one attention hop keyed on the token it has just written;
 - on a scene, the shape covering the image token (or background), its box, whether its centre is
-  there and its colour's word (again against the embeddings); with `numbers`, also the tokens
-  the answers write for its box and centre (each number's digits and the token after them),
-  meant to let the language model copy a number digit by digit as it copies characters. That
-  head found no better boxes, and on Qwen3.5 it kept the language model from using the scenes
-  (docs/demo-models.md): only the Qwen3-VL recipe has it.
+  there and its colour's word (again against the embeddings).
 From scratch, the answer loss alone hardly reaches the vision tower (the language model first
 learns the answers' prior and ignores the pictures); this dense, local signal makes the image
 tokens informative, and readable, from the first steps. The heads are dropped when the
@@ -27,7 +23,7 @@ import string
 import torch
 import torch.nn.functional as F
 
-from qvl.demo.data import COLOURS, HANZI, SHAPES, Sample, coordinates
+from qvl.demo.data import COLOURS, HANZI, SHAPES, Sample
 
 SLOTS = 3  # characters (or answer tokens) drawn in one image token's column, left to right
 CHARACTERS = string.ascii_letters + string.digits + " ,.-/:$€£¥" + HANZI  # class k+1; 0 = none, last = other
@@ -35,8 +31,6 @@ CHARACTER_INDEX = {c: i + 1 for i, c in enumerate(CHARACTERS)}
 OTHER = len(CHARACTERS) + 1
 SHAPE_CLASSES = 1 + len(SHAPES) * len(COLOURS)  # 0 = background
 NONE = -1  # an empty slot
-NUMBERS = 6  # a shape's numbers in the answers: box x1 y1 x2 y2, centre x y (data.coordinates)
-DIGITS = 5  # a number's tokens: up to 4 digits (0-1000), then the one after it
 
 
 def token_centres(text: str, marks: tuple, pieces: list[bytes]) -> list[float]:
@@ -55,16 +49,14 @@ def token_centres(text: str, marks: tuple, pieces: list[bytes]) -> list[float]:
 
 
 def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pieces: list[bytes], start: int,
-            end: int, colour_ids: dict[str, int], number_ids: dict[str, int]) -> dict:
+            end: int, colour_ids: dict[str, int]) -> dict:
     """The probe's targets for one picture whose merged-token grid is grid_thw's rows and columns
     halved. A text strip: "characters" [tokens, SLOTS] (classes, 0 where empty), "current" and
     "previous" [tokens, SLOTS] token ids (NONE where empty)
     for the answer tokens `answer` (their bytes `pieces`; `start` is the token before the first,
     `end` follows the last, drawn one column right of it). A scene: "shape" [tokens], "box"
     [tokens, 4] (x1 y1 x2 y2 as fractions of the picture), "centre" [tokens] and "colour"
-    [tokens] (the colour word's token id, NONE on the background), "numbers" [tokens, NUMBERS,
-    DIGITS] (token ids of the shape's numbers as the answers spell them, `number_ids` giving the
-    id of each digit and of "," and "],", the tokens after a number; NONE where empty)."""
+    [tokens] (the colour word's token id, NONE on the background)."""
     rows, cols = grid_thw[1] // 2, grid_thw[2] // 2
     width, height = item.image.size
     if item.task == "read":
@@ -88,7 +80,6 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
     shape = torch.zeros(rows, cols, dtype=torch.long)
     colour = torch.full((rows, cols), NONE)
     box = torch.zeros(rows, cols, 4)
-    numbers = torch.full((rows, cols, NUMBERS, DIGITS), NONE)
     centre = torch.zeros(rows, cols)
     cell_w, cell_h = width / cols, height / rows
     for r in range(rows):
@@ -100,23 +91,10 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
                 colour[r, c] = colour_ids[covering.colour]
                 x1, y1, x2, y2 = covering.box
                 box[r, c] = torch.tensor([x1 / width, y1 / height, x2 / width, y2 / height])
-                numbers[r, c] = spelled(coordinates(covering), number_ids)
     for s in item.marks:
         cx, cy = (s.box[0] + s.box[2]) / 2, (s.box[1] + s.box[3]) / 2
         centre[min(rows - 1, int(cy / cell_h)), min(cols - 1, int(cx / cell_w))] = 1.0
-    return {"shape": shape.flatten(), "colour": colour.flatten(), "box": box.reshape(-1, 4), "centre": centre.flatten(),
-            "numbers": numbers.reshape(-1, NUMBERS, DIGITS)}
-
-
-def spelled(values: tuple[int, ...], number_ids: dict[str, int]) -> torch.Tensor:
-    """[NUMBERS, DIGITS]: each number's digit tokens and the token the answers write after it
-    ("," within a box or point, "]," after its last number), NONE after that."""
-    out = torch.full((NUMBERS, DIGITS), NONE)
-    for i, value in enumerate(values):
-        after = "]," if i in (3, 5) else ","
-        ids = [number_ids[d] for d in str(value)] + [number_ids[after]]
-        out[i, : len(ids)] = torch.tensor(ids)
-    return out
+    return {"shape": shape.flatten(), "colour": colour.flatten(), "box": box.reshape(-1, 4), "centre": centre.flatten()}
 
 
 def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> float:
@@ -142,12 +120,11 @@ class VisionProbe(torch.nn.Module):
     """Linear heads on the merged image tokens [N, hidden]; token predictions are vectors scored
     against the (tied) token embeddings."""
 
-    def __init__(self, hidden: int, numbers: bool = True):
+    def __init__(self, hidden: int):
         super().__init__()
         self.characters = torch.nn.Linear(hidden, SLOTS * (OTHER + 1))
         self.read = torch.nn.Linear(hidden, 2 * SLOTS * hidden)
         self.scene = torch.nn.Linear(hidden, SHAPE_CLASSES + 4 + 1 + hidden)
-        self.numbers = torch.nn.Linear(hidden, NUMBERS * DIGITS * hidden) if numbers else None  # the digits' head
 
     def loss(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor], embeddings: torch.Tensor,
              vocabulary: torch.Tensor) -> torch.Tensor:
@@ -174,18 +151,13 @@ class VisionProbe(torch.nn.Module):
                 loss = loss + 10 * F.l1_loss(box, batch["scene_box"][on])
                 logits = out[on, SHAPE_CLASSES + 5:] @ table.T
                 loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, batch["scene_colour"][on]))
-                if self.numbers is not None:
-                    target = batch["scene_numbers"][on]  # [m, NUMBERS, DIGITS]
-                    used = target != NONE
-                    logits = self.numbers(scene[on]).view(*target.shape, -1)[used] @ table.T
-                    loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, target[used]))
             loss = loss + F.binary_cross_entropy_with_logits(out[:, SHAPE_CLASSES + 4], batch["scene_centre"])
         return loss
 
     @staticmethod
     def token_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every token id the batch's targets name."""
-        ids = [batch[k].flatten() for k in ("read_current", "read_previous", "scene_colour", "scene_numbers")
+        ids = [batch[k].flatten() for k in ("read_current", "read_previous", "scene_colour")
                if k in batch]
         ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
         return ids[ids != NONE]

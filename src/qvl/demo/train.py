@@ -12,6 +12,7 @@ model trains (the checks change nothing in the run)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from qvl.demo import probe
 from qvl.demo.data import COLOURS, TASK_NAMES, Sample, follow_ups, sample
 from qvl.eval.metrics import score
-from qvl.processing.image import ImageProcessorConfig, preprocess
+from qvl.processing.image import ImageProcessorConfig, ProcessedImage, preprocess
 from qvl.processing.prompt import load_chat_template, tokenize_chat
 from qvl.processing.tokenizer import Tokenizer
 from qvl.synth import preset_config, write_side_files
@@ -61,16 +62,13 @@ class Architecture:
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
     vision_steps: int  # 45-48 minutes on 2 cores (docs/demo-models.md: the aim is 45)
-    number_probe: bool  # the vision probe also learns the digits of each shape's numbers (qvl.demo.probe):
-    # no better boxes on either; Qwen3.5's language model, which sees the image tokens at its input
-    # only (no DeepStack), then learned no scene answer from the pictures (docs/demo-models.md)
 
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             7300, 5000, True),
+                             8300, 6000),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
-                            1, 6800, 5000, False),
+                            1, 6800, 5000),
 }
 EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
@@ -94,6 +92,7 @@ class TrainConfig:
     save_every: int = 250
     log_every: int = 10
     threads: int = 2
+    groups: int = 3  # a batch runs as up to this many padded batches of similar lengths (see collate)
     minutes: float | None = None  # stop after this much wall time (state saved: run again to go on)
     arch: str = "qwen3-vl"  # qwen3-vl | qwen3.5 (ARCHITECTURES)
 
@@ -120,17 +119,20 @@ class Encoder:
         self.image_cfg = ImageProcessorConfig.from_file(model_dir / "preprocessor_config.json")
         self.end = self.tokenizer.token_id("<|im_end|>")
         self.colour_ids = {name: self.tokenizer.encode(name, special_tokens=False)[0] for name in COLOURS}
-        self.number_ids = {s: self.tokenizer.token_id(s) for s in [*"0123456789", ",", "],"]}
 
-    def prompt(self, item: Sample, history: list[tuple[str, str]] = ()) -> Encoded:
-        """The item's prompt; with `history` (the previous answer, the next question) pairs, the
-        conversation's prompt up to its last question."""
+    def prompt(self, item: Sample) -> Encoded:
+        """The item's prompt."""
         image = preprocess(item.image, self.image_cfg)
+        ids = self.conversation(item, image)
+        return Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
+
+    def conversation(self, item: Sample, image: ProcessedImage, history: list[tuple[str, str]] = ()) -> list[int]:
+        """The ids of the item's prompt (`image`: its picture, processed); with `history` (the
+        previous answer, the next question) pairs, of the conversation up to its last question."""
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": item.question}]}]
         for answer, question in history:
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
-        ids = tokenize_chat(self.tokenizer, self.template, messages, [image.num_tokens]).ids
-        return Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
+        return tokenize_chat(self.tokenizer, self.template, messages, [image.num_tokens]).ids
 
     def answer_ids(self, item: Sample) -> list[int]:
         """The answer's tokens: a read answer one character at a time (each character's own
@@ -145,17 +147,19 @@ class Encoder:
     def __call__(self, item: Sample, more: list[tuple[str, str]] = ()) -> Encoded:
         """The item's question and answer, then the `more` (question, answer) turns about the
         same picture: the ids, where each answer is, and the probe's targets."""
-        encoded = self.prompt(item)
+        image = preprocess(item.image, self.image_cfg)
+        ids = self.conversation(item, image)
+        encoded = Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
         answer = self.answer_ids(item)
         before = [*encoded.ids, *self.thought][-1]
         encoded.probe = probe.targets(item, encoded.grid_thw, answer, [self.tokenizer.token_bytes(t) for t in answer],
-                                      before, self.end, self.colour_ids, self.number_ids)
+                                      before, self.end, self.colour_ids)
         encoded.ids = encoded.ids + self.thought + answer + [self.end]
         encoded.answers = [(encoded.prompt_length, len(encoded.ids))]
         history, last = [], item.answer
         for question, reply in more:
             history.append((last, question))
-            ids = self.prompt(item, history).ids
+            ids = self.conversation(item, image, history)
             if ids[: len(encoded.ids)] != encoded.ids:
                 raise ValueError("the chat template renders an earlier turn differently in a longer conversation")
             encoded.ids = ids + self.tokenizer.encode(reply, special_tokens=False) + [self.end]
@@ -164,9 +168,34 @@ class Encoder:
         return encoded
 
 
-def collate(items: list[Encoded], image_token_id: int, pad: int) -> dict:
-    """Right-padded model inputs, `labels` (-100 on the prompt and the padding) and the vision
-    probe's targets (`probe`)."""
+def collate(items: list[Encoded], image_token_id: int, pad: int, groups: int = 1) -> dict:
+    """The items as up to `groups` right-padded batches of model inputs with `labels` (-100 on the
+    prompt and the padding): ordered by length and cut where the padding is least (a batch mixes
+    ~60-token strips with ~200-token scene conversations; one padded batch would be half padding).
+    Also every picture's `pixel_values` and `image_grid_thw`, and the vision probe's targets
+    (`probe`), in the groups' order."""
+    order = sorted(range(len(items)), key=lambda i: len(items[i].ids))
+    lengths = [len(items[i].ids) for i in order]
+    cuts = _cuts(lengths, groups)
+    chosen = [[items[i] for i in order[a:b]] for a, b in zip([0, *cuts], [*cuts, len(order)])]
+    ordered = [e for group in chosen for e in group]
+    return {"groups": [_padded(group, image_token_id, pad) for group in chosen],
+            "pixel_values": torch.cat([e.pixel_values for e in ordered]),
+            "image_grid_thw": torch.tensor([e.grid_thw for e in ordered]),
+            "probe": probe.collate([e.probe for e in ordered]) if all(e.probe for e in ordered) else {}}
+
+
+def _cuts(lengths: list[int], groups: int) -> list[int]:
+    """Where to cut the ascending `lengths` into at most `groups` runs so that the padded total
+    (each run's count times its longest) is least; fewer runs on a tie."""
+    def padded(cuts: tuple[int, ...]) -> int:
+        bounds = [0, *cuts, len(lengths)]
+        return sum((end - start) * lengths[end - 1] for start, end in zip(bounds, bounds[1:]))
+    options = (cuts for runs in range(groups) for cuts in itertools.combinations(range(1, len(lengths)), runs))
+    return list(min(options, key=padded))
+
+
+def _padded(items: list[Encoded], image_token_id: int, pad: int) -> dict:
     length = max(len(e.ids) for e in items)
     ids = torch.full((len(items), length), pad)
     labels = torch.full((len(items), length), -100)
@@ -179,8 +208,7 @@ def collate(items: list[Encoded], image_token_id: int, pad: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels,
             "mm_token_type_ids": (ids == image_token_id).int(),
             "pixel_values": torch.cat([e.pixel_values for e in items]),
-            "image_grid_thw": torch.tensor([e.grid_thw for e in items]),
-            "probe": probe.collate([e.probe for e in items]) if all(e.probe for e in items) else {}}
+            "image_grid_thw": torch.tensor([e.grid_thw for e in items])}
 
 
 def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives: torch.Tensor) -> tuple:
@@ -189,12 +217,15 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
     151,936 tokens are pushed down too). The full softmax would cost ~50x more: its matrix
     product over the whole vocabulary dominates a step of this small model. Returns (loss,
     answer tokens)."""
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "probe")}
-    hidden = model.model(**inputs).last_hidden_state[:, :-1]  # [B, T-1, H]
-    targets = labels[:, 1:]
-    keep = targets != -100
-    hidden, targets = hidden[keep], targets[keep]  # [N, H], [N]
+    hidden, targets = [], []
+    for group in batch["groups"]:
+        inputs = {k: v for k, v in group.items() if k != "labels"}
+        states = model.model(**inputs).last_hidden_state[:, :-1]  # [B, T-1, H]
+        labels = group["labels"][:, 1:]
+        keep = labels != -100
+        hidden.append(states[keep])
+        targets.append(labels[keep])
+    hidden, targets = torch.cat(hidden), torch.cat(targets)  # [N, H], [N]
     seen.update(targets.tolist())
     vocabulary = torch.unique(torch.cat([torch.tensor(sorted(seen)), negatives]))  # sorted
     logits = hidden @ model.lm_head.weight[vocabulary].T  # [N, V']
@@ -209,14 +240,15 @@ def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwe
     torch.manual_seed(seed)
     model_config = getattr(transformers, arch.config_class)(**config)
     model = getattr(transformers, arch.model_class)(model_config).float().train()
-    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"], arch.number_probe)
+    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"])
+    model.model.visual.merger.image_tokens = []  # emptied by probe_loss and at each training step
     model.model.visual.merger.register_forward_hook(_keep_image_tokens)
     model.model.visual.patch_embed.forward = _patch_embed_as_linear(model.model.visual.patch_embed)
     return model
 
 
 def _keep_image_tokens(merger, args, output) -> None:
-    merger.image_tokens = output  # [merged tokens, hidden]: the last pictures' tokens
+    merger.image_tokens.append(output)  # [merged tokens, hidden]: each call's pictures' tokens
 
 
 def _patch_embed_as_linear(embed):
@@ -229,10 +261,13 @@ def _patch_embed_as_linear(embed):
 
 
 def probe_loss(model, batch: dict, negatives: torch.Tensor) -> torch.Tensor:
-    """The vision probe's loss on the image tokens of the last forward pass, token ids scored over
-    the batch's target tokens and `negatives`."""
+    """The vision probe's loss on the image tokens of the forward passes since the last call (the
+    batch's pictures, in its groups' order), token ids scored over the batch's target tokens and
+    `negatives`."""
+    merger = model.model.visual.merger
+    tokens, merger.image_tokens = torch.cat(merger.image_tokens), []
     vocabulary = torch.unique(torch.cat([model.probe.token_ids(batch["probe"]), negatives]))
-    return model.probe.loss(model.model.visual.merger.image_tokens, batch["probe"],
+    return model.probe.loss(tokens, batch["probe"],
                             model.model.language_model.embed_tokens.weight, vocabulary)
 
 
@@ -258,13 +293,17 @@ def learning_rate(config: TrainConfig, step: int, start: int = 0) -> float:
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
-def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
+def draw(encode: Encoder, config: TrainConfig, step: int, image_token_id: int) -> dict:
+    """Step `step`'s batch: items step*B .. step*B+B-1 of the seed's stream, collated."""
     turns = config.turns or ARCHITECTURES[config.arch].turns
-    for step in range(start, config.steps):
-        first = step * config.batch_size
-        items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
-        yield collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
-                      image_token_id, encode.pad)
+    first = step * config.batch_size
+    items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
+    return collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
+                   image_token_id, encode.pad, config.groups)
+
+
+def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
+    yield from (draw(encode, config, step, image_token_id) for step in range(start, config.steps))
 
 
 @torch.no_grad()
@@ -297,14 +336,15 @@ def image_gain(model, batch: dict) -> float:
     """The answer loss of `batch` (pictures of one size) with each item given the next one's
     picture minus with its own, over a fixed sampled vocabulary (the answers' tokens and 2,048
     rows of seed 0): what the pictures' content is worth, in nats per answer token."""
-    grid = batch["image_grid_thw"]
+    (group,) = batch["groups"]
+    grid = group["image_grid_thw"]
     if not (grid == grid[0]).all():
         raise ValueError("image_gain needs pictures of one size")
     negatives = torch.randint(0, model.lm_head.weight.shape[0], (2048,), generator=torch.Generator().manual_seed(0))
-    seen = set(batch["labels"][batch["labels"] != -100].tolist())
+    seen = set(group["labels"][group["labels"] != -100].tolist())
     own, _ = answer_loss(model, batch, seen, negatives)
-    shifted = batch["pixel_values"].roll(-int(grid[0].prod()), dims=0)  # [patches, C]: item i gets i+1's
-    other, _ = answer_loss(model, {**batch, "pixel_values": shifted}, seen, negatives)
+    shifted = group["pixel_values"].roll(-int(grid[0].prod()), dims=0)  # [patches, C]: item i gets i+1's
+    other, _ = answer_loss(model, {"groups": [{**group, "pixel_values": shifted}]}, seen, negatives)
     return round((other - own).item(), 4)
 
 
@@ -352,12 +392,13 @@ def train(out: Path, config: TrainConfig) -> Path:
             group["lr"] = learning_rate(config, step, group["start"]) * group["lr_scale"]
         negatives = torch.randint(0, checkpoint["text_config"]["vocab_size"], (config.negatives,),
                                   generator=torch.Generator().manual_seed(config.seed * 7_919 + step))
+        model.model.visual.merger.image_tokens = []  # this step's pictures only (not the checks')
         if step < config.vision_steps:  # the vision tower alone: ~4x cheaper a step
             model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
             loss, answer_tokens = torch.zeros(()), 0
         else:
             loss, answer_tokens = answer_loss(model, batch, seen, negatives)
-        used.update(batch["input_ids"].unique().tolist())
+        used.update(torch.cat([g["input_ids"].flatten() for g in batch["groups"]]).unique().tolist())
         probed = probe_loss(model, batch, negatives[:256])
         optimizer.zero_grad(set_to_none=True)
         (loss + config.probe_weight * probed).backward()
@@ -368,7 +409,7 @@ def train(out: Path, config: TrainConfig) -> Path:
         window["probe"] += probed.item()
         window["steps"] += 1
         window["answer_tokens"] += answer_tokens
-        window["tokens"] += int(batch["attention_mask"].sum())
+        window["tokens"] += sum(int(g["attention_mask"].sum()) for g in batch["groups"])
         if step % config.log_every == 0 or step == config.steps:
             record = report(window, step, config, time.perf_counter() - started)
             log.write(json.dumps(record) + "\n")

@@ -341,6 +341,11 @@ class _MessageText:
         longest_first = sorted(specials, key=len, reverse=True)  # leftmost-longest, as the tokenizer matches
         self.pattern = re.compile("|".join(map(re.escape, longest_first))) if specials else None
         self.placeholder = re.compile(f"\ue000{self.nonce}(\\d+)\ue001")
+        # the proper prefixes and suffixes of the special tokens: a string may end with the one or
+        # begin with the other (see _protect_text)
+        self.starts = {t[:n] for t in specials for n in range(1, len(t))}
+        self.ends = {t[-n:] for t in specials for n in range(1, len(t))}
+        self.edge = max(map(len, specials), default=1) - 1
 
     def _hide(self, literal: str) -> str:
         self.literals.append(literal)
@@ -352,8 +357,9 @@ class _MessageText:
         text = self.pattern.sub(lambda m: self._hide(m.group()), text)
         # A string may end with the start of a special token and the next piece of the
         # prompt finish it (or begin with the end of one): hide those edges too.
-        head = max((n for t in self.specials for n in range(1, len(t)) if text.startswith(t[-n:])), default=0)
-        tail = max((n for t in self.specials for n in range(1, len(t)) if text.endswith(t[:n])), default=0)
+        edge = min(self.edge, len(text))
+        head = max((n for n in range(1, edge + 1) if text[:n] in self.ends), default=0)
+        tail = max((n for n in range(1, edge + 1) if text[-n:] in self.starts), default=0)
         if head + tail > len(text):
             return self._hide(text)
         end = len(text) - tail
