@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
     p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
-    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 7300, qwen3.5 6800: 45-50 minutes "
+    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 8300, qwen3.5 6800: ~40 minutes "
                                             "on 2 cores)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
     p.add_argument("--vision-steps", type=int,
                    help="first steps that train the vision tower alone, from the vision probe (~3x cheaper each; "
-                        "default: the architecture's, 5000)")
+                        "default: the architecture's: qwen3-vl 6000, qwen3.5 5000)")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
     p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "

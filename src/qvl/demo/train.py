@@ -61,7 +61,7 @@ class Architecture:
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
-    vision_steps: int  # 45-48 minutes on 2 cores (docs/demo-models.md: the aim is 45)
+    vision_steps: int  # ~40 minutes on 2 cores (docs/demo-models.md: the aim is 45)
 
 
 ARCHITECTURES = {
