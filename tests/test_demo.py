@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from qvl.demo.__main__ import main
 from qvl.demo.data import SCENE_SIZE, sample, write_set

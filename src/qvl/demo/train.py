@@ -120,9 +120,10 @@ class Encoder:
         self.end = self.tokenizer.token_id("<|im_end|>")
         self.colour_ids = {name: self.tokenizer.encode(name, special_tokens=False)[0] for name in COLOURS}
 
-    def prompt(self, item: Sample) -> Encoded:
-        """The item's prompt."""
-        image = preprocess(item.image, self.image_cfg)
+    def prompt(self, item: Sample, image: ProcessedImage | None = None) -> Encoded:
+        """The item's prompt (`image`: its picture, if already processed)."""
+        if image is None:
+            image = preprocess(item.image, self.image_cfg)
         ids = self.conversation(item, image)
         return Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
 
@@ -148,8 +149,7 @@ class Encoder:
         """The item's question and answer, then the `more` (question, answer) turns about the
         same picture: the ids, where each answer is, and the probe's targets."""
         image = preprocess(item.image, self.image_cfg)
-        ids = self.conversation(item, image)
-        encoded = Encoded(ids, len(ids), image.pixel_values, image.grid_thw)
+        encoded = self.prompt(item, image)
         answer = self.answer_ids(item)
         before = [*encoded.ids, *self.thought][-1]
         encoded.probe = probe.targets(item, encoded.grid_thw, answer, [self.tokenizer.token_bytes(t) for t in answer],
@@ -293,17 +293,14 @@ def learning_rate(config: TrainConfig, step: int, start: int = 0) -> float:
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
-def draw(encode: Encoder, config: TrainConfig, step: int, image_token_id: int) -> dict:
-    """Step `step`'s batch: items step*B .. step*B+B-1 of the seed's stream, collated."""
-    turns = config.turns or ARCHITECTURES[config.arch].turns
-    first = step * config.batch_size
-    items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
-    return collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
-                   image_token_id, encode.pad, config.groups)
-
-
 def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
-    yield from (draw(encode, config, step, image_token_id) for step in range(start, config.steps))
+    """The batches of steps `start`..: step k's holds items k*B .. k*B+B-1 of the seed's stream."""
+    turns = config.turns or ARCHITECTURES[config.arch].turns
+    for step in range(start, config.steps):
+        first = step * config.batch_size
+        items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
+        yield collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
+                      image_token_id, encode.pad, config.groups)
 
 
 @torch.no_grad()
