@@ -210,6 +210,33 @@ def test_the_pool_threads_are_pinned_and_released(threads):
     assert [os.sched_getaffinity(tid) for tid in tids] == [set(allowed)] * 2
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+@needs_native
+def test_the_callers_thread_is_let_go_once_the_engine_has_nothing_to_run(tiny_checkpoint, threads):
+    """While another program keeps a core busy, the engine pins its pool's threads, the caller's
+    among them (it drives the scheduler); once its requests are answered, the caller's thread may
+    run on every CPU again: a program using qvl as a library is not left on one core."""
+    from qvl.engine import Engine, EngineOptions, Request
+    from qvl.sampling import SamplingParams
+    from qvl.threads import team_placement
+
+    allowed = os.sched_getaffinity(0)
+    engine = Engine.load(EngineOptions(model=str(tiny_checkpoint), threads=2))
+    busy = Load(read=lambda: None)
+    busy.busy = 1.0  # another program on one core
+    engine.threads = Threads(2, busy, team_placement(2))
+    request = Request([{"role": "user", "content": "Count to ten."}],
+                      SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    try:
+        during = [os.sched_getaffinity(0) for _ in engine.stream(request)]
+        assert len(during[0]) == 1 < len(allowed)  # while answering: on one core of its own
+        assert os.sched_getaffinity(0) == allowed and engine.threads.placement.pinned is None
+    finally:
+        os.sched_setaffinity(0, allowed)  # (the next tests' CPUs, whatever happened)
+        engine.close()
+
+
 def test_other_programs_cpu_time_leaves_out_niced_ones(tmp_path):
     """/proc/stat's user, system, irq, softirq and steal time of this process's CPUs count as
     other programs' (less this process's own); the nice column, processes that give way, does not."""

@@ -340,7 +340,8 @@ class Engine:
         """Done with it (a server unloading it): the scheduler lets go of the engine, so that the
         engine and its weights are freed as soon as their last holder lets go, without waiting
         for the garbage collector (which a server tells to skip what is alive at start). It
-        runs no request after."""
+        runs no request after; its pinned threads may run anywhere again."""
+        self.threads.rest()
         self.scheduler.engine = None
 
     def warm_up(self) -> float:

@@ -188,7 +188,8 @@ class Scheduler:
     def step(self) -> None:
         """Admit what fits; give the sequences not yet generating one slice of work (vision
         blocks, then runs of prompt tokens); then one decode step for every generating row.
-        Sequences finish inside, through their `emit`."""
+        Sequences finish inside, through their `emit`. Once none is left, the threads placed
+        while other programs were busy are let go (threads.Threads.rest)."""
         started = time.perf_counter()
         self.steps += 1
         with self.engine.threads.step():
@@ -197,6 +198,8 @@ class Scheduler:
             with self.engine.threads.prompt():
                 self._prepare_and_prefill()
             self._decode([s for s in self.running if not s.prefilling])
+        if self.idle:
+            self.engine.threads.rest()
         self.last_step_s = time.perf_counter() - started
 
     # -- admission and prefill -------------------------------------------------------------

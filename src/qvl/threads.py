@@ -302,6 +302,12 @@ class Threads:
         self.measure()
         return _kernels_on(self.kernels)
 
+    def rest(self) -> None:
+        """Nothing left to run: every pinned pool thread may run anywhere again, the caller's
+        thread among them (it drives the scheduler, and goes on to a program's other work)."""
+        if self.placement is not None and self.placement.pinned is not None:
+            self.placement.release()
+
     def prompt(self) -> AbstractContextManager[None]:
         """Inside a step: the vision tower's and prefill's kernels on prompt_kernels threads."""
         return _kernels_on(self.prompt_kernels)
