@@ -118,6 +118,50 @@ def test_a_batch_in_length_groups_trains_as_one():
     assert losses[3][2] == pytest.approx(losses[1][2], rel=1e-5)
 
 
+def test_the_attention_target_is_the_shapes_each_question_names():
+    """Every answer about a scene marks the image tokens under the shapes its question names (a
+    "red square": those; "circle": every circle), and nothing else; training on that target
+    moves the attended head's look there."""
+    from qvl.demo import shipped
+    from qvl.demo.data import Shape, follow_ups, named_shapes
+    from qvl.demo.probe import covered
+    from qvl.demo.train import ARCHITECTURES, Encoder, answer_loss, attention_loss, build_model, collate
+    from qvl.synth import preset_config
+
+    red, blue = Shape("square", "red", (0, 0, 30, 30)), Shape("square", "blue", (100, 100, 130, 130))
+    circle = Shape("circle", "red", (150, 10, 180, 40))
+    assert named_shapes("Locate every instance ... 'red square'.", [red, blue, circle]) == [red]
+    assert named_shapes("How many squares are there?", [red, blue, circle]) == [red, blue]
+    assert covered(SCENE_SIZE, (1, 12, 12), [red]).nonzero().flatten().tolist() == [0]  # one of 6 x 6 cells
+
+    encode = Encoder(shipped.folder())
+    index, item = next((i, it) for i in range(50) if len((it := sample(4, i, "detect")).marks) >= 3)
+    more = follow_ups(4, index, item, 2)
+    encoded = encode(item, more)
+    image = torch.tensor(encoded.ids) == encode.image_token_id
+    assert len(encoded.attend) == len(encoded.answers) == 1 + len(more)
+    for question, mask in zip([item.question, *(q for q, _ in more)], encoded.attend):
+        named = named_shapes(question, list(item.marks))
+        assert mask.any() and not mask[~image].any()
+        assert torch.equal(mask[image], covered(item.image.size, encoded.grid_thw, named))
+    assert encode(sample(4, 0, "read")).attend == []
+
+    arch = ARCHITECTURES["qwen3-vl"]
+    checkpoint = preset_config(arch.preset, arch.changes)
+    model = build_model(checkpoint, seed=0, arch=arch)
+    batch = collate([encoded], checkpoint["image_token_id"], encode.pad)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        answer_loss(model, batch, set(), torch.arange(100, 612))
+        loss = attention_loss(model, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.8, losses
+
+
 @pytest.mark.slow  # builds and trains the 23.5 M-parameter model for a few steps, three times
 def test_training_is_deterministic_resumes_exactly_and_loads_in_qvl(tmp_path):
     from qvl.cli import main as qvl

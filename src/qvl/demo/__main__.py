@@ -23,7 +23,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qvl.demo.train import TrainConfig, train
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
-                         vision_lr=args.vision_lr, vision_steps=args.vision_steps, probe_weight=args.probe_weight, turns=args.turns, arch=args.arch,
+                         vision_lr=args.vision_lr, vision_steps=args.vision_steps, probe_weight=args.probe_weight,
+                         attend_weight=args.attend_weight, turns=args.turns, arch=args.arch,
                          eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
                          log_every=args.log_every, threads=args.threads, groups=args.groups, minutes=args.minutes)
     out = train(Path(args.out), config)
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the architecture's: qwen3-vl 6000, qwen3.5 5000)")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
+    p.add_argument("--attend-weight", type=float, default=d.attend_weight,
+                   help="weight of the target that one attention head looks at the shapes a question names "
+                        "(qwen3-vl; 0: none)")
     p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "
                                           "qwen3.5, whose template re-renders earlier turns without their reasoning)")
     p.add_argument("--arch", choices=list(ARCHITECTURES), default=d.arch,

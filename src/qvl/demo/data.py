@@ -223,6 +223,16 @@ def _query(rng: random.Random, shapes: list[Shape]) -> tuple[str, list[Shape]]:
     return name, sorted(found, key=lambda s: (s.box[1], s.box[0]))
 
 
+def named_shapes(question: str, shapes: list[Shape]) -> list[Shape]:
+    """The shapes a scene question is about: every shape of the colour and kind it names ("red
+    square"), else every one of the kind it names ("circle", "squares"); [] when it names none."""
+    for shape in shapes:
+        if shape.name in question:
+            return [s for s in shapes if s.name == shape.name]
+    kind = next((k for k in SHAPES if k in question), None)
+    return [s for s in shapes if s.kind == kind]
+
+
 def detect_question(rng: random.Random, shapes: list[Shape]) -> tuple[str, str]:
     name, found = _query(rng, shapes)
     answer = [{"bbox_2d": list(coordinates(s)[:4]), "label": name} for s in found]

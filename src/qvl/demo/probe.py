@@ -97,6 +97,15 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
     return {"shape": shape.flatten(), "colour": colour.flatten(), "box": box.reshape(-1, 4), "centre": centre.flatten()}
 
 
+def covered(size: tuple[int, int], grid_thw: tuple[int, int, int], shapes: list) -> torch.Tensor:
+    """bool [merged tokens]: the image tokens of a picture of `size` (width, height) whose cell
+    overlaps any of `shapes`, row-major as the merger emits them."""
+    rows, cols = grid_thw[1] // 2, grid_thw[2] // 2
+    cell_w, cell_h = size[0] / cols, size[1] / rows
+    return torch.tensor([any(_overlap((c * cell_w, r * cell_h, (c + 1) * cell_w, (r + 1) * cell_h), s.box) > 0
+                             for s in shapes) for r in range(rows) for c in range(cols)])
+
+
 def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
 

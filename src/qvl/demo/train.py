@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.demo import probe
-from qvl.demo.data import COLOURS, TASK_NAMES, Sample, follow_ups, sample
+from qvl.demo.data import COLOURS, TASK_NAMES, Sample, follow_ups, named_shapes, sample
 from qvl.eval.metrics import score
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage, preprocess
 from qvl.processing.prompt import load_chat_template, tokenize_chat
@@ -62,13 +62,15 @@ class Architecture:
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
     vision_steps: int  # ~40 minutes on 2 cores (docs/demo-models.md: the aim is 45)
+    attend_layer: int | None  # the attention layer whose first head learns where the named shapes are
+    # (see attention_loss; None: no such target)
 
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             8300, 6000),
+                             8300, 6000, 2),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
-                            1, 6800, 5000),
+                            1, 6800, 5000, None),
 }
 EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
@@ -81,6 +83,7 @@ class TrainConfig:
     lr: float = 2e-3
     vision_lr: float = 2.0  # the vision tower's (mergers included) learning rate, times `lr`
     probe_weight: float = 1.0  # the vision probe's loss (see qvl.demo.probe), added to the answers' loss
+    attend_weight: float = 0.3  # the named shapes' attention target (see attention_loss), likewise
     vision_steps: int | None = None  # first steps: the vision tower learns from the probe alone (see train;
     # None: the architecture's)
     turns: int | None = None  # questions per scene in one training conversation (None: the architecture's)
@@ -105,6 +108,8 @@ class Encoded:
     grid_thw: tuple[int, int, int]
     probe: dict | None = None  # the vision probe's targets for this picture (see qvl.demo.probe)
     answers: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each answer and its <|im_end|>
+    attend: list[torch.Tensor] = field(default_factory=list)  # per answer about a scene: bool [len(ids)],
+    # true on the image tokens of the shapes its question names
 
 
 class Encoder:
@@ -119,6 +124,7 @@ class Encoder:
         self.image_cfg = ImageProcessorConfig.from_file(model_dir / "preprocessor_config.json")
         self.end = self.tokenizer.token_id("<|im_end|>")
         self.colour_ids = {name: self.tokenizer.encode(name, special_tokens=False)[0] for name in COLOURS}
+        self.image_token_id = json.loads((model_dir / "config.json").read_text())["image_token_id"]
 
     def prompt(self, item: Sample, image: ProcessedImage | None = None) -> Encoded:
         """The item's prompt (`image`: its picture, if already processed)."""
@@ -165,6 +171,13 @@ class Encoder:
             encoded.ids = ids + self.tokenizer.encode(reply, special_tokens=False) + [self.end]
             encoded.answers.append((len(ids), len(encoded.ids)))
             last = reply
+        if item.task != "read":
+            ids = torch.tensor(encoded.ids)
+            where = (ids == self.image_token_id).nonzero().flatten()  # the picture's tokens, row-major
+            for question in [item.question, *(q for q, _ in more)][: len(encoded.answers)]:
+                mask = torch.zeros(len(ids), dtype=torch.bool)
+                mask[where] = probe.covered(item.image.size, image.grid_thw, named_shapes(question, list(item.marks)))
+                encoded.attend.append(mask)
         return encoded
 
 
@@ -208,7 +221,9 @@ def _padded(items: list[Encoded], image_token_id: int, pad: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels,
             "mm_token_type_ids": (ids == image_token_id).int(),
             "pixel_values": torch.cat([e.pixel_values for e in items]),
-            "image_grid_thw": torch.tensor([e.grid_thw for e in items])}
+            "image_grid_thw": torch.tensor([e.grid_thw for e in items]),
+            "attend": [(row, start, end, F.pad(mask, (0, length - len(mask)))) for row, e in enumerate(items)
+                       for (start, end), mask in zip(e.answers, e.attend) if mask.any()]}
 
 
 def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives: torch.Tensor) -> tuple:
@@ -219,7 +234,7 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
     answer tokens)."""
     hidden, targets = [], []
     for group in batch["groups"]:
-        inputs = {k: v for k, v in group.items() if k != "labels"}
+        inputs = {k: v for k, v in group.items() if k not in ("labels", "attend")}
         states = model.model(**inputs).last_hidden_state[:, :-1]  # [B, T-1, H]
         labels = group["labels"][:, 1:]
         keep = labels != -100
@@ -232,14 +247,40 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
     return F.cross_entropy(logits, torch.searchsorted(vocabulary, targets)), len(targets)
 
 
+def attention_loss(model, batch: dict) -> torch.Tensor:
+    """How far the attended head is from looking at the named shapes: at each position that
+    predicts an answer token about a scene, -log of the attention its first head gives the
+    image tokens of the shapes the question names (see Encoded.attend), averaged per answer and
+    over the batch's answers; from the attention weights of the last training forward of each
+    group. 0 without such answers. Binding a name to where it is drawn is what the language
+    model otherwise learns slowest: among several shapes it answered about one at random."""
+    weights, model.attended = model.attended, []
+    terms = []
+    for group, attention in zip(batch["groups"], weights):  # attention [B, heads, T, T]
+        for row, start, end, mask in group["attend"]:
+            mass = attention[row, 0, start - 1:end - 1][:, mask].sum(-1)  # [answer tokens]
+            terms.append(-torch.log(mass + 1e-6).mean())
+    return torch.stack(terms).mean() if terms else torch.zeros(())
+
+
 def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwen3-vl"]):
     """The trainable model from the seed, with the vision probe's heads as `model.probe` (not part
-    of the checkpoint) fed by a hook on the merger."""
+    of the checkpoint) fed by a hook on the merger, and (arch.attend_layer) a hook keeping that
+    layer's attention weights in training forwards (`model.attended`: transformers' eager
+    attention, the one that returns them)."""
     import transformers
 
     torch.manual_seed(seed)
     model_config = getattr(transformers, arch.config_class)(**config)
+    if arch.attend_layer is not None:  # (the vision tower's too: the shipped model was trained so)
+        model_config._attn_implementation = "eager"
+        model_config.text_config._attn_implementation = "eager"
     model = getattr(transformers, arch.model_class)(model_config).float().train()
+    model.attended = []
+    if arch.attend_layer is not None:
+        layer = model.model.language_model.layers[arch.attend_layer].self_attn
+        layer.register_forward_hook(lambda attention, args, out: model.attended.append(out[1])
+                                    if attention.training else None)
     model.probe = probe.VisionProbe(config["text_config"]["hidden_size"])
     model.model.visual.merger.image_tokens = []  # emptied by probe_loss and at each training step
     model.model.visual.merger.register_forward_hook(_keep_image_tokens)
@@ -383,7 +424,7 @@ def train(out: Path, config: TrainConfig) -> Path:
         step, seen, used = state["step"], set(state["seen"]), set(state.get("used", ()))
         print(f"resuming at step {step} of {config.steps}", flush=True)
     log = open(work / "log.jsonl", "a", encoding="utf-8")
-    window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
+    window = new_window()
     for batch in batches(encode, config, step, image_token_id):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step, group["start"]) * group["lr_scale"]
@@ -392,17 +433,20 @@ def train(out: Path, config: TrainConfig) -> Path:
         model.model.visual.merger.image_tokens = []  # this step's pictures only (not the checks')
         if step < config.vision_steps:  # the vision tower alone: ~4x cheaper a step
             model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
-            loss, answer_tokens = torch.zeros(()), 0
+            loss, attended, answer_tokens = torch.zeros(()), torch.zeros(()), 0
         else:
+            model.attended = []
             loss, answer_tokens = answer_loss(model, batch, seen, negatives)
+            attended = attention_loss(model, batch)
         used.update(torch.cat([g["input_ids"].flatten() for g in batch["groups"]]).unique().tolist())
         probed = probe_loss(model, batch, negatives[:256])
         optimizer.zero_grad(set_to_none=True)
-        (loss + config.probe_weight * probed).backward()
+        (loss + config.attend_weight * attended + config.probe_weight * probed).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         window["loss"] += loss.item()
+        window["attend"] += attended.item()
         window["probe"] += probed.item()
         window["steps"] += 1
         window["answer_tokens"] += answer_tokens
@@ -411,7 +455,7 @@ def train(out: Path, config: TrainConfig) -> Path:
             record = report(window, step, config, time.perf_counter() - started)
             log.write(json.dumps(record) + "\n")
             log.flush()
-            window = {"loss": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0, "started": time.perf_counter()}
+            window = new_window()
         if step > config.vision_steps and step % config.eval_every == 0 or step == config.steps:
             record = {"step": step, "held_out": held_out(model, encode, config, image_token_id)}
             print(json.dumps(record), flush=True)
@@ -429,9 +473,16 @@ def train(out: Path, config: TrainConfig) -> Path:
     return out
 
 
+def new_window() -> dict:
+    """What report() sums over the steps between two log lines."""
+    return {"loss": 0.0, "attend": 0.0, "probe": 0.0, "steps": 0, "answer_tokens": 0, "tokens": 0,
+            "started": time.perf_counter()}
+
+
 def report(window: dict, step: int, config: TrainConfig, elapsed: float) -> dict:
     seconds = time.perf_counter() - window["started"]
     record = {"step": step, "loss": round(window["loss"] / window["steps"], 4),
+              "attend_loss": round(window["attend"] / window["steps"], 4),
               "probe_loss": round(window["probe"] / window["steps"], 4),
               "lr": learning_rate(config, step - 1, config.vision_steps),
               "tokens_per_s": round(window["tokens"] / seconds, 1),
