@@ -435,7 +435,6 @@ def train(out: Path, config: TrainConfig) -> Path:
             model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
             loss, attended, answer_tokens = torch.zeros(()), torch.zeros(()), 0
         else:
-            model.attended = []
             loss, answer_tokens = answer_loss(model, batch, seen, negatives)
             attended = attention_loss(model, batch)
         used.update(torch.cat([g["input_ids"].flatten() for g in batch["groups"]]).unique().tolist())
