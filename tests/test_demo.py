@@ -162,18 +162,50 @@ def test_the_attention_target_is_the_shapes_each_question_names():
     assert losses[-1] < losses[0] * 0.8, losses
 
 
+def test_the_finishing_steps_train_the_language_model_on_scenes():
+    """After `steps`, the finishing steps draw mostly scenes, restart the language model's
+    learning rate with a warm-up to `finish_lr` and a cosine to a tenth of it, and keep the
+    vision tower (which already reads the boxes) frozen."""
+    from collections import Counter
+
+    from qvl.demo.data import MIX
+    from qvl.demo.train import FINISH_MIX, FINISH_WARMUP, TrainConfig, param_groups, set_learning_rates
+
+    config = TrainConfig(steps=1000, vision_steps=600, finish_steps=300, finish_lr=1e-3)
+    model = torch.nn.Module()
+    model.visual, model.text = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    model.named_parameters = lambda: [("model.visual.w", model.visual.weight), ("model.language_model.w", model.text.weight)]
+    optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr)
+
+    def rates(step):
+        set_learning_rates(optimizer, config, step)
+        return [g["lr"] for g in optimizer.param_groups]  # text, vision
+
+    assert rates(0)[0] == 0 and rates(0)[1] > 0  # the vision tower first
+    assert rates(999)[0] == pytest.approx(config.lr / 10, rel=0.01)
+    assert rates(1000) == [pytest.approx(1e-3 / FINISH_WARMUP), 0.0]
+    assert rates(1000 + FINISH_WARMUP - 1) == [pytest.approx(1e-3), 0.0]
+    assert rates(1299) == [pytest.approx(1e-4, rel=0.01), 0.0]
+
+    scenes = Counter(sample(0, i, mix=FINISH_MIX).task != "read" for i in range(400))[True]
+    before = Counter(sample(0, i, mix=MIX).task != "read" for i in range(400))[True]
+    assert scenes > 1.7 * before
+
+
 @pytest.mark.slow  # builds and trains the 23.5 M-parameter model for a few steps, three times
 def test_training_is_deterministic_resumes_exactly_and_loads_in_qvl(tmp_path):
     from qvl.cli import main as qvl
     from qvl.demo.train import TrainConfig, train
 
-    config = TrainConfig(steps=2, batch_size=2, eval_items=4, save_every=1, log_every=1, vision_steps=1)
+    config = TrainConfig(steps=2, batch_size=2, eval_items=4, save_every=1, log_every=1, vision_steps=1,
+                         finish_steps=1)
     straight = train(tmp_path / "straight", config)
     train(tmp_path / "resumed", TrainConfig(**{**config.__dict__, "minutes": 0.0}))  # stops after step 1
     resumed = train(tmp_path / "resumed", config)
     assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
     log = [json.loads(line) for line in (straight / "train" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log if "loss" in r] == [1, 2] and "held_out" in log[-1]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in log if "held_out" in r] == [2, 3]  # the end of each phase
 
     write_set(tmp_path / "set", seed=1, count=2)
     assert qvl(["eval", str(tmp_path / "set"), "--model", str(straight), "--weights", "fp32", "--threads", "1",

@@ -25,6 +25,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr, warmup=args.warmup,
                          vision_lr=args.vision_lr, vision_steps=args.vision_steps, probe_weight=args.probe_weight,
                          attend_weight=args.attend_weight, turns=args.turns, arch=args.arch,
+                         finish_steps=args.finish_steps, finish_lr=args.finish_lr,
+                         finish_vision_lr=args.finish_vision_lr,
                          eval_every=args.eval_every, eval_items=args.eval_items, save_every=args.save_every,
                          log_every=args.log_every, threads=args.threads, groups=args.groups, minutes=args.minutes)
     out = train(Path(args.out), config)
@@ -61,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
     p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
-    p.add_argument("--steps", type=int, help="default: the architecture's (qwen3-vl 8300, qwen3.5 6800: ~40 minutes "
-                                            "on 2 cores)")
+    p.add_argument("--steps", type=int, help="steps before the finishing ones (default: the architecture's: "
+                                            "qwen3-vl 8300, qwen3.5 6800)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW; cosine to a tenth)")
@@ -76,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attend-weight", type=float, default=d.attend_weight,
                    help="weight of the target that one attention head looks at the shapes a question names "
                         "(qwen3-vl; 0: none)")
+    p.add_argument("--finish-steps", type=int,
+                   help="steps after --steps on a mix weighted to scenes, at their own learning rate (default: the "
+                        "architecture's: qwen3-vl 700, qwen3.5 0)")
+    p.add_argument("--finish-lr", type=float, default=d.finish_lr,
+                   help="the finishing steps' peak learning rate (a warm-up, then a cosine to a tenth)")
+    p.add_argument("--finish-vision-lr", type=float, default=d.finish_vision_lr,
+                   help="the vision tower's learning rate in the finishing steps, times --finish-lr (0: frozen)")
     p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "
                                           "qwen3.5, whose template re-renders earlier turns without their reasoning)")
     p.add_argument("--arch", choices=list(ARCHITECTURES), default=d.arch,

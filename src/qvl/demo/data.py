@@ -296,10 +296,10 @@ MAKERS: dict[str, Callable[[random.Random], Sample]] = {
     "read": read_item, "detect": detect_item, "point": point_item, "ask": ask_item}
 
 
-def sample(seed: int, index: int, task: str | None = None) -> Sample:
-    """Item `index` of the set drawn from `seed`: one of `task`, or of a task drawn by MIX."""
+def sample(seed: int, index: int, task: str | None = None, mix: dict[str, float] = MIX) -> Sample:
+    """Item `index` of the set drawn from `seed`: one of `task`, or of a task drawn by `mix`."""
     rng = random.Random(f"qvl-demo:{seed}:{index}")
-    task = task or rng.choices(list(MIX), weights=list(MIX.values()))[0]
+    task = task or rng.choices(list(mix), weights=list(mix.values()))[0]
     if task not in MAKERS:
         raise ValueError(f"unknown task '{task}' (choose from: {', '.join(MAKERS)})")
     return MAKERS[task](rng)

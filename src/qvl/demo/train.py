@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qvl.demo import probe
-from qvl.demo.data import COLOURS, TASK_NAMES, Sample, follow_ups, named_shapes, sample
+from qvl.demo.data import COLOURS, MIX, TASK_NAMES, Sample, follow_ups, named_shapes, sample
 from qvl.eval.metrics import score
 from qvl.processing.image import ImageProcessorConfig, ProcessedImage, preprocess
 from qvl.processing.prompt import load_chat_template, tokenize_chat
@@ -61,17 +61,23 @@ class Architecture:
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
-    vision_steps: int  # ~40 minutes on 2 cores (docs/demo-models.md: the aim is 45)
+    vision_steps: int  # ~35 minutes on 2 cores, ~44 with the finishing steps (docs/demo-models.md: the aim is 45)
+    finish_steps: int  # after `steps`: more on FINISH_MIX, at their own learning rate (see learning_rate)
     attend_layer: int | None  # the attention layer whose first head learns where the named shapes are
     # (see attention_loss; None: no such target)
 
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             8300, 6000, 2),
+                             8300, 6000, 700, 2),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
-                            1, 6800, 5000, None),
+                            1, 6800, 5000, 0, None),
 }
+# The finishing steps' tasks: weighted to the scenes, whose boxes and points the language model
+# learns slowest (writing a coordinate it has to work out, not copy), with enough text strips to
+# keep its reading.
+FINISH_MIX = {"read": 0.3, "detect": 0.45, "point": 0.1, "ask": 0.15}
+FINISH_WARMUP = 50
 EMPTY_THOUGHT = "\n</think>\n\n"  # after the template's "<think>\n": no reasoning, then the answer
 
 
@@ -87,6 +93,9 @@ class TrainConfig:
     vision_steps: int | None = None  # first steps: the vision tower learns from the probe alone (see train;
     # None: the architecture's)
     turns: int | None = None  # questions per scene in one training conversation (None: the architecture's)
+    finish_steps: int | None = None  # the finishing steps after `steps` (None: the architecture's)
+    finish_lr: float = 1e-3  # their peak learning rate
+    finish_vision_lr: float = 0.0  # the vision tower's learning rate in them, times `finish_lr` (0: frozen)
     weight_decay: float = 0.01
     warmup: int = 200
     negatives: int = 2048  # random vocabulary rows in each step's softmax (see answer_loss)
@@ -98,6 +107,10 @@ class TrainConfig:
     groups: int = 3  # a batch runs as up to this many padded batches of similar lengths (see collate)
     minutes: float | None = None  # stop after this much wall time (state saved: run again to go on)
     arch: str = "qwen3-vl"  # qwen3-vl | qwen3.5 (ARCHITECTURES)
+
+    @property
+    def last_step(self) -> int:
+        return self.steps + (self.finish_steps or 0)
 
 
 @dataclass
@@ -315,31 +328,50 @@ def probe_loss(model, batch: dict, negatives: torch.Tensor) -> torch.Tensor:
 def param_groups(model, config: TrainConfig) -> list[dict]:
     """AdamW's groups: the vision tower (its mergers and the probe included) at `vision_lr` times
     the learning rate, from the first step; the rest at the learning rate, from `vision_steps` on
-    (`lr_scale`, `start`)."""
+    (`lr_scale`, `start`); in the finishing steps, the vision tower at `finish_vision_lr` times
+    theirs (`finish_scale`)."""
     vision, text = [], []
     for name, p in model.named_parameters():
         (vision if name.startswith(("model.visual.", "probe.")) else text).append(p)
-    return [{"params": text, "lr_scale": 1.0, "start": config.vision_steps, "weight_decay": config.weight_decay},
-            {"params": vision, "lr_scale": config.vision_lr, "start": 0, "weight_decay": config.weight_decay}]
+    return [{"params": text, "lr_scale": 1.0, "finish_scale": 1.0, "start": config.vision_steps,
+             "weight_decay": config.weight_decay},
+            {"params": vision, "lr_scale": config.vision_lr, "finish_scale": config.finish_vision_lr, "start": 0,
+             "weight_decay": config.weight_decay}]
 
 
 def learning_rate(config: TrainConfig, step: int, start: int = 0) -> float:
-    """0 before `start`, then a linear warm-up and a cosine down to a tenth at the last step."""
+    """0 before `start`, then a linear warm-up and a cosine down to a tenth at step `steps`; the
+    finishing steps after it start over from 0 with a warm-up (FINISH_WARMUP) to `finish_lr` and
+    a cosine down to a tenth of it at the last step."""
+    if step >= config.steps:
+        return _warm_cosine(config.finish_lr, step - config.steps, config.last_step - config.steps, FINISH_WARMUP)
     if step < start:
         return 0.0
-    step, steps = step - start, config.steps - start
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    done = (step - config.warmup) / max(1, steps - config.warmup)
-    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
+    return _warm_cosine(config.lr, step - start, config.steps - start, config.warmup)
+
+
+def set_learning_rates(optimizer, config: TrainConfig, step: int) -> None:
+    """Each of param_groups' groups at its learning rate for `step`."""
+    for group in optimizer.param_groups:
+        scale = group["finish_scale"] if step >= config.steps else group["lr_scale"]
+        group["lr"] = learning_rate(config, step, group["start"]) * scale
+
+
+def _warm_cosine(peak: float, step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    done = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
 def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
-    """The batches of steps `start`..: step k's holds items k*B .. k*B+B-1 of the seed's stream."""
+    """The batches of steps `start`..: step k's holds items k*B .. k*B+B-1 of the seed's stream
+    (drawn by MIX, by FINISH_MIX in the finishing steps)."""
     turns = config.turns or ARCHITECTURES[config.arch].turns
-    for step in range(start, config.steps):
+    for step in range(start, config.last_step):
         first = step * config.batch_size
-        items = [(first + j, sample(config.seed, first + j)) for j in range(config.batch_size)]
+        mix = FINISH_MIX if step >= config.steps else MIX
+        items = [(first + j, sample(config.seed, first + j, mix=mix)) for j in range(config.batch_size)]
         yield collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
                       image_token_id, encode.pad, config.groups)
 
@@ -406,7 +438,8 @@ def train(out: Path, config: TrainConfig) -> Path:
     started = time.perf_counter()
     arch = ARCHITECTURES[config.arch]
     config = replace(config, steps=arch.steps if config.steps is None else config.steps,
-                     vision_steps=arch.vision_steps if config.vision_steps is None else config.vision_steps)
+                     vision_steps=arch.vision_steps if config.vision_steps is None else config.vision_steps,
+                     finish_steps=arch.finish_steps if config.finish_steps is None else config.finish_steps)
     checkpoint = preset_config(arch.preset, arch.changes)
     write_side_files(out, checkpoint, generation=GENERATION, preprocessor=PREPROCESSOR)
     work = out / "train"
@@ -421,13 +454,14 @@ def train(out: Path, config: TrainConfig) -> Path:
         state = torch.load(state_file, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        for group, fresh in zip(optimizer.param_groups, param_groups(model, config)):  # the schedule: this config's
+            group.update({k: v for k, v in fresh.items() if k != "params"})
         step, seen, used = state["step"], set(state["seen"]), set(state.get("used", ()))
-        print(f"resuming at step {step} of {config.steps}", flush=True)
+        print(f"resuming at step {step} of {config.last_step}", flush=True)
     log = open(work / "log.jsonl", "a", encoding="utf-8")
     window = new_window()
     for batch in batches(encode, config, step, image_token_id):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step, group["start"]) * group["lr_scale"]
+        set_learning_rates(optimizer, config, step)
         negatives = torch.randint(0, checkpoint["text_config"]["vocab_size"], (config.negatives,),
                                   generator=torch.Generator().manual_seed(config.seed * 7_919 + step))
         model.model.visual.merger.image_tokens = []  # this step's pictures only (not the checks')
@@ -450,18 +484,18 @@ def train(out: Path, config: TrainConfig) -> Path:
         window["steps"] += 1
         window["answer_tokens"] += answer_tokens
         window["tokens"] += sum(int(g["attention_mask"].sum()) for g in batch["groups"])
-        if step % config.log_every == 0 or step == config.steps:
+        if step % config.log_every == 0 or step == config.last_step:
             record = report(window, step, config, time.perf_counter() - started)
             log.write(json.dumps(record) + "\n")
             log.flush()
             window = new_window()
-        if step > config.vision_steps and step % config.eval_every == 0 or step == config.steps:
+        if step > config.vision_steps and step % config.eval_every == 0 or step in (config.steps, config.last_step):
             record = {"step": step, "held_out": held_out(model, encode, config, image_token_id)}
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")
             log.flush()
         out_of_time = config.minutes is not None and time.perf_counter() - started > 60 * config.minutes
-        if step % config.save_every == 0 or step == config.steps or out_of_time:
+        if step % config.save_every == 0 or step in (config.steps, config.last_step) or out_of_time:
             save_state(state_file, model, optimizer, step, seen, used)
         if out_of_time:
             print(f"stopped after {config.minutes} minutes at step {step}: run the same command to go on", flush=True)
