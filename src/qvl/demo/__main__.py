@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
     p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
     p.add_argument("--steps", type=int, help="steps before the finishing ones (default: the architecture's: "
-                                            "qwen3-vl 8300, qwen3.5 6800)")
+                                            "qwen3-vl 10300, qwen3.5 6800)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW; cosine to a tenth)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
     p.add_argument("--vision-steps", type=int,
                    help="first steps that train the vision tower alone, from the vision probe (~3x cheaper each; "
-                        "default: the architecture's: qwen3-vl 6000, qwen3.5 5000)")
+                        "default: the architecture's: qwen3-vl 8000, qwen3.5 5000)")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
     p.add_argument("--attend-weight", type=float, default=d.attend_weight,
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(qwen3-vl; 0: none)")
     p.add_argument("--finish-steps", type=int,
                    help="steps after --steps on a mix weighted to scenes, at their own learning rate (default: the "
-                        "architecture's: qwen3-vl 700, qwen3.5 0)")
+                        "architecture's: qwen3-vl 1300, qwen3.5 0)")
     p.add_argument("--finish-lr", type=float, default=d.finish_lr,
                    help="the finishing steps' peak learning rate (a warm-up, then a cosine to a tenth)")
     p.add_argument("--finish-vision-lr", type=float, default=d.finish_vision_lr,

@@ -135,12 +135,12 @@ class VisionProbe(torch.nn.Module):
         self.read = torch.nn.Linear(hidden, 2 * SLOTS * hidden)
         self.scene = torch.nn.Linear(hidden, SHAPE_CLASSES + 4 + 1 + hidden)
 
-    def loss(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor], embeddings: torch.Tensor,
+    def loss(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor], table: torch.Tensor,
              vocabulary: torch.Tensor) -> torch.Tensor:
         """The probe's loss for the merged image tokens [N, hidden] of the batch's pictures; token
-        ids are scored over `vocabulary` (sorted ids that include every target) of `embeddings`."""
+        ids are scored over `vocabulary` (sorted ids that include every target), whose token
+        embeddings are `table` [V', hidden]."""
         loss = tokens.new_zeros(())
-        table = embeddings[vocabulary]  # [V', hidden]
         if "read_index" in batch:
             strip = tokens[batch["read_index"]]
             loss = loss + F.cross_entropy(self.characters(strip).view(-1, OTHER + 1), batch["read_characters"].flatten())

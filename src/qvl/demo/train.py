@@ -17,6 +17,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
@@ -61,7 +62,7 @@ class Architecture:
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
-    vision_steps: int  # ~35 minutes on 2 cores, ~44 with the finishing steps (docs/demo-models.md: the aim is 45)
+    vision_steps: int  # with the finishing steps ~43 minutes on 2 cores (docs/demo-models.md: the aim is 45)
     finish_steps: int  # after `steps`: more on FINISH_MIX, at their own learning rate (see learning_rate)
     attend_layer: int | None  # the attention layer whose first head learns where the named shapes are
     # (see attention_loss; None: no such target)
@@ -69,7 +70,7 @@ class Architecture:
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             8300, 6000, 700, 2),
+                             10300, 8000, 1300, 2),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
                             1, 6800, 5000, 0, None),
 }
@@ -138,6 +139,8 @@ class Encoder:
         self.end = self.tokenizer.token_id("<|im_end|>")
         self.colour_ids = {name: self.tokenizer.encode(name, special_tokens=False)[0] for name in COLOURS}
         self.image_token_id = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+        opening = tokenize_chat(self.tokenizer, self.template, [{"role": "user", "content": "?"}], []).ids
+        self.before = [*opening, *self.thought][-1]  # the token every answer follows
 
     def prompt(self, item: Sample, image: ProcessedImage | None = None) -> Encoded:
         """The item's prompt (`image`: its picture, if already processed)."""
@@ -164,16 +167,27 @@ class Encoder:
             return self.tokenizer.encode(item.answer, special_tokens=False)
         return [i for char in item.answer for i in self.tokenizer.encode(char, special_tokens=False)]
 
+    def probe_targets(self, item: Sample, image: ProcessedImage) -> dict:
+        """The vision probe's targets for the item's picture (`image`, processed)."""
+        answer = self.answer_ids(item)
+        return probe.targets(item, image.grid_thw, answer, [self.tokenizer.token_bytes(t) for t in answer],
+                             self.before, self.end, self.colour_ids)
+
+    def pictures(self, items: list[Sample]) -> dict:
+        """What a vision-only step reads of `items`: their pictures (`pixel_values`,
+        `image_grid_thw`) and the probe's targets (`probe`), as collate gives them."""
+        images = [preprocess(item.image, self.image_cfg) for item in items]
+        return {"pixel_values": torch.cat([image.pixel_values for image in images]),
+                "image_grid_thw": torch.tensor([image.grid_thw for image in images]),
+                "probe": probe.collate([self.probe_targets(item, image) for item, image in zip(items, images)])}
+
     def __call__(self, item: Sample, more: list[tuple[str, str]] = ()) -> Encoded:
         """The item's question and answer, then the `more` (question, answer) turns about the
         same picture: the ids, where each answer is, and the probe's targets."""
         image = preprocess(item.image, self.image_cfg)
         encoded = self.prompt(item, image)
-        answer = self.answer_ids(item)
-        before = [*encoded.ids, *self.thought][-1]
-        encoded.probe = probe.targets(item, encoded.grid_thw, answer, [self.tokenizer.token_bytes(t) for t in answer],
-                                      before, self.end, self.colour_ids)
-        encoded.ids = encoded.ids + self.thought + answer + [self.end]
+        encoded.probe = self.probe_targets(item, image)
+        encoded.ids = encoded.ids + self.thought + self.answer_ids(item) + [self.end]
         encoded.answers = [(encoded.prompt_length, len(encoded.ids))]
         history, last = [], item.answer
         for question, reply in more:
@@ -256,7 +270,7 @@ def answer_loss(model, batch: dict[str, torch.Tensor], seen: set[int], negatives
     hidden, targets = torch.cat(hidden), torch.cat(targets)  # [N, H], [N]
     seen.update(targets.tolist())
     vocabulary = torch.unique(torch.cat([torch.tensor(sorted(seen)), negatives]))  # sorted
-    logits = hidden @ model.lm_head.weight[vocabulary].T  # [N, V']
+    logits = hidden @ model.rows(vocabulary).T  # [N, V']: the tied embedding's rows
     return F.cross_entropy(logits, torch.searchsorted(vocabulary, targets)), len(targets)
 
 
@@ -289,6 +303,11 @@ def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwe
         model_config._attn_implementation = "eager"
         model_config.text_config._attn_implementation = "eager"
     model = getattr(transformers, arch.model_class)(model_config).float().train()
+    if not config.get("tie_word_embeddings"):
+        raise ValueError("the demo trainer reads one table for the inputs and the softmax: tied embeddings only")
+    embed = model.model.language_model.embed_tokens
+    model.rows = embed.weight.__getitem__  # the token embedding's rows by id (step_rows gathers them once a step)
+    embed.forward = lambda ids: model.rows(ids)
     model.attended = []
     if arch.attend_layer is not None:
         layer = model.model.language_model.layers[arch.attend_layer].self_attn
@@ -321,8 +340,50 @@ def probe_loss(model, batch: dict, negatives: torch.Tensor) -> torch.Tensor:
     merger = model.model.visual.merger
     tokens, merger.image_tokens = torch.cat(merger.image_tokens), []
     vocabulary = torch.unique(torch.cat([model.probe.token_ids(batch["probe"]), negatives]))
-    return model.probe.loss(tokens, batch["probe"],
-                            model.model.language_model.embed_tokens.weight, vocabulary)
+    return model.probe.loss(tokens, batch["probe"], model.rows(vocabulary), vocabulary)
+
+
+class _GatherRows(torch.autograd.Function):
+    """weight[names]; its backward adds into weight.grad in place, `buffer` (zeroed, weight's
+    shape) when weight has none, instead of handing autograd a new weight-sized gradient."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, names: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(names)
+        ctx.weight, ctx.buffer = weight, buffer
+        return weight[names]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (names,) = ctx.saved_tensors
+        if ctx.weight.grad is None:
+            ctx.weight.grad = ctx.buffer
+        ctx.weight.grad.index_add_(0, names, grad)
+        return None, None, None
+
+
+@contextmanager
+def step_rows(model, ids: torch.Tensor, frozen: bool = False):
+    """Within it, every read of the tied token embedding (the language model's inputs, the
+    sampled softmax's rows, the probe's targets: `model.rows`) takes its rows from one table
+    gathered once for the ids `ids` names (every id the step reads), and the backward adds the
+    table's gradient into the embedding's, a buffer kept from step to step: a new 151,936-row
+    gradient per read, or even per step, costs ~60 ms of page faults each (an eighth of a whole
+    step). `frozen`: the table is gathered from the embedding detached (it gets no gradient: the
+    vision-only steps, where it does not train)."""
+    weight = model.model.language_model.embed_tokens.weight
+    names = torch.unique(ids)  # sorted
+    if frozen:
+        table = weight.detach()[names]  # [len(names), hidden]
+    else:
+        if getattr(model, "embedding_grad", None) is None:
+            model.embedding_grad = torch.zeros_like(weight)
+        table = _GatherRows.apply(weight, names, model.embedding_grad.zero_())
+    model.rows = lambda wanted: table[torch.searchsorted(names, wanted)]
+    try:
+        yield
+    finally:
+        model.rows = weight.__getitem__
 
 
 def param_groups(model, config: TrainConfig) -> list[dict]:
@@ -366,12 +427,16 @@ def _warm_cosine(peak: float, step: int, steps: int, warmup: int) -> float:
 
 def batches(encode: Encoder, config: TrainConfig, start: int, image_token_id: int) -> Iterator[dict]:
     """The batches of steps `start`..: step k's holds items k*B .. k*B+B-1 of the seed's stream
-    (drawn by MIX, by FINISH_MIX in the finishing steps)."""
+    (drawn by MIX, by FINISH_MIX in the finishing steps); a vision-only step's, their pictures
+    and the probe's targets alone (Encoder.pictures)."""
     turns = config.turns or ARCHITECTURES[config.arch].turns
     for step in range(start, config.last_step):
         first = step * config.batch_size
         mix = FINISH_MIX if step >= config.steps else MIX
         items = [(first + j, sample(config.seed, first + j, mix=mix)) for j in range(config.batch_size)]
+        if step < config.vision_steps:  # the probe's pictures alone
+            yield encode.pictures([item for _, item in items])
+            continue
         yield collate([encode(item, follow_ups(config.seed, index, item, turns - 1)) for index, item in items],
                       image_token_id, encode.pad, config.groups)
 
@@ -412,9 +477,10 @@ def image_gain(model, batch: dict) -> float:
         raise ValueError("image_gain needs pictures of one size")
     negatives = torch.randint(0, model.lm_head.weight.shape[0], (2048,), generator=torch.Generator().manual_seed(0))
     seen = set(group["labels"][group["labels"] != -100].tolist())
-    own, _ = answer_loss(model, batch, seen, negatives)
-    shifted = group["pixel_values"].roll(-int(grid[0].prod()), dims=0)  # [patches, C]: item i gets i+1's
-    other, _ = answer_loss(model, {"groups": [{**group, "pixel_values": shifted}]}, seen, negatives)
+    with step_rows(model, torch.cat([group["input_ids"].flatten(), negatives])):
+        own, _ = answer_loss(model, batch, seen, negatives)
+        shifted = group["pixel_values"].roll(-int(grid[0].prod()), dims=0)  # [patches, C]: item i gets i+1's
+        other, _ = answer_loss(model, {"groups": [{**group, "pixel_values": shifted}]}, seen, negatives)
     return round((other - own).item(), 4)
 
 
@@ -465,14 +531,20 @@ def train(out: Path, config: TrainConfig) -> Path:
         negatives = torch.randint(0, checkpoint["text_config"]["vocab_size"], (config.negatives,),
                                   generator=torch.Generator().manual_seed(config.seed * 7_919 + step))
         model.model.visual.merger.image_tokens = []  # this step's pictures only (not the checks')
-        if step < config.vision_steps:  # the vision tower alone: ~4x cheaper a step
-            model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
-            loss, attended, answer_tokens = torch.zeros(()), torch.zeros(()), 0
-        else:
-            loss, answer_tokens = answer_loss(model, batch, seen, negatives)
-            attended = attention_loss(model, batch)
-        used.update(torch.cat([g["input_ids"].flatten() for g in batch["groups"]]).unique().tolist())
-        probed = probe_loss(model, batch, negatives[:256])
+        vision_only = step < config.vision_steps  # the vision tower alone: ~3x cheaper a step
+        reads = [model.probe.token_ids(batch["probe"]), negatives[:256]]
+        if not vision_only:
+            inputs = torch.cat([g["input_ids"].flatten() for g in batch["groups"]])
+            used.update(inputs.unique().tolist())
+            reads += [inputs, torch.tensor(sorted(seen), dtype=torch.long), negatives]
+        with step_rows(model, torch.cat(reads), frozen=vision_only):
+            if vision_only:
+                model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+                loss, attended, answer_tokens = torch.zeros(()), torch.zeros(()), 0
+            else:
+                loss, answer_tokens = answer_loss(model, batch, seen, negatives)
+                attended = attention_loss(model, batch)
+            probed = probe_loss(model, batch, negatives[:256])
         optimizer.zero_grad(set_to_none=True)
         (loss + config.attend_weight * attended + config.probe_weight * probed).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -483,7 +555,7 @@ def train(out: Path, config: TrainConfig) -> Path:
         window["probe"] += probed.item()
         window["steps"] += 1
         window["answer_tokens"] += answer_tokens
-        window["tokens"] += sum(int(g["attention_mask"].sum()) for g in batch["groups"])
+        window["tokens"] += sum(int(g["attention_mask"].sum()) for g in batch.get("groups", ()))  # the language model's
         if step % config.log_every == 0 or step == config.last_step:
             record = report(window, step, config, time.perf_counter() - started)
             log.write(json.dumps(record) + "\n")
