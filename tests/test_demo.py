@@ -172,9 +172,9 @@ def test_the_finishing_steps_train_the_language_model_on_scenes():
     from qvl.demo.train import FINISH_MIX, FINISH_WARMUP, TrainConfig, param_groups, set_learning_rates
 
     config = TrainConfig(steps=1000, vision_steps=600, finish_steps=300, finish_lr=1e-3)
-    model = torch.nn.Module()
-    model.visual, model.text = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    model.named_parameters = lambda: [("model.visual.w", model.visual.weight), ("model.language_model.w", model.text.weight)]
+    model = torch.nn.Module()  # the trainable model's two kinds of parameters, by their names
+    model.model = torch.nn.Module()
+    model.model.visual, model.model.language_model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(param_groups(model, config), lr=config.lr)
 
     def rates(step):
