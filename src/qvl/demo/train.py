@@ -307,6 +307,7 @@ def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwe
         raise ValueError("the demo trainer reads one table for the inputs and the softmax: tied embeddings only")
     embed = model.model.language_model.embed_tokens
     model.rows = embed.weight.__getitem__  # the token embedding's rows by id (step_rows gathers them once a step)
+    model.embedding_grad = None  # its gradient's buffer, kept from step to step (step_rows)
     embed.forward = lambda ids: model.rows(ids)
     model.attended = []
     if arch.attend_layer is not None:
@@ -376,7 +377,7 @@ def step_rows(model, ids: torch.Tensor, frozen: bool = False):
     if frozen:
         table = weight.detach()[names]  # [len(names), hidden]
     else:
-        if getattr(model, "embedding_grad", None) is None:
+        if model.embedding_grad is None:
             model.embedding_grad = torch.zeros_like(weight)
         table = _GatherRows.apply(weight, names, model.embedding_grad.zero_())
     model.rows = lambda wanted: table[torch.searchsorted(names, wanted)]
