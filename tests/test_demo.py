@@ -25,6 +25,25 @@ def test_a_seed_draws_the_same_items():
     assert [sample(3, i).answer for i in range(8)] != [sample(4, i).answer for i in range(8)]
 
 
+def test_every_character_of_a_text_strip_is_drawn(monkeypatch):
+    """No string is drawn in a font without its glyphs (Pillow's Aileron has no euro, pound or yen
+    sign: such a price would show boxes, and no reader could tell its currency)."""
+    from qvl.demo import data
+
+    assert not data.has_glyph((None, "Aileron"), "€") and data.has_glyph((None, "Aileron"), "$")
+    assert all(data.has_glyph(data.LATIN_FONTS[0], c) for c in "€£¥$")
+    faces = []
+    original = data.font
+    monkeypatch.setattr(data, "font", lambda which, size: faces.append(which) or original(which, size))
+    prices = 0
+    for i in range(300):
+        faces.clear()
+        item = sample(5, i, "read")
+        prices += any(c in item.answer for c in "€£¥")
+        assert all(data.has_glyph(faces[0], c) for c in item.answer), (i, item.answer, faces[0])
+    assert prices > 10
+
+
 def test_grounding_answers_match_their_pictures():
     """Every box encloses its shape's pixels (not the background) and every point lies on one."""
     for i in range(12):

@@ -87,6 +87,14 @@ def font(which: tuple[str | None, str], size: int) -> ImageFont.FreeTypeFont:
     return ImageFont.load_default(size) if package is None else ImageFont.truetype(font_file(package, name), size)
 
 
+@lru_cache(maxsize=1024)
+def has_glyph(which: tuple[str | None, str], char: str) -> bool:
+    """Whether the font draws `char` as itself, not as its missing-glyph box (Pillow's Aileron
+    has no euro, pound or yen sign: a price in it would be unreadable)."""
+    face = font(which, 24)
+    return bytes(face.getmask(char)) != bytes(face.getmask("\ue000"))  # a private-use code: never drawn
+
+
 # -- reading ----------------------------------------------------------------------------------
 
 def word(rng: random.Random) -> str:
@@ -124,16 +132,17 @@ READ_KINDS: dict[str, Callable[[random.Random], str]] = {
 
 
 def read_item(rng: random.Random) -> Sample:
-    """A text strip: one string of 4-12 characters (2-6 Chinese ones) in one of the fonts at 18-26
-    pixels (Chinese 22-28), dark on light or light on dark, slightly rotated and noisy; letter-spaced:
-    each character centred (give or take a few pixels) in its own CELL-wide cell, the width of one
-    image token, from a random cell on. The strip is one image token high, so each token holds a
-    whole character (in a strip of two rows each would hold half of one: the small model's tower
-    learns that several times slower). The small demo model reads such text; normally spaced text,
-    whose characters fall anywhere across the tokens, takes far more training than its budget."""
+    """A text strip: one string of 4-12 characters (2-6 Chinese ones) in one of the fonts that draw
+    all of them, at 18-26 pixels (Chinese 22-28), dark on light or light on dark, slightly rotated
+    and noisy; letter-spaced: each character centred (give or take a few pixels) in its own
+    CELL-wide cell, the width of one image token, from a random cell on. The strip is one image
+    token high, so each token holds a whole character (in a strip of two rows each would hold half
+    of one: the small model's tower learns that several times slower). The small demo model reads
+    such text; normally spaced text, whose characters fall anywhere across the tokens, takes far
+    more training than its budget."""
     kind = rng.choices(list(READ_KINDS), weights=(3, 2, 2, 2, 2, 2))[0]
     text = READ_KINDS[kind](rng)
-    which = CJK_FONT if kind == "hanzi" else rng.choice(LATIN_FONTS)
+    which = CJK_FONT if kind == "hanzi" else rng.choice([f for f in LATIN_FONTS if all(has_glyph(f, c) for c in text)])
     width, height = READ_SIZE
     ink, paper = _ink_and_paper(rng)
     face = font(which, rng.randint(22, 28) if kind == "hanzi" else rng.randint(18, 26))
