@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qvl.demo.__main__ import main
-from qvl.demo.data import SCENE_SIZE, sample, write_set
+from qvl.demo.data import COLOURS, SCENE_SIZE, sample, write_set
 from qvl.eval.labels import read_labels
 from qvl.grounding import parse
 
@@ -104,6 +104,23 @@ def test_training_targets_spell_each_answer():
         assert encoded.ids[start:end] == [*ids, encode.end]
     item = sample(5, 0, "detect")
     assert encode.answer_ids(item) == encode.tokenizer.encode(item.answer, special_tokens=False)
+
+
+def test_the_probe_teaches_a_scene_token_the_digits_its_shape_is_written_with():
+    """Each image token on a shape is taught the hundreds and tens of the numbers the answers
+    write for that shape (box, then centre); the background has no shape and no digits."""
+    from qvl.demo.probe import DIGITS, NUMBERS, targets
+
+    for i in range(6):
+        item = sample(5, i, "detect")
+        boxes, _ = parse(item.answer)
+        target = targets(item, (1, 12, 12), [], [], 0, 0, dict.fromkeys(COLOURS, 0))
+        on = target["shape"] > 0
+        assert on.any() and (~on).any() and not target["digits"][~on].any()
+        written = {tuple(int(v) for v in (b.x1, b.y1, b.x2, b.y2)) for b in boxes}
+        taught = {tuple(100 * row[2 * k] + 10 * row[2 * k + 1] for k in range(4)) for row in target["digits"][on].tolist()}
+        assert target["digits"].shape[1] == NUMBERS * DIGITS
+        assert {tuple(v // 10 * 10 for v in box) for box in written} <= taught  # every answered shape's
 
 
 def test_a_batch_in_length_groups_trains_as_one():

@@ -6,8 +6,10 @@ what is drawn there, in the language model's own terms:
   token drawn there: that token and the one before it in the answer, as vectors scored against
   the tied token embeddings. An image token then carries "after <previous> comes <this>", which
   the language model can copy with one attention hop keyed on the token it has just written;
-- on a scene, the shape covering the image token (or background), its box, whether its centre is
-  there and its colour's word (again against the embeddings).
+- on a scene, the shape covering the image token (or background), its box, the hundreds and tens
+  digits of each number the answers write for it (box and centre, 0-1000: a class of 10 each, so
+  that the language model finds them as digits, not as a quantity it has to spell), whether its
+  centre is there and its colour's word (again against the embeddings).
 From scratch, the answer loss alone hardly reaches the vision tower (the language model first
 learns the answers' prior and ignores the pictures); this dense, local signal makes the image
 tokens informative, and readable, from the first steps. The heads are dropped when the
@@ -23,7 +25,7 @@ import string
 import torch
 import torch.nn.functional as F
 
-from qvl.demo.data import COLOURS, HANZI, SHAPES, Sample
+from qvl.demo.data import COLOURS, HANZI, SHAPES, Sample, coordinates
 
 SLOTS = 3  # characters (or answer tokens) drawn in one image token's column, left to right
 CHARACTERS = string.ascii_letters + string.digits + " ,.-/:$€£¥" + HANZI  # class k+1; 0 = none, last = other
@@ -31,6 +33,8 @@ CHARACTER_INDEX = {c: i + 1 for i, c in enumerate(CHARACTERS)}
 OTHER = len(CHARACTERS) + 1
 SHAPE_CLASSES = 1 + len(SHAPES) * len(COLOURS)  # 0 = background
 NONE = -1  # an empty slot
+NUMBERS = 6  # the numbers the answers write for a shape: its box x1 y1 x2 y2 and centre x y
+DIGITS = 2  # of each (0-999): the hundreds and the tens, a class of 10 each
 
 
 def token_centres(text: str, marks: tuple, pieces: list[bytes]) -> list[float]:
@@ -56,7 +60,8 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
     for the answer tokens `answer` (their bytes `pieces`; `start` is the token before the first,
     `end` follows the last, drawn one column right of it). A scene: "shape" [tokens], "box"
     [tokens, 4] (x1 y1 x2 y2 as fractions of the picture), "centre" [tokens] and "colour"
-    [tokens] (the colour word's token id, NONE on the background)."""
+    [tokens] (the colour word's token id, NONE on the background), "digits" [tokens, NUMBERS * DIGITS]
+    (the covering shape's, 0 on the background)."""
     rows, cols = grid_thw[1] // 2, grid_thw[2] // 2
     width, height = item.image.size
     if item.task == "read":
@@ -80,6 +85,7 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
     shape = torch.zeros(rows, cols, dtype=torch.long)
     colour = torch.full((rows, cols), NONE)
     box = torch.zeros(rows, cols, 4)
+    digits = torch.zeros(rows, cols, NUMBERS * DIGITS, dtype=torch.long)
     centre = torch.zeros(rows, cols)
     cell_w, cell_h = width / cols, height / rows
     for r in range(rows):
@@ -91,10 +97,12 @@ def targets(item: Sample, grid_thw: tuple[int, int, int], answer: list[int], pie
                 colour[r, c] = colour_ids[covering.colour]
                 x1, y1, x2, y2 = covering.box
                 box[r, c] = torch.tensor([x1 / width, y1 / height, x2 / width, y2 / height])
+                digits[r, c] = torch.tensor([v // 10 ** (2 - d) % 10 for v in coordinates(covering) for d in range(DIGITS)])
     for s in item.marks:
         cx, cy = (s.box[0] + s.box[2]) / 2, (s.box[1] + s.box[3]) / 2
         centre[min(rows - 1, int(cy / cell_h)), min(cols - 1, int(cx / cell_w))] = 1.0
-    return {"shape": shape.flatten(), "colour": colour.flatten(), "box": box.reshape(-1, 4), "centre": centre.flatten()}
+    return {"shape": shape.flatten(), "colour": colour.flatten(), "box": box.reshape(-1, 4), "centre": centre.flatten(),
+            "digits": digits.reshape(rows * cols, -1)}
 
 
 def covered(size: tuple[int, int], grid_thw: tuple[int, int, int], shapes: list) -> torch.Tensor:
@@ -129,11 +137,12 @@ class VisionProbe(torch.nn.Module):
     """Linear heads on the merged image tokens [N, hidden]; token predictions are vectors scored
     against the (tied) token embeddings."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, digits: bool = True):
         super().__init__()
         self.characters = torch.nn.Linear(hidden, SLOTS * (OTHER + 1))
         self.read = torch.nn.Linear(hidden, 2 * SLOTS * hidden)
         self.scene = torch.nn.Linear(hidden, SHAPE_CLASSES + 4 + 1 + hidden)
+        self.digits = torch.nn.Linear(hidden, NUMBERS * DIGITS * 10) if digits else None
 
     def loss(self, tokens: torch.Tensor, batch: dict[str, torch.Tensor], table: torch.Tensor,
              vocabulary: torch.Tensor) -> torch.Tensor:
@@ -158,6 +167,9 @@ class VisionProbe(torch.nn.Module):
             if on.any():
                 box = out[on, SHAPE_CLASSES:SHAPE_CLASSES + 4]
                 loss = loss + 10 * F.l1_loss(box, batch["scene_box"][on])
+                if self.digits is not None:
+                    digits = self.digits(scene[on]).view(-1, 10)
+                    loss = loss + F.cross_entropy(digits, batch["scene_digits"][on].flatten())
                 logits = out[on, SHAPE_CLASSES + 5:] @ table.T
                 loss = loss + F.cross_entropy(logits, torch.searchsorted(vocabulary, batch["scene_colour"][on]))
             loss = loss + F.binary_cross_entropy_with_logits(out[:, SHAPE_CLASSES + 4], batch["scene_centre"])

@@ -66,13 +66,14 @@ class Architecture:
     finish_steps: int  # after `steps`: more on FINISH_MIX, at their own learning rate (see learning_rate)
     attend_layer: int | None  # the attention layer whose first head learns where the named shapes are
     # (see attention_loss; None: no such target)
+    digit_targets: bool  # the vision probe teaches scene tokens their shape's coordinate digits (qvl.demo.probe)
 
 
 ARCHITECTURES = {
     "qwen3-vl": Architecture("tiny", DEMO_CHANGES, "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", False, 3,
-                             10300, 8000, 1300, 2),
+                             10300, 8000, 1300, 2, True),
     "qwen3.5": Architecture("qwen3.5-tiny", QWEN3_5_CHANGES, "Qwen3_5ForConditionalGeneration", "Qwen3_5Config", True,
-                            1, 6800, 5000, 0, None),
+                            1, 6800, 5000, 0, None, False),
 }
 # The finishing steps' tasks: weighted to the scenes, whose boxes and points the language model
 # learns slowest (writing a coordinate it has to work out, not copy), with enough text strips to
@@ -314,7 +315,7 @@ def build_model(config: dict, seed: int, arch: Architecture = ARCHITECTURES["qwe
         layer = model.model.language_model.layers[arch.attend_layer].self_attn
         layer.register_forward_hook(lambda attention, args, out: model.attended.append(out[1])
                                     if attention.training else None)
-    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"])
+    model.probe = probe.VisionProbe(config["text_config"]["hidden_size"], arch.digit_targets)
     model.model.visual.merger.image_tokens = []  # emptied by probe_loss and at each training step
     model.model.visual.merger.register_forward_hook(_keep_image_tokens)
     model.model.visual.patch_embed.forward = _patch_embed_as_linear(model.model.visual.patch_embed)
