@@ -51,6 +51,9 @@ def cmd_path(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from qvl.demo.train import ARCHITECTURES, TrainConfig
 
+    def _per_arch(field: str) -> str:  # an Architecture field's default per architecture, for the help
+        return ", ".join(f"{name} {getattr(arch, field)}" for name, arch in ARCHITECTURES.items())
+
     parser = argparse.ArgumentParser(prog="python -m qvl.demo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("data", help="draw a labelled set (PNG files and labels.jsonl, qvl eval's format)")
@@ -63,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = sub.add_parser("train", help="train the small Qwen3-VL-shaped model from scratch (resumes from OUT/train)")
     p.add_argument("out", help="checkpoint folder (official layout); its train/ subfolder keeps the state to resume")
-    p.add_argument("--steps", type=int, help="steps before the finishing ones (default: the architecture's: "
-                                            "qwen3-vl 10300, qwen3.5 6800)")
+    p.add_argument("--steps", type=int,
+                   help=f"steps before the finishing ones (default: the architecture's: {_per_arch('steps')})")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed, help="weights and the training items (deterministic)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW; cosine to a tenth)")
@@ -72,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vision-lr", type=float, default=d.vision_lr, help="the vision tower's learning rate, times --lr")
     p.add_argument("--vision-steps", type=int,
                    help="first steps that train the vision tower alone, from the vision probe (~3x cheaper each; "
-                        "default: the architecture's: qwen3-vl 8000, qwen3.5 5000)")
+                        f"default: the architecture's: {_per_arch('vision_steps')})")
     p.add_argument("--probe-weight", type=float, default=d.probe_weight,
                    help="weight of the vision probe's loss (0: the answers' loss alone)")
     p.add_argument("--attend-weight", type=float, default=d.attend_weight,
@@ -80,13 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(qwen3-vl; 0: none)")
     p.add_argument("--finish-steps", type=int,
                    help="steps after --steps on a mix weighted to scenes, at their own learning rate (default: the "
-                        "architecture's: qwen3-vl 1300, qwen3.5 0)")
+                        f"architecture's: {_per_arch('finish_steps')})")
     p.add_argument("--finish-lr", type=float, default=d.finish_lr,
                    help="the finishing steps' peak learning rate (a warm-up, then a cosine to a tenth)")
     p.add_argument("--finish-vision-lr", type=float, default=d.finish_vision_lr,
                    help="the vision tower's learning rate in the finishing steps, times --finish-lr (0: frozen)")
-    p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: 3; 1 for "
-                                          "qwen3.5, whose template re-renders earlier turns without their reasoning)")
+    p.add_argument("--turns", type=int, help="questions per scene in one training conversation (default: the "
+                   f"architecture's: {_per_arch('turns')}; Qwen3.5's template re-renders earlier turns without their "
+                   "reasoning)")
     p.add_argument("--arch", choices=list(ARCHITECTURES), default=d.arch,
                    help="the checkpoint's architecture: Qwen3-VL, or Qwen3.5's hybrid Gated DeltaNet one")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out exact-match checks "

@@ -6,10 +6,11 @@ what is drawn there, in the language model's own terms:
   token drawn there: that token and the one before it in the answer, as vectors scored against
   the tied token embeddings. An image token then carries "after <previous> comes <this>", which
   the language model can copy with one attention hop keyed on the token it has just written;
-- on a scene, the shape covering the image token (or background), its box, the hundreds and tens
-  digits of each number the answers write for it (box and centre, 0-1000: a class of 10 each, so
-  that the language model finds them as digits, not as a quantity it has to spell), whether its
-  centre is there and its colour's word (again against the embeddings).
+- on a scene, the shape covering the image token (or background), its box, whether its centre is
+  there, its colour's word (again against the embeddings) and, where the recipe asks for them
+  (`VisionProbe(digits=True)`), the hundreds and tens digits of each number the answers write
+  for the shape (box and centre, 0-1000: a class of 10 each, so that the language model finds
+  them as digits, not as a quantity it has to spell).
 From scratch, the answer loss alone hardly reaches the vision tower (the language model first
 learns the answers' prior and ignores the pictures); this dense, local signal makes the image
 tokens informative, and readable, from the first steps. The heads are dropped when the

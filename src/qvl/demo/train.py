@@ -62,7 +62,7 @@ class Architecture:
     turns: int  # questions per scene in one training conversation (1 where the template re-renders
     # earlier turns otherwise than they were written, as Qwen3.5's drops their reasoning blocks)
     steps: int  # the run's steps, and of them the first that train the vision tower alone: in
-    vision_steps: int  # with the finishing steps ~43 minutes on 2 cores (docs/demo-models.md: the aim is 45)
+    vision_steps: int  # with the finishing steps ~42 minutes on 2 cores (docs/demo-models.md: the aim is 45)
     finish_steps: int  # after `steps`: more on FINISH_MIX, at their own learning rate (see learning_rate)
     attend_layer: int | None  # the attention layer whose first head learns where the named shapes are
     # (see attention_loss; None: no such target)
